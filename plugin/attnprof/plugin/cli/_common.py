@@ -1,0 +1,48 @@
+"""Shared CLI helpers: the user-error type, atomic file writes, progress bars."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CliError", "progress_bar", "write_atomic", "write_json"]
+
+
+class CliError(Exception):
+    """A user-caused error: printed as one line, exit code 2."""
+
+
+def ensure_writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot create output directory {str(path)!r}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise CliError(f"output directory {str(path)!r} is not writable")
+    return path
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write via a temp file + rename so a crash never leaves half a file."""
+    ensure_writable_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def progress_bar(total: int, desc: str, unit: str = "it") -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)

@@ -1,0 +1,123 @@
+"""Parsed, validated attnprof configuration.
+
+Start-up is the only place attnprof is allowed to fail loudly: a bad value raises
+:class:`ConfigError` whose message is one line naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Config", "ConfigError", "default_home"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A bad ``ATTNPROF_*`` value; ``str(err)`` is one line naming the variable."""
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, on/off)")
+
+
+def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float,
+           lo_open: bool = False) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        val = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if val != val or val < lo or val > hi or (lo_open and val == lo):
+        bracket = "(" if lo_open else "["
+        raise ConfigError(f"{name}={raw!r} is out of range {bracket}{lo}, {hi}]")
+    return val
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, lo: int | None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        val = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if lo is not None and val < lo:
+        raise ConfigError(f"{name}={raw!r} must be >= {lo}")
+    return val
+
+
+FAULT_PLACES = ("capture", "step", "stat_logger")
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    if raw not in choices:
+        raise ConfigError(f"{name}={raw!r} must be one of {', '.join(choices)}")
+    return raw
+
+
+def default_home(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    raw = env.get("ATTNPROF_HOME")
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "attnprof"
+
+
+@dataclass(frozen=True)
+class Config:
+    enabled: bool = False
+    """Master switch (``ATTNPROF_ENABLED``)."""
+    sample_rate: float = 0.05
+    """Base probability that a model step is profiled."""
+    overhead_budget: float = 0.01
+    """attnprof self time / wall time ceiling."""
+    long_prefill_tokens: int = 1024
+    """Prefill size that puts a step into the long-prefill stratum."""
+    long_prefill_rate: float = 0.5
+    """Sample rate of the long-prefill stratum."""
+    seed: int | None = None
+    """Sampler seed; None draws one from the OS."""
+    max_errors: int = 100
+    """Internal errors tolerated per process before capture stops."""
+    home: Path = Path.home() / ".cache" / "attnprof"
+    """Cache directory."""
+    model_label: str | None = None
+    """Override for the ``model`` metric label."""
+    run_dir: Path | None = None
+    """Where processes leave their liveness notes."""
+    fault_inject: str | None = None
+    """Testing only: raise inside attnprof at this place to prove it is contained."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        env = os.environ if env is None else env
+        run_dir = env.get("ATTNPROF_RUN_DIR")
+        return cls(
+            enabled=_bool(env, "ATTNPROF_ENABLED", False),
+            sample_rate=_float(env, "ATTNPROF_SAMPLE_RATE", 0.05, 0.0, 1.0),
+            overhead_budget=_float(env, "ATTNPROF_OVERHEAD_BUDGET", 0.01, 0.0, 1.0, lo_open=True),
+            long_prefill_tokens=_int(env, "ATTNPROF_LONG_PREFILL_TOKENS", 1024, 1) or 1024,
+            long_prefill_rate=_float(env, "ATTNPROF_LONG_PREFILL_RATE", 0.5, 0.0, 1.0),
+            seed=_int(env, "ATTNPROF_SEED", None, None),
+            max_errors=_int(env, "ATTNPROF_MAX_ERRORS", 100, 1) or 100,
+            home=default_home(env),
+            model_label=env.get("ATTNPROF_MODEL_LABEL") or None,
+            run_dir=Path(run_dir) if run_dir else None,
+            fault_inject=_choice(env, "ATTNPROF_FAULT_INJECT", FAULT_PLACES),
+        )

@@ -1,0 +1,1 @@
+"""Integrations with serving stacks and model libraries (vLLM, transformers)."""

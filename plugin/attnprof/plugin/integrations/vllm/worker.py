@@ -1,0 +1,500 @@
+"""Per-layer attention capture inside a vLLM worker.
+
+Hook points (see docs/vllm.md for why these and not module hooks):
+- ``Attention.__init__`` is wrapped so each layer's ``impl.forward`` gets an instance-level
+  wrapper. The custom op ``unified_attention_with_output`` calls ``impl.forward`` from
+  Python on every step, eager or under torch.compile.
+- ``GPUModelRunner._model_forward`` (``CPUModelRunner`` inherits it) marks step boundaries:
+  it draws the sampling decision and times the whole model forward.
+Unsampled steps cost one decrement and one branch in the runner and one attribute read
+and branch per layer. Everything recorded is aggregated in dicts bounded by
+layers x phases.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from attnprof.plugin.integrations.vllm.runtime import State
+from attnprof.plugin.sampling import StepSampler
+
+__all__ = ["SNAPSHOT_VERSION", "Capture", "LayerInfo", "install"]
+
+logger = logging.getLogger("attnprof")
+SNAPSHOT_VERSION = 1
+PHASES = ("prefill", "decode", "mixed")
+_LAYER_RE = re.compile(r"\.(\d+)\.")
+
+# Fused = the backend runs attention as one kernel that never materializes the score
+# matrix. Every paged vLLM backend is; the ones listed here are not.
+_UNFUSED_BACKENDS = {"TORCH_SDPA_MATH", "NAIVE"}
+
+
+@dataclass
+class LayerInfo:
+    name: str
+    index: int
+    backend: str
+    impl: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    sliding_window: int | None
+    dtype: str
+    kv_cache_dtype: str
+    fused: bool
+    kv_cache_bytes: int = 0
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    try:
+        return int(dtype.itemsize)
+    except Exception:
+        return 2
+
+
+def layer_info(layer: Any, impl: Any) -> LayerInfo:
+    name = str(getattr(layer, "layer_name", "") or "")
+    m = _LAYER_RE.search(name + ".")
+    index = int(m.group(1)) if m else -1
+    try:
+        backend = str(layer.attn_backend.get_name())
+    except Exception:
+        backend = type(impl).__name__.removesuffix("Impl").upper()
+    sw = getattr(layer, "sliding_window", None)
+    if sw is None:
+        sw = getattr(impl, "sliding_window", None)
+    if isinstance(sw, tuple):  # some impls store (left, right) with -1 for "none"
+        sw = sw[0] + 1 if sw[0] >= 0 else None
+    if not isinstance(sw, int) or sw <= 0:
+        sw = None
+    return LayerInfo(
+        name=name, index=index, backend=backend, impl=type(impl).__name__,
+        num_heads=int(getattr(layer, "num_heads", 0) or 0),
+        num_kv_heads=int(getattr(layer, "num_kv_heads", 0) or 0),
+        head_size=int(getattr(layer, "head_size", 0) or 0),
+        head_size_v=int(getattr(layer, "head_size_v", 0) or getattr(layer, "head_size", 0) or 0),
+        sliding_window=sw,
+        dtype=str(getattr(layer, "dtype", "")).removeprefix("torch."),
+        kv_cache_dtype=str(getattr(layer, "kv_cache_dtype", "auto")),
+        fused=backend not in _UNFUSED_BACKENDS,
+    )
+
+
+@dataclass
+class BatchShape:
+    """What one attention-metadata object says about the batch (computed once per step)."""
+
+    phase: str
+    num_tokens: int
+    pairs: int  # sum over requests of query_len * seq_len (dense, no causal discount)
+    kv_tokens: int  # sum of seq_lens
+    num_reqs: int
+    max_seq_len: int
+
+
+def batch_shape(md: Any) -> BatchShape:
+    num_tokens = int(md.num_actual_tokens)
+    max_q = int(getattr(md, "max_query_len", 1))
+    seq_lens = md.seq_lens
+    seq = [int(x) for x in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
+    n = len(seq)
+    if max_q <= 1:
+        qlens = [1] * n
+    else:
+        qsl = md.query_start_loc
+        starts = [int(x) for x in (qsl.tolist() if hasattr(qsl, "tolist") else qsl)][: n + 1]
+        qlens = [b - a for a, b in itertools.pairwise(starts)]
+    n_dec = sum(1 for q in qlens if q <= 1)
+    phase = "decode" if n_dec == len(qlens) else ("prefill" if n_dec == 0 else "mixed")
+    pairs = sum(q * s for q, s in zip(qlens, seq, strict=False))
+    return BatchShape(phase, num_tokens, pairs, sum(seq), n, max(seq, default=0))
+
+
+class _Agg:
+    __slots__ = ("bytes", "calls", "flops", "time_s", "tokens")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.time_s = 0.0
+        self.flops = 0
+        self.bytes = 0
+        self.tokens = 0
+
+
+class Capture:
+    def __init__(self, state: State, clock: Any = time.perf_counter) -> None:
+        cfg = state.config
+        assert cfg is not None
+        self.state = state
+        self.errors = state.errors
+        self.sampler = StepSampler(cfg.sample_rate, cfg.overhead_budget, cfg.long_prefill_tokens,
+                                   cfg.long_prefill_rate, cfg.seed)
+        self.clock = clock
+        self.active = False
+        self.layers: dict[str, LayerInfo] = {}
+        self.agg: dict[tuple[int, str], _Agg] = {}
+        self.steps: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
+        self.outcomes = {"sampled": 0, "sampled_long": 0, "blind": 0}
+        self.seen = 0
+        self._pending: list[tuple[LayerInfo, Any, Any, Any]] = []
+        self._cuda = False
+        self._flushed: dict[Any, float] = {}
+        self._last_flush = 0.0
+        self.fault = cfg.fault_inject
+
+    # ----- layer registration (model build time) -----
+    def wrap_layer(self, layer: Any) -> None:
+        impl = getattr(layer, "impl", None)
+        if impl is None or getattr(impl, "_attnprof_wrapped", False):
+            return
+        info = layer_info(layer, impl)
+        if not self.layers:
+            self._learn_model_label()
+        self.layers[info.name or str(len(self.layers))] = info
+        orig = impl.forward
+        cap = self
+
+        @functools.wraps(orig)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not cap.active:
+                return orig(*args, **kwargs)
+            return cap._timed(info, orig, args, kwargs)
+
+        impl.forward = forward
+        impl._attnprof_wrapped = True
+        self.state.add_role("worker")
+        self._publish_layer(info)
+
+    def _learn_model_label(self) -> None:
+        """Workers never see the stat logger: read the served name from vLLM's config."""
+        st = self.state
+        if st.config is not None and st.config.model_label:
+            return
+        try:
+            from vllm.config import get_current_vllm_config
+
+            mc = get_current_vllm_config().model_config
+            names = getattr(mc, "served_model_name", None) or mc.model
+            st.model_label = str(names[0] if isinstance(names, (list, tuple)) else names)
+        except Exception as exc:
+            self.errors.record("model_label", exc)
+
+    def _publish_layer(self, info: LayerInfo) -> None:
+        try:
+            self.state.get_sink().metric("attnprof_layer_info").labels(
+                model=self.state.model_label, layer=str(info.index), backend=info.backend,
+                impl=info.impl, fused=str(info.fused).lower()).set(1)
+        except Exception as exc:
+            self.errors.record("metrics", exc)
+
+    # ----- per call (sampled steps only) -----
+    def _timed(self, info: LayerInfo, orig: Any, args: Any, kwargs: Any) -> Any:
+        # Our bookkeeping may fail (counted, dropped); the host's own call and its
+        # exceptions pass through untouched.
+        md = start = None
+        try:
+            md = args[5] if len(args) > 5 else kwargs.get("attn_metadata")
+            if md is not None:  # None = profile/dummy run: not a real step
+                start = self._timer_start()
+        except Exception as exc:
+            self.errors.record("capture", exc)
+            md = None
+        out = orig(*args, **kwargs)
+        if md is not None:
+            try:
+                self._timer_stop(info, md, start, args, kwargs)
+            except Exception as exc:
+                self.errors.record("capture", exc)
+                self.errors.drop("capture_error")
+        return out
+
+    def _timer_start(self) -> Any:
+        if self._cuda:
+            import torch
+
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            return e0
+        return self.clock()
+
+    def _timer_stop(self, info: LayerInfo, md: Any, start: Any, args: Any, kwargs: Any) -> None:
+        if self._cuda:
+            import torch
+
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+            self._pending.append((info, md, start, e1))
+        else:
+            self._pending.append((info, md, self.clock() - start, None))
+        if self.fault == "capture":
+            raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=capture)")
+        if not info.kv_cache_bytes:
+            kv = args[4] if len(args) > 4 else kwargs.get("kv_cache")
+            if kv is not None and hasattr(kv, "numel"):
+                info.kv_cache_bytes = int(kv.numel() * kv.element_size())
+
+    # ----- per step -----
+    def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any) -> Any:
+        s = self.sampler
+        self.seen += 1
+        if not s.tick():
+            if s.long_rate <= 0.0 or self.errors.disabled:
+                return orig(runner, *args, **kwargs)
+            n = _num_tokens(args, kwargs)
+            if n < s.long_tokens or not s.long_prefill(n):
+                return orig(runner, *args, **kwargs)
+            outcome = "sampled_long"
+        else:
+            if self.errors.disabled:
+                return orig(runner, *args, **kwargs)
+            outcome = "sampled"
+        return self._sampled_step(orig, runner, args, kwargs, outcome)
+
+    def _sampled_step(self, orig: Any, runner: Any, args: Any, kwargs: Any, outcome: str) -> Any:
+        t_start = self.clock()
+        try:
+            self._pending.clear()
+            self._cuda = _on_cuda(runner)
+            if self._cuda:
+                import torch
+
+                ev0 = torch.cuda.Event(enable_timing=True)
+                ev0.record()
+        except Exception as exc:
+            self.errors.record("step_begin", exc)
+            return orig(runner, *args, **kwargs)
+        overhead = self.clock() - t_start
+        self.active = True
+        t0 = self.clock()
+        try:
+            out = orig(runner, *args, **kwargs)
+        finally:
+            self.active = False
+        t1 = self.clock()
+        try:
+            model_time = t1 - t0
+            if self._cuda:
+                import torch
+
+                ev1 = torch.cuda.Event(enable_timing=True)
+                ev1.record()
+                ev1.synchronize()
+                model_time = ev0.elapsed_time(ev1) / 1e3
+            self._finish_step(model_time, outcome)
+        except Exception as exc:
+            self.errors.record("step_end", exc)
+        self.sampler.charge(overhead + (self.clock() - t1))
+        return out
+
+    def _finish_step(self, model_time: float, outcome: str) -> None:
+        if self.fault == "step":
+            self._pending.clear()
+            raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=step)")
+        pending = self._pending
+        if not pending:
+            # The step ran but no attention wrapper fired: a full CUDA graph replay (or a
+            # warm-up run without metadata). Count it, never pretend.
+            self.outcomes["blind"] += 1
+            return
+        self.outcomes[outcome] += 1
+        shapes: dict[int, BatchShape] = {}
+        attn_total = 0.0
+        phase = "decode"
+        for info, md, a, b in pending:
+            key = id(md)
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = batch_shape(md)
+            dt = a.elapsed_time(b) / 1e3 if b is not None else float(a)
+            attn_total += dt
+            phase = shape.phase
+            agg = self.agg.get((info.index, shape.phase))
+            if agg is None:
+                agg = self.agg[(info.index, shape.phase)] = _Agg()
+            agg.calls += 1
+            agg.time_s += dt
+            agg.tokens += shape.num_tokens
+            agg.flops += 4 * info.num_heads * info.head_size * shape.pairs
+            # Q read + O written per query token; K and V read per key position.
+            d_qk_v = info.head_size + info.head_size_v
+            agg.bytes += _dtype_bytes_of(info.dtype) * (
+                shape.num_tokens * info.num_heads * d_qk_v
+                + shape.kv_tokens * info.num_kv_heads * d_qk_v)
+        pending.clear()
+        st = self.steps[phase]
+        st[0] += 1
+        st[1] += model_time
+        st[2] += attn_total
+        now = self.clock()
+        if now - self._last_flush >= 1.0:
+            self._last_flush = now
+            self.flush_metrics()
+
+    # ----- export -----
+    def flush_metrics(self) -> None:
+        """Push counter deltas to Prometheus (at most once a second, on sampled steps)."""
+        try:
+            sink = self.state.get_sink()
+            model = self.state.model_label
+            by_index = {i.index: i for i in self.layers.values()}
+
+            def inc(name: str, key: Any, value: float, **labels: str) -> None:
+                last = self._flushed.get((name, key), 0.0)
+                if value > last:
+                    sink.metric(name).labels(model=model, **labels).inc(value - last)
+                    self._flushed[(name, key)] = value
+
+            for (idx, phase), a in self.agg.items():
+                info = by_index.get(idx)
+                backend = info.backend if info else "unknown"
+                lay = str(idx)
+                inc("attnprof_attention_calls_total", (idx, phase), a.calls, layer=lay,
+                    backend=backend, phase=phase)
+                inc("attnprof_attention_time_seconds_total", (idx, phase), a.time_s, layer=lay,
+                    backend=backend, phase=phase)
+                inc("attnprof_attention_flops_total", (idx, phase), a.flops, layer=lay,
+                    phase=phase)
+                inc("attnprof_attention_bytes_total", (idx, phase), a.bytes, layer=lay,
+                    phase=phase)
+                inc("attnprof_attention_tokens_total", (idx, phase), a.tokens, layer=lay,
+                    phase=phase)
+            for phase, (_n, model_t, attn_t) in self.steps.items():
+                inc("attnprof_step_time_seconds_total", phase, model_t, phase=phase)
+                inc("attnprof_step_attention_time_seconds_total", phase, attn_t, phase=phase)
+            for outcome, n in self.outcomes.items():
+                inc("attnprof_steps_total", outcome, n, outcome=outcome)
+            inc("attnprof_steps_total", "unsampled",
+                self.seen - sum(self.outcomes.values()), outcome="unsampled")
+            inc("attnprof_self_time_seconds_total", "self", self.sampler.self_time)
+            for place, n in self.errors.by_place.items():
+                inc("attnprof_internal_errors_total", ("err", place), n, place=place)
+            for reason, n in self.errors.dropped.items():
+                inc("attnprof_dropped_samples_total", ("drop", reason), n, reason=reason)
+            sink.metric("attnprof_sample_rate_ratio").labels(model=model).set(self.sampler.rate)
+            for info in self.layers.values():
+                if info.kv_cache_bytes:
+                    sink.metric("attnprof_kv_cache_bytes").labels(
+                        model=model, layer=str(info.index)).set(info.kv_cache_bytes)
+        except Exception as exc:
+            self.errors.record("metrics", exc)
+
+    def snapshot(self) -> dict[str, Any]:
+        layers = []
+        for info in sorted(self.layers.values(), key=lambda i: i.index):
+            d = asdict(info)
+            d["phases"] = {}
+            for phase in PHASES:
+                a = self.agg.get((info.index, phase))
+                if a is None:
+                    continue
+                d["phases"][phase] = {
+                    "calls": a.calls, "time_s": a.time_s,
+                    "mean_time_s": a.time_s / a.calls if a.calls else 0.0,
+                    "tokens": a.tokens, "flops": a.flops, "bytes": a.bytes,
+                }
+            layers.append(d)
+        steps = {p: {"steps": int(v[0]), "model_time_s": v[1], "attention_time_s": v[2],
+                     "attention_share": (v[2] / v[1]) if v[1] > 0 else None}
+                 for p, v in self.steps.items() if v[0]}
+        s = self.sampler
+        return {
+            "pid": os.getpid(),
+            "process": multiprocessing.current_process().name,
+            "layers": layers,
+            "steps": steps,
+            "sampler": {
+                "seen": self.seen, **self.outcomes,
+                "unsampled": self.seen - sum(self.outcomes.values()),
+                "base_rate": s.base_rate, "effective_rate": s.rate,
+                "budget": s.budget, "self_time_s": s.self_time,
+                "self_time_fraction": s.self_time_fraction(),
+            },
+            "errors": dict(self.errors.by_place),
+            "dropped": dict(self.errors.dropped),
+            "disabled": self.errors.disabled,
+        }
+
+
+def _dtype_bytes_of(dtype: str) -> int:
+    if dtype in ("float32", "int32"):
+        return 4
+    if dtype in ("float64",):
+        return 8
+    if "8" in dtype:
+        return 1
+    return 2
+
+
+def _num_tokens(args: Any, kwargs: Any) -> int:
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None and args:
+        x = args[0]
+    try:
+        return int(x.shape[0])
+    except Exception:
+        return 0
+
+
+def _on_cuda(runner: Any) -> bool:
+    dev = getattr(runner, "device", None)
+    return getattr(dev, "type", "cpu") == "cuda"
+
+
+def install(state: State) -> None:
+    """Patch vLLM classes in this process (called once, from the general plugin)."""
+    cap = Capture(state)
+    state.capture = cap
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except Exception as exc:
+        state.errors.record("install", exc)
+        return
+
+    orig_init = Attention.__init__
+    if not getattr(orig_init, "_attnprof", False):
+        @functools.wraps(orig_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig_init(self, *args, **kwargs)
+            try:
+                cap.wrap_layer(self)
+            except Exception as exc:
+                state.errors.record("wrap_layer", exc)
+
+        __init__._attnprof = True  # type: ignore[attr-defined]
+        Attention.__init__ = __init__
+
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        orig_fwd = GPUModelRunner._model_forward
+        if not getattr(orig_fwd, "_attnprof", False):
+            @functools.wraps(orig_fwd)
+            def _model_forward(runner: Any, *args: Any, **kwargs: Any) -> Any:
+                return cap.model_forward(orig_fwd, runner, args, kwargs)
+
+            _model_forward._attnprof = True  # type: ignore[attr-defined]
+            GPUModelRunner._model_forward = _model_forward
+    except Exception as exc:
+        state.errors.record("install", exc)
+
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        def attnprof_snapshot(self: Any) -> dict[str, Any]:
+            return cap.snapshot()
+
+        WorkerBase.attnprof_snapshot = attnprof_snapshot
+    except Exception as exc:
+        state.errors.record("install", exc)

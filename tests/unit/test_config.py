@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from attnprof.plugin.config import Config, ConfigError
+from attnprof.plugin.environment_variables import VARIABLES, markdown_table
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_when_unset() -> None:
+    cfg = Config.from_env({})
+    assert cfg.enabled is False
+    assert cfg.sample_rate == 0.05
+    assert cfg.overhead_budget == 0.01
+    assert cfg.seed is None
+    assert cfg.home.name == "attnprof"
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("true", True), ("ON", True),
+                                          ("0", False), ("no", False), ("", False)])
+def test_enabled_values(raw: str, expected: bool) -> None:
+    assert Config.from_env({"ATTNPROF_ENABLED": raw}).enabled is expected
+
+
+def test_good_values_parse() -> None:
+    cfg = Config.from_env({"ATTNPROF_SAMPLE_RATE": "0.25", "ATTNPROF_SEED": "7",
+                           "ATTNPROF_OVERHEAD_BUDGET": "0.02", "ATTNPROF_HOME": "/tmp/x",
+                           "ATTNPROF_LONG_PREFILL_TOKENS": "2048"})
+    assert (cfg.sample_rate, cfg.seed, cfg.overhead_budget) == (0.25, 7, 0.02)
+    assert str(cfg.home) == "/tmp/x" and cfg.long_prefill_tokens == 2048
+
+
+@pytest.mark.parametrize("name,raw", [
+    ("ATTNPROF_SAMPLE_RATE", "abc"), ("ATTNPROF_SAMPLE_RATE", "1.5"),
+    ("ATTNPROF_SAMPLE_RATE", "-0.1"), ("ATTNPROF_SAMPLE_RATE", "nan"),
+    ("ATTNPROF_OVERHEAD_BUDGET", "0"), ("ATTNPROF_ENABLED", "maybe"),
+    ("ATTNPROF_SEED", "x1"), ("ATTNPROF_MAX_ERRORS", "0"),
+    ("ATTNPROF_LONG_PREFILL_TOKENS", "-5"), ("ATTNPROF_FAULT_INJECT", "everywhere"),
+])
+def test_bad_values_name_the_variable_in_one_line(name: str, raw: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({name: raw})
+    msg = str(info.value)
+    assert name in msg and repr(raw) in msg
+    assert "\n" not in msg
+
+
+def test_every_variable_read_by_config_is_documented() -> None:
+    src = (REPO / "plugin/attnprof/plugin/config.py").read_text()
+    used = set(re.findall(r'"(ATTNPROF_[A-Z_]+)"', src))
+    documented = {v.name for v in VARIABLES}
+    assert used == documented
+
+
+def test_readme_table_matches_generated() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert markdown_table() in readme, "regenerate with: attnprof env --markdown"

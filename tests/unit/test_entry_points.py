@@ -1,0 +1,84 @@
+"""The distribution registers its vLLM plugins; loading them is inert unless enabled."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+
+from tests.conftest import run_py
+
+
+def _eps(group: str) -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=group)
+            if ep.value.startswith("attnprof.")}
+
+
+def test_entry_points_registered() -> None:
+    assert _eps("vllm.general_plugins") == {
+        "attnprof": "attnprof.plugin.integrations.vllm:register"}
+    assert _eps("vllm.stat_logger_plugins") == {
+        "attnprof_stats": "attnprof.plugin.integrations.vllm.stat_logger:AttnProfStatLogger"}
+    assert _eps("vllm.endpoint_plugins") == {
+        "attnprof_http": "attnprof.plugin.integrations.vllm.endpoint:AttnProfEndpoint"}
+    assert _eps("console_scripts") == {"attnprof": "attnprof.plugin.cli:main"}
+
+
+def test_entry_points_load() -> None:
+    for group in ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.endpoint_plugins"):
+        for ep in entry_points(group=group):
+            if ep.value.startswith("attnprof."):
+                assert callable(ep.load())
+
+
+def test_stat_logger_is_a_vllm_stat_logger() -> None:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from attnprof.plugin.integrations.vllm.stat_logger import AttnProfStatLogger
+
+    assert issubclass(AttnProfStatLogger, StatLoggerBase)
+
+
+_PROBE = """
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.plugins import load_general_plugins
+init0, fwd0 = Attention.__init__, GPUModelRunner._model_forward
+load_general_plugins()
+from attnprof.plugin.integrations.vllm import register
+register(); register()
+from attnprof.plugin.integrations.vllm.runtime import STATE
+print("patched" if Attention.__init__ is not init0 else "untouched",
+      "patched" if GPUModelRunner._model_forward is not fwd0 else "untouched",
+      getattr(Attention.__init__, "__wrapped__", None) is init0, sorted(STATE.roles))
+"""
+
+
+def test_disabled_plugin_changes_nothing() -> None:
+    r = run_py(_PROBE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[:2] == ["untouched", "untouched"]
+
+
+@pytest.mark.slow
+def test_enabled_plugin_patches_once_even_if_loaded_twice() -> None:
+    r = run_py(_PROBE, env={"ATTNPROF_ENABLED": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.split()
+    # Patched, and the patch wraps vLLM's original directly: no double wrapping.
+    assert out[:3] == ["patched", "patched", "True"], r.stdout
+
+
+def test_bad_setting_fails_startup_with_one_clear_line() -> None:
+    r = run_py("from attnprof.plugin.integrations.vllm import register; register()",
+               env={"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "abc"})
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert lines == ["attnprof: invalid configuration: ATTNPROF_SAMPLE_RATE='abc' is not a number"]
+
+
+def test_bad_setting_fails_even_when_disabled_flag_is_bad() -> None:
+    r = run_py("from attnprof.plugin.integrations.vllm import register; register()",
+               env={"ATTNPROF_ENABLED": "perhaps"})
+    assert r.returncode != 0 and "ATTNPROF_ENABLED" in r.stderr
+    assert "Traceback" not in r.stderr

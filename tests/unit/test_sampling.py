@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from attnprof.plugin.sampling import StepSampler
+
+
+def _rate(s: StepSampler, n: int = 200000) -> float:
+    return sum(s.tick() for _ in range(n)) / n
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.05, 0.3])
+def test_long_run_rate_matches(rate: float) -> None:
+    assert _rate(StepSampler(rate, seed=3)) == pytest.approx(rate, rel=0.05)
+
+
+def test_rate_zero_never_and_one_always() -> None:
+    assert _rate(StepSampler(0.0, seed=1), 10000) == 0.0
+    assert _rate(StepSampler(1.0, seed=1), 10000) == 1.0
+
+
+def test_seed_makes_it_deterministic() -> None:
+    a = [StepSampler(0.1, seed=42).tick() for _ in range(1)]
+    s1, s2 = StepSampler(0.1, seed=42), StepSampler(0.1, seed=42)
+    assert [s1.tick() for _ in range(5000)] == [s2.tick() for _ in range(5000)]
+    assert a is not None
+
+
+def test_gaps_are_not_periodic() -> None:
+    s = StepSampler(0.1, seed=5)
+    hits = [i for i in range(50000) if s.tick()]
+    gaps = {b - a for a, b in itertools.pairwise(hits)}
+    assert len(gaps) > 20  # geometric gaps, not a fixed stride
+
+
+def test_long_prefill_stratum() -> None:
+    s = StepSampler(0.0, long_tokens=1024, long_rate=1.0, seed=0)
+    assert s.long_prefill(4000) is True
+    assert s.long_prefill(100) is False
+
+
+class FakeClock:
+    """A deterministic clock: the sampler's budget logic is pure arithmetic over time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_budget_lowers_rate_then_recovers() -> None:
+    clock = FakeClock()
+    s = StepSampler(0.5, budget=0.01, seed=0, clock=clock)
+    for _ in range(10):  # 5% self time for 10 s: over budget
+        clock.t += 1.0
+        s.charge(0.05)
+    assert s.rate < 0.5 * 0.3
+    low = s.rate
+    for _ in range(60):  # no self time: recovers
+        clock.t += 1.0
+        s.charge(0.0)
+    assert s.rate > low and s.rate == pytest.approx(0.5)
