@@ -1,0 +1,230 @@
+"""Ground truth for ``torch.nn.functional.scaled_dot_product_attention``.
+
+Two independent sources, both from torch itself:
+- :func:`sdpa_choice` asks the dispatcher (``torch._fused_sdp_choice``) which backend it
+  picks for these exact tensors, and, when it is not a fused one, re-runs the selector with
+  only the fused backends enabled so that its own debug warnings give the rejection reasons.
+- :class:`SDPASpy` records the arguments of SDPA calls after any library rewrite
+  (transformers' ``repeat_kv``/``enable_gqa``/``is_causal`` logic) and the aten op that ran
+  under ``aten::scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "FUSED_OPS",
+    "SDPACall",
+    "SDPAChoice",
+    "SDPASpy",
+    "classify_reason",
+    "sdpa_choice",
+]
+
+# aten op under aten::scaled_dot_product_attention -> (backend name, fused)
+FUSED_OPS: dict[str, tuple[str, bool]] = {
+    "_scaled_dot_product_flash_attention_for_cpu": ("flash_cpu", True),
+    "_scaled_dot_product_flash_attention": ("flash", True),
+    "_scaled_dot_product_efficient_attention": ("efficient", True),
+    "_scaled_dot_product_cudnn_attention": ("cudnn", True),
+    "_scaled_dot_product_fused_attention_overrideable": ("overrideable", True),
+}
+_BACKEND_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+# Message fragments of torch's sdp_utils checks -> stable reason codes (advice keys on them).
+_REASON_PATTERNS: list[tuple[str, str]] = [
+    (r"non-zero dropout", "dropout"),
+    (r"same last dimension", "head_dim_mismatch"),
+    (r"4 dimensional", "not_4d"),
+    (r"stride 1", "non_contiguous_last_dim"),
+    (r"same num_heads", "gqa_without_enable_gqa"),
+    (r"dtype", "dtype"),
+    (r"seq_len|zero", "zero_length"),
+    (r"attn_mask|attention mask", "mask"),
+    (r"head_dim|head dimension|headdim", "head_dim"),
+    (r"is_causal", "causal_shape"),
+    (r"compute capability|sm\d+|architecture", "hardware"),
+    (r"nested", "nested"),
+]
+
+
+def classify_reason(message: str) -> str:
+    low = message.lower()
+    for pat, code in _REASON_PATTERNS:
+        if re.search(pat, low):
+            return code
+    return "other"
+
+
+@dataclass
+class SDPAChoice:
+    backend: str  # math | flash | efficient | cudnn | overrideable | error
+    fused: bool
+    reasons: list[dict[str, str]] = field(default_factory=list)  # [{code, backend, message}]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "fused": self.fused, "reasons": list(self.reasons)}
+
+
+def _fused_for(device_type: str) -> list[Any]:
+    from torch.nn.attention import SDPBackend
+
+    if device_type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.CUDNN_ATTENTION]
+    return [SDPBackend.FLASH_ATTENTION]  # the only fused SDPA kernel on CPU
+
+
+def sdpa_choice(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> SDPAChoice:
+    """The dispatcher's backend for these inputs, and its reasons if no fused kernel fits.
+
+    Cheap (no attention math) but flips process-global ``sdpa_kernel`` flags while asking for
+    reasons: call it off the hot path, not concurrently with other SDPA users.
+    """
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    kw: dict[str, Any] = {"scale": scale, "enable_gqa": enable_gqa}
+    try:
+        idx = int(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
+                                          **kw))
+    except RuntimeError as exc:
+        return SDPAChoice("error", False, [{"code": classify_reason(str(exc)), "backend": "any",
+                                           "message": str(exc)}])
+    backend = _BACKEND_NAMES.get(idx, str(idx))
+    if backend != "math":
+        return SDPAChoice(backend, backend != "error")
+    reasons: list[dict[str, str]] = []
+    current = "fused"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sdpa_kernel(_fused_for(query.device.type)):
+            try:
+                torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, **kw)
+            except RuntimeError:
+                pass  # "No available kernel": expected, the warnings carry the reasons
+    for w in caught:
+        msg = str(w.message).split(" (Triggered internally")[0].strip()
+        m = re.match(r"(\w[\w ]*?) kernel not used because", msg)
+        if m:
+            current = m.group(1).strip().lower().replace(" attention", "")
+            continue
+        reasons.append({"code": classify_reason(msg), "backend": current, "message": msg})
+    if not reasons:
+        # Every fused backend is disabled by the user (sdpa_kernel / torch.backends flags).
+        reasons.append({"code": "disabled", "backend": "fused",
+                        "message": "fused SDPA backends are disabled "
+                                   "(torch.backends flags or sdpa_kernel)"})
+    return SDPAChoice("math", False, reasons)
+
+
+@dataclass
+class SDPACall:
+    """One SDPA call as the dispatcher saw it (shapes only: never tensor contents)."""
+
+    query_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    dtype: str
+    mask: str | None  # None, "bool" or "float"
+    mask_shape: tuple[int, ...] | None
+    dropout_p: float
+    is_causal: bool
+    enable_gqa: bool
+    choice: SDPAChoice
+    ops: list[str] = field(default_factory=list)  # aten ops seen while the call ran
+    op: str | None = None  # the fused op under aten::scaled_dot_product_attention, if any
+
+    @property
+    def backend(self) -> str:
+        if self.op is not None:
+            return FUSED_OPS.get(self.op, (self.op, True))[0]
+        return "math" if self.ops else self.choice.backend
+
+    @property
+    def fused(self) -> bool:
+        return self.op is not None if self.ops else self.choice.fused
+
+
+class SDPASpy:
+    """Context manager recording every SDPA call's arguments, choice and aten op.
+
+    A ``TorchFunctionMode`` sees the call as the library made it; a ``TorchDispatchMode``
+    inside it sees the aten ops the composite SDPA decomposed into (the fused op, or the
+    math path's bmm/softmax). Both pass every call through unchanged, so results are
+    bit-identical; they add Python overhead per op, so use them on sampled calls only.
+    """
+
+    def __init__(self, explain: bool = True) -> None:
+        self.calls: list[SDPACall] = []
+        self.explain = explain
+        self._modes: list[Any] = []
+
+    def __enter__(self) -> SDPASpy:
+        import torch
+        import torch.nn.functional as F
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        spy = self
+
+        class _Ops(TorchDispatchMode):  # type: ignore[misc]
+            def __init__(self) -> None:
+                super().__init__()
+                self.ops: list[str] = []
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                self.ops.append(func.__name__.split(".")[0])
+                return func(*args, **(kwargs or {}))
+
+        class _Fn(TorchFunctionMode):  # type: ignore[misc]
+            def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if func is not F.scaled_dot_product_attention:
+                    return func(*args, **kwargs)
+                call = spy._describe(args, kwargs)
+                ops = _Ops()
+                with ops:
+                    out = func(*args, **kwargs)
+                if call is not None:
+                    call.ops = ops.ops
+                    call.op = next((o for o in ops.ops if o in FUSED_OPS), None)
+                    spy.calls.append(call)
+                return out
+
+        del torch
+        self._modes = [_Fn()]
+        self._modes[0].__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._modes[0].__exit__(*exc)
+        self._modes = []
+
+    def _describe(self, args: Any, kwargs: dict[str, Any]) -> SDPACall | None:
+        try:
+            names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+            a = dict(zip(names, args, strict=False))
+            a.update(kwargs)
+            q, k, v = a["query"], a["key"], a["value"]
+            mask = a.get("attn_mask")
+            p = float(a.get("dropout_p", 0.0) or 0.0)
+            causal = bool(a.get("is_causal", False))
+            gqa = bool(a.get("enable_gqa", False))
+            choice = (sdpa_choice(q, k, v, mask, p, causal, a.get("scale"), gqa)
+                      if self.explain else SDPAChoice("unknown", False))
+            return SDPACall(
+                tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype).removeprefix("torch."),
+                None if mask is None else ("bool" if mask.dtype.is_floating_point is False
+                                           else "float"),
+                None if mask is None else tuple(mask.shape), p, causal, gqa, choice)
+        except Exception:  # describing must never break the host call
+            return None
