@@ -40,6 +40,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 bench: model
+	$(PY) benchmarks/microbench.py
 	$(PY) benchmarks/overhead.py
 
 clean-venv:

@@ -106,3 +106,21 @@ def test_snapshot_has_no_request_ids_or_text(tiny_server: Any) -> None:
     assert secret not in body and "zebra" not in metrics
     assert out["id"] not in body and out["id"] not in metrics
     assert "request_id" not in body
+
+
+def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
+    import subprocess
+    import sys
+
+    _complete(tiny_server, "the model request", 3)
+    r = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "snapshot", "--url",
+                        tiny_server.base_url], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.split()[:2] in (["0", "CPU_ATTN"],
+                                                                            ["1", "CPU_ATTN"])]
+    assert len(rows) == 2
+    assert "Context lengths of" in r.stdout and "Attention share" in r.stdout
+    j = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "snapshot", "--json",
+                        "--url", tiny_server.base_url], capture_output=True, text=True,
+                       timeout=60)
+    assert json.loads(j.stdout)["schema_version"] == "attnprof.snapshot/1"

@@ -54,3 +54,12 @@ def test_sink_is_idempotent_per_registry() -> None:
 def test_otel_names_are_dotted_without_units() -> None:
     assert spec("attnprof_attention_time_seconds_total").otel_name == "attnprof.attention.time"
     assert spec("attnprof_request_context_tokens").otel_name == "attnprof.request.context"
+
+
+def test_docs_metric_table_is_generated_from_catalog() -> None:
+    from pathlib import Path
+
+    from attnprof.exporters.catalog import markdown_table
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    assert markdown_table() in doc, "regenerate: python -m attnprof.exporters.catalog"

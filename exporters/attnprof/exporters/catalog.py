@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CATALOG", "MetricSpec", "spec"]
+__all__ = ["CATALOG", "MetricSpec", "markdown_table", "spec"]
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -109,3 +109,16 @@ _BY_NAME = {m.name: m for m in CATALOG}
 def spec(name: str) -> MetricSpec:
     """Look a metric up by its exposed Prometheus name."""
     return _BY_NAME[name]
+
+
+def markdown_table() -> str:
+    """The metric reference table in docs/metrics.md (checked by a test)."""
+    rows = ["| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+    for m in CATALOG:
+        rows.append(f"| `{m.name}` | {m.kind} | {m.unit} | {', '.join(m.labels) or '-'} "
+                    f"| {m.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -439,12 +439,10 @@ def _num_tokens(args: Any, kwargs: Any) -> int:
     x = kwargs.get("input_ids")
     if x is None:
         x = kwargs.get("inputs_embeds")
-    if x is None and args:
-        x = args[0]
-    try:
-        return int(x.shape[0])
-    except Exception:
-        return 0
+        if x is None:
+            x = args[0] if args else None
+    shape = getattr(x, "shape", None)
+    return int(shape[0]) if shape else 0
 
 
 def _on_cuda(runner: Any) -> bool:
