@@ -106,7 +106,10 @@ def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
     log = tmp_path_factory.mktemp("logs") / "tiny-vllm.log"
     srv = VllmServer(tiny_model, port=free_port(), served_name="tiny", eager=True, log=log,
-                     env={"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0"},
+                     env={"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
+                          "ATTNPROF_HEAD_STATS_RATE": "1.0",
+                          "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
+                          "ATTNPROF_OVERHEAD_BUDGET": "1.0"},
                      extra_args=["--max-model-len", "512", "--kv-cache-memory-bytes",
                                  str(64 << 20), "--no-enable-prefix-caching"])
     srv.start()

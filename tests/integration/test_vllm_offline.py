@@ -48,11 +48,15 @@ def absent(tiny_model: Path) -> dict[str, Any]:
 
 def test_greedy_outputs_identical_with_plugin_absent_and_rate_one(
         tiny_model: Path, absent: dict[str, Any]) -> None:
+    # Capture every step and compute head statistics on every prompt: still bit-identical.
     on = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "1.0",
-                           "ATTNPROF_SEED": "1"})
+                           "ATTNPROF_SEED": "1", "ATTNPROF_HEAD_STATS_RATE": "1.0",
+                           "ATTNPROF_HEAD_STATS_MIN_TOKENS": "4",
+                           "ATTNPROF_OVERHEAD_BUDGET": "1.0"})
     assert absent["snapshot"] is None  # the method does not exist without the plugin
     (snap,) = on["snapshot"]
     assert snap["sampler"]["sampled"] == snap["sampler"]["seen"] > 0
+    assert snap["head_stats_cost"]["queries"] > 0 and snap["head_stats"] is not None
     assert on["tokens"] == absent["tokens"]
 
 
@@ -64,3 +68,16 @@ def test_rate_zero_captures_nothing(tiny_model: Path) -> None:
     assert snap["sampler"]["sampled"] == snap["sampler"]["sampled_long"] == 0
     assert all(lay["phases"] == {} for lay in snap["layers"])
     assert len(snap["layers"]) == 2  # layers are known (backend map) even at rate 0
+
+
+def test_overhead_budget_lowers_the_effective_rate(tiny_model: Path) -> None:
+    # Head statistics on every prompt cost far more than 1% of this tiny model's time, so
+    # the adaptive budget must cut the effective rate below the configured 1.0.
+    res = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "1.0",
+                            "ATTNPROF_HEAD_STATS_RATE": "1.0",
+                            "ATTNPROF_HEAD_STATS_MIN_TOKENS": "4",
+                            "ATTNPROF_OVERHEAD_BUDGET": "0.01"})
+    (snap,) = res["snapshot"]
+    s = snap["sampler"]
+    assert s["effective_rate"] < 1.0
+    assert s["sampled"] < s["seen"]

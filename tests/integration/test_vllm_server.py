@@ -124,3 +124,16 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
                         "--url", tiny_server.base_url], capture_output=True, text=True,
                        timeout=60)
     assert json.loads(j.stdout)["schema_version"] == "attnprof.snapshot/1"
+
+
+def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server: Any) -> None:
+    from attnprof.plugin.sparsity.inputs import head_stats_from_snapshot
+
+    before = _snapshot(tiny_server)["workers"][0]["head_stats_cost"]["queries"]
+    _complete(tiny_server, " ".join(["cache token layer attention window head"] * 12), 2)
+    snap = _snapshot(tiny_server)
+    cost = snap["workers"][0]["head_stats_cost"]
+    assert cost["queries"] > before and cost["time_s"] > 0
+    acc = head_stats_from_snapshot(snap)
+    assert acc is not None
+    assert list(acc.layers_with_data()) == [0, 1]

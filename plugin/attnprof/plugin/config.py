@@ -91,6 +91,10 @@ class Config:
     """Prefill size that puts a step into the long-prefill stratum."""
     long_prefill_rate: float = 0.5
     """Sample rate of the long-prefill stratum."""
+    head_stats_rate: float = 0.1
+    """Share of sampled steps that also compute per-head statistics."""
+    head_stats_min_tokens: int = 256
+    """Shortest prompt used for head statistics."""
     seed: int | None = None
     """Sampler seed; None draws one from the OS."""
     max_errors: int = 100
@@ -114,6 +118,8 @@ class Config:
             overhead_budget=_float(env, "ATTNPROF_OVERHEAD_BUDGET", 0.01, 0.0, 1.0, lo_open=True),
             long_prefill_tokens=_int(env, "ATTNPROF_LONG_PREFILL_TOKENS", 1024, 1) or 1024,
             long_prefill_rate=_float(env, "ATTNPROF_LONG_PREFILL_RATE", 0.5, 0.0, 1.0),
+            head_stats_rate=_float(env, "ATTNPROF_HEAD_STATS_RATE", 0.1, 0.0, 1.0),
+            head_stats_min_tokens=_int(env, "ATTNPROF_HEAD_STATS_MIN_TOKENS", 256, 1) or 256,
             seed=_int(env, "ATTNPROF_SEED", None, None),
             max_errors=_int(env, "ATTNPROF_MAX_ERRORS", 100, 1) or 100,
             home=default_home(env),

@@ -45,6 +45,15 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Sample rate of the long-prefill stratum (also subject to the overhead budget).",
     ),
     EnvVar(
+        "ATTNPROF_HEAD_STATS_RATE", "float in [0, 1]", "0.1",
+        "Fraction of sampled steps on which per-head attention statistics (sink mass, window "
+        "coverage, entropy) are computed for whole-prompt prefills; 0 turns them off.",
+    ),
+    EnvVar(
+        "ATTNPROF_HEAD_STATS_MIN_TOKENS", "int >= 1", "256",
+        "Prompts shorter than this are not used for head statistics (no window could bind).",
+    ),
+    EnvVar(
         "ATTNPROF_SEED", "int", "(random)",
         "Seed of the sampler; set it for deterministic runs and tests.",
     ),

@@ -53,6 +53,7 @@ class LayerInfo:
     kv_cache_dtype: str
     fused: bool
     kv_cache_bytes: int = 0
+    scale: float = 0.0
 
 
 def _dtype_bytes(dtype: Any) -> int:
@@ -87,6 +88,7 @@ def layer_info(layer: Any, impl: Any) -> LayerInfo:
         dtype=str(getattr(layer, "dtype", "")).removeprefix("torch."),
         kv_cache_dtype=str(getattr(layer, "kv_cache_dtype", "auto")),
         fused=backend not in _UNFUSED_BACKENDS,
+        scale=float(getattr(impl, "scale", 0.0) or 0.0),
     )
 
 
@@ -100,6 +102,9 @@ class BatchShape:
     kv_tokens: int  # sum of seq_lens
     num_reqs: int
     max_seq_len: int
+    whole_prompts: tuple[tuple[int, int], ...] = ()
+    """(start, length) of requests whose entire context is computed in this step: their
+    q and k are all in the step's tensors (no cached prefix, no earlier chunk)."""
 
 
 def batch_shape(md: Any) -> BatchShape:
@@ -108,16 +113,19 @@ def batch_shape(md: Any) -> BatchShape:
     seq_lens = md.seq_lens
     seq = [int(x) for x in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
     n = len(seq)
+    whole: tuple[tuple[int, int], ...] = ()
     if max_q <= 1:
         qlens = [1] * n
     else:
         qsl = md.query_start_loc
         starts = [int(x) for x in (qsl.tolist() if hasattr(qsl, "tolist") else qsl)][: n + 1]
         qlens = [b - a for a, b in itertools.pairwise(starts)]
+        whole = tuple((a, q) for a, q, s in zip(starts, qlens, seq, strict=False)
+                      if q == s and q > 1)
     n_dec = sum(1 for q in qlens if q <= 1)
     phase = "decode" if n_dec == len(qlens) else ("prefill" if n_dec == 0 else "mixed")
     pairs = sum(q * s for q, s in zip(qlens, seq, strict=False))
-    return BatchShape(phase, num_tokens, pairs, sum(seq), n, max(seq, default=0))
+    return BatchShape(phase, num_tokens, pairs, sum(seq), n, max(seq, default=0), whole)
 
 
 class _Agg:
@@ -151,6 +159,16 @@ class Capture:
         self._flushed: dict[Any, float] = {}
         self._last_flush = 0.0
         self.fault = cfg.fault_inject
+        # Per-head statistics (sparsity advice) on a share of sampled steps.
+        self.hs_rate = cfg.head_stats_rate
+        self.hs_min_tokens = cfg.head_stats_min_tokens
+        self.head_stats: Any = None
+        self.hs = {"steps": 0, "requests": 0, "queries": 0, "time_s": 0.0,
+                   "prefill_time_s": 0.0}
+        self._hs_step = False
+        self._hs_time = 0.0
+        self._hs_seen: set[int] = set()
+        self._shapes: dict[int, BatchShape] = {}
 
     # ----- layer registration (model build time) -----
     def wrap_layer(self, layer: Any) -> None:
@@ -242,6 +260,47 @@ class Capture:
             kv = args[4] if len(args) > 4 else kwargs.get("kv_cache")
             if kv is not None and hasattr(kv, "numel"):
                 info.kv_cache_bytes = int(kv.numel() * kv.element_size())
+        if self._hs_step:
+            self._head_stats(info, md, args)
+
+    def _shape(self, md: Any) -> BatchShape:
+        shape = self._shapes.get(id(md))
+        if shape is None:
+            shape = self._shapes[id(md)] = batch_shape(md)
+        return shape
+
+    def _head_stats(self, info: LayerInfo, md: Any, args: Any) -> None:
+        """Fold whole-prompt prefills of this layer into the head statistics.
+
+        Runs after the layer's timer stopped; its time is charged to attnprof's budget.
+        """
+        shape = self._shape(md)
+        todo = [(a, n) for a, n in shape.whole_prompts if n >= self.hs_min_tokens]
+        if not todo or len(args) < 3:
+            return
+        t0 = self.clock()
+        try:
+            acc = self.head_stats
+            if acc is None:
+                from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
+
+                acc = self.head_stats = HeadStatsAccumulator(
+                    num_layers=max(i.index for i in self.layers.values()) + 1,
+                    num_kv_heads=info.num_kv_heads,
+                    group_size=max(1, info.num_heads // max(1, info.num_kv_heads)),
+                    seed=0)
+            q, k = args[1], args[2]
+            for a, n in todo:
+                qs = q[a:a + n].view(n, info.num_heads, info.head_size)
+                ks = k[a:a + n].view(n, info.num_kv_heads, info.head_size)
+                got = acc.update(info.index, qs, ks, info.scale or info.head_size ** -0.5,
+                                 q_start=0)
+                self.hs["queries"] += got
+                if id(md) not in self._hs_seen:
+                    self._hs_seen.add(id(md))
+                    self.hs["requests"] += len(todo)
+        finally:
+            self._hs_time += self.clock() - t0
 
     # ----- per step -----
     def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any) -> Any:
@@ -264,6 +323,10 @@ class Capture:
         t_start = self.clock()
         try:
             self._pending.clear()
+            self._shapes.clear()
+            self._hs_seen.clear()
+            self._hs_time = 0.0
+            self._hs_step = self.hs_rate > 0 and self.sampler._rng.random() < self.hs_rate
             self._cuda = _on_cuda(runner)
             if self._cuda:
                 import torch
@@ -293,7 +356,12 @@ class Capture:
             self._finish_step(model_time, outcome)
         except Exception as exc:
             self.errors.record("step_end", exc)
-        self.sampler.charge(overhead + (self.clock() - t1))
+        if self._hs_time:
+            self.hs["steps"] += 1
+            self.hs["time_s"] += self._hs_time
+            # Attention-free estimate of the prefill's own cost: the step minus our stats.
+            self.hs["prefill_time_s"] += max(0.0, t1 - t0 - self._hs_time)
+        self.sampler.charge(overhead + self._hs_time + (self.clock() - t1))
         return out
 
     def _finish_step(self, model_time: float, outcome: str) -> None:
@@ -307,14 +375,10 @@ class Capture:
             self.outcomes["blind"] += 1
             return
         self.outcomes[outcome] += 1
-        shapes: dict[int, BatchShape] = {}
         attn_total = 0.0
         phase = "decode"
         for info, md, a, b in pending:
-            key = id(md)
-            shape = shapes.get(key)
-            if shape is None:
-                shape = shapes[key] = batch_shape(md)
+            shape = self._shape(md)
             dt = a.elapsed_time(b) / 1e3 if b is not None else float(a)
             attn_total += dt
             phase = shape.phase
@@ -331,6 +395,7 @@ class Capture:
                 shape.num_tokens * info.num_heads * d_qk_v
                 + shape.kv_tokens * info.num_kv_heads * d_qk_v)
         pending.clear()
+        self._shapes.clear()
         st = self.steps[phase]
         st[0] += 1
         st[1] += model_time
@@ -388,7 +453,7 @@ class Capture:
         except Exception as exc:
             self.errors.record("metrics", exc)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, include_head_stats: bool = True) -> dict[str, Any]:
         layers = []
         for info in sorted(self.layers.values(), key=lambda i: i.index):
             d = asdict(info)
@@ -422,6 +487,13 @@ class Capture:
             "errors": dict(self.errors.by_place),
             "dropped": dict(self.errors.dropped),
             "disabled": self.errors.disabled,
+            "head_stats_cost": {
+                **self.hs,
+                "fraction_of_prefill": (self.hs["time_s"] / self.hs["prefill_time_s"]
+                                        if self.hs["prefill_time_s"] > 0 else None),
+            },
+            "head_stats": (self.head_stats.to_dict() if self.head_stats is not None
+                           and include_head_stats else None),
         }
 
 
@@ -490,8 +562,8 @@ def install(state: State) -> None:
     try:
         from vllm.v1.worker.worker_base import WorkerBase
 
-        def attnprof_snapshot(self: Any) -> dict[str, Any]:
-            return cap.snapshot()
+        def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
+            return cap.snapshot(include_head_stats)
 
         WorkerBase.attnprof_snapshot = attnprof_snapshot
     except Exception as exc:
