@@ -1,0 +1,137 @@
+"""suggest-window / validate-window: the JSON contract, bad inputs as one error line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnprof.plugin.cli import main
+from attnprof.plugin.sparsity.recommend import evaluate
+from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
+from tests.conftest import REPO, free_port
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture()
+def lengths(tmp_path: Path) -> Path:
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(str(x) for x in [40, 60, 80, 100, 120, 300, 500, 700]) + "\n")
+    return f
+
+
+def test_suggest_json_contract(tiny_model: Path, lengths: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["suggest-window", "--lengths", str(lengths), "--model", str(tiny_model),
+                      "--json"], capsys)
+    assert rc == 0
+    d = json.loads(out)
+    for key in ("sinks", "window", "attention_flop_saving", "kv_memory_saving",
+                "exact_request_fraction"):
+        assert key in d
+    for key in ("attention_flop_saving", "kv_memory_saving", "exact_request_fraction"):
+        assert 0.0 <= d[key] <= 1.0
+    assert d["exact_request_fraction"] >= 0.9 and d["pareto"]
+    rc, out, _ = run(["suggest-window", "--lengths", str(lengths), "--model", str(tiny_model),
+                      "--window", "64", "--sinks", "4", "--json"], capsys)
+    ev = json.loads(out)
+    arch = Arch.from_model_dir(tiny_model)
+    want = evaluate(LengthDistribution.from_lengths([40, 60, 80, 100, 120, 300, 500, 700]),
+                    arch, 64, 4)
+    assert (ev["window"], ev["sinks"]) == (64, 4)
+    assert ev["attention_flop_saving"] == want["attention_flop_saving"] > 0
+    assert ev["exact_request_fraction"] == pytest.approx(2 / 8)  # 40 and 60 <= 4 + 64
+    rc, out, _ = run(["suggest-window", "--lengths", str(lengths), "--model", str(tiny_model),
+                      "--window", "64", "--sinks", "4", "--layers", "1"], capsys)
+    assert rc == 0 and "on layers 1 (1 of 2)" in out
+
+
+def test_suggest_with_collected_head_stats(tiny_model: Path, lengths: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    stats = tmp_path / "stats.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(["the model reads a long document about rivers"] * 30) + "\n")
+    rc, out, err = run(["suggest-window", "--lengths", str(lengths), "--model",
+                        str(tiny_model), "--collect-stats", "--prompts", str(prompts),
+                        "--stats-out", str(stats), "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["head_stats"] is True and d["classification"]["layers"]
+    assert d["heads_at_risk_count"] is not None
+    # the saved statistics reproduce the same advice without the model run
+    rc, out2, _ = run(["suggest-window", "--lengths", str(lengths), "--model", str(tiny_model),
+                       "--head-stats", str(stats), "--json"], capsys)
+    d2 = json.loads(out2)
+    assert (d2["window"], d2["layers"], d2["attention_flop_saving"]) == \
+        (d["window"], d["layers"], d["attention_flop_saving"])
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "empty"),
+    ("12\nabc\n", "line 2: 'abc' is not an integer length"),
+    ("[1, 2", "malformed JSON"),
+    ("le,count\n10,5\n20,3\n", "not cumulative"),
+])
+def test_suggest_bad_files_one_line(tmp_path: Path, tiny_model: Path, content: str,
+                                    message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "bad.txt"
+    f.write_text(content)
+    rc, out, err = run(["suggest-window", "--lengths", str(f), "--model", str(tiny_model)],
+                       capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("attnprof: error: ") and message in err
+
+
+def test_suggest_unreachable_sources(tiny_model: Path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    port = free_port()  # nothing listens there
+    for flag in ("--url", "--prometheus"):
+        rc, out, err = run(["suggest-window", flag, f"http://127.0.0.1:{port}", "--model",
+                            str(tiny_model)], capsys)
+        assert rc == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("attnprof: error: cannot reach")
+    rc, _, err = run(["suggest-window", "--lengths", "/nonexistent/x", "--model",
+                      str(tiny_model)], capsys)
+    assert rc == 2 and "cannot read" in err
+    rc, _, err = run(["suggest-window", "--lengths", "/dev/null", "--model", "/nonexistent"],
+                     capsys)
+    assert rc == 2 and "does not exist" in err
+
+
+def test_validate_window_cli(tiny_model: Path, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(["a garden letter in the morning light"] * 12) + "\n")
+    out_file = tmp_path / "replay.json"
+    rc, out, _ = run(["validate-window", "--window", "8", "--sinks", "2", "--model",
+                      str(tiny_model), "--prompts", str(prompts), "--out", str(out_file),
+                      "--json"], capsys)
+    assert rc == 0
+    d = json.loads(out)
+    assert d == json.loads(out_file.read_text())
+    assert d["positions"] > 0 and 0 <= d["agreement"] <= 1 and d["mean_kl"] >= 0
+    assert d["safe"] == (d["agreement"] >= 0.95 and d["mean_kl"] <= 0.05)
+    rc, out, _ = run(["validate-window", "--window", "8", "--sinks", "2", "--model",
+                      str(tiny_model), "--prompts", str(prompts)], capsys)
+    assert ("NOT safe" in out) != d["safe"]
+    rc, _, err = run(["validate-window", "--window", "0", "--sinks", "2"], capsys)
+    assert rc == 2 and err.startswith("attnprof: error: --window")
+
+
+def test_entry_point_exit_code(tmp_path: Path) -> None:
+    f = tmp_path / "empty.txt"
+    f.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "suggest-window",
+                           "--lengths", str(f)], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"attnprof: error: {f}: the file is empty (no lengths)"]
