@@ -118,7 +118,8 @@ def test_validate_window_cli(tiny_model: Path, tmp_path: Path,
     d = json.loads(out)
     assert d == json.loads(out_file.read_text())
     assert d["positions"] > 0 and 0 <= d["agreement"] <= 1 and d["mean_kl"] >= 0
-    assert d["safe"] == (d["agreement"] >= 0.95 and d["mean_kl"] <= 0.05)
+    assert d["safe"] == (d["agreement"] >= 0.95 and d["mean_kl"] <= 0.05
+                         and d["positions"] >= 64)
     rc, out, _ = run(["validate-window", "--window", "8", "--sinks", "2", "--model",
                       str(tiny_model), "--prompts", str(prompts)], capsys)
     assert ("NOT safe" in out) != d["safe"]

@@ -39,6 +39,8 @@ def build(kinds: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
             h = kv * g + j
             if kind == "sink":
                 q[:, h, 30] = LOGIT / SCALE
+            elif kind == "weaksink":  # top-1 on a sink, but most mass spread far back
+                q[:, h, 30] = 2.5 / SCALE
             elif kind == "block":
                 q[pos, h, pos // 16] = LOGIT / SCALE
             elif kind == "needle":
@@ -127,6 +129,20 @@ def test_classification_mha() -> None:
     assert cls["layers"][0]["window"] == "full"
     assert cls["class_counts"] == {"sink": 1, "streaming": 1, "retrieval": 1,
                                    "near_uniform": 1}
+
+
+def test_untested_windows_leave_a_failing_head_undetermined() -> None:
+    q, k = build([["weaksink"]])
+    th = Thresholds(sinks=4, near_uniform_entropy=0.99)
+    tested = acc_for(1, 1)
+    tested.update(0, q, k, SCALE, sample=SAMPLE)
+    head = classify(tested, th)["layers"][0]["kv_heads"][0]
+    assert (head["class"], head["window"]) == ("retrieval", "full")
+    # same head, but the grid's largest window is longer than every sampled query
+    short = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=(8, 16, 32, 512))
+    short.update(0, q, k, SCALE, sample=SAMPLE)
+    head = classify(short, th)["layers"][0]["kv_heads"][0]
+    assert (head["class"], head["window"]) == ("unknown", None)
 
 
 def test_gqa_decision_is_per_kv_head() -> None:

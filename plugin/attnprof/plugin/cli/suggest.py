@@ -46,10 +46,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--collect-stats", action="store_true",
                    help="compute head statistics offline by running --prompts through --model")
     p.add_argument("--prompts", type=Path, metavar="FILE",
-                   help="prompts for --collect-stats (one per line or JSON list; default: "
-                        "built-in demo-shaped documents)")
+                   help="prompts for --collect-stats and --validate (one per line or JSON "
+                        "list; default: built-in demo-shaped documents)")
     p.add_argument("--stats-out", type=Path, metavar="FILE",
                    help="write the head statistics used to this JSON file")
+    p.add_argument("--validate", action="store_true",
+                   help="replay --prompts with the suggestion vs full attention (see "
+                        "validate-window); 'safe' is printed only when the replay meets its "
+                        "target")
     p.add_argument("--tau", type=float, default=0.9, help="coverage target (default 0.9)")
     p.add_argument("--quantile", type=float, default=0.05,
                    help="low quantile of coverage compared with tau (default 0.05)")
@@ -164,6 +168,27 @@ def _collect(args: argparse.Namespace) -> Any:
         raise CliError(str(err)) from None
 
 
+def _validate(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any] | None:
+    from attnprof.plugin.sparsity.replay import (
+        ReplayError,
+        default_prompts,
+        load_model,
+        read_prompts,
+        replay,
+    )
+
+    if not out["layers"]:
+        return None  # nothing windowed: nothing to replay
+    try:
+        model, tok, _ = load_model(args.model)
+        prompts = read_prompts(args.prompts) if args.prompts else default_prompts(tok)
+        print(f"attnprof: replaying {len(prompts)} prompts with the suggestion",
+              file=sys.stderr)
+        return replay(model, tok, prompts, out["window"], out["sinks"], layers=out["layers"])
+    except ReplayError as err:
+        raise CliError(str(err)) from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnprof.plugin.sparsity.classify import Thresholds
     from attnprof.plugin.sparsity.recommend import evaluate, recommend
@@ -202,6 +227,8 @@ def _run(args: argparse.Namespace) -> int:
                                         "native_windows", "basis")}
             out = evaluate(dist, arch, out["window"], sinks, head_stats=stats, thresholds=th,
                            layers=layers) | keep
+    out["replay"] = _validate(args, out) if args.validate else None
+    out["safe"] = bool(out["replay"] and out["replay"]["safe"])
     if args.stats_out is not None and stats is not None:
         write_json(args.stats_out, stats.to_dict())
     if args.json:
@@ -221,7 +248,10 @@ def _jsonable(x: Any) -> Any:
 def render(out: dict[str, Any]) -> str:
     from attnprof.plugin.sparsity.recommend import format_summary
 
-    lines = [format_summary(out), f"basis: {out.get('basis', '')}"]
+    lines = [format_summary(out, out.get("replay")), f"basis: {out.get('basis', '')}"]
+    if out.get("replay"):
+        lines.append(f"replay: {out['replay']['verdict']} ({out['replay']['positions']} "
+                     f"positions)")
     if out.get("attention_flop_share") is not None:
         lines.append(f"attention share of model FLOPs {out['attention_flop_share']:.1%}: "
                      f"end-to-end FLOP saving {out['end_to_end_flop_saving']:.1%}")

@@ -35,6 +35,8 @@ def add_parser(sub: Any) -> None:
                    help="greedy agreement needed for 'safe' (default 0.95)")
     p.add_argument("--max-kl", type=float, default=0.05,
                    help="mean KL (nats) allowed for 'safe' (default 0.05)")
+    p.add_argument("--min-positions", type=int, default=64,
+                   help="compared positions needed before 'safe' (default 64)")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)
@@ -66,7 +68,8 @@ def _run(args: argparse.Namespace) -> int:
               f"{args.window} window)", file=sys.stderr)
         res = replay(model, tok, prompts, args.window, args.sinks, layers=layers,
                      max_tokens=args.max_tokens, generate=args.generate,
-                     target_agreement=args.target_agreement, max_kl=args.max_kl)
+                     target_agreement=args.target_agreement, max_kl=args.max_kl,
+                     min_positions=args.min_positions)
     except ReplayError as err:
         raise CliError(str(err)) from None
     if args.out is not None:

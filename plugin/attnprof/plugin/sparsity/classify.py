@@ -9,10 +9,12 @@ sampled queries that see more than s + w keys:
   seen, output norm in the layer's bottom ``dormant_norm_quantile``)
 * ``streaming``: w* <= ``streaming_max_window``: fine with sinks + a small window
 * ``near_uniform``: mean normalized entropy >= ``near_uniform_entropy``
-* ``retrieval`` (keep full): no grid window reaches tau, or the top-1 key lies outside
-  sinks + w* for >= ``retrieval_top1_rate`` of queries
+* ``retrieval`` (keep full): no grid window reaches tau although every grid window was
+  tested, or the top-1 key lies outside sinks + window for >= ``retrieval_top1_rate`` of
+  queries (at w*, or at the largest tested window)
 * ``local``: needs a window between ``streaming_max_window`` and the largest grid window
-* ``unknown``: no sampled query was long enough to test any window
+* ``unknown``: the sampled queries were too short to test any window, or every window they
+  could test fails while larger ones stay untested (and no far top-1 reads were seen)
 
 Under GQA the KV cache is per KV head: a KV head takes the largest w* and the most severe
 class of its query heads; a layer-wide window is the max over its KV heads.
@@ -87,6 +89,7 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
     si = _sink_index(acc, th.sinks)
     means = acc.per_head_means()
     wq = head_windows(acc, th)
+    enough = acc.cov_n[:, :, si, :] >= th.min_queries
     cq = acc.coverage_quantile(th.quantile)[:, :, si, :]
     grid = list(acc.window_grid)
     g = acc.group_size
@@ -108,10 +111,20 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
                 c = "streaming"
             elif float(means["entropy"][layer, h]) >= th.near_uniform_entropy:
                 c = "near_uniform"
-            elif math.isinf(w) or float(
-                    means["top1_outside"][layer, h, si, grid.index(int(w))]) \
+            elif math.isinf(w):
+                # fails at every window the sample could test: retrieval when every grid
+                # window was tested or far top-1 reads are seen, else undetermined
+                tested = np.flatnonzero(enough[layer, h])
+                far = float(means["top1_outside"][layer, h, si, tested[-1]])
+                if len(tested) == len(grid) or far >= th.retrieval_top1_rate:
+                    c = "retrieval"
+                else:
+                    c = "unknown"
+                    wq[layer, h] = math.nan
+            elif float(means["top1_outside"][layer, h, si, grid.index(int(w))]) \
                     >= th.retrieval_top1_rate:
                 c = "retrieval"
+                wq[layer, h] = math.inf
             else:
                 c = "local"
             qclass.append(c)
@@ -120,7 +133,8 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
             hs = range(kv * g, (kv + 1) * g)
             cls_ = min((qclass[h] for h in hs), key=CLASSES.index)
             ws = [wq[layer, h] for h in hs]
-            w_kv = math.nan if any(math.isnan(x) for x in ws) else max(ws)
+            w_kv = (math.inf if any(math.isinf(x) for x in ws)
+                    else math.nan if any(math.isnan(x) for x in ws) else max(ws))
             totals[cls_] += 1
             kv_heads.append({
                 "kv_head": kv, "class": cls_, "window": _w(w_kv),

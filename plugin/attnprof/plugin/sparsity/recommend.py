@@ -304,12 +304,16 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     tr = rec["traffic"]
     n_layers = rec["model"]["num_layers"]
     layers = rec["layers"]
-    parts = [f"your traffic: P50/P90/P99 = {tr['p50']}/{tr['p90']}/{tr['p99']} tokens",
-             f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
-             f"{_layer_ranges(layers)} ({len(layers)} of {n_layers})",
-             f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
-             f"{rec['kv_memory_saving']:.1%} KV memory",
-             f"{rec['exact_request_fraction']:.1%} of requests unchanged"]
+    parts = [f"your traffic: P50/P90/P99 = {tr['p50']}/{tr['p90']}/{tr['p99']} tokens"]
+    if not layers:
+        parts.append("suggestion: keep full attention (no layer has every KV head covered "
+                     "by a window in the grid; see the head-level split)")
+        return "; ".join(parts)
+    parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
+              f"{_layer_ranges(layers)} ({len(layers)} of {n_layers})",
+              f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
+              f"{rec['kv_memory_saving']:.1%} KV memory",
+              f"{rec['exact_request_fraction']:.1%} of requests unchanged"]
     if replay is None:
         parts.append("replay: not run (not validated)")
     else:

@@ -194,12 +194,13 @@ def _register(state: _WindowState) -> None:
 
 def replay(model: Any, tokenizer: Any, prompts: Sequence[str], window: int, sinks: int, *,
            layers: Iterable[int] | None = None, max_tokens: int = 4096, generate: int = 0,
-           target_agreement: float = 0.95, max_kl: float = 0.05,
+           target_agreement: float = 0.95, max_kl: float = 0.05, min_positions: int = 64,
            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Greedy agreement and mean KL between full attention and sinks + window.
 
     Positions where the window cannot bind (i + 1 <= s + w) are identical by construction and
-    are excluded. ``generate`` > 0 first extends each prompt with that many greedy tokens of
+    are excluded; fewer than ``min_positions`` compared positions is too little evidence to
+    call the window safe. ``generate`` > 0 first extends each prompt with that many greedy tokens of
     the full model, so decode positions are compared too (teacher-forced).
     """
     import torch
@@ -246,12 +247,19 @@ def replay(model: Any, tokenizer: Any, prompts: Sequence[str], window: int, sink
                    f"tokens (longest {longest}), so the window never binds on them")
     else:
         agreement, mean_kl = agree / positions, kl_sum / positions
-        safe = agreement >= target_agreement and mean_kl <= max_kl
-        verdict = ("safe: replay meets the target" if safe else
-                   "NOT safe: replay misses the target")
+        meets = agreement >= target_agreement and mean_kl <= max_kl
+        safe = meets and positions >= min_positions
+        if safe:
+            verdict = "safe: replay meets the target"
+        elif meets:
+            verdict = (f"NOT safe: too little evidence ({positions} positions where the window "
+                       f"binds, {min_positions} needed; use longer or more prompts)")
+        else:
+            verdict = "NOT safe: replay misses the target"
     return {"window": window, "sinks": sinks, "layers": sorted(state.layers),
             "prompts": len(prompts), "positions": positions, "longest_tokens": longest,
             "agreement": round(agreement, 6), "mean_kl": round(mean_kl, 6),
-            "target_agreement": target_agreement, "max_kl": max_kl, "safe": safe,
+            "target_agreement": target_agreement, "max_kl": max_kl,
+            "min_positions": min_positions, "safe": safe,
             "verdict": verdict, "generate": generate,
             "variant": "mask (original positions, no RoPE re-rotation)"}
