@@ -23,7 +23,13 @@ $(STAMP): pyproject.toml Makefile
 	  || { echo "set-up failed: see the pip output above" >&2; exit 1; }
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Prometheus + promtool (Debian 2.42) for the real-scrape tests; needs root, as CI has.
+$(VENV)/.system-deps:
+	@command -v promtool >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	@mkdir -p $(VENV) && touch $@
+
+setup: $(STAMP) $(VENV)/.system-deps
 
 model: setup
 	$(VENV)/bin/attnprof model fetch

@@ -122,3 +122,71 @@ def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def dump(obj: object) -> str:
     return json.dumps(obj, indent=1, default=str)[:4000]
+
+
+class PrometheusServer:
+    """A real Prometheus (Debian 2.42) on loopback scraping the given targets every second."""
+
+    def __init__(self, targets: list[str], workdir: Path) -> None:
+        import shutil
+
+        if shutil.which("prometheus") is None:
+            pytest.fail("prometheus is not installed (make test installs it with apt-get)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = workdir / "prometheus.yml"
+        cfg.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            "  - job_name: vllm\n"
+            f"    static_configs: [{{targets: {json.dumps(targets)}}}]\n")
+        self.log = (workdir / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def query(self, expr: str) -> list[dict[str, object]]:
+        import urllib.parse
+
+        from attnprof.plugin.server import http_get
+
+        body = json.loads(http_get(f"{self.url}/api/v1/query?"
+                                   + urllib.parse.urlencode({"query": expr})))
+        assert body["status"] == "success", body
+        return list(body["data"]["result"])
+
+    def wait_for(self, expr: str, timeout: float = 60.0) -> list[dict[str, object]]:
+        """Poll (never sleep blindly): the first scrape lands ~6 s after start."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                res = self.query(expr)
+                if res:
+                    return res
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no Prometheus data for {expr!r} after {timeout} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def prometheus(tiny_server: object, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[PrometheusServer]:
+    target = f"127.0.0.1:{tiny_server.port}"  # type: ignore[attr-defined]
+    prom = PrometheusServer([target], tmp_path_factory.mktemp("prometheus"))
+    try:
+        yield prom
+    finally:
+        prom.stop()

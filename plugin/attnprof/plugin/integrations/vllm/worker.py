@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import re
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = ["SNAPSHOT_VERSION", "Capture", "LayerInfo", "install"]
 logger = logging.getLogger("attnprof")
 SNAPSHOT_VERSION = 1
 PHASES = ("prefill", "decode", "mixed")
+FLUSH_INTERVAL_S = 1.0
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 # Fused = the backend runs attention as one kernel that never materializes the score
@@ -157,7 +159,9 @@ class Capture:
         self._pending: list[tuple[LayerInfo, Any, Any, Any]] = []
         self._cuda = False
         self._flushed: dict[Any, float] = {}
-        self._last_flush = 0.0
+        self._flusher: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._flush_lock = threading.Lock()
         self.fault = cfg.fault_inject
         # Per-head statistics (sparsity advice) on a share of sampled steps.
         self.hs_rate = cfg.head_stats_rate
@@ -192,6 +196,7 @@ class Capture:
         impl._attnprof_wrapped = True
         self.state.add_role("worker")
         self._publish_layer(info)
+        self.start_flusher()
 
     def _learn_model_label(self) -> None:
         """Workers never see the stat logger: read the served name from vLLM's config."""
@@ -409,18 +414,34 @@ class Capture:
         st[0] += 1
         st[1] += model_time
         st[2] += attn_total
-        now = self.clock()
-        if now - self._last_flush >= 1.0:
-            self._last_flush = now
-            self.flush_metrics()
 
     # ----- export -----
+    def start_flusher(self, interval: float = FLUSH_INTERVAL_S) -> None:
+        """Push aggregates to Prometheus from a daemon thread, off the serving path.
+
+        Flushing on sampled steps instead would leave the last second of a quiet server's
+        activity unexported until the next sampled step.
+        """
+        if self._flusher is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                self.flush_metrics()
+
+        self._flusher = threading.Thread(target=loop, name="attnprof-flush", daemon=True)
+        self._flusher.start()
+
     def flush_metrics(self) -> None:
-        """Push counter deltas to Prometheus (at most once a second, on sampled steps)."""
+        """Push counter deltas to Prometheus (called by the flusher thread and snapshots)."""
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
         try:
             sink = self.state.get_sink()
             model = self.state.model_label
-            by_index = {i.index: i for i in self.layers.values()}
+            by_index = {i.index: i for i in list(self.layers.values())}
 
             def inc(name: str, key: Any, value: float, **labels: str) -> None:
                 last = self._flushed.get((name, key), 0.0)
@@ -428,7 +449,8 @@ class Capture:
                     sink.metric(name).labels(model=model, **labels).inc(value - last)
                     self._flushed[(name, key)] = value
 
-            for (idx, phase), a in self.agg.items():
+            # Copy first: the serving thread may add a (layer, phase) key meanwhile.
+            for (idx, phase), a in list(self.agg.items()):
                 info = by_index.get(idx)
                 backend = info.backend if info else "unknown"
                 lay = str(idx)
@@ -450,12 +472,12 @@ class Capture:
             inc("attnprof_steps_total", "unsampled",
                 self.seen - sum(self.outcomes.values()), outcome="unsampled")
             inc("attnprof_self_time_seconds_total", "self", self.sampler.self_time)
-            for place, n in self.errors.by_place.items():
+            for place, n in list(self.errors.by_place.items()):
                 inc("attnprof_internal_errors_total", ("err", place), n, place=place)
-            for reason, n in self.errors.dropped.items():
+            for reason, n in list(self.errors.dropped.items()):
                 inc("attnprof_dropped_samples_total", ("drop", reason), n, reason=reason)
             sink.metric("attnprof_sample_rate_ratio").labels(model=model).set(self.sampler.rate)
-            for info in self.layers.values():
+            for info in list(self.layers.values()):
                 if info.kv_cache_bytes:
                     sink.metric("attnprof_kv_cache_bytes").labels(
                         model=model, layer=str(info.index)).set(info.kv_cache_bytes)
@@ -463,6 +485,7 @@ class Capture:
             self.errors.record("metrics", exc)
 
     def snapshot(self, include_head_stats: bool = True) -> dict[str, Any]:
+        self.flush_metrics()
         layers = []
         for info in sorted(self.layers.values(), key=lambda i: i.index):
             d = asdict(info)

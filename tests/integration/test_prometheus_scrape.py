@@ -1,0 +1,42 @@
+"""A real Prometheus scrapes the vLLM server's /metrics and sees attnprof's series."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+
+from attnprof.plugin.server import http_get, http_post_json
+
+pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
+
+
+def test_promtool_accepts_the_exposition(tiny_server: Any) -> None:
+    http_post_json(tiny_server.base_url + "/v1/completions",
+                   {"model": "tiny", "prompt": "the model", "max_tokens": 2, "temperature": 0})
+    text = http_get(tiny_server.base_url + "/metrics")
+    ours = "\n".join(ln for ln in text.splitlines() if "attnprof_" in ln) + "\n"
+    r = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True,
+                       text=True)
+    # promtool exits 1 on lint findings; there must be none for attnprof's series.
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_prometheus_scrapes_worker_and_api_server_series(tiny_server: Any,
+                                                         prometheus: Any) -> None:
+    http_post_json(tiny_server.base_url + "/v1/completions",
+                   {"model": "tiny", "prompt": "the model request", "max_tokens": 3,
+                    "temperature": 0})
+    # API-server side (stat logger) and worker side (per-layer capture) on one target.
+    ctx = prometheus.wait_for("sum(attnprof_request_context_tokens_count)")
+    assert float(ctx[0]["value"][1]) >= 1
+    layers = prometheus.wait_for(
+        'count by (backend) (attnprof_layer_info{fused="true"})')
+    assert layers[0]["metric"]["backend"] == "CPU_ATTN" and layers[0]["value"][1] == "2"
+    roles = prometheus.wait_for("sum by (role) (attnprof_plugin_processes)")
+    assert {r["metric"]["role"] for r in roles} == {"api_server", "engine_core", "worker"}
+    share = prometheus.wait_for(
+        'sum(attnprof_step_attention_time_seconds_total{phase="decode"})'
+        ' / sum(attnprof_step_time_seconds_total{phase="decode"})')
+    assert 0 < float(share[0]["value"][1]) < 1
