@@ -46,16 +46,18 @@ def render_snapshot(snap: dict[str, Any]) -> str:
         rows = []
         for lay in layers:
             ph = lay.get("phases", {})
-            pre = ph.get("prefill", {})
-            dec = ph.get("decode", {})
-            rows.append([lay["index"], lay["backend"], lay["impl"], "yes" if lay["fused"] else "NO",
-                         f"{lay['num_heads']}/{lay['num_kv_heads']}x{lay['head_size']}",
-                         lay.get("sliding_window") or "-", lay["dtype"],
-                         _ms(pre.get("mean_time_s")), pre.get("calls", 0),
-                         _ms(dec.get("mean_time_s")), dec.get("calls", 0)])
-        out.append(f"Attention layers in worker pid {w.get('pid')} ({w.get('process')}):")
+            row = [lay["index"], lay["backend"], lay["impl"], "yes" if lay["fused"] else "NO",
+                   f"{lay['num_heads']}/{lay['num_kv_heads']}x{lay['head_size']}",
+                   lay.get("sliding_window") or "-", lay["dtype"]]
+            for phase in ("prefill", "mixed", "decode"):
+                st = ph.get(phase, {})
+                row += [_ms(st.get("mean_time_s")), st.get("calls", 0)]
+            rows.append(row)
+        out.append(f"Attention layers in worker pid {w.get('pid')} ({w.get('process')}); "
+                   "mean ms per call by phase (mixed = chunked prefill batched with decodes):")
         out.append(table(["layer", "backend", "impl", "fused", "heads q/kv x d", "window",
-                          "dtype", "prefill ms", "calls", "decode ms", "calls"], rows))
+                          "dtype", "prefill ms", "calls", "mixed ms", "calls", "decode ms",
+                          "calls"], rows))
         out.append("")
         if steps:
             out.append("Attention share of model time on sampled steps:")
