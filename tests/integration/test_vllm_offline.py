@@ -81,3 +81,17 @@ def test_overhead_budget_lowers_the_effective_rate(tiny_model: Path) -> None:
     s = snap["sampler"]
     assert s["effective_rate"] < 1.0
     assert s["sampled"] < s["seen"]
+
+
+def test_long_prefill_stratum_samples_big_steps_only(tiny_model: Path) -> None:
+    # Base rate 0: only the long-prefill stratum can sample. The first step prefills all six
+    # prompts (> 20 tokens together); every decode step has six tokens.
+    res = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "0",
+                            "ATTNPROF_LONG_PREFILL_RATE": "1.0",
+                            "ATTNPROF_LONG_PREFILL_TOKENS": "20",
+                            "ATTNPROF_HEAD_STATS_RATE": "0"})
+    (snap,) = res["snapshot"]
+    s = snap["sampler"]
+    assert s["sampled"] == 0 and s["sampled_long"] >= 1
+    assert s["unsampled"] >= 10  # the decode steps
+    assert "decode" not in snap["steps"] and snap["steps"]
