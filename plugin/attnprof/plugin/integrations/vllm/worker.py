@@ -131,7 +131,8 @@ def batch_shape(md: Any) -> BatchShape:
 
 
 class _Agg:
-    __slots__ = ("bytes", "calls", "flops", "time_s", "tokens")
+    __slots__ = ("bytes", "calls", "flops", "kv_tokens", "max_seq_len", "requests", "time_s",
+                 "tokens")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -139,6 +140,9 @@ class _Agg:
         self.flops = 0
         self.bytes = 0
         self.tokens = 0
+        self.kv_tokens = 0
+        self.requests = 0
+        self.max_seq_len = 0
 
 
 class Capture:
@@ -402,6 +406,9 @@ class Capture:
             agg.calls += 1
             agg.time_s += dt
             agg.tokens += shape.num_tokens
+            agg.kv_tokens += shape.kv_tokens
+            agg.requests += shape.num_reqs
+            agg.max_seq_len = max(agg.max_seq_len, shape.max_seq_len)
             agg.flops += 4 * info.num_heads * info.head_size * shape.pairs
             # Q read + O written per query token; K and V read per key position.
             d_qk_v = info.head_size + info.head_size_v
@@ -498,6 +505,10 @@ class Capture:
                     "calls": a.calls, "time_s": a.time_s,
                     "mean_time_s": a.time_s / a.calls if a.calls else 0.0,
                     "tokens": a.tokens, "flops": a.flops, "bytes": a.bytes,
+                    # Batch shape: requests per call and the context they attend over.
+                    "mean_batch_requests": a.requests / a.calls if a.calls else 0.0,
+                    "mean_seq_len": a.kv_tokens / a.requests if a.requests else 0.0,
+                    "max_seq_len": a.max_seq_len,
                 }
             layers.append(d)
         steps = {p: {"steps": int(v[0]), "model_time_s": v[1], "attention_time_s": v[2],
