@@ -167,8 +167,11 @@ class Profile:
     """
 
     def __init__(self, model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None,
-                 explain: bool = True, keep_records: bool = True) -> None:
+                 explain: bool = True, keep_records: bool = True,
+                 class_tags: tuple[str, ...] = ("padded",)) -> None:
         self.model = model
+        # Tags that split activation-map rows (others, like seq_len, only label records).
+        self.class_tags = class_tags
         self.on_call = on_call
         self.explain = explain
         self.keep_records = keep_records
@@ -277,7 +280,7 @@ class Profile:
         q_len, kv_len = int(query.shape[-2]), int(key.shape[-2])
         return (layer, base, "prefill" if q_len > 1 else "decode", _mask_kind(mask),
                 length_bucket(kv_len), str(query.dtype), float(kwargs.get("dropout", 0.0) or 0.0)
-                > 0, tuple(sorted(self._tags.items())))
+                > 0, tuple(sorted((k, v) for k, v in self._tags.items() if k in self.class_tags)))
 
     def _call(self, base: str, fn: Callable[..., Any], module: Any, query: Any, key: Any,
               value: Any, mask: Any, kwargs: dict[str, Any]) -> Any:
