@@ -18,7 +18,8 @@ from attnprof.plugin.cli._common import CliError
 __all__ = ["CliError", "main"]
 
 # Module names under attnprof.plugin.cli, in --help order.
-SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "env", "profile", "compat", "suggest", "validate")
+SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "env", "profile", "compat", "suggest",
+               "validate")
 
 
 def build_parser() -> argparse.ArgumentParser:
