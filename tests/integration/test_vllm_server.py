@@ -137,3 +137,15 @@ def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server:
     acc = head_stats_from_snapshot(snap)
     assert acc is not None
     assert list(acc.layers_with_data()) == [0, 1]
+
+
+def test_kernel_map_of_the_live_server(tiny_server: Any) -> None:
+    _complete(tiny_server, "the model request", 2)
+    (worker,) = _snapshot(tiny_server)["workers"]
+    (group,) = worker["kernel_map"]  # both layers share one shape
+    assert group["layers"] == [0, 1] and group["backend"] == "CPU_ATTN" and group["fused"]
+    assert group["kernel"].startswith("cpu_attention_with_kv_cache[")
+    assert group["valid_backends"] == ["CPU_ATTN"]
+    # Every other backend is rejected with at least one reason (fp32 rules out FlashAttention).
+    assert group["rejected"] and all(group["rejected"].values())
+    assert any("fp32" in r or "float32" in r for r in group["rejected"]["FLASH_ATTN"])

@@ -31,6 +31,16 @@ def _tok(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
+def _ranges(xs: Sequence[int]) -> str:
+    parts: list[tuple[int, int]] = []
+    for x in xs:
+        if parts and parts[-1][1] == x - 1:
+            parts[-1] = (parts[-1][0], x)
+        else:
+            parts.append((x, x))
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
+
+
 def render_snapshot(snap: dict[str, Any]) -> str:
     out: list[str] = []
     procs = [p for p in snap.get("processes") or [] if p.get("alive")]
@@ -59,6 +69,21 @@ def render_snapshot(snap: dict[str, Any]) -> str:
                           "dtype", "prefill ms", "calls", "mixed ms", "calls", "decode ms",
                           "calls"], rows))
         out.append("")
+        kmap = w.get("kernel_map") or []
+        if kmap:
+            out.append("Kernel map (which backend and kernel ran, and why the other vLLM "
+                       "backends are not valid here):")
+            krows = []
+            for g in kmap:
+                why = "; ".join(f"{name}: {rs[0]}" for name, rs in
+                                (g.get("rejected") or {}).items() if rs)
+                krows.append([_ranges(g["layers"]), g["backend"], g.get("kernel") or "-",
+                              "yes" if g["fused"] else "NO",
+                              ",".join(g.get("valid_backends") or []) or "-"])
+                if why:
+                    krows.append(["", "", "", "", "why not: " + why])
+            out.append(table(["layers", "backend", "kernel", "fused", "valid backends"], krows))
+            out.append("")
         if steps:
             out.append("Attention share of model time on sampled steps:")
             out.append(table(["phase", "steps", "model s", "attention s", "share"],

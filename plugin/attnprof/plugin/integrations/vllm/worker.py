@@ -56,6 +56,8 @@ class LayerInfo:
     fused: bool
     kv_cache_bytes: int = 0
     scale: float = 0.0
+    kernel: str | None = None
+    """Kernel variant actually used (CPU ISA, FlashAttention version), seen on first call."""
 
 
 def _dtype_bytes(dtype: Any) -> int:
@@ -177,6 +179,7 @@ class Capture:
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
         self._shapes: dict[int, BatchShape] = {}
+        self._reports: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     # ----- layer registration (model build time) -----
     def wrap_layer(self, layer: Any) -> None:
@@ -265,6 +268,8 @@ class Capture:
             self._pending.append((info, md, self.clock() - start, None))
         if self.fault == "capture":
             raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=capture)")
+        if info.kernel is None:
+            info.kernel = _kernel_variant(info, args[0] if args else None)
         if not info.kv_cache_bytes:
             kv = args[4] if len(args) > 4 else kwargs.get("kv_cache")
             if kv is not None and hasattr(kv, "numel"):
@@ -491,6 +496,39 @@ class Capture:
         except Exception as exc:
             self.errors.record("metrics", exc)
 
+    def kernel_map(self) -> list[dict[str, Any]]:
+        """Per group of identical layers: the backend that ran, the kernel variant, and why
+        each other vLLM backend is not valid (vLLM's own ``validate_configuration`` where it
+        imports, attnprof's rule data where not). Computed once per layer shape."""
+        groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
+        for info in sorted(self.layers.values(), key=lambda i: i.index):
+            key = (info.backend, info.kernel, info.num_heads, info.num_kv_heads, info.head_size,
+                   info.dtype, info.kv_cache_dtype, info.sliding_window)
+            groups.setdefault(key, []).append(info)
+        out = []
+        for key, infos in groups.items():
+            rep = self._reports.get(key[2:])
+            if rep is None:
+                try:
+                    from attnprof.plugin.diagnostics import vllm_backend_report
+
+                    rep = vllm_backend_report(key[2], key[3], key[4], key[5], key[6], key[7],
+                                              selected=key[0])
+                except Exception as exc:
+                    self.errors.record("kernel_map", exc)
+                    rep = {"error": f"{type(exc).__name__}: {exc}"}
+                self._reports[key[2:]] = rep
+            first = infos[0]
+            out.append({
+                "layers": [i.index for i in infos], "backend": first.backend,
+                "kernel": first.kernel, "fused": first.fused,
+                "valid_backends": rep.get("valid"),
+                "rejected": {name: b.get("reasons") for name, b in
+                             (rep.get("backends") or {}).items() if not b.get("valid")},
+                "source": rep.get("platform"),
+            })
+        return out
+
     def snapshot(self, include_head_stats: bool = True) -> dict[str, Any]:
         self.flush_metrics()
         layers = []
@@ -511,6 +549,7 @@ class Capture:
                     "max_seq_len": a.max_seq_len,
                 }
             layers.append(d)
+        kernel_map = self.kernel_map()
         steps = {p: {"steps": int(v[0]), "model_time_s": v[1], "attention_time_s": v[2],
                      "attention_share": (v[2] / v[1]) if v[1] > 0 else None}
                  for p, v in self.steps.items() if v[0]}
@@ -519,6 +558,7 @@ class Capture:
             "pid": os.getpid(),
             "process": multiprocessing.current_process().name,
             "layers": layers,
+            "kernel_map": kernel_map,
             "steps": steps,
             "sampler": {
                 "seen": self.seen, **self.outcomes,
@@ -558,6 +598,18 @@ def _num_tokens(args: Any, kwargs: Any) -> int:
             x = args[0] if args else None
     shape = getattr(x, "shape", None)
     return int(shape[0]) if shape else 0
+
+
+def _kernel_variant(info: LayerInfo, layer: Any) -> str:
+    """The sub-variant the backend picked at runtime, where it exposes one."""
+    isa = getattr(layer, "isa", None)  # CPU_ATTN: vec / vec16 / amx / neon, set per layer
+    if isa is not None:
+        return f"cpu_attention_with_kv_cache[{isa}]"
+    impl = getattr(layer, "impl", None)
+    fa = getattr(impl, "vllm_flash_attn_version", None)
+    if fa is not None:
+        return f"flash_attn_varlen_func[FA{fa}]"
+    return info.impl
 
 
 def _step_has_metadata() -> bool:
