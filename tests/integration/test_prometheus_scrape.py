@@ -40,3 +40,28 @@ def test_prometheus_scrapes_worker_and_api_server_series(tiny_server: Any,
         'sum(attnprof_step_attention_time_seconds_total{phase="decode"})'
         ' / sum(attnprof_step_time_seconds_total{phase="decode"})')
     assert 0 < float(share[0]["value"][1]) < 1
+
+
+def test_suggest_window_reads_the_fleet_from_real_prometheus(tiny_server: Any, prometheus: Any,
+                                                             tiny_model: Any) -> None:
+    import json
+    import sys
+
+    for n in (1, 3, 6):
+        http_post_json(tiny_server.base_url + "/v1/completions",
+                       {"model": "tiny", "prompt": "the model request " * n, "max_tokens": 2,
+                        "temperature": 0})
+    snap = json.loads(http_get(tiny_server.base_url + "/attnprof/snapshot"))
+    total = snap["requests"]["requests"]
+    # Wait until Prometheus has scraped every finished request.
+    prometheus.wait_for(f"sum(attnprof_request_context_tokens_count) >= {total}")
+    r = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "suggest-window",
+                        "--prometheus", prometheus.url, "--model", str(tiny_model),
+                        "--window", "16", "--sinks", "4", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["window"] == 16 and out["sinks"] == 4
+    assert out["traffic"]["requests"] == total
+    for key in ("attention_flop_saving", "kv_memory_saving", "exact_request_fraction"):
+        assert 0.0 <= out[key] <= 1.0
