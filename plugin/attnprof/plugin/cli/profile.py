@@ -75,10 +75,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import os
-
-    # Kineto prints a line per profiler start/stop on stderr; keep the terminal readable.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     from attnprof.plugin import models
     from attnprof.plugin.diagnostics import scaling
 

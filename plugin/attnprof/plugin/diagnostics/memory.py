@@ -16,8 +16,12 @@ oneDNN/OpenMP take outside it.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ __all__ = [
     "cache_bytes",
     "kv_bytes_per_token",
     "measure_peak",
+    "memory_profile",
     "peak_in_ranges",
     "rel_err",
 ]
@@ -149,11 +154,48 @@ def _memory_events(prof: Any) -> list[tuple[int, int]]:
     return evs
 
 
-def measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``fn`` and return ``(result, peak bytes allocated above the start)``."""
+@contextlib.contextmanager
+def _drop_usdt_lines() -> Iterator[None]:
+    """Kineto prints a "USDT: ... profiler_start/stop" line on fd 2 at every profiler start and
+    stop; capture fd 2 around those moments and pass every other line through."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+
+
+@contextlib.contextmanager
+def memory_profile() -> Iterator[Any]:
+    """``torch.profiler.profile(activities=[CPU], profile_memory=True)``, without Kineto's
+    stderr chatter."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _drop_usdt_lines():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _drop_usdt_lines():
+            prof.__exit__(None, None, None)
+
+
+def measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` and return ``(result, peak bytes allocated above the start)``."""
+    with memory_profile() as prof:
         result = fn()
     cur = peak = 0
     for _t, nbytes in _memory_events(prof):

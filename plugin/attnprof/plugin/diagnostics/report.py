@@ -144,7 +144,6 @@ def _static_bytes(model: Any) -> int:
 
 def run_profile(opts: ProfileOptions) -> dict[str, Any]:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from attnprof.plugin.integrations.transformers import instrument
 
@@ -179,8 +178,8 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
         layer_peak: dict[int, dict[int, int]] = {}
         for L in opts.seq_lens:
             ids = _ids(shape["vocab_size"], B, L, seed=L)
-            with prof.tag(padded=False, seq_len=L, run="memory"), profile(
-                    activities=[ProfilerActivity.CPU], profile_memory=True) as tp:
+            with prof.tag(padded=False, seq_len=L, run="memory"), \
+                    memory.memory_profile() as tp:
                 out = _forward(model, ids)
             total_peak, ranges = memory.peak_in_ranges(tp, TRACE_PREFIX)
             kv_real = memory.cache_bytes(out.past_key_values) if getattr(
