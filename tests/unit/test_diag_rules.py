@@ -119,7 +119,7 @@ def test_vllm_backend_report_cpu() -> None:
     rep = vllm_backend_report(9, 3, 64, torch.float32, "auto", None)
     b = rep["backends"]
     assert b["CPU_ATTN"]["valid"] and b["CPU_ATTN"]["source"] == "vllm.validate_configuration"
-    assert rep["valid"] == ["CPU_ATTN"]
+    assert rep["valid"] == ["CPU_ATTN"] and rep["predicted"] == "CPU_ATTN"
     bad = vllm_backend_report(9, 3, 72, torch.float32, "auto", None)
     assert bad["backends"]["CPU_ATTN"]["reasons"] == ["head_size not supported"]
 
@@ -131,3 +131,8 @@ def test_vllm_backend_report_gpu_target() -> None:
     assert "kv_cache_dtype not supported" in b["FLASH_ATTN"]["reasons"]
     assert b["TRITON_ATTN"]["valid"]
     assert "head dim 96" in b["FLASHINFER"]["reasons"][0]
+    assert rep["predicted"] == "TRITON_ATTN"  # first valid in Hopper's priority order
+    ok = vllm_backend_report(9, 3, 128, torch.bfloat16, "auto", None, device_capability=(9, 0))
+    assert ok["predicted"] == "FLASH_ATTN"
+    bw = vllm_backend_report(8, 8, 128, torch.bfloat16, "auto", None, device_capability=(10, 0))
+    assert next(iter(bw["backends"])) == "FLASHINFER" and bw["predicted"] == "FLASHINFER"

@@ -58,8 +58,10 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
     ``device_capability`` defaults to the current platform's (None on CPU, where only
     backends without a capability requirement are judged by vLLM and GPU-only ones by the
     rule data for an sm90 target). Returns ``{"source", "vllm_version", "platform",
-    "device_capability", "layer", "selected", "valid", "backends": {NAME: {"valid",
-    "reasons", "source", "priority"}}}``; ``selected`` echoes the backend the worker uses.
+    "device_capability", "layer", "selected", "valid", "predicted", "backends": {NAME:
+    {"valid", "config_valid", "reasons", "source", "priority"}}}``; ``selected`` echoes the
+    backend the worker uses, ``predicted`` is the first valid backend in vLLM's priority order
+    (what vLLM picks without ``--attention-backend``).
     """
     out: dict[str, Any] = {
         "layer": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
@@ -91,7 +93,22 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
     except Exception as exc:  # no vLLM here: rules only
         logger.debug("vLLM not importable (%s): rule data only", exc)
     cpu_platform = device_capability is None
-    names = backends or list(CANDIDATES)
+    if backends:
+        names = list(backends)
+    elif device_capability is not None:
+        # CudaPlatform's priority order (vllm/platforms/cuda.py, _get_backend_priorities).
+        names = (["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+                 if device_capability[0] == 10 else
+                 ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"])
+        live = _cuda_valid_backends(device_capability, cap_obj, num_heads, head_size, dtype,
+                                    kv_cache_dtype, block_size, has_sink, sliding_window)
+        if live is not None:
+            out["backends"] = live
+            out["valid"] = [n for n, e in live.items() if e["valid"]]
+            out["predicted"] = out["valid"][0] if out["valid"] else None
+            return out
+    else:
+        names = list(CANDIDATES)
     hw = _matrix_hw(device_capability)
     for prio, name in enumerate(names):
         entry: dict[str, Any] = {"priority": prio}
@@ -131,4 +148,34 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
         entry["reasons"] = reasons
         out["backends"][name] = entry
     out["valid"] = [n for n, e in out["backends"].items() if e.get("valid")]
+    # What vLLM would pick without --attention-backend: the first valid one in priority order.
+    out["predicted"] = "CPU_ATTN" if cpu_platform else (out["valid"][0] if out["valid"]
+                                                        else None)
     return out
+
+
+def _cuda_valid_backends(device_capability: tuple[int, int], cap_obj: Any, num_heads: int,
+                         head_size: int, dtype: Any, kv_cache_dtype: str | None,
+                         block_size: int | None, has_sink: bool, sliding_window: int | None
+                         ) -> dict[str, Any] | None:
+    """``CudaPlatform.get_valid_backends`` itself, where vLLM's CUDA build is importable."""
+    try:
+        from vllm.platforms.cuda import CudaPlatform
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+
+        cfg = AttentionSelectorConfig(head_size=head_size, dtype=_torch_dtype(dtype),
+                                      kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                                      has_sink=has_sink,
+                                      has_sliding_window=bool(sliding_window))
+        valid, invalid = CudaPlatform.get_valid_backends(cap_obj, cfg, num_heads=num_heads)
+    except Exception as exc:  # CPU wheel: vllm._C_stable_libtorch is missing
+        logger.debug("CudaPlatform.get_valid_backends unavailable: %s", exc)
+        return None
+    out: dict[str, Any] = {}
+    for cand in valid:
+        out[cand.backend.name] = {"priority": cand.priority, "valid": True, "reasons": [],
+                                  "config_valid": True, "source": "vllm.get_valid_backends"}
+    for be, (prio, reasons) in invalid.items():
+        out[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons),
+                        "config_valid": False, "source": "vllm.get_valid_backends"}
+    return dict(sorted(out.items(), key=lambda kv: kv[1]["priority"]))
