@@ -87,17 +87,21 @@ def test_exact_coverage_sink_mass_and_entropy() -> None:
                                                                   rel=1e-5)
             sink = np.mean([expected(kind, i, s, 8)[1] for i in SAMPLE])
             assert means["sink_mass"][0, h, si] == pytest.approx(sink, rel=1e-5, abs=1e-9)
+    # entropy and top-k run on the detail subset of the sampled queries
+    detail = [SAMPLE[j] for j in acc.detail_subset(len(SAMPLE))]
+    assert len(detail) == acc.n_detail and detail[-1] == SAMPLE[-1]
+    assert acc.detail_n[0, 0] == len(detail)
     assert means["entropy"][0, 3] == pytest.approx(1.0, rel=1e-5)  # uniform rows
     def sink_entropy(i: int) -> float:  # 4 keys of weight E, i - 3 keys of weight 1
         z = 4 * E + (i - 3)
         return (-4 * E / z * math.log(E / z) + (i - 3) / z * math.log(z)) / math.log(i + 1)
 
-    want_h = np.mean([sink_entropy(i) for i in SAMPLE])
+    want_h = np.mean([sink_entropy(i) for i in detail])
     assert means["entropy"][0, 0] == pytest.approx(want_h, rel=1e-4)
     # uniform: top-k for 90% of the mass is ceil(0.9 n) keys
-    want_k = np.mean([math.ceil(0.9 * (i + 1)) / (i + 1) for i in SAMPLE])
+    want_k = np.mean([math.ceil(0.9 * (i + 1)) / (i + 1) for i in detail])
     assert means["topk_fraction"][0, 3] == pytest.approx(want_k, abs=1.5 / 129)
-    assert means["topk_fraction"][0, 2] == pytest.approx(np.mean([1 / (i + 1) for i in SAMPLE]))
+    assert means["topk_fraction"][0, 2] == pytest.approx(np.mean([1 / (i + 1) for i in detail]))
     # the needle's top-1 key (10) lies outside 4 sinks + any window for every query
     assert np.all(means["top1_outside"][0, 2, 1] == 1.0)
     # block head: ties resolve to the block start, outside w = 8 exactly when m >= 9
@@ -187,8 +191,12 @@ def test_hf_layout_merge_and_roundtrip() -> None:
     half2.update(0, q, k, SCALE, sample=SAMPLE[10:])
     merged = HeadStatsAccumulator.from_dict(json.loads(json.dumps(half1.to_dict())))
     merged.merge(HeadStatsAccumulator.from_dict(half2.to_dict()))
-    for f in ("queries", "cov_n", "cov_hist", "top1_out", "entropy_hist", "topk_hist"):
+    for f in ("queries", "cov_n", "cov_hist", "top1_out"):
         np.testing.assert_array_equal(getattr(merged, f), getattr(a, f))
+    # detail statistics depend on which queries each request sampled: they add up
+    for f in ("detail_n", "entropy_hist", "topk_hist", "entropy_sum"):
+        np.testing.assert_allclose(getattr(merged, f),
+                                   getattr(half1, f) + getattr(half2, f))
     np.testing.assert_allclose(merged.cov_sum, a.cov_sum, rtol=1e-7)
     np.testing.assert_allclose(merged.cov_min, a.cov_min, rtol=1e-7)
     with pytest.raises(ValueError):

@@ -20,6 +20,7 @@ state merges across requests, processes and replicas (:meth:`merge`).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ DEFAULT_WINDOW_GRID = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 COVERAGE_LOSS_EDGES = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                        0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _ENTROPY_BINS = 20
+_BLOCK = 32  # keys per block for range sums
 _SCHEMA = "attnprof.head_stats/1"
 
 
@@ -60,8 +62,8 @@ class HeadStatsAccumulator:
     def __init__(self, num_layers: int, num_kv_heads: int, group_size: int,
                  sinks_grid: Sequence[int] = DEFAULT_SINKS_GRID,
                  window_grid: Sequence[int] = DEFAULT_WINDOW_GRID, *,
-                 n_last: int = 64, n_random: int = 64, chunk_queries: int = 32,
-                 mass_gamma: float = 0.9, seed: int = 0) -> None:
+                 n_last: int = 64, n_random: int = 64, n_detail: int = 4,
+                 chunk_queries: int = 32, mass_gamma: float = 0.9, seed: int = 0) -> None:
         if num_layers <= 0 or num_kv_heads <= 0 or group_size <= 0:
             raise ValueError("num_layers, num_kv_heads and group_size must be positive")
         self.num_layers = num_layers
@@ -73,6 +75,7 @@ class HeadStatsAccumulator:
             raise ValueError("window_grid needs positive windows, sinks_grid non-negative sinks")
         self.n_last = n_last
         self.n_random = n_random
+        self.n_detail = n_detail
         self.chunk_queries = max(1, chunk_queries)
         self.mass_gamma = mass_gamma
         self.seed = seed
@@ -80,6 +83,7 @@ class HeadStatsAccumulator:
         lh = (num_layers, self.num_q_heads)
         sw = (len(self.sinks_grid), len(self.window_grid))
         self.queries = np.zeros(lh)
+        self.detail_n = np.zeros(lh)
         self.requests = np.zeros(num_layers)
         self.sink_sum = np.zeros((*lh, len(self.sinks_grid)))
         self.entropy_sum = np.zeros(lh)
@@ -121,6 +125,16 @@ class HeadStatsAccumulator:
             picked = (bounds[:-1] + (u * widths).floor().long()).tolist()
         return torch.tensor(picked + last, dtype=torch.long)
 
+    def detail_subset(self, num_sampled: int) -> list[int]:
+        """Positions (in the sorted sample) that also get entropy, top-k and output norms:
+        ``n_detail`` evenly spread ones, always including the last query."""
+        nd = min(self.n_detail, num_sampled)
+        if nd <= 0:
+            return []
+        if nd == 1:
+            return [num_sampled - 1]
+        return sorted({round(i * (num_sampled - 1) / (nd - 1)) for i in range(nd)})
+
     # ------------------------------------------------------------------ updates
     def update(self, layer: int, q: Any, k: Any, scale: float, *, q_start: int | None = None,
                v: Any = None, softcap: float | None = None, sink_logits: Any = None,
@@ -131,11 +145,12 @@ class HeadStatsAccumulator:
         the last Lq of the keys, i.e. a prefill or a decode step); k: [Lk, Hkv, D] all keys
         of the request so far, causal. v: [Lk, Hkv, Dv] optional (output norms).
         softcap: Gemma-2 style tanh cap on logits; sink_logits: [Hq] learned sink logits
-        (gpt-oss), counted as sink mass. Returns the number of sampled queries.
+        (gpt-oss), counted as sink mass. ``sample``: explicit query indices (default
+        :meth:`sample_queries`). Returns the number of sampled queries.
         """
         import torch
 
-        lq, hq, d = q.shape
+        lq, hq, _ = q.shape
         lk, hkv, _ = k.shape
         if hq != self.num_q_heads or hkv != self.num_kv_heads:
             raise ValueError(f"expected {self.num_q_heads} q / {self.num_kv_heads} kv heads, "
@@ -144,31 +159,14 @@ class HeadStatsAccumulator:
         idx = self.sample_queries(lq, start) if sample is None else torch.as_tensor(sample)
         if idx.numel() == 0:
             return 0
-        g = self.group_size
-        sinks = torch.tensor(self.sinks_grid, dtype=torch.long)
-        wins = torch.tensor(self.window_grid, dtype=torch.long)
+        idx = idx.sort().values
+        detail = set(self.detail_subset(idx.numel()))
         with torch.no_grad():
+            kh = k.float().permute(1, 2, 0)  # [hkv, d, Lk]
             for c0 in range(0, idx.numel(), self.chunk_queries):
                 ci = idx[c0:c0 + self.chunk_queries]
-                pos = ci + start  # absolute positions, [c]
-                n = int(pos.max()) + 1
-                qc = q[ci].float().view(-1, hkv, g, d)
-                kc = k[:n].float()
-                logits = torch.einsum("chgd,nhd->chgn", qc, kc).reshape(-1, hq, n) * scale
-                if softcap:
-                    logits = torch.tanh(logits / softcap) * softcap
-                keys = torch.arange(n)
-                logits.masked_fill_((keys[None, :] > pos[:, None])[:, None, :], float("-inf"))
-                if sink_logits is not None:
-                    sl = torch.as_tensor(sink_logits).float().view(1, hq, 1).expand(len(ci),
-                                                                                  hq, 1)
-                    p = torch.softmax(torch.cat([logits, sl], -1), -1)
-                    learned, p = p[..., -1], p[..., :-1]
-                else:
-                    learned = None
-                    p = torch.softmax(logits, -1)
-                self._fold(layer, p, pos, learned, sinks, wins,
-                           None if v is None else v[:n])
+                det = [i - c0 for i in range(c0, c0 + len(ci)) if i in detail]
+                self._chunk(layer, q, kh, v, ci, start, scale, softcap, sink_logits, det)
         self.requests[layer] += 1
         return int(idx.numel())
 
@@ -182,70 +180,139 @@ class HeadStatsAccumulator:
                              v=None if v is None else v[b].transpose(0, 1), **kw)
         return n
 
-    def _fold(self, layer: int, p: Any, pos: Any, learned: Any, sinks: Any, wins: Any,
-              v: Any) -> None:
+    def _chunk(self, layer: int, q: Any, kh: Any, v: Any, ci: Any, start: int, scale: float,
+               softcap: float | None, sink_logits: Any, det: list[int]) -> None:
+        """One chunk of sampled queries. Rows are laid out [hkv, c*g] as bmm produces them,
+        so the [rows, keys] matrix is written once and read a handful of times (mask tail,
+        max, exp, block sums); no sort or cumsum over all keys."""
         import torch
 
-        c, hq, n = p.shape
-        cs = p.cumsum(-1)  # [c, hq, n]
-        total = cs[..., -1]
-        nseen = (pos + 1).float()  # keys seen by each query under full attention
-        # sink mass per s (s = 0 -> 0); learned sinks (gpt-oss) add their mass to every s > 0
-        sidx = (sinks - 1).clamp(min=0)[None, None, :].expand(c, hq, -1)
-        sink_m = torch.gather(cs, 2, sidx.clamp(max=n - 1))
-        sink_m = torch.where((sinks == 0)[None, None, :], torch.zeros_like(sink_m), sink_m)
-        # keys beyond a query's position have p == 0, so cs at index >= pos equals total
+        c = len(ci)
+        hkv, g = self.num_kv_heads, self.group_size
+        hq = hkv * g
+        pos = ci + start
+        pos_l = pos.tolist()
+        n = pos_l[-1] + 1
+        # scale folded into q: one pass over [rows, keys] fewer
+        qh = (q[ci].float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
+            hkv, c * g, -1)
+        x = torch.bmm(qh, kh[:, :, :n])  # [hkv, c*g, n] logits
+        if softcap:
+            x.div_(softcap).tanh_().mul_(softcap)
+        lo = pos_l[0] + 1
+        rowpos = pos.repeat_interleave(g)  # row r belongs to query r // g
+        if lo < n:  # causal mask; a finite fill keeps 0 * fill == 0 below
+            keys = torch.arange(lo, n)
+            x[:, :, lo:].masked_fill_(keys[None, None, :] > rowpos[None, :, None], -1e30)
+        m, top1 = x.max(-1)  # [hkv, c*g]
+        x.sub_(m[..., None]).exp_()  # unnormalized weights e, max 1
+        # Block sums (one pass) and their suffix sums in float64 give the mass of any key
+        # range [a, n) as suffix-of-blocks + a partial block: summed directly, never as
+        # total - prefix, so small local masses stay precise.
+        bs = _BLOCK
+        nb = n // bs
+        blocks = torch.empty(hkv, c * g, nb + 2, dtype=torch.float64)
+        blocks[..., :nb] = x[..., :nb * bs].reshape(hkv, c * g, nb, bs).sum(-1)
+        blocks[..., nb] = x[..., nb * bs:].sum(-1)
+        blocks[..., nb + 1] = 0.0
+        suffix = blocks.flip(-1).cumsum(-1).flip(-1)  # suffix[b] = sum of blocks b..
+        z = suffix[..., 0]
+        wins_t = torch.tensor(self.window_grid)
+        first = (rowpos[:, None] - wins_t[None, :] + 1).clamp(min=0)  # [rows, W] window start
+        fb = first // bs
+        t = torch.arange(bs)
+        cols = fb[..., None] * bs + t  # [rows, W, bs] the rest of the start's block
+        ok = (cols >= first[..., None]) & (cols < n)
+        part = torch.gather(x, 2, cols.clamp(max=n - 1).reshape(1, c * g, -1)
+                            .expand(hkv, -1, -1)).reshape(hkv, c * g, len(self.window_grid),
+                                                          bs)
+        part = (part * ok[None]).sum(-1).double()
+        local = torch.gather(suffix, 2, (fb + 1).clamp(max=nb + 1)[None].expand(hkv, -1, -1))
+        local = local + part  # [hkv, rows, W]
+        smax = max(self.sinks_grid)
+        pre = x[:, :, :max(1, smax)].double().cumsum(-1)
+        sink_idx = torch.tensor([max(0, s - 1) for s in self.sinks_grid]).clamp(max=n - 1)
+        has = torch.tensor([s > 0 for s in self.sinks_grid], dtype=torch.float64)
+        sink_m = pre[:, :, sink_idx] * has
+        learned = None
+        if sink_logits is not None:
+            sl = torch.as_tensor(sink_logits).float().view(hkv, 1, g).expand(hkv, c, g)
+            extra = torch.exp(sl.reshape(hkv, c * g) - m).double()
+            z = z + extra
+            learned = extra / z
+        zz = z[..., None]
+        local = local / zz
+        sink_m = sink_m / zz
         if learned is not None:
-            sink_m = sink_m + torch.where((sinks > 0)[None, None, :], learned[..., None], 0.0)
-        # local mass of the last w keys as a suffix sum from key pos - w + 1 (keys after pos
-        # have p == 0); a suffix sum keeps small local masses precise, total - prefix would not
-        rs = p.flip(-1).cumsum(-1).flip(-1)
-        first = (pos[:, None] - wins[None, :] + 1).clamp(min=0)  # [c, W]
-        local = torch.gather(rs, 2, first[:, None, :].expand(c, hq, -1))  # [c, hq, W]
-        cov = (local[:, :, None, :] + sink_m[..., None]).clamp(max=1.0)  # [c, hq, S, W]
-        elig = (nseen[:, None, None] > (sinks[:, None] + wins[None, :])[None])  # [c, S, W]
-        top1 = p.argmax(-1)  # [c, hq]
-        out = ((top1[..., None, None] >= sinks[None, None, :, None])
-               & (top1[..., None, None] <= (pos[:, None, None, None] - wins[None, None, None, :])))
-        ent = -torch.special.xlogy(p, p).sum(-1)
-        ent_n = torch.where(nseen[:, None] > 1, ent / torch.log(nseen.clamp(min=2))[:, None],
-                            torch.zeros_like(ent))
-        srt = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
-        topk = (srt < self.mass_gamma * total[..., None]).sum(-1) + 1  # [c, hq]
+            sink_m = sink_m + learned[..., None] * has
 
-        e = elig[:, None].expand(c, hq, *elig.shape[1:]).double().numpy()
-        covn = cov.double().numpy()
+        def rows_to_ch(t: Any) -> Any:  # [hkv, c*g, ...] -> [c, hq, ...] as float64 numpy
+            t = t.reshape(hkv, c, g, *t.shape[2:]).transpose(0, 1).reshape(c, hq, *t.shape[2:])
+            return t.double().numpy()
+
+        self._fold(layer, pos, rows_to_ch(sink_m), rows_to_ch(local), rows_to_ch(top1),
+                   rows_to_ch(1.0 / z))
+        if det:
+            self._detail(layer, x, z.float(), pos_l, det, v, c)
+
+    def _fold(self, layer: int, pos: Any, sink_m: Any, local: Any, top1: Any, maxw: Any
+              ) -> None:
+        c = top1.shape[0]
+        sinks = np.asarray(self.sinks_grid)
+        wins = np.asarray(self.window_grid)
+        posn = pos.numpy()
+        nseen = posn + 1.0
+        cov = np.minimum(local[:, :, None, :] + sink_m[..., None], 1.0)  # [c, hq, S, W]
+        elig = nseen[:, None, None] > (sinks[:, None] + wins[None, :])[None]  # [c, S, W]
+        e = np.broadcast_to(elig[:, None], cov.shape).astype(np.float64)
+        out = ((top1[..., None, None] >= sinks[None, None, :, None])
+               & (top1[..., None, None] <= (posn[:, None, None, None] - wins[None, None, None, :])))
         L = layer
         self.queries[L] += c
-        self.sink_sum[L] += sink_m.double().sum(0).numpy()
-        entn = ent_n.double().numpy()
-        self.entropy_sum[L] += entn.sum(0)
-        eb = np.clip((entn * _ENTROPY_BINS).astype(np.int64), 0, _ENTROPY_BINS - 1)
-        for h in range(hq):
-            self.entropy_hist[L, h] += np.bincount(eb[:, h], minlength=_ENTROPY_BINS)
-        self.maxw_sum[L] += p.max(-1).values.double().sum(0).numpy()
-        tk = topk.numpy()
-        self.topk_frac_sum[L] += (tk / nseen.numpy()[:, None]).sum(0)
-        kb = np.clip(np.searchsorted(self.k_edges, tk, side="left"), 0, len(self.k_edges) - 1)
-        for h in range(hq):
-            self.topk_hist[L, h] += np.bincount(kb[:, h], minlength=len(self.k_edges))
+        self.sink_sum[L] += sink_m.sum(0)
+        self.maxw_sum[L] += maxw.sum(0)
         self.cov_n[L] += e.sum(0)
-        self.cov_sum[L] += (covn * e).sum(0)
-        self.cov_min[L] = np.minimum(self.cov_min[L], np.where(e > 0, covn, 1.0).min(0))
-        self.top1_out[L] += (out.double().numpy() * e).sum(0)
+        self.cov_sum[L] += (cov * e).sum(0)
+        self.cov_min[L] = np.minimum(self.cov_min[L], np.where(e > 0, cov, 1.0).min(0))
+        self.top1_out[L] += (out * e).sum(0)
         nb = len(COVERAGE_LOSS_EDGES)
-        cb = np.clip(np.searchsorted(COVERAGE_LOSS_EDGES, 1.0 - covn, side="right") - 1, 0,
+        cb = np.clip(np.searchsorted(COVERAGE_LOSS_EDGES, 1.0 - cov, side="right") - 1, 0,
                      nb - 1)
         # one-hot add per eligible (query, head, s, w): bounded by the sample size
         flat = (cb + nb * np.arange(cb[0].size).reshape(cb.shape[1:])[None]).ravel()
         counts = np.bincount(flat, weights=e.ravel(), minlength=cb[0].size * nb)
         self.cov_hist[L] += counts.reshape(*cb.shape[1:], nb)
-        if v is not None:
-            vg = v.float()  # [n, hkv, dv]
-            g = self.group_size
-            o = torch.einsum("chgn,nhd->chgd", p.view(c, self.num_kv_heads, g, n), vg)
-            self.out_norm_sum[L] += o.reshape(c, hq, -1).norm(dim=-1).double().sum(0).numpy()
-            self.out_norm_n[L] += c
+
+    def _detail(self, layer: int, x: Any, z: Any, pos_l: list[int], det: list[int], v: Any,
+                c: int) -> None:
+        """Entropy, top-k for ``mass_gamma`` and output norm on a few queries (sorting whole
+        rows is the costliest part, so it runs on ``n_detail`` queries per request)."""
+        import torch
+
+        hkv, g = self.num_kv_heads, self.group_size
+        hq = hkv * g
+        L = layer
+        for qi in det:
+            p_ = pos_l[qi]
+            n = p_ + 1
+            rows = slice(qi * g, (qi + 1) * g)
+            p = (x[:, rows, :n] / z[:, rows, None]).reshape(hq, n)  # [hq, n] (kv-major)
+            ent = -torch.special.xlogy(p, p).sum(-1)
+            ent_n = (ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double().numpy()
+            srt = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
+            tk = ((srt < self.mass_gamma * srt[:, -1:]).sum(-1) + 1).numpy()
+            self.detail_n[L] += 1
+            self.entropy_sum[L] += ent_n
+            eb = np.clip((ent_n * _ENTROPY_BINS).astype(np.int64), 0, _ENTROPY_BINS - 1)
+            self.entropy_hist[L, np.arange(hq), eb] += 1
+            self.topk_frac_sum[L] += tk / n
+            kb = np.clip(np.searchsorted(self.k_edges, tk, side="left"), 0,
+                         len(self.k_edges) - 1)
+            self.topk_hist[L, np.arange(hq), kb] += 1
+            if v is not None:
+                o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
+                self.out_norm_sum[L] += o.reshape(hq, -1).norm(dim=-1).double().numpy()
+                self.out_norm_n[L] += 1
 
     # ------------------------------------------------------------------ read-out
     def coverage_quantile(self, q: float = 0.05) -> Any:
@@ -273,14 +340,15 @@ class HeadStatsAccumulator:
 
     def per_head_means(self) -> dict[str, Any]:
         qn = np.maximum(self.queries, 1)
+        dn = np.where(self.detail_n > 0, self.detail_n, np.nan)
         return {
             "sink_mass": self.sink_sum / qn[..., None],
-            "entropy": self.entropy_sum / qn,
+            "entropy": self.entropy_sum / dn,
             "max_weight": self.maxw_sum / qn,
-            "topk_fraction": self.topk_frac_sum / qn,
+            "topk_fraction": self.topk_frac_sum / dn,
             "top1_outside": self.top1_out / np.maximum(self.cov_n, 1),
-            "output_norm": np.where(self.out_norm_n > 0,
-                                    self.out_norm_sum / np.maximum(self.out_norm_n, 1), np.nan),
+            "output_norm": self.out_norm_sum / np.where(self.out_norm_n > 0, self.out_norm_n,
+                                                        np.nan),
         }
 
     def topk_quantile(self, q: float = 0.5) -> Any:
@@ -298,7 +366,7 @@ class HeadStatsAccumulator:
         if not same:
             raise ValueError("cannot merge head statistics with different shapes or grids")
 
-    _SUM_FIELDS = ("queries", "requests", "sink_sum", "entropy_sum", "entropy_hist",
+    _SUM_FIELDS = ("queries", "detail_n", "requests", "sink_sum", "entropy_sum", "entropy_hist",
                    "maxw_sum", "topk_frac_sum", "topk_hist", "cov_n", "cov_sum", "cov_hist",
                    "top1_out", "out_norm_sum", "out_norm_n")
 
@@ -322,7 +390,8 @@ class HeadStatsAccumulator:
             "schema": _SCHEMA, "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads, "group_size": self.group_size,
             "sinks_grid": list(self.sinks_grid), "window_grid": list(self.window_grid),
-            "n_last": self.n_last, "n_random": self.n_random, "mass_gamma": self.mass_gamma,
+            "n_last": self.n_last, "n_random": self.n_random, "n_detail": self.n_detail,
+            "mass_gamma": self.mass_gamma,
             "coverage_loss_edges": list(COVERAGE_LOSS_EDGES), "arrays": arrays,
         }
 
@@ -334,7 +403,8 @@ class HeadStatsAccumulator:
             raise ValueError("coverage histogram edges differ from this version")
         acc = cls(int(d["num_layers"]), int(d["num_kv_heads"]), int(d["group_size"]),
                   d["sinks_grid"], d["window_grid"], n_last=int(d["n_last"]),
-                  n_random=int(d["n_random"]), mass_gamma=float(d["mass_gamma"]))
+                  n_random=int(d["n_random"]), n_detail=int(d.get("n_detail", 4)),
+                  mass_gamma=float(d["mass_gamma"]))
         for f, spec in d["arrays"].items():
             if f not in (*cls._SUM_FIELDS, "cov_min"):
                 continue
