@@ -120,6 +120,18 @@ def test_record_function_ranges_in_trace() -> None:
         m(input_ids=torch.randint(0, 100, (1, 8)))
     names = {e.name for e in p.events()}
     assert {"attn::L0::sdpa", "attn::L1::sdpa"} <= names
+    # The trace's own ground truth agrees with the map: the fused CPU op ran under SDPA.
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+
+
+def test_eager_trace_has_no_sdpa_op() -> None:
+    m = tiny("llama", "eager")
+    with torch.no_grad(), instrument(m) as prof, torch.profiler.profile() as p:
+        m(input_ids=torch.randint(0, 100, (1, 8)))
+    names = {e.name for e in p.events()}
+    assert "attn::L0::eager" in names and "aten::softmax" in names
+    assert not any("scaled_dot_product" in n for n in names)
+    assert all(not r["fused"] for r in prof.activation_map())
 
 
 def test_on_call_errors_never_reach_the_model() -> None:
