@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnprof.plugin.sparsity.classify import Thresholds, classify, head_windows
-from attnprof.plugin.sparsity.recommend import evaluate, recommend
+from attnprof.plugin.sparsity.recommend import evaluate, export_summary, recommend
 from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
 from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
 
@@ -176,6 +176,12 @@ def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
     assert rec["attention_flop_saving"] == pytest.approx(
         evaluate(dist, arch, 16, 4, layers=[0])["attention_flop_saving"])
     assert rec["head_level_split"]["windowed_kv_heads"] == 3
+    exp = export_summary(rec)
+    assert [x["windowed"] for x in exp["per_layer"]] == [True, False]
+    assert exp["per_layer"][1]["coverage_q"]["64"] < 0.9 <= exp["per_layer"][0][
+        "coverage_q"]["16"]
+    assert exp["safe"] is False and "not validated" in exp["summary"]
+    assert len(json.dumps(exp)) < 4000  # bounded: no per-head or per-request lists
 
 
 def test_hf_layout_merge_and_roundtrip() -> None:

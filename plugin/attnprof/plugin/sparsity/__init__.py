@@ -14,7 +14,12 @@ from attnprof.plugin.sparsity.inputs import (
     query_prometheus,
     read_lengths_file,
 )
-from attnprof.plugin.sparsity.recommend import evaluate, format_summary, recommend
+from attnprof.plugin.sparsity.recommend import (
+    evaluate,
+    export_summary,
+    format_summary,
+    recommend,
+)
 from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
 from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
 
@@ -26,6 +31,7 @@ __all__ = [
     "Thresholds",
     "classify",
     "evaluate",
+    "export_summary",
     "format_summary",
     "from_prometheus_response",
     "from_snapshot",

@@ -30,6 +30,7 @@ __all__ = [
     "DYNAMIC_SPARSE_MIN_TOKENS",
     "as_distribution",
     "evaluate",
+    "export_summary",
     "format_summary",
     "kv_coverage",
     "recommend",
@@ -322,3 +323,41 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
                      f"{replay['mean_kl']:.3g} -> {verdict} (target >= "
                      f"{replay['target_agreement']:.0%}, KL <= {replay['max_kl']:g})")
     return "; ".join(parts)
+
+
+def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """Bounded view of a recommendation for metrics, snapshot JSON and profile.json.
+
+    Size is O(layers x windows): per layer, the windowable-or-not decision, mean sink mass,
+    KV-head class counts and the worst KV head's low-quantile coverage at each grid window.
+    No lengths of individual requests, no text.
+    """
+    cls = rec.get("classification")
+    per_layer = None
+    if cls:
+        per_layer = []
+        for x in cls["layers"]:
+            cov: dict[str, float | None] = {}
+            for w in cls["window_grid"]:
+                vals = [k["coverage_q"][str(w)] for k in x["kv_heads"]
+                        if k["coverage_q"].get(str(w)) is not None]
+                cov[str(w)] = min(vals) if len(vals) == len(x["kv_heads"]) else None
+            per_layer.append({"layer": x["layer"], "window": x["window"],
+                              "windowed": x["layer"] in rec["layers"],
+                              "sink_mass": x["sink_mass"], "classes": x["classes"],
+                              "coverage_q": cov})
+    return {
+        "sinks": rec["sinks"], "window": rec["window"], "layers": list(rec["layers"]),
+        "attention_flop_saving": rec["attention_flop_saving"],
+        "kv_memory_saving": rec["kv_memory_saving"],
+        "exact_request_fraction": rec["exact_request_fraction"],
+        "heads_at_risk_count": rec.get("heads_at_risk_count"),
+        "basis": rec.get("basis"),
+        "traffic": {k: rec["traffic"][k] for k in ("requests", "p50", "p90", "p99", "max")},
+        "replay": None if replay is None else {
+            k: replay[k] for k in ("agreement", "mean_kl", "positions", "safe", "verdict")},
+        "safe": bool(replay and replay.get("safe")),
+        "summary": format_summary(rec, replay),
+        "per_layer": per_layer,
+    }
