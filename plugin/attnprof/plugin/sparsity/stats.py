@@ -62,8 +62,8 @@ class HeadStatsAccumulator:
     def __init__(self, num_layers: int, num_kv_heads: int, group_size: int,
                  sinks_grid: Sequence[int] = DEFAULT_SINKS_GRID,
                  window_grid: Sequence[int] = DEFAULT_WINDOW_GRID, *,
-                 n_last: int = 64, n_random: int = 64, n_detail: int = 4,
-                 chunk_queries: int = 32, mass_gamma: float = 0.9, seed: int = 0) -> None:
+                 n_last: int = 32, n_random: int = 32, n_detail: int = 2,
+                 chunk_queries: int = 16, mass_gamma: float = 0.9, seed: int = 0) -> None:
         if num_layers <= 0 or num_kv_heads <= 0 or group_size <= 0:
             raise ValueError("num_layers, num_kv_heads and group_size must be positive")
         self.num_layers = num_layers
@@ -403,7 +403,7 @@ class HeadStatsAccumulator:
             raise ValueError("coverage histogram edges differ from this version")
         acc = cls(int(d["num_layers"]), int(d["num_kv_heads"]), int(d["group_size"]),
                   d["sinks_grid"], d["window_grid"], n_last=int(d["n_last"]),
-                  n_random=int(d["n_random"]), n_detail=int(d.get("n_detail", 4)),
+                  n_random=int(d["n_random"]), n_detail=int(d.get("n_detail", 2)),
                   mass_gamma=float(d["mass_gamma"]))
         for f, spec in d["arrays"].items():
             if f not in (*cls._SUM_FIELDS, "cov_min"):
