@@ -14,8 +14,8 @@ import pytest
 
 from attnprof.plugin.cli import main
 from attnprof.plugin.sparsity.classify import CLASSES, Thresholds, classify
-from attnprof.plugin.sparsity.recommend import recommend
-from attnprof.plugin.sparsity.replay import collect_head_stats, load_model
+from attnprof.plugin.sparsity.recommend import format_summary, recommend
+from attnprof.plugin.sparsity.replay import collect_head_stats, load_model, replay
 from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
@@ -68,10 +68,12 @@ PROMPTS = [
 
 def test_head_statistics_end_to_end(smollm2_dir: Path) -> None:
     model, tok, path = load_model(str(smollm2_dir))
-    acc = collect_head_stats(model, tok, PROMPTS, sinks_grid=(0, 1, 4, 16),
-                             window_grid=(16, 32, 64, 128, 256))
+    # the three texts, plus two ~690-token multi-document prompts built from them
+    prompts = [*PROMPTS, " ".join(PROMPTS), " ".join(PROMPTS[::-1])]
+    acc = collect_head_stats(model, tok, prompts, sinks_grid=(0, 1, 4, 16),
+                             window_grid=(16, 32, 64, 128, 256, 512))
     assert (acc.num_layers, acc.num_kv_heads, acc.group_size) == (30, 3, 3)
-    assert acc.requests.tolist() == [len(PROMPTS)] * 30
+    assert acc.requests.tolist() == [len(prompts)] * 30
     means = acc.per_head_means()
     sink = means["sink_mass"]
     s1, s4 = acc.sinks_grid.index(1), acc.sinks_grid.index(4)
@@ -91,13 +93,17 @@ def test_head_statistics_end_to_end(smollm2_dir: Path) -> None:
                 else None for i in range(len(acc.window_grid))]
     print("mean coverage (s=4) by window", acc.window_grid, ":", mean_cov)
     print("KV-head classes:", cls["class_counts"])
-    rec = recommend(LengthDistribution.from_lengths([300, 600, 900, 2000, 4000]),
-                    Arch.from_model_dir(path), acc)
-    print("recommendation:", {k: rec[k] for k in ("sinks", "window", "layers",
-                                                  "attention_flop_saving", "kv_memory_saving",
-                                                  "exact_request_fraction")})
+    lengths = [len(tok(p)["input_ids"]) + 24 for p in prompts] + [2000, 3000, 4000]
+    rec = recommend(LengthDistribution.from_lengths(lengths), Arch.from_model_dir(path), acc)
     assert rec["heads_at_risk_count"] == 0  # windowed layers are covered by construction
     assert json.loads(json.dumps(acc.to_dict()))["num_layers"] == 30
+    res = None
+    if rec["layers"]:
+        res = replay(model, tok, prompts, rec["window"], rec["sinks"], layers=rec["layers"])
+        assert res["positions"] > 0
+        assert res["safe"] == (res["agreement"] >= 0.95 and res["mean_kl"] <= 0.05
+                               and res["positions"] >= 64)
+    print(format_summary(rec, res))
 
 
 def test_validate_window_on_smollm2(smollm2_dir: Path, tmp_path: Path,
