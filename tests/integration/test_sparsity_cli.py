@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,75 @@ def test_entry_point_exit_code(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"attnprof: error: {f}: the file is empty (no lengths)"]
+
+
+class _Endpoints(http.server.BaseHTTPRequestHandler):
+    """Loopback stand-ins for an attnprof server and a Prometheus API (real HTTP, real JSON)."""
+
+    snapshot: dict[str, object] = {}
+    queries: list[str] = []
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlparse(self.path)
+        if url.path == "/attnprof/snapshot":
+            body = self.snapshot
+        elif url.path == "/api/v1/query":
+            self.queries.append(urllib.parse.parse_qs(url.query)["query"][0])
+            body = {"status": "success", "data": {"resultType": "vector", "result": [
+                {"metric": {"le": le}, "value": [1733140000.0, c]}
+                for le, c in (("100", "30"), ("1000", "90"), ("+Inf", "100"))]}}
+        else:
+            self.send_error(404)
+            return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_suggest_from_live_snapshot_and_prometheus(tiny_model: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+
+    import torch
+
+    from attnprof.plugin.sketch import QuantileSketch
+    from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
+
+    sk = QuantileSketch()
+    for x in [50] * 10 + [400] * 10:
+        sk.add(x)
+    acc = HeadStatsAccumulator(2, 2, 2, window_grid=(128, 256))
+    torch.manual_seed(0)
+    for layer in range(2):
+        acc.update(layer, torch.randn(300, 4, 64), torch.randn(300, 2, 64), 0.125)
+    _Endpoints.snapshot = {"schema_version": "attnprof.snapshot/1",
+                           "requests": {"context_tokens": {"sketch": sk.to_dict()}},
+                           "workers": [{"head_stats": acc.to_dict()}, {"head_stats": None}]}
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endpoints)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        rc, out, err = run(["suggest-window", "--url", base, "--model", str(tiny_model),
+                            "--json"], capsys)
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["head_stats"] is True and d["traffic"]["requests"] == 20
+        assert abs(d["traffic"]["p90"] - 400) <= 5
+        rc, out, err = run(["suggest-window", "--prometheus", base, "--prometheus-model",
+                            "tiny", "--prometheus-range", "1d", "--model", str(tiny_model),
+                            "--window", "128", "--sinks", "4", "--json"], capsys)
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["traffic"]["requests"] == 100
+        assert d["exact_request_fraction"] == pytest.approx(0.3)  # 30 requests <= 100 tokens
+        assert _Endpoints.queries[-1] == (
+            'sum by (le) (increase(attnprof_request_context_tokens_bucket{model="tiny"}[1d]))')
+    finally:
+        srv.shutdown()
+        srv.server_close()
