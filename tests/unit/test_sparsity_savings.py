@@ -109,8 +109,16 @@ def test_native_windows_report_never_binds_and_global_share() -> None:
     nw = rec["native_windows"]
     assert round(nw["global_kv_share"], 3) == 0.865
     assert nw["sliding"][0]["never_binds"] is False
+    assert any("global layers hold 86%" in a for a in rec["advice"])
+    assert any("dynamic sparse prefill" not in a for a in rec["advice"])
     short = recommend(LengthDistribution.from_lengths([500, 900]), arch)
     assert short["native_windows"]["sliding"][0]["never_binds"] is True
+    assert any("never binds" in a for a in short["advice"])
+    long = recommend(LengthDistribution.from_lengths([1000] * 9 + [40000]), arch)
+    assert any("10.0% of requests" in a and "dynamic sparse" in a for a in long["advice"])
+    all_sliding = Arch(2, 4, 2, 16, layer_windows=(64, 64))
+    rec = recommend(LengthDistribution.from_lengths([10, 500]), all_sliding)
+    assert rec["layers"] == [] and "every layer already slides" in format_summary(rec)
 
 
 def test_arch_from_configs() -> None:

@@ -176,6 +176,7 @@ def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
     assert rec["attention_flop_saving"] == pytest.approx(
         evaluate(dist, arch, 16, 4, layers=[0])["attention_flop_saving"])
     assert rec["head_level_split"]["windowed_kv_heads"] == 3
+    assert any(a.startswith("a head-level split (3 ") for a in rec["advice"])
     exp = export_summary(rec)
     assert [x["windowed"] for x in exp["per_layer"]] == [True, False]
     assert exp["per_layer"][1]["coverage_q"]["64"] < 0.9 <= exp["per_layer"][0][

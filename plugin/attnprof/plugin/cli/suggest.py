@@ -297,6 +297,8 @@ def render(out: dict[str, Any]) -> str:
                      f"{ds['attention_flop_share']:.1%} of attention FLOPs"
                      + (f", expected saving {ds['expected_attention_flop_saving']:.1%}"
                         if ds.get("expected_attention_flop_saving") is not None else ""))
+    for a in out.get("advice") or []:
+        lines.append(f"advice: {a}")
     nw = out.get("native_windows")
     if nw:
         for g in nw["sliding"]:

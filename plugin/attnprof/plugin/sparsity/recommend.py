@@ -282,7 +282,37 @@ def recommend(lengths: Any, arch: Arch, head_stats: HeadStatsAccumulator | None 
     rec["head_level_split"] = None if cls is None else _head_split(dist, arch, cls, s)
     rec["dynamic_sparse_prefill"] = _dynamic_sparse(dist, arch, head_stats)
     rec["native_windows"] = _native_windows(dist, arch)
+    rec["advice"] = _advice(rec)
     return rec
+
+
+def _advice(rec: Mapping[str, Any]) -> list[str]:
+    """Where something other than the chosen layer-wide window would save more."""
+    out: list[str] = []
+    nw = rec.get("native_windows")
+    if nw:
+        for g in nw["sliding"]:
+            if g["never_binds"]:
+                out.append(f"the native window {g['window']} never binds on this traffic: "
+                           f"its {len(g['layers'])} sliding layers save nothing")
+        if nw["global_kv_share"] >= 0.5:
+            out.append(f"global layers hold {nw['global_kv_share']:.0%} of KV memory: window "
+                       "or split heads there first")
+    hs = rec.get("head_level_split")
+    if hs and hs["attention_flop_saving"] > rec["attention_flop_saving"] + 0.01:
+        out.append(f"a head-level split ({hs['windowed_kv_heads']} streaming/local KV heads at "
+                   f"their own window, the rest full) would save "
+                   f"{hs['attention_flop_saving']:.1%} of attention FLOPs and "
+                   f"{hs['kv_memory_saving']:.1%} of KV memory vs "
+                   f"{rec['attention_flop_saving']:.1%} / {rec['kv_memory_saving']:.1%}")
+    ds = rec.get("dynamic_sparse_prefill")
+    if ds and ds["request_fraction"] > 0:
+        exp = ds.get("expected_attention_flop_saving")
+        out.append(f"{ds['request_fraction']:.1%} of requests ({ds['attention_flop_share']:.0%}"
+                   f" of attention FLOPs) exceed {ds['min_tokens']} tokens: dynamic sparse "
+                   "prefill applies there" + (f", expected saving {exp:.1%} of attention "
+                                              "FLOPs" if exp is not None else ""))
+    return out
 
 
 def _layer_ranges(layers: Sequence[int]) -> str:
@@ -307,8 +337,13 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     layers = rec["layers"]
     parts = [f"your traffic: P50/P90/P99 = {tr['p50']}/{tr['p90']}/{tr['p99']} tokens"]
     if not layers:
-        parts.append("suggestion: keep full attention (no layer has every KV head covered "
-                     "by a window in the grid; see the head-level split)")
+        native = rec["model"].get("layer_windows") or []
+        if native and all(w is not None for w in native):
+            parts.append(f"suggestion: none needed, every layer already slides (window "
+                         f"{max(native)}); see where it binds")
+        else:
+            parts.append("suggestion: keep full attention (no layer has every KV head "
+                         "covered by a window in the grid; see the head-level split)")
         return "; ".join(parts)
     parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
               f"{_layer_ranges(layers)} ({len(layers)} of {n_layers})",
