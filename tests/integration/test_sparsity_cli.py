@@ -127,6 +127,11 @@ def test_validate_window_cli(tiny_model: Path, tmp_path: Path,
     assert ("NOT safe" in out) != d["safe"]
     rc, _, err = run(["validate-window", "--window", "0", "--sinks", "2"], capsys)
     assert rc == 2 and err.startswith("attnprof: error: --window")
+    prompts.write_text("[1, 2]")
+    rc, out, err = run(["validate-window", "--window", "8", "--sinks", "2", "--model",
+                        str(tiny_model), "--prompts", str(prompts)], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "expected a JSON list of strings" in err
 
 
 def test_entry_point_exit_code(tmp_path: Path) -> None:

@@ -156,7 +156,8 @@ class HeadStatsAccumulator:
             raise ValueError(f"expected {self.num_q_heads} q / {self.num_kv_heads} kv heads, "
                              f"got {hq} / {hkv}")
         start = lk - lq if q_start is None else int(q_start)
-        idx = self.sample_queries(lq, start) if sample is None else torch.as_tensor(sample)
+        idx = (self.sample_queries(lq, start) if sample is None
+               else torch.as_tensor(sample).cpu())
         if idx.numel() == 0:
             return 0
         idx = idx.sort().values
@@ -197,12 +198,13 @@ class HeadStatsAccumulator:
         qh = (q[ci].float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
             hkv, c * g, -1)
         x = torch.bmm(qh, kh[:, :, :n])  # [hkv, c*g, n] logits
+        dev = x.device  # CUDA in a GPU worker: keep index tensors there, results to numpy
         if softcap:
             x.div_(softcap).tanh_().mul_(softcap)
         lo = pos_l[0] + 1
-        rowpos = pos.repeat_interleave(g)  # row r belongs to query r // g
+        rowpos = pos.repeat_interleave(g).to(dev)  # row r belongs to query r // g
         if lo < n:  # causal mask; a finite fill keeps 0 * fill == 0 below
-            keys = torch.arange(lo, n)
+            keys = torch.arange(lo, n, device=dev)
             x[:, :, lo:].masked_fill_(keys[None, None, :] > rowpos[None, :, None], -1e30)
         m, top1 = x.max(-1)  # [hkv, c*g]
         x.sub_(m[..., None]).exp_()  # unnormalized weights e, max 1
@@ -211,16 +213,16 @@ class HeadStatsAccumulator:
         # total - prefix, so small local masses stay precise.
         bs = _BLOCK
         nb = n // bs
-        blocks = torch.empty(hkv, c * g, nb + 2, dtype=torch.float64)
+        blocks = torch.empty(hkv, c * g, nb + 2, dtype=torch.float64, device=dev)
         blocks[..., :nb] = x[..., :nb * bs].reshape(hkv, c * g, nb, bs).sum(-1)
         blocks[..., nb] = x[..., nb * bs:].sum(-1)
         blocks[..., nb + 1] = 0.0
         suffix = blocks.flip(-1).cumsum(-1).flip(-1)  # suffix[b] = sum of blocks b..
         z = suffix[..., 0]
-        wins_t = torch.tensor(self.window_grid)
+        wins_t = torch.tensor(self.window_grid, device=dev)
         first = (rowpos[:, None] - wins_t[None, :] + 1).clamp(min=0)  # [rows, W] window start
         fb = first // bs
-        t = torch.arange(bs)
+        t = torch.arange(bs, device=dev)
         cols = fb[..., None] * bs + t  # [rows, W, bs] the rest of the start's block
         ok = (cols >= first[..., None]) & (cols < n)
         part = torch.gather(x, 2, cols.clamp(max=n - 1).reshape(1, c * g, -1)
@@ -231,12 +233,13 @@ class HeadStatsAccumulator:
         local = local + part  # [hkv, rows, W]
         smax = max(self.sinks_grid)
         pre = x[:, :, :max(1, smax)].double().cumsum(-1)
-        sink_idx = torch.tensor([max(0, s - 1) for s in self.sinks_grid]).clamp(max=n - 1)
-        has = torch.tensor([s > 0 for s in self.sinks_grid], dtype=torch.float64)
+        sink_idx = torch.tensor([max(0, s - 1) for s in self.sinks_grid],
+                                device=dev).clamp(max=n - 1)
+        has = torch.tensor([s > 0 for s in self.sinks_grid], dtype=torch.float64, device=dev)
         sink_m = pre[:, :, sink_idx] * has
         learned = None
         if sink_logits is not None:
-            sl = torch.as_tensor(sink_logits).float().view(hkv, 1, g).expand(hkv, c, g)
+            sl = torch.as_tensor(sink_logits).to(dev).float().view(hkv, 1, g).expand(hkv, c, g)
             extra = torch.exp(sl.reshape(hkv, c * g) - m).double()
             z = z + extra
             learned = extra / z
@@ -248,7 +251,7 @@ class HeadStatsAccumulator:
 
         def rows_to_ch(t: Any) -> Any:  # [hkv, c*g, ...] -> [c, hq, ...] as float64 numpy
             t = t.reshape(hkv, c, g, *t.shape[2:]).transpose(0, 1).reshape(c, hq, *t.shape[2:])
-            return t.double().numpy()
+            return t.double().cpu().numpy()
 
         self._fold(layer, pos, rows_to_ch(sink_m), rows_to_ch(local), rows_to_ch(top1),
                    rows_to_ch(1.0 / z))
@@ -298,9 +301,9 @@ class HeadStatsAccumulator:
             rows = slice(qi * g, (qi + 1) * g)
             p = (x[:, rows, :n] / z[:, rows, None]).reshape(hq, n)  # [hq, n] (kv-major)
             ent = -torch.special.xlogy(p, p).sum(-1)
-            ent_n = (ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double().numpy()
+            ent_n = (ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double().cpu().numpy()
             srt = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
-            tk = ((srt < self.mass_gamma * srt[:, -1:]).sum(-1) + 1).numpy()
+            tk = ((srt < self.mass_gamma * srt[:, -1:]).sum(-1) + 1).cpu().numpy()
             self.detail_n[L] += 1
             self.entropy_sum[L] += ent_n
             eb = np.clip((ent_n * _ENTROPY_BINS).astype(np.int64), 0, _ENTROPY_BINS - 1)
@@ -311,7 +314,7 @@ class HeadStatsAccumulator:
             self.topk_hist[L, np.arange(hq), kb] += 1
             if v is not None:
                 o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
-                self.out_norm_sum[L] += o.reshape(hq, -1).norm(dim=-1).double().numpy()
+                self.out_norm_sum[L] += o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
                 self.out_norm_n[L] += 1
 
     # ------------------------------------------------------------------ read-out
