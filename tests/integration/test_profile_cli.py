@@ -141,3 +141,34 @@ def test_compat_cli_answers_case(capsys: Any) -> None:
     assert "flash_attn_3" in rep["active"] and "flashinfer" not in rep["active"]
     fi = next(b for b in rep["backends"] if b["backend"] == "flashinfer")
     assert fi["reasons"][0]["message"] == "head dim 96 not in [64, 128, 256, 512]"
+
+
+def test_profile_with_traffic_adds_the_window_advice(tmp_path: Path, capsys: Any) -> None:
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", "sdpa")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [20, 40, 60, 100, 120, 400, 900]) + "\n")
+    out = tmp_path / "out"
+    rc = main(["profile", str(ckpt), "--seq-lens", "32,64", "--memory-budget", "64MiB",
+               "--out", str(out), "--repeats", "1", "--no-validate", "--lengths", str(lengths)])
+    assert rc == 0
+    prof = validate_outputs(out)  # schema-checked, window_advice included
+    adv = prof["window_advice"]
+    capsys.readouterr()
+    # The same traffic through suggest-window gives the same recommendation.
+    assert main(["suggest-window", "--lengths", str(lengths), "--model", str(ckpt),
+                 "--json"]) == 0
+    sw = json.loads(capsys.readouterr().out)
+    for key in ("sinks", "window", "attention_flop_saving", "kv_memory_saving",
+                "exact_request_fraction"):
+        assert adv[key] == sw[key], key
+
+
+def test_profile_bad_lengths_file_fails_before_profiling(tmp_path: Path) -> None:
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", "sdpa")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\nabc\n")
+    r = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "profile", str(ckpt),
+                        "--lengths", str(bad), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing written

@@ -149,3 +149,23 @@ def test_kernel_map_of_the_live_server(tiny_server: Any) -> None:
     # Every other backend is rejected with at least one reason (fp32 rules out FlashAttention).
     assert group["rejected"] and all(group["rejected"].values())
     assert any("fp32" in r or "float32" in r for r in group["rejected"]["FLASH_ATTN"])
+
+
+def test_window_advice_in_snapshot_and_metrics(tiny_server: Any) -> None:
+    _complete(tiny_server, " ".join(["budget cost report batch prefill decode"] * 15), 2)
+    snap = _snapshot(tiny_server)
+    adv = snap["window_advice"]
+    assert "error" not in adv, adv
+    for key in ("attention_flop_saving", "kv_memory_saving", "exact_request_fraction"):
+        assert 0.0 <= adv[key] <= 1.0
+    assert adv["traffic"]["requests"] == snap["requests"]["requests"]
+    assert adv["head_stats_requests"] >= 1 and len(adv["per_layer"]) == 2
+    assert "your traffic: P50/P90/P99" in adv["summary"]
+    metrics = http_get(tiny_server.base_url + "/metrics")
+    assert metric_value(metrics, "attnprof_window_sinks_tokens", model="tiny") == adv["sinks"]
+    assert metric_value(metrics, "attnprof_window_exact_request_ratio", model="tiny") == \
+        pytest.approx(adv["exact_request_fraction"])
+    q = metric_value(metrics, "attnprof_head_stats_queries_total", model="tiny")
+    assert q is not None and q > 0
+    sink = metric_value(metrics, "attnprof_head_sink_mass_ratio", model="tiny", layer="0")
+    assert sink is not None and 0 <= sink <= 1

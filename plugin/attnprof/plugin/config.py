@@ -95,6 +95,8 @@ class Config:
     """Share of sampled steps that also compute per-head statistics."""
     head_stats_min_tokens: int = 256
     """Shortest prompt used for head statistics."""
+    advice_interval_s: float = 60.0
+    """Seconds between window-advice refreshes in the API server (0: only on snapshots)."""
     seed: int | None = None
     """Sampler seed; None draws one from the OS."""
     max_errors: int = 100
@@ -120,6 +122,7 @@ class Config:
             long_prefill_rate=_float(env, "ATTNPROF_LONG_PREFILL_RATE", 0.5, 0.0, 1.0),
             head_stats_rate=_float(env, "ATTNPROF_HEAD_STATS_RATE", 0.1, 0.0, 1.0),
             head_stats_min_tokens=_int(env, "ATTNPROF_HEAD_STATS_MIN_TOKENS", 256, 1) or 256,
+            advice_interval_s=_float(env, "ATTNPROF_ADVICE_INTERVAL_S", 60.0, 0.0, 86400.0),
             seed=_int(env, "ATTNPROF_SEED", None, None),
             max_errors=_int(env, "ATTNPROF_MAX_ERRORS", 100, 1) or 100,
             home=default_home(env),

@@ -54,6 +54,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Prompts shorter than this are not used for head statistics (no window could bind).",
     ),
     EnvVar(
+        "ATTNPROF_ADVICE_INTERVAL_S", "float in [0, 86400]", "60",
+        "Seconds between refreshes of the window-advice metrics in the API server (head "
+        "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots.",
+    ),
+    EnvVar(
         "ATTNPROF_SEED", "int", "(random)",
         "Seed of the sampler; set it for deterministic runs and tests.",
     ),

@@ -17,7 +17,7 @@ from typing import Any
 
 from attnprof.plugin.server import http_post_json
 
-__all__ = ["Request", "Result", "build_mix", "run_traffic"]
+__all__ = ["Request", "Result", "build_mix", "document", "run_traffic"]
 
 _WORDS = (
     "the", "a", "system", "model", "request", "server", "memory", "cache", "token", "layer",
@@ -67,6 +67,26 @@ def _doc(rng: random.Random, tok: Any, n_tokens: int) -> str:
     return str(tok.decode(ids))
 
 
+def document(rng: random.Random, tok: Any, n_tokens: int) -> str:
+    """Real English technical prose of exactly ``n_tokens`` tokens.
+
+    Drawn from the Python reference manual that ships with every CPython
+    (``pydoc_data.topics``): deterministic for a seed and Python version, and with the
+    attention structure of real documents (word salad has none), which the window advice
+    depends on.
+    """
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    parts: list[str] = []
+    while True:
+        parts.append(topics[rng.choice(names)])
+        text = "\n\n".join(parts)
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) >= n_tokens:
+            return str(tok.decode(ids[:n_tokens]))
+
+
 def build_mix(tokenizer: Any, seed: int = 0, chats: int = 16, doc_lengths: Sequence[int] = (
         600, 1200, 2000, 2900), chat_max_tokens: int = 24, doc_max_tokens: int = 8
               ) -> list[Request]:
@@ -78,7 +98,7 @@ def build_mix(tokenizer: Any, seed: int = 0, chats: int = 16, doc_lengths: Seque
         q = f"Tell me one fact about {topic}. " + _doc(rng, tokenizer, rng.randint(10, 100))
         reqs.append(Request("chat", chat_max_tokens, messages=[{"role": "user", "content": q}]))
     for n in doc_lengths:
-        body = _doc(rng, tokenizer, n)
+        body = document(rng, tokenizer, n)
         reqs.append(Request("document", doc_max_tokens,
                             prompt=f"Summarize the following document.\n\n{body}\n\nSummary:",
                             target_prompt_tokens=n))

@@ -32,6 +32,8 @@ def add_parser(sub: Any) -> None:
                    help="ATTNPROF_SAMPLE_RATE for the demo server (default 1.0: a short demo "
                         "has few steps; the production default is 0.05)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--no-replay", action="store_true",
+                   help="skip the replay that validates the window suggestion (~1 min)")
     p.set_defaults(func=_run)
 
 
@@ -92,7 +94,10 @@ def _run(args: argparse.Namespace) -> int:
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs = build_mix(tok, seed=args.seed, chats=args.chats, doc_lengths=doc_lengths)
     log = args.out.parent / "demo-vllm.log"
-    env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed)}
+    # A one-minute demo has few steps: sample them all, compute head statistics on every
+    # whole-prompt prefill and lift the overhead budget (production defaults: 0.05, 0.1, 1%).
+    env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed),
+           "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0"}
     srv = VllmServer(model_dir, port=args.port, served_name=served, eager=True, log=log,
                      env=env, extra_args=["--max-model-len", str(args.max_model_len)])
     print(f"attnprof: starting vLLM (log: {log})", file=sys.stderr)
@@ -135,6 +140,13 @@ def _run(args: argparse.Namespace) -> int:
                     for line in metrics.splitlines()
                     if line.startswith("attnprof_") and not line.startswith("#")},
     }
+    advice = _window_advice(model_dir, snap, [r.prompt for r in reqs if r.prompt],
+                            replay=not args.no_replay)
+    report["window_advice"] = advice
+    # Head statistics are large and already summarized in window_advice.
+    for w in report["snapshot"].get("workers") or []:
+        w.pop("head_stats", None)
+    report["timing"]["total_s"] = round(time.monotonic() - t_start, 1)
     write_json(args.out, report)
     print()
     print(render_snapshot(snap), end="")
@@ -143,5 +155,50 @@ def _run(args: argparse.Namespace) -> int:
           f"{report['traffic']['prompt_tokens']} prompt + "
           f"{report['traffic']['completion_tokens']} generated tokens in {traffic_s:.0f} s; "
           f"server ready in {startup:.0f} s; total {report['timing']['total_s']:.0f} s.")
+    if advice.get("summary"):
+        print(f"\nWindow advice: {advice['summary']}")
+    elif advice.get("error"):
+        print(f"\nWindow advice: not available ({advice['error']})")
     print(f"Report: {args.out}")
     return 0
+
+
+def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
+                   replay: bool) -> dict[str, Any]:
+    """Sliding-window suggestion for the demo's own traffic, with replay evidence.
+
+    The replay runs the demo's own document prompts through the transformers model (locally;
+    no text leaves this process or enters the report).
+    """
+    from attnprof.plugin.sparsity import Arch, recommend
+    from attnprof.plugin.sparsity.inputs import (
+        InputError,
+        from_snapshot,
+        head_stats_from_snapshot,
+    )
+    from attnprof.plugin.sparsity.recommend import export_summary
+
+    try:
+        dist = from_snapshot(snap)
+    except InputError as err:
+        return {"error": str(err)}
+    acc = head_stats_from_snapshot(snap)
+    rec = recommend(dist, Arch.from_model_dir(model_dir), acc)
+    evidence: dict[str, Any] | None = None
+    if replay and rec.get("binds") and rec.get("layers"):
+        from attnprof.plugin.sparsity.replay import load_model
+        from attnprof.plugin.sparsity.replay import replay as run_replay
+
+        print(f"attnprof: replaying {len(prompts)} documents with {rec['sinks']} sinks + "
+              f"{rec['window']} window vs full attention", file=sys.stderr)
+        model, tok, _ = load_model(str(model_dir))
+        bar = progress_bar(len(prompts), "replay", unit="prompt")
+        evidence = run_replay(model, tok, prompts, rec["window"], rec["sinks"],
+                              layers=rec["layers"], progress=lambda n: bar.update(n))
+        bar.close()
+    # Same bounded shape as the live snapshot's window_advice, plus the replay evidence.
+    out = export_summary(rec, evidence)
+    out["head_stats_requests"] = None if acc is None else int(acc.requests.max())
+    out["pareto"] = rec.get("pareto")
+    out["head_level_split"] = rec.get("head_level_split")
+    return out

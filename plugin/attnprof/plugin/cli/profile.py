@@ -69,6 +69,12 @@ def add_parser(sub: Any) -> None:
                    help="attention paths to micro-benchmark (default flash_cpu,math,eager)")
     p.add_argument("--no-validate", action="store_true",
                    help="do not run at the predicted maximum length")
+    p.add_argument("--lengths", type=Path, default=None,
+                   help="context lengths of your traffic (any suggest-window --lengths format): "
+                        "adds a sliding-window suggestion (window_advice) to profile.json")
+    p.add_argument("--head-stats", type=Path, default=None,
+                   help="head statistics JSON (a snapshot or HeadStatsAccumulator) for "
+                        "window_advice; without it the advice is traffic-only")
     p.add_argument("--validate-max-seconds", type=float, default=120.0,
                    help="run the validation only if its forward is predicted under this")
     p.set_defaults(func=_run)
@@ -96,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
         model_dir = models.resolve_model(args.model)
     except models.ModelCacheError as err:
         raise CliError(str(err)) from None
+    advice_inputs = _advice_inputs(args, model_dir)
     out_dir = ensure_writable_dir(args.out)
 
     from attnprof.plugin.diagnostics.report import ProfileOptions, run_profile
@@ -123,6 +130,11 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             bar.n = bar.total
             bar.close()
+        if advice_inputs is not None:
+            from attnprof.plugin.sparsity.recommend import export_summary, recommend
+
+            dist, arch, stats = advice_inputs
+            result["window_advice"] = export_summary(recommend(dist, arch, stats))
         result["run"]["wall_s"] = round(time.monotonic() - t0, 1)
         png = _plot(result)
         trace = trace_tmp.read_bytes() if trace_tmp.exists() else b'{"traceEvents": []}'
@@ -132,7 +144,26 @@ def _run(args: argparse.Namespace) -> int:
                          "plot": "scaling.png"}
     write_atomic(out_dir / "profile.json", json.dumps(result, indent=2, default=str) + "\n")
     print(summary(result, out_dir))
+    if "window_advice" in result:
+        print(f"Window advice: {result['window_advice']['summary']}")
     return 0
+
+
+def _advice_inputs(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any, Any] | None:
+    """Read --lengths/--head-stats before the (minutes-long) profile so bad files fail fast."""
+    if args.lengths is None:
+        if args.head_stats is not None:
+            raise CliError("--head-stats needs --lengths (the traffic to weigh savings by)")
+        return None
+    from attnprof.plugin.cli.suggest import load_arch, load_head_stats
+    from attnprof.plugin.sparsity.inputs import InputError, read_lengths_file
+
+    try:
+        dist = read_lengths_file(args.lengths)
+    except InputError as err:
+        raise CliError(str(err)) from None
+    stats = load_head_stats(args.head_stats) if args.head_stats is not None else None
+    return dist, load_arch(str(model_dir)), stats
 
 
 def _gib(b: float | None) -> str:

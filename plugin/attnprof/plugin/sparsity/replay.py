@@ -97,10 +97,10 @@ def default_prompts(tokenizer: Any, lengths: Sequence[int] = (300, 600, 1000), s
     """Deterministic documents of the demo's shape (see :mod:`attnprof.plugin.traffic`)."""
     import random
 
-    from attnprof.plugin.traffic import _doc
+    from attnprof.plugin.traffic import document
 
     rng = random.Random(seed)
-    return [f"Summarize the following document.\n\n{_doc(rng, tokenizer, n)}\n\nSummary:"
+    return [f"Summarize the following document.\n\n{document(rng, tokenizer, n)}\n\nSummary:"
             for n in lengths]
 
 

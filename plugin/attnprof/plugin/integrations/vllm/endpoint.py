@@ -6,6 +6,7 @@ does that). The worker-side profile comes over ``collective_rpc`` from every wor
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ __all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "build_snapshot"]
 SCHEMA_VERSION = "attnprof.snapshot/1"
 
 
-async def build_snapshot(engine_client: Any) -> dict[str, Any]:
+async def build_snapshot(engine_client: Any, advice: bool = True) -> dict[str, Any]:
     st = runtime.STATE
     workers: list[Any] = []
     error: str | None = None
@@ -26,7 +27,7 @@ async def build_snapshot(engine_client: Any) -> dict[str, Any]:
             workers = list(await engine_client.collective_rpc("attnprof_snapshot"))
         except Exception as exc:  # the engine may not be ours to query
             error = f"{type(exc).__name__}: {exc}"
-    return {
+    snap = {
         "schema_version": SCHEMA_VERSION,
         "time": time.time(),
         "model": st.model_label,
@@ -37,6 +38,33 @@ async def build_snapshot(engine_client: Any) -> dict[str, Any]:
         "requests": st.requests.summary() if st.requests is not None else None,
         "errors": {"api_server": dict(st.errors.by_place), "collective_rpc": error},
     }
+    if advice:
+        snap["window_advice"] = await _advice(snap)
+    return snap
+
+
+async def _advice(snap: dict[str, Any]) -> dict[str, Any]:
+    """Recommendation from the snapshot, computed in a thread (never on the event loop)."""
+    st = runtime.STATE
+    try:
+        from attnprof.plugin.integrations.vllm.advice import compute_advice, export_advice
+
+        adv = await asyncio.to_thread(compute_advice, snap, st.model_path)
+        export_advice(st.get_sink(), st.model_label, adv)
+        return adv
+    except Exception as exc:
+        st.errors.record("window_advice", exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _advice_loop(engine_client: Any, interval: float) -> None:
+    """Keep the advice gauges current for Prometheus and alerts."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await build_snapshot(engine_client)
+        except Exception as exc:
+            runtime.STATE.errors.record("window_advice", exc)
 
 
 class AttnProfEndpoint:
@@ -45,6 +73,7 @@ class AttnProfEndpoint:
 
     def __init__(self) -> None:
         self.engine_client: Any = None
+        self._task: asyncio.Task[None] | None = None
 
     def attach_router(self, app: Any) -> None:
         from fastapi.responses import JSONResponse
@@ -60,3 +89,6 @@ class AttnProfEndpoint:
         cfg = Config.from_env()
         if cfg.enabled:
             runtime.start(cfg)
+            if cfg.advice_interval_s > 0 and engine_client is not None:
+                self._task = asyncio.get_running_loop().create_task(
+                    _advice_loop(engine_client, cfg.advice_interval_s))

@@ -38,6 +38,7 @@ class State:
     capture: Any = None  # worker.Capture once the first attention layer is built
     requests: Any = None  # stat_logger.RequestStats in the API server
     model_label: str = "unknown"
+    model_path: str | None = None
     _once: Once = field(default_factory=Once)
 
     @property

@@ -86,6 +86,7 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
         try:
             mc = vllm_config.model_config
             max_len = int(mc.max_model_len)
+            st.model_path = str(mc.model)
             if not cfg.model_label:
                 names = getattr(mc, "served_model_name", None) or mc.model
                 st.model_label = names[0] if isinstance(names, (list, tuple)) else str(names)

@@ -484,6 +484,7 @@ class Capture:
             inc("attnprof_steps_total", "unsampled",
                 self.seen - sum(self.outcomes.values()), outcome="unsampled")
             inc("attnprof_self_time_seconds_total", "self", self.sampler.self_time)
+            inc("attnprof_head_stats_queries_total", "hsq", self.hs["queries"])
             for place, n in list(self.errors.by_place.items()):
                 inc("attnprof_internal_errors_total", ("err", place), n, place=place)
             for reason, n in list(self.errors.dropped.items()):

@@ -1,0 +1,68 @@
+"""Window advice for a live server: traffic lengths (API server) + head statistics (workers).
+
+Computed off the event loop (``asyncio.to_thread``) by the endpoint plugin, periodically and
+on every snapshot, and exported as bounded gauges: per layer (sink mass, worst-KV-head
+coverage per grid window, head classes) and per model (recommended window, savings).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compute_advice", "export_advice"]
+
+
+@functools.lru_cache(maxsize=4)
+def _arch(model_path: str) -> Any:
+    from attnprof.plugin.sparsity.savings import Arch
+
+    return Arch.from_model_dir(Path(model_path))
+
+
+def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, Any]:
+    """``export_summary`` of the recommendation, or ``{"error": ...}`` saying what is missing."""
+    from attnprof.plugin.sparsity.inputs import InputError, from_snapshot, head_stats_from_snapshot
+    from attnprof.plugin.sparsity.recommend import export_summary, recommend
+
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return {"error": "the model is not a local checkpoint; use `attnprof suggest-window "
+                         "--model PATH --url ...` instead"}
+    try:
+        dist = from_snapshot(snap)
+    except InputError as err:
+        return {"error": str(err)}
+    acc = head_stats_from_snapshot(snap)
+    summary = export_summary(recommend(dist, _arch(model_path), acc))
+    summary["head_stats_requests"] = None if acc is None else int(acc.requests.max())
+    return summary
+
+
+def export_advice(sink: Any, model: str, adv: dict[str, Any]) -> None:
+    if "error" in adv:
+        return
+    g = sink.metric
+    g("attnprof_window_recommended_tokens").labels(model=model).set(
+        adv["window"] if adv["layers"] else 0)
+    g("attnprof_window_sinks_tokens").labels(model=model).set(adv["sinks"])
+    g("attnprof_window_layers").labels(model=model).set(len(adv["layers"]))
+    g("attnprof_window_attention_flop_saving_ratio").labels(model=model).set(
+        adv["attention_flop_saving"])
+    g("attnprof_window_kv_memory_saving_ratio").labels(model=model).set(adv["kv_memory_saving"])
+    g("attnprof_window_exact_request_ratio").labels(model=model).set(
+        adv["exact_request_fraction"])
+    g("attnprof_window_heads_at_risk").labels(model=model).set(adv.get("heads_at_risk_count")
+                                                                 or 0)
+    for lay in adv.get("per_layer") or []:
+        layer = str(lay["layer"])
+        if lay.get("sink_mass") is not None:
+            g("attnprof_head_sink_mass_ratio").labels(model=model, layer=layer).set(
+                lay["sink_mass"])
+        for w, c in (lay.get("coverage_q") or {}).items():
+            if c is not None:
+                g("attnprof_head_coverage_ratio").labels(model=model, layer=layer,
+                                                         window=str(w)).set(c)
+        for cls, n in (lay.get("classes") or {}).items():
+            g("attnprof_head_class_heads").labels(model=model, layer=layer,
+                                                  **{"class": cls}).set(n)
