@@ -74,15 +74,17 @@ def render_snapshot(snap: dict[str, Any]) -> str:
             out.append("Kernel map (which backend and kernel ran, and why the other vLLM "
                        "backends are not valid here):")
             krows = []
+            why_lines = []
             for g in kmap:
-                why = "; ".join(f"{name}: {rs[0]}" for name, rs in
-                                (g.get("rejected") or {}).items() if rs)
                 krows.append([_ranges(g["layers"]), g["backend"], g.get("kernel") or "-",
                               "yes" if g["fused"] else "NO",
                               ",".join(g.get("valid_backends") or []) or "-"])
-                if why:
-                    krows.append(["", "", "", "", "why not: " + why])
+                for name, rs in (g.get("rejected") or {}).items():
+                    if rs:
+                        why_lines.append(f"  layers {_ranges(g['layers'])}: {name} not valid: "
+                                         + "; ".join(rs))
             out.append(table(["layers", "backend", "kernel", "fused", "valid backends"], krows))
+            out.extend(why_lines)
             out.append("")
         if steps:
             out.append("Attention share of model time on sampled steps:")
