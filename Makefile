@@ -46,6 +46,7 @@ lint: setup
 
 bench: model
 	$(PY) benchmarks/microbench.py
+	$(PY) benchmarks/head_stats.py
 	$(PY) benchmarks/overhead.py
 
 clean-venv:

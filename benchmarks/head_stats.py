@@ -1,7 +1,7 @@
 """Cost of head statistics on a sampled 4K-token prefill (goal: <= 5% of that prefill).
 
 SmolLM2 (float32, transformers SDPA) prefills one 4096-token prompt. The post-RoPE q/k of
-every layer are captured once; then the statistics (default sampling: last 64 + 64 random
+every layer are captured once; then the statistics (default sampling: last 32 + 32 random
 queries, entropy and top-k on a few, all 30 layers) are timed on those tensors, exactly what
 the live vLLM worker runs
 after each layer of a sampled prefill. Prefill and statistics runs are interleaved; the
