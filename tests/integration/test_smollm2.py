@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from attnprof.plugin.integrations.vllm.runtime import pid_alive
 from attnprof.plugin.server import http_get, http_post_json
 from tests.conftest import free_port
 
@@ -100,7 +101,7 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
         log.close()
     assert rc == 0
     time.sleep(1)
-    left = [pid for pid in children if _alive(pid)]
+    left = [pid for pid in children if pid_alive(pid)]
     assert left == [], "vLLM processes survived Ctrl-C"
 
 
@@ -116,15 +117,3 @@ def _descendants(root: int) -> list[int]:
             found.append(c)
             todo.append(c)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from attnprof.plugin.server import VllmServer, http_get, http_post_json
-from tests.conftest import free_port, metric_value
+from tests.conftest import metric_value, running_tiny_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -17,18 +17,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def faulty_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("logs") / "faulty.log"
-    srv = VllmServer(tiny_model, port=free_port(), served_name="tiny", eager=True, log=log,
-                     env={"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_FAULT_INJECT": "capture",
-                          "ATTNPROF_MAX_ERRORS": "1000000"},
-                     extra_args=["--max-model-len", "256", "--kv-cache-memory-bytes",
-                                 str(32 << 20)])
-    srv.start()
-    try:
-        srv.wait_ready(timeout=300)
+    with running_tiny_server(tiny_model, tmp_path_factory, "faulty.log",
+                             {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_FAULT_INJECT": "capture",
+                              "ATTNPROF_MAX_ERRORS": "1000000"},
+                             max_model_len=256, kv_bytes=32 << 20) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_exception_in_capture_path_is_counted_not_raised(faulty_server: VllmServer) -> None:

@@ -122,16 +122,21 @@ def processes_from_run_dir(cfg: Config | None) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         pid = note.get("pid")
-        note["alive"] = isinstance(pid, int) and _alive(pid)
+        note["alive"] = isinstance(pid, int) and pid_alive(pid)
         out.append(note)
     return out
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not yet reaped) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc (not Linux): kill(0) said it exists
