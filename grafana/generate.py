@@ -1,0 +1,294 @@
+"""Generate grafana/dashboards/attnprof.json (pure Python, stdlib only).
+
+    python grafana/generate.py          # rewrite the committed dashboard
+    python grafana/generate.py --check  # exit 1 if the committed JSON is stale
+
+Metric names come from the catalog (``attnprof.exporters.catalog``); a test checks that every
+name queried here exists there and that the committed JSON equals this script's output.
+Panel ids are fixed in the panel list below, so they stay stable when panels move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "attnprof.json"
+DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
+M = 'model=~"$model"'
+RI = "$__rate_interval"
+
+Json = dict[str, Any]
+
+
+def target(expr: str, ref: str = "A", legend: str = "", *, instant: bool = False,
+           fmt: str = "time_series") -> Json:
+    t: Json = {"datasource": DS, "expr": expr, "refId": ref, "format": fmt,
+               "legendFormat": legend or "__auto", "range": not instant, "instant": instant}
+    return t
+
+
+def panel(pid: int, title: str, kind: str, unit: str, targets: list[Json], *,
+          description: str = "", w: int = 12, h: int = 8, options: Json | None = None,
+          custom: Json | None = None, minmax: tuple[float | None, float | None] = (None, None),
+          transformations: list[Json] | None = None) -> Json:
+    defaults: Json = {"unit": unit}
+    if minmax[0] is not None:
+        defaults["min"] = minmax[0]
+    if minmax[1] is not None:
+        defaults["max"] = minmax[1]
+    if custom:
+        defaults["custom"] = custom
+    p: Json = {
+        "id": pid, "type": kind, "title": title, "description": description,
+        "datasource": DS, "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": options or {},
+        "gridPos": {"w": w, "h": h},
+    }
+    if transformations:
+        p["transformations"] = transformations
+    return p
+
+
+def timeseries(pid: int, title: str, unit: str, targets: list[Json], **kw: Any) -> Json:
+    kw.setdefault("options", {"legend": {"showLegend": True, "displayMode": "list",
+                                         "placement": "bottom"},
+                              "tooltip": {"mode": "multi", "sort": "desc"}})
+    return panel(pid, title, "timeseries", unit, targets, **kw)
+
+
+def stat(pid: int, title: str, unit: str, expr: str, description: str) -> Json:
+    return panel(pid, title, "stat", unit, [target(expr, legend="{{model}}")],
+                 description=description, w=6, h=4,
+                 options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                            "values": False},
+                          "colorMode": "value", "graphMode": "area", "textMode": "auto"})
+
+
+def table(pid: int, title: str, expr: str, description: str, columns: list[str]) -> Json:
+    keep = {c: True for c in columns}
+    return panel(pid, title, "table", "short",
+                 [target(expr, instant=True, fmt="table")], description=description,
+                 options={"showHeader": True, "cellHeight": "sm"},
+                 transformations=[{"id": "filterFieldsByName",
+                                   "options": {"include": {"names": columns}}},
+                                  {"id": "organize", "options": {"indexByName": {
+                                      c: i for i, c in enumerate(keep)}}}])
+
+
+def heatmap(pid: int, title: str, unit: str, expr: str, description: str) -> Json:
+    return panel(pid, title, "heatmap", unit,
+                 [target(expr, legend="{{le}}", fmt="heatmap")], description=description,
+                 options={"calculate": False, "cellGap": 1,
+                          "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+                          "yAxis": {"unit": unit}, "tooltip": {"show": True, "yHistogram": True},
+                          "rowsFrame": {"layout": "auto"}})
+
+
+def row(pid: int, title: str) -> Json:
+    return {"id": pid, "type": "row", "title": title, "collapsed": False, "panels": [],
+            "gridPos": {"w": 24, "h": 1}}
+
+
+def ratio(num: str, den: str) -> str:
+    """``a / (b > 0)``: no NaN/Inf when the denominator is zero."""
+    return f"{num}\n  / ({den} > 0)"
+
+
+def per_call(phase: str) -> str:
+    sel = f'{M}, phase="{phase}"'
+    return ratio(f"sum by (layer) (rate(attnprof_attention_time_seconds_total{{{sel}}}[{RI}]))",
+                 f"sum by (layer) (rate(attnprof_attention_calls_total{{{sel}}}[{RI}]))")
+
+
+def quantile(q: float) -> str:
+    return (f"histogram_quantile({q}, sum by (le) "
+            f"(rate(attnprof_request_context_tokens_bucket{{{M}}}[{RI}])))")
+
+
+BLIND = ratio(f'sum(rate(attnprof_steps_total{{{M}, outcome="blind"}}[{RI}]))',
+              f'sum(rate(attnprof_steps_total{{{M}, outcome=~"sampled|sampled_long|blind"}}'
+              f"[{RI}]))")
+
+
+def panels() -> list[Json]:
+    return [
+        row(100, "Attention time"),
+        timeseries(1, "Attention share of model time by phase", "percentunit", [target(ratio(
+            f"sum by (phase) (rate(attnprof_step_attention_time_seconds_total{{{M}}}[{RI}]))",
+            f"sum by (phase) (rate(attnprof_step_time_seconds_total{{{M}}}[{RI}]))"),
+            legend="{{phase}}")],
+            description="Attention time / model forward time on sampled steps.",
+            w=24, minmax=(0, 1)),
+        timeseries(2, "Mean attention time per call by layer (decode)", "s",
+                   [target(per_call("decode"), legend="layer {{layer}}")],
+                   description="Attention seconds / attention calls, decode steps."),
+        timeseries(3, "Mean attention time per call by layer (prefill)", "s",
+                   [target(per_call("prefill"), legend="layer {{layer}}")],
+                   description="Attention seconds / attention calls, prefill steps."),
+        row(101, "Kernels"),
+        table(4, "Layers not on a fused kernel",
+              f'attnprof_layer_info{{{M}, fused="false"}}',
+              "Layers whose attention runs unfused (e.g. a fallback path); should be empty.",
+              ["model", "layer", "backend", "impl", "fused"]),
+        table(5, "Attention backend per layer",
+              f"max by (model, layer, backend, impl, fused) (attnprof_layer_info{{{M}}})",
+              "Backend, implementation class and fused flag of every attention layer.",
+              ["model", "layer", "backend", "impl", "fused"]),
+        row(102, "Context lengths"),
+        timeseries(6, "Context length p50 / p90 / p99", "short", [
+            target(quantile(0.5), "A", "p50"), target(quantile(0.9), "B", "p90"),
+            target(quantile(0.99), "C", "p99")],
+            description="Final context (prompt + generated tokens) of finished requests."),
+        heatmap(7, "Context length distribution", "short",
+                f"sum by (le) (rate(attnprof_request_context_tokens_bucket{{{M}}}[{RI}]))",
+                "Finished requests per second by context-length bucket (tokens)."),
+        row(103, "KV cache"),
+        timeseries(8, "KV-cache usage", "percentunit",
+                   [target(f"attnprof_kv_cache_usage_ratio{{{M}}}", legend="{{model}}")],
+                   description="KV-cache blocks in use (vLLM scheduler stats).", minmax=(0, 1)),
+        timeseries(9, "KV-cache bytes per layer", "bytes",
+                   [target(f"sum by (layer) (attnprof_kv_cache_bytes{{{M}}})",
+                           legend="layer {{layer}}")],
+                   description="KV-cache bytes allocated per attention layer."),
+        row(104, "Window advice"),
+        stat(10, "Recommended window", "short",
+             f"attnprof_window_recommended_tokens{{{M}}}",
+             "Recommended sliding window in tokens (0: keep full attention)."),
+        stat(11, "Sink tokens", "short", f"attnprof_window_sinks_tokens{{{M}}}",
+             "Sink tokens kept with the recommended window."),
+        stat(12, "Layers windowed", "short", f"attnprof_window_layers{{{M}}}",
+             "Layers the recommended window applies to."),
+        stat(13, "KV heads at risk", "short", f"attnprof_window_heads_at_risk{{{M}}}",
+             "KV heads whose coverage is below target at the recommended window."),
+        stat(14, "Attention-FLOP saving", "percentunit",
+             f"attnprof_window_attention_flop_saving_ratio{{{M}}}",
+             "Attention-FLOP saving of the recommendation, cost-weighted over the traffic."),
+        stat(15, "KV-memory saving", "percentunit",
+             f"attnprof_window_kv_memory_saving_ratio{{{M}}}",
+             "KV-memory saving of the recommendation, cost-weighted over the traffic."),
+        stat(16, "Requests exact under window", "percentunit",
+             f"attnprof_window_exact_request_ratio{{{M}}}",
+             "Share of requests short enough to stay exact under the recommendation."),
+        stat(17, "Head-stat queries / s", "short",
+             f"sum(rate(attnprof_head_stats_queries_total{{{M}}}[{RI}]))",
+             "Sampled queries folded into the per-head statistics per second."),
+        timeseries(18, "Sink mass per layer", "percentunit",
+                   [target(f"max by (layer) (attnprof_head_sink_mass_ratio{{{M}}})",
+                           legend="layer {{layer}}")],
+                   description="Mean attention mass on the first sink tokens (sampled prefills).",
+                   minmax=(0, 1)),
+        timeseries(19, "Worst-head coverage per layer and window", "percentunit",
+                   [target(f"min by (layer, window) (attnprof_head_coverage_ratio{{{M}}})",
+                           legend="layer {{layer}} window {{window}}")],
+                   description="Low-quantile coverage C(sinks, window) of the worst KV head.",
+                   minmax=(0, 1)),
+        timeseries(20, "KV heads per class", "short",
+                   [target(f"sum by (class) (attnprof_head_class_heads{{{M}}})",
+                           legend="{{class}}")],
+                   description="KV heads per attention class, summed over layers.", w=24),
+        row(105, "attnprof self-observability"),
+        timeseries(21, "Steps by outcome", "ops",
+                   [target(f"sum by (outcome) (rate(attnprof_steps_total{{{M}}}[{RI}]))",
+                           legend="{{outcome}}")],
+                   description="Model steps per second seen by attnprof, by outcome."),
+        timeseries(22, "Blind share of sampled steps", "percentunit",
+                   [target(BLIND, legend="blind")],
+                   description="Steps replayed as a full CUDA graph (invisible to Python) / "
+                               "steps attnprof tried to sample.", minmax=(0, 1)),
+        timeseries(23, "Effective sample rate", "percentunit",
+                   [target(f"attnprof_sample_rate_ratio{{{M}}}", legend="{{model}}")],
+                   description="Step sample rate after the overhead budget.", minmax=(0, 1)),
+        timeseries(24, "attnprof self time", "percentunit", [
+            target(f"sum(rate(attnprof_self_time_seconds_total{{{M}}}[{RI}]))", "A",
+                   "self seconds per wall second"),
+            target(ratio(f"sum(rate(attnprof_self_time_seconds_total{{{M}}}[{RI}]))",
+                         f"sum(rate(attnprof_step_time_seconds_total{{{M}}}[{RI}]))"),
+                   "B", "self time / sampled model time")],
+            description="attnprof's own time on sampled steps."),
+        timeseries(25, "Internal errors by place", "ops",
+                   [target(f"sum by (place) (rate(attnprof_internal_errors_total{{{M}}}[{RI}]))",
+                           legend="{{place}}")],
+                   description="Internal errors per second (counted and dropped, never raised)."),
+        timeseries(26, "Dropped samples by reason", "ops",
+                   [target(f"sum by (reason) (rate(attnprof_dropped_samples_total{{{M}}}[{RI}]))",
+                           legend="{{reason}}")],
+                   description="Samples dropped per second, by reason."),
+        timeseries(27, "Plugin processes by role", "short",
+                   [target("sum by (role) (attnprof_plugin_processes)", legend="{{role}}")],
+                   description="Processes the plugin is live in (api_server, engine_core, "
+                               "worker); no model label. Worker 0 means nothing is captured.",
+                   w=24),
+    ]
+
+
+def layout(ps: list[Json]) -> list[Json]:
+    """Fill gridPos x/y left to right, top to bottom, on Grafana's 24-column grid."""
+    x = y = row_h = 0
+    for p in ps:
+        g = p["gridPos"]
+        if x + g["w"] > 24:
+            x, y, row_h = 0, y + row_h, 0
+        g["x"], g["y"] = x, y
+        x += g["w"]
+        row_h = max(row_h, g["h"])
+    return ps
+
+
+def dashboard() -> Json:
+    return {
+        "uid": "attnprof",
+        "title": "attnprof: attention profiler",
+        "description": "Attention time, kernels, context lengths, KV cache, window advice and "
+                       "attnprof's own health. Metric names: docs/metrics.md.",
+        "tags": ["attnprof", "vllm", "attention"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource",
+             "query": "prometheus", "current": {}, "hide": 0, "refresh": 1,
+             "includeAll": False, "multi": False, "options": [], "regex": ""},
+            {"name": "model", "label": "Model", "type": "query", "datasource": DS,
+             "definition": "label_values(attnprof_layer_info, model)",
+             "query": {"query": "label_values(attnprof_layer_info, model)",
+                       "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+             "current": {}, "hide": 0, "refresh": 2, "includeAll": True, "multi": True,
+             "allValue": ".*", "options": [], "regex": "", "sort": 1},
+        ]},
+        "panels": layout(panels()),
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if the committed JSON is stale")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run python grafana/generate.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
