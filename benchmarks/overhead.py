@@ -209,8 +209,9 @@ def write_markdown(res: dict[str, Any]) -> None:
                   f"{step_s * 1e3:.0f} ms decode step (ITL p50 of the baseline), i.e. "
                   f"{per_step / 1e9 / step_s * 100:.4f}% - far below what the end-to-end A/B "
                   f"can resolve ({res['absent_noise_rel_stdev'] * 100:.1f}% noise). Sampled "
-                  f"steps add attnprof's own time, which the overhead budget caps at "
-                  f"`ATTNPROF_OVERHEAD_BUDGET` (1%) of wall time.", ""]
+                  f"steps add attnprof's own time, which the overhead budget steers towards at "
+                  f"most `ATTNPROF_OVERHEAD_BUDGET` (1%) of wall time (a controller that "
+                  f"reacts within about a second, not a hard cap).", ""]
     OUT_MD.parent.mkdir(parents=True, exist_ok=True)
     OUT_MD.write_text("\n".join(lines))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,13 @@ def test_exception_in_capture_path_is_counted_not_raised(faulty_server: VllmServ
                                   {"model": "tiny", "prompt": "the model request " * (i + 1),
                                    "max_tokens": 4, "ignore_eos": True, "temperature": 0.0})
         assert out["usage"]["completion_tokens"] == 4
-    metrics = http_get(faulty_server.base_url + "/metrics")
-    errors = metric_value(metrics, "attnprof_internal_errors_total", place="capture")
+    # Worker metrics are flushed by a background thread about once a second: poll.
+    deadline = time.monotonic() + 15
+    while True:
+        metrics = http_get(faulty_server.base_url + "/metrics")
+        errors = metric_value(metrics, "attnprof_internal_errors_total", place="capture")
+        if (errors or 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert errors is not None and errors > 0
     assert metric_value(metrics, "attnprof_dropped_samples_total", reason="capture_error")

@@ -68,7 +68,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_attention_time_seconds_total", "counter",
                "Attention time on sampled steps.", "seconds", (_M, "layer", "backend", "phase")),
     MetricSpec("attnprof_attention_flops_total", "counter",
-               "Analytic attention FLOPs (4*Hq*D per query-key pair) on sampled steps.",
+               "Analytic attention FLOPs (2*Hq*(D+Dv) per query-key pair) on sampled steps.",
                "flops", (_M, "layer", "phase")),
     MetricSpec("attnprof_attention_bytes_total", "counter",
                "Analytic bytes moved by attention (Q, K, V read, O written) on sampled steps.",

@@ -37,8 +37,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "ATTNPROF_LONG_PREFILL_TOKENS", "int >= 1", "1024",
-        "Steps with a prefill of at least this many tokens form their own stratum, sampled "
-        "at ATTNPROF_LONG_PREFILL_RATE, so rare long prompts are not drowned by decode steps.",
+        "Steps that schedule at least this many tokens (prompt chunks plus decode tokens) form "
+        "their own stratum, sampled at ATTNPROF_LONG_PREFILL_RATE, so rare long prompts are "
+        "not drowned by decode steps.",
     ),
     EnvVar(
         "ATTNPROF_LONG_PREFILL_RATE", "float in [0, 1]", "0.5",

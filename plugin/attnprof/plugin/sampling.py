@@ -79,10 +79,16 @@ class StepSampler:
         if span < 1.0:
             return
         frac = self._window_self / span
+        old = self.scale
         if frac > self.budget:
             self.scale = max(1e-4, self.scale * max(0.1, self.budget / frac))
         elif self.scale < 1.0:
-            self.scale = min(1.0, self.scale * 1.25)
+            # Recover by 25% per elapsed second, however long since the last sampled step.
+            self.scale = min(1.0, self.scale * 1.25 ** min(span, 60.0))
+        if self.scale != old:
+            # Redraw the countdown at the new rate: a gap drawn at a throttled rate could
+            # otherwise keep sampling off for hours after the load has gone.
+            self._countdown = min(self._countdown, self._gap())
         self._window_self = 0.0
         self._window_start = now
 

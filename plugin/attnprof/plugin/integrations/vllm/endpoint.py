@@ -32,7 +32,7 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> dict[str, A
         "time": time.time(),
         "model": st.model_label,
         "enabled": st.enabled,
-        "processes": runtime.processes_from_run_dir(st.config),
+        "processes": await asyncio.to_thread(runtime.processes_from_run_dir, st.config),
         "roles_here": sorted(st.roles),
         "workers": [w for w in workers if isinstance(w, dict)],
         "requests": st.requests.summary() if st.requests is not None else None,
@@ -40,6 +40,7 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> dict[str, A
     }
     if advice:
         snap["window_advice"] = await _advice(snap)
+    st.export_errors()  # the API server has no flusher thread of its own
     return snap
 
 

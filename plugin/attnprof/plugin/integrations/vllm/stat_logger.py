@@ -105,7 +105,6 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
         self._prompt = sink.metric("attnprof_request_prompt_tokens").labels(model=model)
         self._gen = sink.metric("attnprof_request_generation_tokens").labels(model=model)
         self._kv = sink.metric("attnprof_kv_cache_usage_ratio").labels(model=model)
-        self._errors = sink.metric("attnprof_internal_errors_total")
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
@@ -129,10 +128,7 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
                     self._ctx.observe(p + g)
         except Exception as exc:
             self.state.errors.record("stat_logger", exc)
-            try:
-                self._errors.labels(model=self.state.model_label, place="stat_logger").inc()
-            except Exception:
-                pass
+            self.state.export_errors()
 
     def log_engine_initialized(self) -> None:
         pass

@@ -33,6 +33,7 @@ logger = logging.getLogger("attnprof")
 SNAPSHOT_VERSION = 1
 PHASES = ("prefill", "decode", "mixed")
 FLUSH_INTERVAL_S = 1.0
+HEAD_STATS_MAX_TOKENS = 32768
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 # Fused = the backend runs attention as one kernel that never materializes the score
@@ -258,6 +259,8 @@ class Capture:
         return self.clock()
 
     def _timer_stop(self, info: LayerInfo, md: Any, start: Any, args: Any, kwargs: Any) -> None:
+        if self.fault == "capture":
+            raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=capture)")
         if self._cuda:
             import torch
 
@@ -266,8 +269,6 @@ class Capture:
             self._pending.append((info, md, start, e1))
         else:
             self._pending.append((info, md, self.clock() - start, None))
-        if self.fault == "capture":
-            raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=capture)")
         if info.kernel is None:
             info.kernel = _kernel_variant(info, args[0] if args else None)
         if not info.kv_cache_bytes:
@@ -275,7 +276,14 @@ class Capture:
             if kv is not None and hasattr(kv, "numel"):
                 info.kv_cache_bytes = int(kv.numel() * kv.element_size())
         if self._hs_step:
-            self._head_stats(info, md, args)
+            try:
+                self._head_stats(info, md, args)
+            except Exception as exc:
+                # A shape the statistics cannot handle would fail on every step: switch head
+                # statistics off here instead of spending the error budget of all capture.
+                self.errors.record("head_stats", exc)
+                self.hs_rate = 0.0
+                self._hs_step = False
 
     def _shape(self, md: Any) -> BatchShape:
         shape = self._shapes.get(id(md))
@@ -289,7 +297,10 @@ class Capture:
         Runs after the layer's timer stopped; its time is charged to attnprof's budget.
         """
         shape = self._shape(md)
-        todo = [(a, n) for a, n in shape.whole_prompts if n >= self.hs_min_tokens]
+        # Bounded: the statistics allocate O(prompt) scratch mid-forward, outside vLLM's
+        # memory profile, so very long prompts are left out.
+        todo = [(a, n) for a, n in shape.whole_prompts
+                if self.hs_min_tokens <= n <= HEAD_STATS_MAX_TOKENS]
         if not todo or len(args) < 3:
             return
         t0 = self.clock()
@@ -318,20 +329,27 @@ class Capture:
 
     # ----- per step -----
     def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            outcome = self._decide(args, kwargs)
+        except Exception as exc:  # never let the decision itself reach vLLM
+            self.errors.record("sampler", exc)
+            outcome = None
+        if outcome is None:
+            return orig(runner, *args, **kwargs)
+        return self._sampled_step(orig, runner, args, kwargs, outcome)
+
+    def _decide(self, args: Any, kwargs: Any) -> str | None:
+        """None (unsampled), "sampled" or "sampled_long"; one countdown branch when unsampled."""
         s = self.sampler
         self.seen += 1
         if not s.tick():
             if s.long_rate <= 0.0 or self.errors.disabled:
-                return orig(runner, *args, **kwargs)
-            n = _num_tokens(args, kwargs)
+                return None
+            n = _num_tokens(args, kwargs)  # scheduled tokens of the step
             if n < s.long_tokens or not s.long_prefill(n):
-                return orig(runner, *args, **kwargs)
-            outcome = "sampled_long"
-        else:
-            if self.errors.disabled:
-                return orig(runner, *args, **kwargs)
-            outcome = "sampled"
-        return self._sampled_step(orig, runner, args, kwargs, outcome)
+                return None
+            return "sampled_long"
+        return None if self.errors.disabled else "sampled"
 
     def _sampled_step(self, orig: Any, runner: Any, args: Any, kwargs: Any, outcome: str) -> Any:
         t_start = self.clock()
@@ -363,14 +381,18 @@ class Capture:
         finally:
             self.active = False
         t1 = self.clock()
+        sync_wait = 0.0
         try:
-            model_time = t1 - t0
+            model_time = t1 - t0 - self._hs_time  # head statistics are ours, not the model's
             if self._cuda:
                 import torch
 
                 ev1 = torch.cuda.Event(enable_timing=True)
                 ev1.record()
+                tw = self.clock()
                 ev1.synchronize()
+                # Waiting for the GPU to finish the forward is not attnprof's own time.
+                sync_wait = self.clock() - tw
                 model_time = ev0.elapsed_time(ev1) / 1e3
             self._finish_step(model_time, outcome)
         except Exception as exc:
@@ -380,7 +402,10 @@ class Capture:
             self.hs["time_s"] += self._hs_time
             # Attention-free estimate of the prefill's own cost: the step minus our stats.
             self.hs["prefill_time_s"] += max(0.0, t1 - t0 - self._hs_time)
-        self.sampler.charge(overhead + self._hs_time + (self.clock() - t1))
+        try:
+            self.sampler.charge(overhead + self._hs_time + (self.clock() - t1) - sync_wait)
+        except Exception as exc:
+            self.errors.record("sampler", exc)
         return out
 
     def _finish_step(self, model_time: float, outcome: str) -> None:
@@ -414,12 +439,12 @@ class Capture:
             agg.kv_tokens += shape.kv_tokens
             agg.requests += shape.num_reqs
             agg.max_seq_len = max(agg.max_seq_len, shape.max_seq_len)
-            agg.flops += 4 * info.num_heads * info.head_size * shape.pairs
+            # QK^T: 2*D and PV: 2*Dv FLOPs per (query, key) pair and query head.
+            agg.flops += 2 * info.num_heads * (info.head_size + info.head_size_v) * shape.pairs
             # Q read + O written per query token; K and V read per key position.
             d_qk_v = info.head_size + info.head_size_v
-            agg.bytes += _dtype_bytes_of(info.dtype) * (
-                shape.num_tokens * info.num_heads * d_qk_v
-                + shape.kv_tokens * info.num_kv_heads * d_qk_v)
+            agg.bytes += (_dtype_bytes_of(info.dtype) * shape.num_tokens * info.num_heads * d_qk_v
+                          + _kv_bytes_of(info) * shape.kv_tokens * info.num_kv_heads * d_qk_v)
         pending.clear()
         self._shapes.clear()
         st = self.steps[phase]
@@ -485,10 +510,7 @@ class Capture:
                 self.seen - sum(self.outcomes.values()), outcome="unsampled")
             inc("attnprof_self_time_seconds_total", "self", self.sampler.self_time)
             inc("attnprof_head_stats_queries_total", "hsq", self.hs["queries"])
-            for place, n in list(self.errors.by_place.items()):
-                inc("attnprof_internal_errors_total", ("err", place), n, place=place)
-            for reason, n in list(self.errors.dropped.items()):
-                inc("attnprof_dropped_samples_total", ("drop", reason), n, reason=reason)
+            self.state.export_errors()
             sink.metric("attnprof_sample_rate_ratio").labels(model=model).set(self.sampler.rate)
             for info in list(self.layers.values()):
                 if info.kv_cache_bytes:
@@ -591,6 +613,12 @@ def _dtype_bytes_of(dtype: str) -> int:
     return 2
 
 
+def _kv_bytes_of(info: LayerInfo) -> int:
+    """Bytes per KV-cache element: the cache dtype (e.g. fp8) when set, else the model's."""
+    kv = info.kv_cache_dtype
+    return 1 if "fp8" in kv or "int8" in kv else _dtype_bytes_of(info.dtype)
+
+
 def _num_tokens(args: Any, kwargs: Any) -> int:
     x = kwargs.get("input_ids")
     if x is None:
@@ -668,7 +696,11 @@ def install(state: State) -> None:
         from vllm.v1.worker.worker_base import WorkerBase
 
         def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
-            return cap.snapshot(include_head_stats)
+            try:
+                return cap.snapshot(include_head_stats)
+            except Exception as exc:  # runs in vLLM's worker loop: never raise there
+                state.errors.record("snapshot", exc)
+                return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
         WorkerBase.attnprof_snapshot = attnprof_snapshot
     except Exception as exc:
