@@ -50,11 +50,16 @@ PATH_BYTES_PER_SCORE: dict[str, Callable[[int], float]] = {
 }
 
 
-def _dtype_bytes(dtype: Any) -> int:
+def dtype_bytes(dtype: Any, default: int = 4) -> int:
+    """Bytes per element of a torch dtype or a dtype/KV-cache-dtype name (fp8_e4m3, int8...)."""
     name = str(dtype).removeprefix("torch.")
-    return {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
-            "bfloat16": 2, "bf16": 2, "float64": 8, "fp8": 1, "float8_e4m3fn": 1,
-            "float8_e5m2": 1}.get(name, 4)
+    known = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
+             "bfloat16": 2, "bf16": 2, "float64": 8}
+    if name in known:
+        return known[name]
+    if name.startswith(("fp8", "float8", "int8", "uint8")):
+        return 1
+    return default
 
 
 @dataclass
@@ -70,7 +75,7 @@ class AttnShape:
 
     @property
     def bytes(self) -> int:
-        return _dtype_bytes(self.dtype)
+        return dtype_bytes(self.dtype)
 
     @property
     def score_elements(self) -> int:
@@ -80,7 +85,7 @@ class AttnShape:
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: Any, num_heads: int | None = None,
                        head_dim_v: int | None = None) -> dict[str, float]:
     """KV-cache bytes per token for one layer, per KV head and per query head."""
-    s = _dtype_bytes(dtype)
+    s = dtype_bytes(dtype)
     dv = head_dim if head_dim_v is None else head_dim_v
     per_kv_head = (head_dim + dv) * s
     per_layer = num_kv_heads * per_kv_head

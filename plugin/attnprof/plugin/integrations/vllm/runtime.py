@@ -36,7 +36,6 @@ class State:
     roles: set[str] = field(default_factory=set)
     started_at: float = 0.0
     sink: Any = None  # attnprof.exporters.prometheus.PrometheusSink, created lazily
-    capture: Any = None  # worker.Capture once the first attention layer is built
     requests: Any = None  # stat_logger.RequestStats in the API server
     model_label: str = "unknown"
     model_path: str | None = None

@@ -42,11 +42,6 @@ class RequestStats:
             self.generation.add(generated)
             self.context.add(prompt + generated)
 
-    def histogram(self, sketch_name: str = "context") -> list[dict[str, float]]:
-        """Cumulative counts at the Prometheus bucket edges, estimated from the sketch."""
-        sk: QuantileSketch = getattr(self, sketch_name)
-        return [{"le": e, "count": _count_le(sk, e)} for e in self.buckets]
-
     def summary(self) -> dict[str, Any]:
         with self.lock:
             return {
@@ -57,17 +52,6 @@ class RequestStats:
                 "generation_tokens": self.generation.summary(),
                 "kv_cache_usage": self.kv_cache_usage,
             }
-
-
-def _count_le(sk: QuantileSketch, edge: float) -> int:
-    import math
-
-    n = sk.zeros
-    lg = math.log((1 + sk.rel_err) / (1 - sk.rel_err))
-    for k, c in sk.counts.items():
-        if k * lg <= math.log(edge) + 1e-12:
-            n += c
-    return n
 
 
 class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from attnprof.plugin.diagnostics.memory import dtype_bytes
 from attnprof.plugin.integrations.vllm.runtime import State
 from attnprof.plugin.sampling import StepSampler
 
@@ -59,13 +60,6 @@ class LayerInfo:
     scale: float = 0.0
     kernel: str | None = None
     """Kernel variant actually used (CPU ISA, FlashAttention version), seen on first call."""
-
-
-def _dtype_bytes(dtype: Any) -> int:
-    try:
-        return int(dtype.itemsize)
-    except Exception:
-        return 2
 
 
 def layer_info(layer: Any, impl: Any) -> LayerInfo:
@@ -443,7 +437,8 @@ class Capture:
             agg.flops += 2 * info.num_heads * (info.head_size + info.head_size_v) * shape.pairs
             # Q read + O written per query token; K and V read per key position.
             d_qk_v = info.head_size + info.head_size_v
-            agg.bytes += (_dtype_bytes_of(info.dtype) * shape.num_tokens * info.num_heads * d_qk_v
+            agg.bytes += (dtype_bytes(info.dtype, default=2) * shape.num_tokens * info.num_heads
+                          * d_qk_v
                           + _kv_bytes_of(info) * shape.kv_tokens * info.num_kv_heads * d_qk_v)
         pending.clear()
         self._shapes.clear()
@@ -603,20 +598,10 @@ class Capture:
         }
 
 
-def _dtype_bytes_of(dtype: str) -> int:
-    if dtype in ("float32", "int32"):
-        return 4
-    if dtype in ("float64",):
-        return 8
-    if "8" in dtype:
-        return 1
-    return 2
-
-
 def _kv_bytes_of(info: LayerInfo) -> int:
     """Bytes per KV-cache element: the cache dtype (e.g. fp8) when set, else the model's."""
-    kv = info.kv_cache_dtype
-    return 1 if "fp8" in kv or "int8" in kv else _dtype_bytes_of(info.dtype)
+    model = dtype_bytes(info.dtype, default=2)
+    return model if info.kv_cache_dtype == "auto" else dtype_bytes(info.kv_cache_dtype, model)
 
 
 def _num_tokens(args: Any, kwargs: Any) -> int:
@@ -658,7 +643,6 @@ def _on_cuda(runner: Any) -> bool:
 def install(state: State) -> None:
     """Patch vLLM classes in this process (called once, from the general plugin)."""
     cap = Capture(state)
-    state.capture = cap
     try:
         from vllm.model_executor.layers.attention.attention import Attention
     except Exception as exc:
