@@ -63,3 +63,14 @@ def test_docs_metric_table_is_generated_from_catalog() -> None:
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     assert markdown_table() in doc, "regenerate: python -m attnprof.exporters.catalog"
+
+
+def test_inc_to_exports_each_running_total_once() -> None:
+    reg = CollectorRegistry()
+    sink = PrometheusSink(registry=reg)
+    name = "attnprof_internal_errors_total"
+    for total in (2, 2, 5, 3):  # repeated and stale totals add nothing
+        sink.inc_to(name, total, model="m", place="capture")
+    sink.inc_to(name, 1, model="m", place="metrics")
+    assert reg.get_sample_value(name, {"model": "m", "place": "capture"}) == 5
+    assert reg.get_sample_value(name, {"model": "m", "place": "metrics"}) == 1

@@ -10,6 +10,7 @@ appear on the API server's endpoint. Without it, metrics go to the given registr
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ class PrometheusSink:
         self.registry = registry
         self.buckets = dict(buckets or {})
         self._metrics: dict[str, Any] = {}
+        self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._totals_lock = threading.Lock()
 
     def metric(self, name: str) -> Any:
         m = self._metrics.get(name)
@@ -42,6 +45,20 @@ class PrometheusSink:
             m = self._create(spec(name))
             self._metrics[name] = m
         return m
+
+    def inc_to(self, name: str, total: float, **labels: str) -> None:
+        """Advance a counter to ``total``, a running total kept by the caller.
+
+        attnprof aggregates in plain Python numbers on the serving path and exports later;
+        this turns those totals into counter increments exactly once, whoever calls it
+        (a flusher thread, a snapshot, an error path). Totals never go backwards.
+        """
+        key = (name, tuple(sorted(labels.items())))
+        with self._totals_lock:
+            last = self._totals.get(key, 0.0)
+            if total > last:
+                self.metric(name).labels(**labels).inc(total - last)
+                self._totals[key] = total
 
     def _create(self, s: MetricSpec) -> Any:
         pc = self._pc

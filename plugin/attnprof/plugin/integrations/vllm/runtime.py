@@ -7,7 +7,6 @@ import json
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +39,6 @@ class State:
     model_label: str = "unknown"
     model_path: str | None = None
     _once: Once = field(default_factory=Once)
-    _exported: dict[tuple[str, str], int] = field(default_factory=dict)
-    _export_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def enabled(self) -> bool:
@@ -55,25 +52,18 @@ class State:
         return self.sink
 
     def export_errors(self) -> None:
-        """Push this process's error and drop counts to Prometheus as deltas.
-
-        One place per process, so the worker's flusher, the stat logger and the API server's
-        snapshot can all call it without counting an error twice.
-        """
-        with self._export_lock:
-            try:
-                sink = self.get_sink()
-                for name, label, counts in (
-                        ("attnprof_internal_errors_total", "place", self.errors.by_place),
-                        ("attnprof_dropped_samples_total", "reason", self.errors.dropped)):
-                    for key, n in list(counts.items()):
-                        last = self._exported.get((name, key), 0)
-                        if n > last:
-                            sink.metric(name).labels(model=self.model_label,
-                                                     **{label: key}).inc(n - last)
-                            self._exported[(name, key)] = n
-            except Exception:
-                pass  # exporting errors must not become an error
+        """Push this process's error and drop counts to Prometheus (idempotent: the sink
+        exports each running total once, whoever calls)."""
+        try:
+            sink = self.get_sink()
+            for place, n in list(self.errors.by_place.items()):
+                sink.inc_to("attnprof_internal_errors_total", n, model=self.model_label,
+                            place=place)
+            for reason, n in list(self.errors.dropped.items()):
+                sink.inc_to("attnprof_dropped_samples_total", n, model=self.model_label,
+                            reason=reason)
+        except Exception:
+            pass  # exporting errors must not become an error
 
     def add_role(self, role: str) -> None:
         """Mark this process as live in ``role`` (gauge + run-dir note), once per role."""

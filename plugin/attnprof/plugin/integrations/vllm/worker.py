@@ -159,7 +159,6 @@ class Capture:
         self.seen = 0
         self._pending: list[tuple[LayerInfo, Any, Any, Any]] = []
         self._cuda = False
-        self._flushed: dict[Any, float] = {}
         self._flusher: threading.Thread | None = None
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
@@ -475,36 +474,33 @@ class Capture:
             model = self.state.model_label
             by_index = {i.index: i for i in list(self.layers.values())}
 
-            def inc(name: str, key: Any, value: float, **labels: str) -> None:
-                last = self._flushed.get((name, key), 0.0)
-                if value > last:
-                    sink.metric(name).labels(model=model, **labels).inc(value - last)
-                    self._flushed[(name, key)] = value
+            def inc(name: str, value: float, **labels: str) -> None:
+                sink.inc_to(name, value, model=model, **labels)
 
             # Copy first: the serving thread may add a (layer, phase) key meanwhile.
             for (idx, phase), a in list(self.agg.items()):
                 info = by_index.get(idx)
                 backend = info.backend if info else "unknown"
                 lay = str(idx)
-                inc("attnprof_attention_calls_total", (idx, phase), a.calls, layer=lay,
+                inc("attnprof_attention_calls_total", a.calls, layer=lay,
                     backend=backend, phase=phase)
-                inc("attnprof_attention_time_seconds_total", (idx, phase), a.time_s, layer=lay,
+                inc("attnprof_attention_time_seconds_total", a.time_s, layer=lay,
                     backend=backend, phase=phase)
-                inc("attnprof_attention_flops_total", (idx, phase), a.flops, layer=lay,
+                inc("attnprof_attention_flops_total", a.flops, layer=lay,
                     phase=phase)
-                inc("attnprof_attention_bytes_total", (idx, phase), a.bytes, layer=lay,
+                inc("attnprof_attention_bytes_total", a.bytes, layer=lay,
                     phase=phase)
-                inc("attnprof_attention_tokens_total", (idx, phase), a.tokens, layer=lay,
+                inc("attnprof_attention_tokens_total", a.tokens, layer=lay,
                     phase=phase)
             for phase, (_n, model_t, attn_t) in self.steps.items():
-                inc("attnprof_step_time_seconds_total", phase, model_t, phase=phase)
-                inc("attnprof_step_attention_time_seconds_total", phase, attn_t, phase=phase)
+                inc("attnprof_step_time_seconds_total", model_t, phase=phase)
+                inc("attnprof_step_attention_time_seconds_total", attn_t, phase=phase)
             for outcome, n in self.outcomes.items():
-                inc("attnprof_steps_total", outcome, n, outcome=outcome)
-            inc("attnprof_steps_total", "unsampled",
-                self.seen - sum(self.outcomes.values()), outcome="unsampled")
-            inc("attnprof_self_time_seconds_total", "self", self.sampler.self_time)
-            inc("attnprof_head_stats_queries_total", "hsq", self.hs["queries"])
+                inc("attnprof_steps_total", n, outcome=outcome)
+            inc("attnprof_steps_total", self.seen - sum(self.outcomes.values()),
+                outcome="unsampled")
+            inc("attnprof_self_time_seconds_total", self.sampler.self_time)
+            inc("attnprof_head_stats_queries_total", self.hs["queries"])
             self.state.export_errors()
             sink.metric("attnprof_sample_rate_ratio").labels(model=model).set(self.sampler.rate)
             for info in list(self.layers.values()):
