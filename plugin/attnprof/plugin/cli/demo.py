@@ -170,20 +170,13 @@ def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
     The replay runs the demo's own document prompts through the transformers model (locally;
     no text leaves this process or enters the report).
     """
-    from attnprof.plugin.sparsity import Arch, recommend
-    from attnprof.plugin.sparsity.inputs import (
-        InputError,
-        from_snapshot,
-        head_stats_from_snapshot,
-    )
-    from attnprof.plugin.sparsity.recommend import export_summary
+    from attnprof.plugin.integrations.vllm.advice import recommend_from_snapshot, summarize
+    from attnprof.plugin.sparsity.inputs import InputError
 
     try:
-        dist = from_snapshot(snap)
+        rec, acc = recommend_from_snapshot(snap, model_dir)
     except InputError as err:
         return {"error": str(err)}
-    acc = head_stats_from_snapshot(snap)
-    rec = recommend(dist, Arch.from_model_dir(model_dir), acc)
     evidence: dict[str, Any] | None = None
     if replay and rec.get("binds") and rec.get("layers"):
         from attnprof.plugin.sparsity.replay import load_model
@@ -197,8 +190,7 @@ def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
                               layers=rec["layers"], progress=lambda n: bar.update(n))
         bar.close()
     # Same bounded shape as the live snapshot's window_advice, plus the replay evidence.
-    out = export_summary(rec, evidence)
-    out["head_stats_requests"] = None if acc is None else int(acc.requests.max())
+    out = summarize(rec, acc, evidence)
     out["pareto"] = rec.get("pareto")
     out["head_level_split"] = rec.get("head_level_split")
     return out

@@ -11,7 +11,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compute_advice", "export_advice"]
+__all__ = ["compute_advice", "export_advice", "recommend_from_snapshot", "summarize"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -21,22 +21,42 @@ def _arch(model_path: str) -> Any:
     return Arch.from_model_dir(Path(model_path))
 
 
+def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
+                            ) -> tuple[dict[str, Any], Any]:
+    """Full recommendation and the merged head statistics for a snapshot's traffic.
+
+    Raises ``InputError`` when the snapshot has no finished requests yet.
+    """
+    from attnprof.plugin.sparsity.inputs import from_snapshot, head_stats_from_snapshot
+    from attnprof.plugin.sparsity.recommend import recommend
+
+    dist = from_snapshot(snap)
+    acc = head_stats_from_snapshot(snap)
+    return recommend(dist, _arch(str(model_path)), acc), acc
+
+
+def summarize(rec: dict[str, Any], acc: Any, replay: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """The bounded ``window_advice`` object (snapshot, demo report)."""
+    from attnprof.plugin.sparsity.recommend import export_summary
+
+    out = export_summary(rec, replay)
+    out["head_stats_requests"] = None if acc is None else int(acc.requests.max())
+    return out
+
+
 def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, Any]:
-    """``export_summary`` of the recommendation, or ``{"error": ...}`` saying what is missing."""
-    from attnprof.plugin.sparsity.inputs import InputError, from_snapshot, head_stats_from_snapshot
-    from attnprof.plugin.sparsity.recommend import export_summary, recommend
+    """``window_advice`` for a live snapshot, or ``{"error": ...}`` saying what is missing."""
+    from attnprof.plugin.sparsity.inputs import InputError
 
     if not model_path or not (Path(model_path) / "config.json").is_file():
         return {"error": "the model is not a local checkpoint; use `attnprof suggest-window "
                          "--model PATH --url ...` instead"}
     try:
-        dist = from_snapshot(snap)
+        rec, acc = recommend_from_snapshot(snap, model_path)
     except InputError as err:
         return {"error": str(err)}
-    acc = head_stats_from_snapshot(snap)
-    summary = export_summary(recommend(dist, _arch(model_path), acc))
-    summary["head_stats_requests"] = None if acc is None else int(acc.requests.max())
-    return summary
+    return summarize(rec, acc)
 
 
 def export_advice(sink: Any, model: str, adv: dict[str, Any]) -> None:
