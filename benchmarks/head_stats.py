@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from attnprof.plugin.integrations.transformers import instrument
-from attnprof.plugin.sparsity.replay import default_prompts, load_model
-from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.capture.transformers import instrument
+from attnprof.tools.replay import default_prompts, load_model
 
 OUT = Path(__file__).parent / "results" / "head_stats.json"
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.plugin.config import Config
-from attnprof.plugin.integrations.vllm.runtime import State
-from attnprof.plugin.integrations.vllm.worker import Capture
+from attnprof.capture.vllm.hooks import Capture
+from attnprof.capture.vllm.runtime import State
+from attnprof.config import Config
 
 OUT = Path(__file__).parent / "results" / "microbench.json"
 N = 1_000_000

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from attnprof.plugin import models
-from attnprof.plugin.server import VllmServer
+from attnprof.tools import models
+from attnprof.tools.server import VllmServer
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_JSON = ROOT / "benchmarks" / "results" / "overhead.json"
@@ -97,8 +97,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from attnprof.plugin.config import Config
-    from attnprof.plugin.traffic import _doc
+    from attnprof.config import Config
+    from attnprof.tools.traffic import _doc
 
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)

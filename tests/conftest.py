@@ -36,7 +36,7 @@ def build_tiny_model(out: Path, layers: int = 2, sliding_window: int | None = No
         PreTrainedTokenizerFast,
     )
 
-    from attnprof.plugin.traffic import _WORDS
+    from attnprof.tools.traffic import _WORDS
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,7 +70,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from attnprof.plugin import models
+    from attnprof.tools import models
 
     try:
         return models.verified_model_dir()
@@ -118,7 +118,7 @@ def running_tiny_server(model: Path, tmp_path_factory: pytest.TempPathFactory, l
                         env: dict[str, str], max_model_len: int, kv_bytes: int
                         ) -> Iterator[Any]:
     """A real vLLM server on the tiny model (eager, prefix caching off), stopped on exit."""
-    from attnprof.plugin.server import VllmServer
+    from attnprof.tools.server import VllmServer
 
     log = tmp_path_factory.mktemp("logs") / log_name
     srv = VllmServer(model, port=free_port(), served_name="tiny", eager=True, log=log, env=env,
@@ -162,7 +162,7 @@ class PrometheusServer:
     def query(self, expr: str) -> list[dict[str, object]]:
         import urllib.parse
 
-        from attnprof.plugin.server import http_get
+        from attnprof.tools.server import http_get
 
         body = json.loads(http_get(f"{self.url}/api/v1/query?"
                                    + urllib.parse.urlencode({"query": expr})))

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.plugin.cli import main
+from attnprof.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = REPO / "docs" / "schema" / "profile.schema.json"
@@ -102,7 +102,7 @@ def test_profile_smollm2_end_to_end_and_oom_check(smollm2_dir: Path, tmp_path: P
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", *args],
+    return subprocess.run([sys.executable, "-m", "attnprof.cli", *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
@@ -167,7 +167,7 @@ def test_profile_bad_lengths_file_fails_before_profiling(tmp_path: Path) -> None
     ckpt = tiny_checkpoint(tmp_path / "ckpt", "sdpa")
     bad = tmp_path / "bad.txt"
     bad.write_text("12\nabc\n")
-    r = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "profile", str(ckpt),
+    r = subprocess.run([sys.executable, "-m", "attnprof.cli", "profile", str(ckpt),
                         "--lengths", str(bad), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.plugin.server import http_get, http_post_json
+from attnprof.tools.server import http_get, http_post_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
@@ -55,7 +55,7 @@ def test_suggest_window_reads_the_fleet_from_real_prometheus(tiny_server: Any, p
     total = snap["requests"]["requests"]
     # Wait until Prometheus has scraped every finished request.
     prometheus.wait_for(f"sum(attnprof_request_context_tokens_count) >= {total}")
-    r = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "suggest-window",
+    r = subprocess.run([sys.executable, "-m", "attnprof.cli", "suggest-window",
                         "--prometheus", prometheus.url, "--model", str(tiny_model),
                         "--window", "16", "--sinks", "4", "--json"],
                        capture_output=True, text=True, timeout=120)

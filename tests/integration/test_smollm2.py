@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from attnprof.plugin.integrations.vllm.runtime import pid_alive
-from attnprof.plugin.server import http_get, http_post_json
+from attnprof.capture.vllm.runtime import pid_alive
+from attnprof.tools.server import http_get, http_post_json
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
-ATTNPROF = [sys.executable, "-m", "attnprof.plugin.cli"]
+ATTNPROF = [sys.executable, "-m", "attnprof.cli"]
 
 
 def _cli(*args: str, home: Path | None = None, timeout: float = 600

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from attnprof.plugin.cli import main
-from attnprof.plugin.sparsity.recommend import evaluate
-from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
+from attnprof.analyze.sparsity.recommend import evaluate
+from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.cli import main
 from tests.conftest import REPO, free_port
 
 
@@ -137,7 +137,7 @@ def test_validate_window_cli(tiny_model: Path, tmp_path: Path,
 def test_entry_point_exit_code(tmp_path: Path) -> None:
     f = tmp_path / "empty.txt"
     f.write_text("")
-    proc = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "suggest-window",
+    proc = subprocess.run([sys.executable, "-m", "attnprof.cli", "suggest-window",
                            "--lengths", str(f)], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -180,8 +180,8 @@ def test_suggest_from_live_snapshot_and_prometheus(tiny_model: Path,
 
     import torch
 
-    from attnprof.plugin.sketch import QuantileSketch
-    from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.aggregate.quantiles import QuantileSketch
 
     sk = QuantileSketch()
     for x in [50] * 10 + [400] * 10:

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnprof.plugin.cli import main
-from attnprof.plugin.sparsity.classify import CLASSES, Thresholds, classify
-from attnprof.plugin.sparsity.recommend import format_summary, recommend
-from attnprof.plugin.sparsity.replay import collect_head_stats, load_model, replay
-from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
+from attnprof.analyze.sparsity.classify import CLASSES, Thresholds, classify
+from attnprof.analyze.sparsity.recommend import format_summary, recommend
+from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.cli import main
+from attnprof.tools.replay import collect_head_stats, load_model, replay
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnprof.plugin.sparsity.replay import (
+from attnprof.tools.replay import (
     ReplayError,
     collect_head_stats,
     default_prompts,

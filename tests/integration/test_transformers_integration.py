@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-import attnprof.plugin as attnprof
-from attnprof.plugin.integrations.transformers import AttentionCallEvent, instrument
+import attnprof
+from attnprof.capture.transformers import AttentionCallEvent, instrument
 
 COMMON: dict[str, Any] = dict(vocab_size=100, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

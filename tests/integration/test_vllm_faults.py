@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.plugin.server import VllmServer, http_get, http_post_json
+from attnprof.tools.server import VllmServer, http_get, http_post_json
 from tests.conftest import metric_value, running_tiny_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.plugin.server import http_get, http_post_json
+from attnprof.tools.server import http_get, http_post_json
 from tests.conftest import dump, metric_value
 
 pytestmark = pytest.mark.vllm
@@ -113,21 +113,21 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
     import sys
 
     _complete(tiny_server, "the model request", 3)
-    r = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "snapshot", "--url",
+    r = subprocess.run([sys.executable, "-m", "attnprof.cli", "snapshot", "--url",
                         tiny_server.base_url], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines() if ln.split()[:2] in (["0", "CPU_ATTN"],
                                                                             ["1", "CPU_ATTN"])]
     assert len(rows) == 2
     assert "Context lengths of" in r.stdout and "Attention share" in r.stdout
-    j = subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", "snapshot", "--json",
+    j = subprocess.run([sys.executable, "-m", "attnprof.cli", "snapshot", "--json",
                         "--url", tiny_server.base_url], capture_output=True, text=True,
                        timeout=60)
     assert json.loads(j.stdout)["schema_version"] == "attnprof.snapshot/1"
 
 
 def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server: Any) -> None:
-    from attnprof.plugin.sparsity.inputs import head_stats_from_snapshot
+    from attnprof.analyze.sparsity.inputs import head_stats_from_snapshot
 
     before = _snapshot(tiny_server)["workers"][0]["head_stats_cost"]["queries"]
     _complete(tiny_server, " ".join(["cache token layer attention window head"] * 12), 2)

@@ -15,7 +15,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     import os
 
     full = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "attnprof.plugin.cli", *args],
+    return subprocess.run([sys.executable, "-m", "attnprof.cli", *args],
                           capture_output=True, text=True, timeout=120, env=full)
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from attnprof.plugin.config import Config, ConfigError
-from attnprof.plugin.environment_variables import VARIABLES, markdown_table
+from attnprof.config import Config, ConfigError
+from attnprof.environment_variables import VARIABLES, markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_bad_values_name_the_variable_in_one_line(name: str, raw: str) -> None:
 
 
 def test_every_variable_read_by_config_is_documented() -> None:
-    src = (REPO / "plugin/attnprof/plugin/config.py").read_text()
+    src = (REPO / "plugin/attnprof/config.py").read_text()
     used = set(re.findall(r'"(ATTNPROF_[A-Z_]+)"', src))
     documented = {v.name for v in VARIABLES}
     assert used == documented

@@ -71,7 +71,7 @@ def test_sidecar_style_install_is_discovered_through_pythonpath(tmp_path: Path) 
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (target / "plugin").exists() and not (target / "exporters").exists()
-    probe = ("from importlib.metadata import entry_points as e; import attnprof.plugin as a;"
+    probe = ("from importlib.metadata import entry_points as e; import attnprof as a;"
              "import attnprof.exporters.catalog;"
              "print(sorted(x.name for g in ('vllm.general_plugins','vllm.stat_logger_plugins',"
              "'vllm.endpoint_plugins') for x in e(group=g)), a.__file__)")

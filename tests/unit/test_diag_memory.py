@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnprof.plugin.diagnostics import memory, scaling
+from attnprof.analyze import memory, scaling
 
 
 def test_kv_bytes_per_token_formula() -> None:
@@ -72,7 +72,7 @@ def test_fit_and_predict() -> None:
 def test_dtype_bytes_names_used_by_vllm_and_torch() -> None:
     import torch
 
-    from attnprof.plugin.diagnostics.memory import dtype_bytes
+    from attnprof.analyze.memory import dtype_bytes
 
     assert dtype_bytes(torch.float32) == 4 and dtype_bytes("bfloat16") == 2
     # vLLM KV-cache dtype names: fp8 variants and int8 are one byte per element.

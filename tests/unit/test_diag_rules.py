@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 import torch
 
-from attnprof.plugin.diagnostics import compat, rules, vllm_backend_report
+from attnprof.analyze import compat, rules, vllm_backend_report
 
 
 def test_matrix_is_versioned_and_sourced() -> None:
@@ -20,7 +20,7 @@ def test_matrix_is_versioned_and_sourced() -> None:
         assert spec["sources"], name
         assert set(spec["hardware"]) <= set(m["hardware"]), name
         assert set(spec["features"]) == {"mask", "sliding_window", "sinks", "fp8_kv"}, name
-    text = resources.files("attnprof.plugin").joinpath("data/compat_matrix.json").read_text()
+    text = resources.files("attnprof.analyze").joinpath("data/compat_matrix.json").read_text()
     assert json.loads(text) == m
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnprof.plugin.diagnostics.sdpa import SDPASpy, classify_reason, sdpa_choice
+from attnprof.capture.sdpa import SDPASpy, classify_reason, sdpa_choice
 
 
 def qkv(d_v: int = 64, heads_kv: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from attnprof.plugin.sampling import StepSampler
+from attnprof.aggregate.sampler import StepSampler
 
 
 def _rate(s: StepSampler, n: int = 200000) -> float:

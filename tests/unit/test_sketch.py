@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from attnprof.plugin.sketch import QuantileSketch, log_buckets
+from attnprof.aggregate.quantiles import QuantileSketch, log_buckets
 
 
 def test_log_buckets_1_2_5_up_to_max() -> None:

@@ -8,16 +8,16 @@ import random
 import numpy as np
 import pytest
 
-from attnprof.plugin.sketch import QuantileSketch
-from attnprof.plugin.sparsity.inputs import (
+from attnprof.aggregate.quantiles import QuantileSketch
+from attnprof.analyze.sparsity.inputs import (
     InputError,
     from_buckets,
     from_prometheus_response,
     from_snapshot,
     parse_lengths_text,
 )
-from attnprof.plugin.sparsity.recommend import evaluate, format_summary, recommend
-from attnprof.plugin.sparsity.savings import Arch, LengthDistribution, pairs_window
+from attnprof.analyze.sparsity.recommend import evaluate, format_summary, recommend
+from attnprof.analyze.sparsity.savings import Arch, LengthDistribution, pairs_window
 
 
 def keys_seen(i: int, w: int | None, s: int) -> int:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from attnprof.plugin.sparsity.classify import Thresholds, classify, head_windows
-from attnprof.plugin.sparsity.recommend import evaluate, export_summary, recommend
-from attnprof.plugin.sparsity.savings import Arch, LengthDistribution
-from attnprof.plugin.sparsity.stats import HeadStatsAccumulator
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.analyze.sparsity.classify import Thresholds, classify, head_windows
+from attnprof.analyze.sparsity.recommend import evaluate, export_summary, recommend
+from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
 
 T, D, LOGIT = 256, 64, 10.0
 SCALE = 1 / math.sqrt(D)

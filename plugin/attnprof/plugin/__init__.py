@@ -1,30 +1,6 @@
-"""attnprof: an attention profiler that lives inside LLM serving processes."""
+"""Deprecated alias kept for scripts written against attnprof 0.1 (``import attnprof.plugin
+as attnprof``): use ``import attnprof``. Re-exports the same objects, no second copy."""
 
-from __future__ import annotations
-
-from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
-
-try:
-    __version__ = version("attnprof")
-except PackageNotFoundError:  # running from a source tree without installation
-    __version__ = "0.0.0+unknown"
+from attnprof import __version__, instrument, profile
 
 __all__ = ["__version__", "instrument", "profile"]
-
-
-def instrument(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
-    """Wrap a transformers model's attention; see
-    :func:`attnprof.plugin.integrations.transformers.instrument` (imports torch lazily)."""
-    from attnprof.plugin.integrations.transformers import instrument as impl
-
-    return impl(model, on_call=on_call, **kw)
-
-
-def profile(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
-    """``with attnprof.plugin.profile(model) as prof: model(...)``; see
-    :func:`attnprof.plugin.integrations.transformers.profile`."""
-    from attnprof.plugin.integrations.transformers import profile as impl
-
-    return impl(model, on_call=on_call, **kw)

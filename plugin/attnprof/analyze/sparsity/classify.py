@@ -1,0 +1,179 @@
+"""Head classification and per-head windows from :class:`HeadStatsAccumulator` statistics.
+
+Rules (docs/sparsity.md; defaults from the project's sparsity notes, section 3). For a query
+head, with s = ``Thresholds.sinks`` and C_q the ``quantile`` low quantile of coverage over
+sampled queries that see more than s + w keys:
+
+* window w*(head) = min{ w in grid : C_q(s, w) >= tau, with >= ``min_queries`` queries }
+* ``sink`` (sink/dormant): mean sink mass >= ``sink_mass`` (and, when value vectors were
+  seen, output norm in the layer's bottom ``dormant_norm_quantile``)
+* ``streaming``: w* <= ``streaming_max_window``: fine with sinks + a small window
+* ``near_uniform``: mean normalized entropy >= ``near_uniform_entropy``
+* ``retrieval`` (keep full): no grid window reaches tau although every grid window was
+  tested, or the top-1 key lies outside sinks + window for >= ``retrieval_top1_rate`` of
+  queries (at w*, or at the largest tested window)
+* ``local``: needs a window between ``streaming_max_window`` and the largest grid window
+* ``unknown``: the sampled queries were too short to test any window, or every window they
+  could test fails while larger ones stay untested (and no far top-1 reads were seen)
+
+Under GQA the KV cache is per KV head: a KV head takes the largest w* and the most severe
+class of its query heads; a layer-wide window is the max over its KV heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+
+__all__ = ["CLASSES", "Thresholds", "classify", "head_windows"]
+
+# Most to least severe: a KV head gets the first class any of its query heads has.
+CLASSES = ("unknown", "retrieval", "near_uniform", "local", "streaming", "sink")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    tau: float = 0.9
+    """Coverage target: a window is fine for a head when C_q(s, w) >= tau."""
+    quantile: float = 0.05
+    """Low quantile q of coverage over sampled queries (failures are rare far-back reads)."""
+    sinks: int = 4
+    """Sink tokens s assumed when deciding windows (StreamingLLM uses 4)."""
+    streaming_max_window: int = 256
+    """Largest w* for a ``streaming`` head."""
+    sink_mass: float = 0.3
+    """Mean mass on the first s keys for a ``sink`` head (Gu et al. epsilon)."""
+    dormant_norm_quantile: float = 0.1
+    """With value vectors: a sink head's output norm must be in this bottom share of its layer."""
+    near_uniform_entropy: float = 0.9
+    """Mean entropy / log(keys seen) for ``near_uniform``."""
+    retrieval_top1_rate: float = 0.02
+    """Share of queries whose top-1 key lies outside sinks + w* that marks ``retrieval``."""
+    min_queries: int = 8
+    """Sampled queries a (head, s, w) cell needs to count as evidence."""
+
+    def validate(self) -> Thresholds:
+        if not 0 < self.tau <= 1 or not 0 <= self.quantile < 1:
+            raise ValueError("tau must be in (0, 1] and quantile in [0, 1)")
+        if self.sinks < 0 or self.min_queries < 1:
+            raise ValueError("sinks must be >= 0 and min_queries >= 1")
+        return self
+
+
+def _sink_index(acc: HeadStatsAccumulator, sinks: int) -> int:
+    if sinks not in acc.sinks_grid:
+        raise ValueError(f"sinks={sinks} is not in the statistics' grid {acc.sinks_grid}")
+    return acc.sinks_grid.index(sinks)
+
+
+def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = None) -> Any:
+    """w* per [layer, query head] (inf: no grid window reaches tau; nan: no evidence)."""
+    si = _sink_index(acc, th.sinks if sinks is None else sinks)
+    cq = acc.coverage_quantile(th.quantile)[:, :, si, :]  # [L, Hq, W]
+    enough = acc.cov_n[:, :, si, :] >= th.min_queries
+    ok = enough & (cq >= th.tau - 1e-12)
+    grid = np.asarray(acc.window_grid, dtype=float)
+    first = np.argmax(ok, axis=-1)
+    w = np.where(ok.any(-1), grid[first], math.inf)
+    return np.where(enough.any(-1), w, math.nan)
+
+
+def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[str, Any]:
+    """Per layer and KV head: class, window w*, and the statistics behind the decision."""
+    th = (th or Thresholds()).validate()
+    si = _sink_index(acc, th.sinks)
+    means = acc.per_head_means()
+    wq = head_windows(acc, th)
+    enough = acc.cov_n[:, :, si, :] >= th.min_queries
+    cq = acc.coverage_quantile(th.quantile)[:, :, si, :]
+    grid = list(acc.window_grid)
+    g = acc.group_size
+    layers: list[dict[str, Any]] = []
+    totals = dict.fromkeys(CLASSES, 0)
+    for layer in range(acc.num_layers):
+        norms = means["output_norm"][layer]
+        norm_cut = (float(np.nanquantile(norms, th.dormant_norm_quantile))
+                    if np.isfinite(norms).all() else None)
+        qclass: list[str] = []
+        for h in range(acc.num_q_heads):
+            w = wq[layer, h]
+            sink_m = float(means["sink_mass"][layer, h, si])
+            if math.isnan(w):
+                c = "unknown"
+            elif sink_m >= th.sink_mass and (norm_cut is None or norms[h] <= norm_cut):
+                c = "sink"
+            elif w <= th.streaming_max_window:
+                c = "streaming"
+            elif float(means["entropy"][layer, h]) >= th.near_uniform_entropy:
+                c = "near_uniform"
+            elif math.isinf(w):
+                # fails at every window the sample could test: retrieval when every grid
+                # window was tested or far top-1 reads are seen, else undetermined
+                tested = np.flatnonzero(enough[layer, h])
+                far = float(means["top1_outside"][layer, h, si, tested[-1]])
+                if len(tested) == len(grid) or far >= th.retrieval_top1_rate:
+                    c = "retrieval"
+                else:
+                    c = "unknown"
+                    wq[layer, h] = math.nan
+            elif float(means["top1_outside"][layer, h, si, grid.index(int(w))]) \
+                    >= th.retrieval_top1_rate:
+                c = "retrieval"
+                wq[layer, h] = math.inf
+            else:
+                c = "local"
+            qclass.append(c)
+        kv_heads: list[dict[str, Any]] = []
+        for kv in range(acc.num_kv_heads):
+            hs = range(kv * g, (kv + 1) * g)
+            cls_ = min((qclass[h] for h in hs), key=CLASSES.index)
+            ws = [wq[layer, h] for h in hs]
+            w_kv = (math.inf if any(math.isinf(x) for x in ws)
+                    else math.nan if any(math.isnan(x) for x in ws) else max(ws))
+            totals[cls_] += 1
+            kv_heads.append({
+                "kv_head": kv, "class": cls_, "window": _w(w_kv),
+                "coverage_q": {str(w): _r(float(np.nanmin(cq[layer, list(hs), i])))
+                               if np.isfinite(cq[layer, list(hs), i]).any() else None
+                               for i, w in enumerate(grid)},
+                "sink_mass": _r(float(np.mean([means["sink_mass"][layer, h, si] for h in hs]))),
+                "entropy": _r(float(np.mean([means["entropy"][layer, h] for h in hs]))),
+                "topk_fraction": _r(float(np.mean([means["topk_fraction"][layer, h]
+                                                   for h in hs]))),
+                "q_head_classes": [qclass[h] for h in hs],
+            })
+        ws_layer = [k["window"] for k in kv_heads]
+        layers.append({
+            "layer": layer,
+            "queries": int(acc.queries[layer].max()),
+            "window": _layer_window(ws_layer),
+            "classes": {c: sum(k["class"] == c for k in kv_heads) for c in CLASSES
+                        if any(k["class"] == c for k in kv_heads)},
+            "sink_mass": _r(float(means["sink_mass"][layer, :, si].mean())),
+            "kv_heads": kv_heads,
+        })
+    return {"thresholds": asdict(th), "window_grid": grid,
+            "class_counts": {c: n for c, n in totals.items() if n}, "layers": layers}
+
+
+def _layer_window(ws: list[Any]) -> int | str | None:
+    if "full" in ws:
+        return "full"
+    if any(w is None for w in ws):
+        return None
+    return max(int(w) for w in ws)
+
+
+def _w(w: float) -> int | str | None:
+    if math.isnan(w):
+        return None
+    return "full" if math.isinf(w) else int(w)
+
+
+def _r(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 4)

@@ -1,0 +1,398 @@
+"""Window recommendations from traffic (+ head statistics when available).
+
+``evaluate`` scores one (sinks, window) configuration; ``recommend`` scores a grid of windows,
+picks one and returns a Pareto table; ``format_summary`` is the one-line demo sentence.
+Savings are ratios of expectations over requests (cost-weighted), exactness is
+P(T <= s + w), and heads at risk are KV heads whose low-quantile coverage is below tau.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.analyze.sparsity.classify import Thresholds, classify
+from attnprof.analyze.sparsity.savings import (
+    Arch,
+    LengthDistribution,
+    kv_tokens,
+    pairs_full,
+    pairs_window,
+    workload_costs,
+)
+
+__all__ = [
+    "DYNAMIC_SPARSE_MIN_TOKENS",
+    "as_distribution",
+    "evaluate",
+    "export_summary",
+    "format_summary",
+    "kv_coverage",
+    "recommend",
+]
+
+DYNAMIC_SPARSE_MIN_TOKENS = 32768
+"""Dynamic sparse prefill only pays off above ~32-64K tokens (MInference measurements)."""
+_MAX_LISTED_HEADS = 64  # bound the JSON: the count is always exact
+
+
+def as_distribution(lengths: Any) -> LengthDistribution:
+    """A LengthDistribution, a sequence of lengths, or cumulative (le, count) buckets."""
+    if isinstance(lengths, LengthDistribution):
+        return lengths
+    items = list(lengths)
+    if items and isinstance(items[0], (tuple, list)):
+        from attnprof.analyze.sparsity.inputs import from_buckets
+
+        return from_buckets([(float(a), float(b)) for a, b in items], "buckets")
+    return LengthDistribution.from_lengths((int(x) for x in items), "lengths")
+
+
+def kv_coverage(acc: HeadStatsAccumulator, th: Thresholds, sinks: int, window: int) -> Any:
+    """Lower bound on the low-quantile coverage per [layer, KV head] for (sinks, window).
+
+    Coverage only grows with s and w, so an off-grid configuration is bounded by the largest
+    grid point below it. NaN: no sampled query long enough (or w below the grid).
+    """
+    s_ok = [s for s in acc.sinks_grid if s <= sinks]
+    w_ok = [w for w in acc.window_grid if w <= window]
+    shape = (acc.num_layers, acc.num_kv_heads)
+    if not s_ok or not w_ok:
+        return np.full(shape, np.nan)
+    si, wi = acc.sinks_grid.index(max(s_ok)), acc.window_grid.index(max(w_ok))
+    cq = acc.coverage_quantile(th.quantile)[:, :, si, wi]
+    enough = acc.cov_n[:, :, si, wi] >= th.min_queries
+    cq = np.where(enough, cq, np.nan).reshape(acc.num_layers, acc.num_kv_heads, acc.group_size)
+    with np.errstate(invalid="ignore"):
+        # a KV head serves its whole group: its coverage is the worst query head's
+        return np.where(np.isnan(cq).any(-1), np.nan, np.nanmin(np.nan_to_num(cq, nan=1), -1))
+
+
+def _naive_mean(dist: LengthDistribution, arch: Arch, window: int, sinks: int,
+                layers: set[int]) -> float:
+    t = dist.t
+    full = np.zeros_like(t)
+    win = np.zeros_like(t)
+    for layer in range(arch.num_layers):
+        nat = arch.native_window(layer)
+        base = pairs_full(t) if nat is None else pairs_window(t, nat, 0)
+        full += base
+        win += np.minimum(base, pairs_window(t, window, sinks)) if layer in layers else base
+    return dist.expect(1 - win / full)
+
+
+def evaluate(lengths: Any, arch: Arch, window: int, sinks: int, *,
+             head_stats: HeadStatsAccumulator | None = None,
+             thresholds: Thresholds | None = None,
+             layers: Iterable[int] | None = None) -> dict[str, Any]:
+    """Score sinks + window on ``layers`` (default: every full-attention layer)."""
+    if window < 1 or sinks < 0:
+        raise ValueError("window must be >= 1 and sinks >= 0")
+    dist = as_distribution(lengths)
+    th = (thresholds or Thresholds()).validate()
+    chosen = sorted(set(arch.full_layers if layers is None else layers))
+    bad = [x for x in chosen if not 0 <= x < arch.num_layers]
+    if bad:
+        raise ValueError(f"layer {bad[0]} is outside 0..{arch.num_layers - 1}")
+    c = workload_costs(dist, arch, window, sinks, chosen)
+    attn_full = c["attention_flops_full"]
+    share = None
+    e2e = None
+    saving = 1 - c["attention_flops_windowed"] / attn_full if attn_full else 0.0
+    if arch.n_params:
+        other = 2 * arch.n_params * c["tokens"]
+        share = attn_full / (attn_full + other)
+        e2e = saving * share
+    out: dict[str, Any] = {
+        "sinks": sinks,
+        "window": window,
+        "layers": chosen,
+        "attention_flop_saving": round(saving, 6),
+        "kv_memory_saving": round(1 - c["kv_bytes_windowed"] / c["kv_bytes_full"], 6),
+        "exact_request_fraction": round(dist.fraction_at_most(window + sinks), 6),
+        "naive_mean_request_saving": round(_naive_mean(dist, arch, window, sinks, set(chosen)),
+                                           6),
+        "attention_flops_per_request": {"full": attn_full,
+                                        "windowed": c["attention_flops_windowed"]},
+        "kv_bytes_per_request": {"full": c["kv_bytes_full"],
+                                 "windowed": c["kv_bytes_windowed"]},
+        "attention_flop_share": None if share is None else round(share, 6),
+        "end_to_end_flop_saving": None if e2e is None else round(e2e, 6),
+        "traffic": dist.summary(),
+        "model": arch.to_dict(),
+        "head_stats": head_stats is not None,
+        "heads_at_risk": None,
+        "heads_at_risk_count": None,
+        "heads_unverified_count": None,
+    }
+    if head_stats is not None:
+        cov = kv_coverage(head_stats, th, sinks, window)
+        risk: list[dict[str, Any]] = []
+        unverified = 0
+        for layer in chosen:
+            for kv in range(head_stats.num_kv_heads):
+                v = cov[layer, kv]
+                if math.isnan(v):
+                    unverified += 1
+                elif v < th.tau - 1e-12:
+                    risk.append({"layer": layer, "kv_head": kv, "coverage_q": round(float(v), 4)})
+        out["heads_at_risk_count"] = len(risk)
+        out["heads_at_risk"] = sorted(risk, key=lambda r: r["coverage_q"])[:_MAX_LISTED_HEADS]
+        out["heads_unverified_count"] = unverified
+        out["coverage_target"] = {"tau": th.tau, "quantile": th.quantile}
+    return out
+
+
+def _candidate_windows(dist: LengthDistribution, acc: HeadStatsAccumulator | None
+                       ) -> list[int]:
+    if acc is not None:
+        return list(acc.window_grid)
+    top = max(64, 1 << math.ceil(math.log2(max(dist.lengths[-1], 2))))
+    out, w = [], 64
+    while w <= top:
+        out.append(w)
+        w *= 2
+    return out
+
+
+def _head_split(dist: LengthDistribution, arch: Arch, cls: Mapping[str, Any], sinks: int
+                ) -> dict[str, Any]:
+    """Window only the KV heads whose own w* is known, the rest of their layer stays full."""
+    t = dist.t
+    full_p = full_kv = win_p = win_kv = 0.0
+    split = 0
+    for layer in cls["layers"]:
+        nat = arch.native_window(layer["layer"])
+        base_p = dist.expect(pairs_full(t) if nat is None else pairs_window(t, nat, 0))
+        base_kv = dist.expect(kv_tokens(t, nat))
+        for kv in layer["kv_heads"]:
+            full_p += base_p
+            full_kv += base_kv
+            w = kv["window"]
+            if isinstance(w, int) and nat is None:
+                split += 1
+                win_p += dist.expect(pairs_window(t, w, sinks))
+                win_kv += dist.expect(kv_tokens(t, w, sinks))
+            else:
+                win_p += base_p
+                win_kv += base_kv
+    return {"windowed_kv_heads": split,
+            "attention_flop_saving": round(1 - win_p / full_p, 6) if full_p else 0.0,
+            "kv_memory_saving": round(1 - win_kv / full_kv, 6) if full_kv else 0.0,
+            "note": "each KV head at its own w* (needs per-head windows, e.g. DuoAttention-style "
+                    "streaming heads); heads without a window stay full"}
+
+
+def _dynamic_sparse(dist: LengthDistribution, arch: Arch, acc: HeadStatsAccumulator | None
+                    ) -> dict[str, Any]:
+    t = dist.t
+    big = t > DYNAMIC_SPARSE_MIN_TOKENS
+    pf = pairs_full(t) * len(arch.full_layers)
+    share = float((pf * big * dist.w).sum() / max((pf * dist.w).sum(), 1e-300))
+    density = None
+    if acc is not None and acc.queries.sum() > 0:
+        density = float((acc.topk_frac_sum.sum()) / acc.queries.sum())
+    return {"min_tokens": DYNAMIC_SPARSE_MIN_TOKENS,
+            "request_fraction": round(float(dist.w[big].sum() / dist.total_weight), 6),
+            "attention_flop_share": round(share, 6),
+            "topk_mass_density": None if density is None else round(density, 4),
+            "expected_attention_flop_saving": None if density is None
+            else round(share * (1 - density), 6)}
+
+
+def _native_windows(dist: LengthDistribution, arch: Arch) -> dict[str, Any] | None:
+    if not arch.hybrid:
+        return None
+    t = dist.t
+    groups: dict[int, list[int]] = {}
+    for layer in range(arch.num_layers):
+        nat = arch.native_window(layer)
+        if nat is not None:
+            groups.setdefault(nat, []).append(layer)
+    kv_all = sum(dist.expect(kv_tokens(t, arch.native_window(x))) for x in range(arch.num_layers))
+    kv_global = sum(dist.expect(t) for _ in arch.full_layers)
+    p_all = sum(dist.expect(pairs_full(t) if arch.native_window(x) is None
+                            else pairs_window(t, arch.native_window(x) or 0, 0))
+                for x in range(arch.num_layers))
+    p_global = dist.expect(pairs_full(t)) * len(arch.full_layers)
+    sliding = []
+    for w, ls in sorted(groups.items()):
+        binds = 1 - dist.fraction_at_most(w)
+        sliding.append({"window": w, "layers": ls, "binding_request_fraction": round(binds, 6),
+                        "never_binds": binds == 0.0,
+                        "note": "traffic shorter than the window: no saving from it"
+                        if binds == 0.0 else "window binds for longer requests"})
+    return {"sliding": sliding, "global_layers": arch.full_layers,
+            "global_kv_share": round(kv_global / kv_all, 6) if kv_all else 0,
+            "global_attention_flop_share": round(p_global / p_all, 6) if p_all else 0}
+
+
+def recommend(lengths: Any, arch: Arch, head_stats: HeadStatsAccumulator | None = None, *,
+              sinks: int | None = None, windows: Sequence[int] | None = None,
+              thresholds: Thresholds | None = None, min_exact: float = 0.9) -> dict[str, Any]:
+    """Choose sinks + window for the traffic.
+
+    With head statistics: for each grid window W, window the full-attention layers whose
+    every KV head has w* <= W; pick the W with the largest cost-weighted attention-FLOP
+    saving. Without: the smallest W that keeps ``min_exact`` of requests exact (coverage risk
+    unknown, said so in ``basis``).
+    """
+    dist = as_distribution(lengths)
+    th = (thresholds or Thresholds()).validate()
+    s = th.sinks if sinks is None else sinks
+    if head_stats is not None and s in head_stats.sinks_grid:
+        th = replace(th, sinks=s)  # classify at the sinks being recommended
+    cls = classify(head_stats, th) if head_stats is not None else None
+    cands = list(windows) if windows else _candidate_windows(dist, head_stats)
+    pareto: list[dict[str, Any]] = []
+    for w in cands:
+        if cls is not None:
+            layers = [x["layer"] for x in cls["layers"]
+                      if arch.native_window(x["layer"]) is None
+                      and isinstance(x["window"], int) and x["window"] <= w]
+        else:
+            layers = arch.full_layers
+        ev = evaluate(dist, arch, w, s, head_stats=head_stats, thresholds=th, layers=layers)
+        pareto.append(ev)
+    if cls is not None:
+        best = max(pareto, key=lambda e: (round(e["attention_flop_saving"], 9), e["window"]))
+        basis = (f"head statistics: layers whose every KV head keeps {th.quantile:g}-quantile "
+                 f"coverage >= {th.tau:g} at s={s}")
+    else:
+        ok = [e for e in pareto if e["exact_request_fraction"] >= min_exact]
+        best = min(ok, key=lambda e: e["window"]) if ok else pareto[-1]
+        basis = (f"traffic only (no head statistics): smallest window keeping >= "
+                 f"{min_exact:.0%} of requests exact; coverage risk unknown")
+    rec = dict(best)
+    rec["basis"] = basis
+    rec["binds"] = best["exact_request_fraction"] < 1.0 and bool(best["layers"])
+    rec["pareto"] = [{k: e[k] for k in ("window", "sinks", "attention_flop_saving",
+                                        "kv_memory_saving", "exact_request_fraction",
+                                        "heads_at_risk_count")} | {"layers": len(e["layers"])}
+                     for e in pareto]
+    rec["per_layer"] = None if cls is None else [
+        {"layer": x["layer"], "window": x["window"], "classes": x["classes"],
+         "sink_mass": x["sink_mass"]} for x in cls["layers"]]
+    rec["classification"] = cls
+    rec["head_level_split"] = None if cls is None else _head_split(dist, arch, cls, s)
+    rec["dynamic_sparse_prefill"] = _dynamic_sparse(dist, arch, head_stats)
+    rec["native_windows"] = _native_windows(dist, arch)
+    rec["advice"] = _advice(rec)
+    return rec
+
+
+def _advice(rec: Mapping[str, Any]) -> list[str]:
+    """Where something other than the chosen layer-wide window would save more."""
+    out: list[str] = []
+    nw = rec.get("native_windows")
+    if nw:
+        for g in nw["sliding"]:
+            if g["never_binds"]:
+                out.append(f"the native window {g['window']} never binds on this traffic: "
+                           f"its {len(g['layers'])} sliding layers save nothing")
+        if nw["global_kv_share"] >= 0.5:
+            out.append(f"global layers hold {nw['global_kv_share']:.0%} of KV memory: window "
+                       "or split heads there first")
+    hs = rec.get("head_level_split")
+    if hs and hs["attention_flop_saving"] > rec["attention_flop_saving"] + 0.01:
+        out.append(f"a head-level split ({hs['windowed_kv_heads']} streaming/local KV heads at "
+                   f"their own window, the rest full) would save "
+                   f"{hs['attention_flop_saving']:.1%} of attention FLOPs and "
+                   f"{hs['kv_memory_saving']:.1%} of KV memory vs "
+                   f"{rec['attention_flop_saving']:.1%} / {rec['kv_memory_saving']:.1%}")
+    ds = rec.get("dynamic_sparse_prefill")
+    if ds and ds["request_fraction"] > 0:
+        exp = ds.get("expected_attention_flop_saving")
+        out.append(f"{ds['request_fraction']:.1%} of requests ({ds['attention_flop_share']:.0%}"
+                   f" of attention FLOPs) exceed {ds['min_tokens']} tokens: dynamic sparse "
+                   "prefill applies there" + (f", expected saving {exp:.1%} of attention "
+                                              "FLOPs" if exp is not None else ""))
+    return out
+
+
+def _layer_ranges(layers: Sequence[int]) -> str:
+    if not layers:
+        return "no layers"
+    parts: list[str] = []
+    start = prev = layers[0]
+    for x in [*layers[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(parts)
+
+
+def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = None) -> str:
+    """The demo sentence: traffic quantiles, suggestion, savings, exactness, replay evidence."""
+    tr = rec["traffic"]
+    n_layers = rec["model"]["num_layers"]
+    layers = rec["layers"]
+    parts = [f"your traffic: P50/P90/P99 = {tr['p50']}/{tr['p90']}/{tr['p99']} tokens"]
+    if not layers:
+        native = rec["model"].get("layer_windows") or []
+        if native and all(w is not None for w in native):
+            parts.append(f"suggestion: none needed, every layer already slides (window "
+                         f"{max(native)}); see where it binds")
+        else:
+            parts.append("suggestion: keep full attention (no layer has every KV head "
+                         "covered by a window in the grid; see the head-level split)")
+        return "; ".join(parts)
+    parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
+              f"{_layer_ranges(layers)} ({len(layers)} of {n_layers})",
+              f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
+              f"{rec['kv_memory_saving']:.1%} KV memory",
+              f"{rec['exact_request_fraction']:.1%} of requests unchanged"]
+    if replay is None:
+        parts.append("replay: not run (not validated)")
+    else:
+        verdict = "safe" if replay.get("safe") else "NOT safe"
+        parts.append(f"replay agreement {replay['agreement']:.1%}, mean KL "
+                     f"{replay['mean_kl']:.3g} -> {verdict} (target >= "
+                     f"{replay['target_agreement']:.0%}, KL <= {replay['max_kl']:g})")
+    return "; ".join(parts)
+
+
+def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """Bounded view of a recommendation for metrics, snapshot JSON and profile.json.
+
+    Size is O(layers x windows): per layer, the windowable-or-not decision, mean sink mass,
+    KV-head class counts and the worst KV head's low-quantile coverage at each grid window.
+    No lengths of individual requests, no text.
+    """
+    cls = rec.get("classification")
+    per_layer = None
+    if cls:
+        per_layer = []
+        for x in cls["layers"]:
+            cov: dict[str, float | None] = {}
+            for w in cls["window_grid"]:
+                vals = [k["coverage_q"][str(w)] for k in x["kv_heads"]
+                        if k["coverage_q"].get(str(w)) is not None]
+                cov[str(w)] = min(vals) if len(vals) == len(x["kv_heads"]) else None
+            per_layer.append({"layer": x["layer"], "window": x["window"],
+                              "windowed": x["layer"] in rec["layers"],
+                              "sink_mass": x["sink_mass"], "classes": x["classes"],
+                              "coverage_q": cov})
+    return {
+        "sinks": rec["sinks"], "window": rec["window"], "layers": list(rec["layers"]),
+        "attention_flop_saving": rec["attention_flop_saving"],
+        "kv_memory_saving": rec["kv_memory_saving"],
+        "exact_request_fraction": rec["exact_request_fraction"],
+        "heads_at_risk_count": rec.get("heads_at_risk_count"),
+        "basis": rec.get("basis"),
+        "traffic": {k: rec["traffic"][k] for k in ("requests", "p50", "p90", "p99", "max")},
+        "replay": None if replay is None else {
+            k: replay[k] for k in ("agreement", "mean_kl", "positions", "safe", "verdict")},
+        "safe": bool(replay and replay.get("safe")),
+        "summary": format_summary(rec, replay),
+        "per_layer": per_layer,
+    }

@@ -1,0 +1,88 @@
+"""Window advice for a live server: traffic lengths (API server) + head statistics (workers).
+
+Computed off the event loop (``asyncio.to_thread``) by the endpoint plugin, periodically and
+on every snapshot, and exported as bounded gauges: per layer (sink mass, worst-KV-head
+coverage per grid window, head classes) and per model (recommended window, savings).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compute_advice", "export_advice", "recommend_from_snapshot", "summarize"]
+
+
+@functools.lru_cache(maxsize=4)
+def _arch(model_path: str) -> Any:
+    from attnprof.analyze.sparsity.savings import Arch
+
+    return Arch.from_model_dir(Path(model_path))
+
+
+def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
+                            ) -> tuple[dict[str, Any], Any]:
+    """Full recommendation and the merged head statistics for a snapshot's traffic.
+
+    Raises ``InputError`` when the snapshot has no finished requests yet.
+    """
+    from attnprof.analyze.sparsity.inputs import from_snapshot, head_stats_from_snapshot
+    from attnprof.analyze.sparsity.recommend import recommend
+
+    dist = from_snapshot(snap)
+    acc = head_stats_from_snapshot(snap)
+    return recommend(dist, _arch(str(model_path)), acc), acc
+
+
+def summarize(rec: dict[str, Any], acc: Any, replay: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """The bounded ``window_advice`` object (snapshot, demo report)."""
+    from attnprof.analyze.sparsity.recommend import export_summary
+
+    out = export_summary(rec, replay)
+    out["head_stats_requests"] = None if acc is None else int(acc.requests.max())
+    return out
+
+
+def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, Any]:
+    """``window_advice`` for a live snapshot, or ``{"error": ...}`` saying what is missing."""
+    from attnprof.analyze.sparsity.inputs import InputError
+
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return {"error": "the model is not a local checkpoint; use `attnprof suggest-window "
+                         "--model PATH --url ...` instead"}
+    try:
+        rec, acc = recommend_from_snapshot(snap, model_path)
+    except InputError as err:
+        return {"error": str(err)}
+    return summarize(rec, acc)
+
+
+def export_advice(sink: Any, model: str, adv: dict[str, Any]) -> None:
+    if "error" in adv:
+        return
+    g = sink.metric
+    g("attnprof_window_recommended_tokens").labels(model=model).set(
+        adv["window"] if adv["layers"] else 0)
+    g("attnprof_window_sinks_tokens").labels(model=model).set(adv["sinks"])
+    g("attnprof_window_layers").labels(model=model).set(len(adv["layers"]))
+    g("attnprof_window_attention_flop_saving_ratio").labels(model=model).set(
+        adv["attention_flop_saving"])
+    g("attnprof_window_kv_memory_saving_ratio").labels(model=model).set(adv["kv_memory_saving"])
+    g("attnprof_window_exact_request_ratio").labels(model=model).set(
+        adv["exact_request_fraction"])
+    g("attnprof_window_heads_at_risk").labels(model=model).set(adv.get("heads_at_risk_count")
+                                                                 or 0)
+    for lay in adv.get("per_layer") or []:
+        layer = str(lay["layer"])
+        if lay.get("sink_mass") is not None:
+            g("attnprof_head_sink_mass_ratio").labels(model=model, layer=layer).set(
+                lay["sink_mass"])
+        for w, c in (lay.get("coverage_q") or {}).items():
+            if c is not None:
+                g("attnprof_head_coverage_ratio").labels(model=model, layer=layer,
+                                                         window=str(w)).set(c)
+        for cls, n in (lay.get("classes") or {}).items():
+            g("attnprof_head_class_heads").labels(model=model, layer=layer,
+                                                  **{"class": cls}).set(n)

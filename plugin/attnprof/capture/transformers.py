@@ -1,0 +1,422 @@
+"""Profile every attention call of a Hugging Face transformers model without editing it.
+
+Three lines::
+
+    import attnprof
+    with attnprof.profile(model) as prof:
+        model(**inputs)
+    print(prof.activation_map())
+
+How: transformers modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` at
+every forward, and build masks with ``ALL_MASK_ATTENTION_FUNCTIONS[...]`` under the same key.
+:func:`instrument` registers a wrapper of the model's current implementation (eager, sdpa,
+flex_attention, or any other registered one) under a private key in **both** registries
+(without the mask entry transformers skips mask creation and padding is silently dropped)
+and points the model's configs at that key. The wrapper calls the original function with the
+original arguments, so outputs are bit-identical. ``uninstrument`` restores the configs and
+removes the keys.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "AttentionCallEvent",
+    "CallRecord",
+    "KernelEntry",
+    "Profile",
+    "instrument",
+    "profile",
+]
+
+logger = logging.getLogger("attnprof")
+_KEY_PREFIX = "attnprof"
+_counter = itertools.count()
+_LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
+
+EAGER_REASON = {
+    "code": "eager",
+    "backend": "transformers",
+    "message": "attn_implementation='eager' runs QK^T, softmax and PV as separate ops and "
+               "materializes the [B, Hq, Lq, Lk] score matrix",
+}
+
+
+@dataclass
+class AttentionCallEvent:
+    """What ``on_call`` receives for each attention call (after it ran, outside timing).
+
+    Tensors are the live ones the model passed (do not modify them in place); ``kwargs``
+    holds transformers' keyword arguments (``scaling``, ``dropout``, ``sliding_window``,
+    ``softcap``, ``is_causal``...); ``backend`` is the transformers implementation that ran
+    ("sdpa", "eager", "flex_attention", ...); ``kernel``/``fused`` are the resolved kernel
+    when known (e.g. "flash_cpu" for SDPA's fused CPU kernel, "math", "eager").
+    """
+
+    layer_idx: int
+    module: Any
+    query: Any
+    key: Any
+    value: Any
+    attention_mask: Any
+    kwargs: dict[str, Any]
+    backend: str
+    output: Any = None
+    attn_weights: Any = None
+    elapsed_s: float = 0.0
+    kernel: str | None = None
+    fused: bool | None = None
+
+
+@dataclass
+class CallRecord:
+    """One attention call, shapes and timing only (no tensor contents, no token ids)."""
+
+    layer_idx: int
+    impl: str
+    phase: str  # prefill (Lq > 1) | decode (Lq == 1)
+    mask: str  # none | bool | float | block_mask
+    batch: int
+    q_len: int
+    kv_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    sliding_window: int | None
+    dropout: float
+    elapsed_s: float
+    kernel: str
+    fused: bool
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class KernelEntry:
+    """Activation-map row: the kernel that ran for one layer and shape class, and why."""
+
+    layer_idx: int
+    impl: str
+    phase: str
+    mask: str
+    length_bucket: int
+    dtype: str
+    kernel: str
+    fused: bool
+    reasons: list[dict[str, str]]
+    sdpa_args: dict[str, Any] | None  # what reached F.scaled_dot_product_attention
+    ops: list[str]  # aten ops under the call (first ones), the ground truth
+    calls: int = 0
+    time_s: float = 0.0
+    tags: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def length_bucket(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _mask_kind(mask: Any) -> str:
+    if mask is None:
+        return "none"
+    dt = getattr(mask, "dtype", None)
+    if dt is None:
+        return "block_mask" if type(mask).__name__ == "BlockMask" else type(mask).__name__
+    return "bool" if str(dt) == "torch.bool" else "float"
+
+
+def _configs(model: Any) -> list[Any]:
+    """Every distinct config object that attention modules of ``model`` may read."""
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
+            seen.setdefault(id(cfg), cfg)
+            for sub in getattr(cfg, "sub_configs", {}) or {}:
+                sc = getattr(cfg, sub, None)
+                if sc is not None and hasattr(sc, "_attn_implementation_internal"):
+                    seen.setdefault(id(sc), sc)
+    return list(seen.values())
+
+
+def _eager_fn(module: Any) -> Callable[..., Any]:
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"attnprof: {type(module).__name__} has no eager_attention_forward "
+                           f"in its modeling module; cannot wrap attn_implementation='eager'")
+    return fn  # type: ignore[no-any-return]
+
+
+class Profile:
+    """Per-call records and the kernel activation map of an instrumented model.
+
+    Use as a context manager (exit uninstruments) or call :meth:`uninstrument` yourself.
+    """
+
+    def __init__(self, model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None,
+                 explain: bool = True, keep_records: bool = True,
+                 class_tags: tuple[str, ...] = ("padded",)) -> None:
+        self.model = model
+        # Tags that split activation-map rows (others, like seq_len, only label records).
+        self.class_tags = class_tags
+        self.on_call = on_call
+        self.explain = explain
+        self.keep_records = keep_records
+        self.records: list[CallRecord] = []
+        self.kernels: dict[tuple[Any, ...], KernelEntry] = {}
+        self.errors: list[str] = []
+        self.enabled = True
+        self._tags: dict[str, Any] = {}
+        self._saved: list[tuple[Any, Any]] = []
+        self._keys: list[str] = []
+        self._layer_of: dict[int, int] = {}
+        self._installed = False
+
+    # ----- installation -----
+    def install(self) -> Profile:
+        if self._installed:
+            return self
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+
+        attn_map = AttentionInterface._global_mapping
+        mask_map = AttentionMaskInterface._global_mapping
+        for name, mod in self.model.named_modules():
+            m = _LAYER_RE.search(name)
+            if m:
+                self._layer_of[id(mod)] = int(m.group(1))
+        n = next(_counter)
+        keys: dict[str, str] = {}
+        for cfg in _configs(self.model):
+            base = cfg._attn_implementation_internal or "eager"
+            if isinstance(base, dict) or str(base).startswith(_KEY_PREFIX):
+                continue
+            key = keys.get(base)
+            if key is None:
+                key = keys[base] = f"{_KEY_PREFIX}{n}:{base}"
+                attn_map[key] = self._make_wrapper(base)
+                if base in mask_map:  # else transformers builds no mask for it either
+                    mask_map[key] = mask_map[base]
+                self._keys.append(key)
+            self._saved.append((cfg, cfg._attn_implementation_internal))
+            cfg._attn_implementation_internal = key
+        self._installed = True
+        return self
+
+    def uninstrument(self) -> None:
+        """Restore the model's attention implementation and drop the private registry keys."""
+        if not self._installed:
+            return
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+
+        for cfg, old in self._saved:
+            cfg._attn_implementation_internal = old
+        for key in self._keys:
+            AttentionInterface._global_mapping.pop(key, None)
+            AttentionMaskInterface._global_mapping.pop(key, None)
+        self._saved.clear()
+        self._keys.clear()
+        self._installed = False
+
+    def __enter__(self) -> Profile:
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstrument()
+
+    @contextmanager
+    def tag(self, **tags: Any) -> Iterator[None]:
+        """Attach tags (e.g. ``padded=True, seq_len=512``) to calls made inside the block."""
+        old = dict(self._tags)
+        self._tags.update(tags)
+        try:
+            yield
+        finally:
+            self._tags = old
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.kernels.clear()
+
+    # ----- the wrapper -----
+    def _layer_idx(self, module: Any) -> int:
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int):
+            return idx
+        return self._layer_of.get(id(module), -1)
+
+    def _make_wrapper(self, base: str) -> Callable[..., Any]:
+        from transformers.modeling_utils import AttentionInterface
+
+        prof = self
+        # Resolve the original once for registered impls; eager lives in each modeling file.
+        orig = None if base == "eager" else AttentionInterface._global_mapping[base]
+
+        def attnprof_attention(module: Any, query: Any, key: Any, value: Any,
+                               attention_mask: Any, **kwargs: Any) -> Any:
+            fn = orig if orig is not None else _eager_fn(module)
+            if not prof.enabled:
+                return fn(module, query, key, value, attention_mask, **kwargs)
+            return prof._call(base, fn, module, query, key, value, attention_mask, kwargs)
+
+        return attnprof_attention
+
+    def _class_key(self, layer: int, base: str, query: Any, key: Any, mask: Any,
+                   kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        q_len, kv_len = int(query.shape[-2]), int(key.shape[-2])
+        return (layer, base, "prefill" if q_len > 1 else "decode", _mask_kind(mask),
+                length_bucket(kv_len), str(query.dtype), float(kwargs.get("dropout", 0.0) or 0.0)
+                > 0, tuple(sorted((k, v) for k, v in self._tags.items() if k in self.class_tags)))
+
+    def _call(self, base: str, fn: Callable[..., Any], module: Any, query: Any, key: Any,
+              value: Any, mask: Any, kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        layer = self._layer_idx(module)
+        ckey = self._class_key(layer, base, query, key, mask, kwargs)
+        entry = self.kernels.get(ckey)
+        spy = None
+        cuda = bool(getattr(query, "is_cuda", False))
+        if entry is None and base not in ("eager",):
+            # First call of this shape class: resolve the kernel with the dispatcher spy.
+            from attnprof.capture.sdpa import SDPASpy
+
+            spy = SDPASpy(explain=self.explain)
+        with torch.profiler.record_function(f"attn::L{layer}::{base}"):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if spy is not None:
+                with spy:
+                    out = fn(module, query, key, value, mask, **kwargs)
+            else:
+                out = fn(module, query, key, value, mask, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        try:
+            if entry is None:
+                entry = self.kernels[ckey] = self._resolve(ckey, base, spy)
+            entry.calls += 1
+            entry.time_s += dt
+            if self.keep_records:
+                self.records.append(self._record(layer, base, query, key, value, mask, kwargs,
+                                                 dt, entry))
+        except Exception as exc:  # bookkeeping must never break the model
+            self._error("record", exc)
+        if self.on_call is not None:
+            try:
+                attn_out, weights = (out if isinstance(out, tuple) and len(out) == 2
+                                     else (out, None))
+                self.on_call(AttentionCallEvent(
+                    layer, module, query, key, value, mask, kwargs, base, attn_out, weights, dt,
+                    entry.kernel if entry else None, entry.fused if entry else None))
+            except Exception as exc:
+                self._error("on_call", exc)
+        return out
+
+    def _error(self, place: str, exc: Exception) -> None:
+        if len(self.errors) < 100:
+            self.errors.append(f"{place}: {type(exc).__name__}: {exc}")
+        if len(self.errors) == 1:
+            logger.warning("attnprof: %s failed (%s); the model call was not affected",
+                           place, exc)
+
+    def _resolve(self, ckey: tuple[Any, ...], base: str, spy: Any) -> KernelEntry:
+        layer, _base, phase, mask, bucket, dtype, _drop, tags = ckey
+        dtype = dtype.removeprefix("torch.")
+        common = dict(layer_idx=layer, impl=base, phase=phase, mask=mask, length_bucket=bucket,
+                      dtype=dtype, tags=dict(tags))
+        if base == "eager":
+            return KernelEntry(kernel="eager", fused=False, reasons=[dict(EAGER_REASON)],
+                               sdpa_args=None, ops=["matmul", "softmax", "matmul"], **common)
+        calls = spy.calls if spy is not None else []
+        if calls:
+            c = calls[-1]
+            args = {"query": list(c.query_shape), "key": list(c.key_shape),
+                    "value": list(c.value_shape), "dtype": c.dtype, "mask": c.mask,
+                    "mask_shape": list(c.mask_shape) if c.mask_shape else None,
+                    "dropout_p": c.dropout_p, "is_causal": c.is_causal,
+                    "enable_gqa": c.enable_gqa, "dispatcher_choice": c.choice.backend}
+            reasons = [] if c.fused else list(c.choice.reasons)
+            if not c.fused and c.choice.fused:
+                reasons.append({"code": "dispatch_mismatch", "backend": c.choice.backend,
+                                "message": "the dispatcher chose a fused backend but the math "
+                                           "ops ran"})
+            return KernelEntry(kernel=c.backend, fused=c.fused, reasons=reasons,
+                               sdpa_args=args, ops=c.ops[:12], **common)
+        if "flex" in base:
+            return KernelEntry(kernel="flex_attention", fused=True, reasons=[], sdpa_args=None,
+                               ops=["flex_attention"], **common)
+        return KernelEntry(kernel=base, fused=True, reasons=[], sdpa_args=None, ops=[], **common)
+
+    def _record(self, layer: int, base: str, q: Any, k: Any, v: Any, mask: Any,
+                kwargs: dict[str, Any], dt: float, entry: KernelEntry) -> CallRecord:
+        sw = kwargs.get("sliding_window")
+        return CallRecord(
+            layer_idx=layer, impl=base, phase="prefill" if int(q.shape[-2]) > 1 else "decode",
+            mask=_mask_kind(mask), batch=int(q.shape[0]), q_len=int(q.shape[-2]),
+            kv_len=int(k.shape[-2]), num_heads=int(q.shape[1]), num_kv_heads=int(k.shape[1]),
+            head_dim=int(q.shape[-1]), head_dim_v=int(v.shape[-1]),
+            dtype=str(q.dtype).removeprefix("torch."),
+            sliding_window=int(sw) if isinstance(sw, int) and sw > 0 else None,
+            dropout=float(kwargs.get("dropout", 0.0) or 0.0), elapsed_s=dt,
+            kernel=entry.kernel, fused=entry.fused, tags=dict(self._tags))
+
+    # ----- results -----
+    def activation_map(self) -> list[dict[str, Any]]:
+        """One row per (layer, implementation, phase, mask kind, length bucket, dtype)."""
+        rows = [e.as_dict() for e in self.kernels.values()]
+        rows.sort(key=lambda r: (r["layer_idx"], r["phase"], r["mask"], r["length_bucket"]))
+        return rows
+
+    def layers(self) -> list[dict[str, Any]]:
+        """Per layer: kernels seen, whether all calls were fused, reasons, calls and time."""
+        out: dict[int, dict[str, Any]] = {}
+        for e in self.kernels.values():
+            d = out.setdefault(e.layer_idx, {"layer": e.layer_idx, "impl": e.impl,
+                                             "kernels": [], "fused": True, "reasons": [],
+                                             "calls": 0, "time_s": 0.0})
+            if e.kernel not in d["kernels"]:
+                d["kernels"].append(e.kernel)
+            d["fused"] = d["fused"] and e.fused
+            for r in e.reasons:
+                if r not in d["reasons"]:
+                    d["reasons"].append(r)
+            d["calls"] += e.calls
+            d["time_s"] += e.time_s
+        return [out[k] for k in sorted(out)]
+
+
+def instrument(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,
+               explain: bool = True, keep_records: bool = True) -> Profile:
+    """Wrap ``model``'s attention (any HF model using the attention-function registry).
+
+    ``on_call(event)`` (optional) gets an :class:`AttentionCallEvent` per attention call,
+    after the call and outside its timed region; exceptions it raises are recorded in
+    ``Profile.errors`` and never reach the model. ``explain`` asks the SDPA dispatcher for
+    rejection reasons on the first call of each shape class. Returns the installed
+    :class:`Profile`; call ``uninstrument()`` (or use it as a context manager) to undo.
+    Idempotent per model: an already-instrumented config is left alone.
+    """
+    return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records).install()
+
+
+def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,
+            explain: bool = True, keep_records: bool = True) -> Profile:
+    """``with profile(model) as prof: model(...)``: instrument for the block, then undo."""
+    return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records)

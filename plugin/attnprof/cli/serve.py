@@ -1,0 +1,79 @@
+"""``attnprof serve``: vLLM's OpenAI server with attnprof inside."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+from attnprof.cli._common import CliError
+
+__all__ = ["add_parser", "resolve_or_fail"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve", help="start vLLM's OpenAI server with attnprof enabled",
+        description="Start vLLM's OpenAI-compatible server with attnprof enabled. Arguments "
+                    "after `--` go to vLLM unchanged.")
+    p.add_argument("--model", default="smollm2",
+                   help="local Hugging Face checkpoint directory or 'smollm2' (default)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--eager", action="store_true",
+                   help="pass --enforce-eager (starts ~30 s faster on CPU)")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- extra vLLM arguments")
+    p.set_defaults(func=_run)
+
+
+def resolve_or_fail(spec: str) -> tuple[str, str | None]:
+    from attnprof.tools import models
+
+    try:
+        path = models.resolve_model(spec)
+    except models.ModelCacheError as err:
+        raise CliError(str(err)) from None
+    return str(path), ("smollm2" if spec == models.DEFAULT_MODEL else None)
+
+
+def check_config() -> None:
+    from attnprof.config import Config, ConfigError
+
+    try:
+        Config.from_env()
+    except ConfigError as err:
+        raise CliError(f"invalid configuration: {err}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnprof.tools.server import VllmServer
+
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port {args.port} is not a TCP port")
+    check_config()
+    model, served = resolve_or_fail(args.model)
+    extra = [a for a in args.vllm_args if a != "--"] if args.vllm_args else []
+    srv = VllmServer(model, port=args.port, host=args.host, served_name=served,
+                     extra_args=extra, eager=args.eager)
+    print(f"attnprof: starting vLLM for {model}", file=sys.stderr)
+    srv.start()
+
+    def _stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        secs = srv.wait_ready(timeout=900)
+        print(f"attnprof: ready in {secs:.0f} s\n"
+              f"  API:      {srv.base_url}/v1\n"
+              f"  metrics:  {srv.base_url}/metrics\n"
+              f"  snapshot: {srv.base_url}/attnprof/snapshot\n"
+              f"Ctrl-C stops the server and all its processes.", file=sys.stderr)
+        assert srv.proc is not None
+        return srv.proc.wait()
+    except KeyboardInterrupt:
+        print("attnprof: stopping vLLM", file=sys.stderr)
+        return 0
+    finally:
+        srv.stop()

@@ -1,0 +1,309 @@
+"""``attnprof suggest-window``: sinks + sliding window advice from real traffic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import CliError, write_json
+
+__all__ = ["add_parser", "load_arch", "load_head_stats", "parse_layers"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "suggest-window",
+        help="recommend attention sinks + sliding window from the traffic's context lengths",
+        description="Context lengths come from a file, a live attnprof server or Prometheus; "
+                    "head statistics (coverage per KV head) come from the server's snapshot, "
+                    "a file, or are collected offline with --collect-stats. Savings are "
+                    "cost-weighted over requests (ratios of expectations).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", type=Path, metavar="FILE",
+                     help="one integer context length per line, a JSON list, JSON/CSV "
+                          "histogram buckets (le,count), a sketch or a snapshot JSON")
+    src.add_argument("--url", help="live attnprof server base URL (GET /attnprof/snapshot)")
+    src.add_argument("--prometheus", metavar="URL",
+                     help="Prometheus base URL: sums attnprof_request_context_tokens over "
+                          "every replica (one query for the fleet)")
+    p.add_argument("--prometheus-model", metavar="NAME",
+                   help="only series with this model label")
+    p.add_argument("--prometheus-range", metavar="DURATION",
+                   help="use increase() over this range (e.g. 1d) instead of totals")
+    p.add_argument("--model", default="smollm2",
+                   help="checkpoint dir or 'smollm2': layers, heads, head dim, dtype, windows")
+    p.add_argument("--window", type=int, help="evaluate this window instead of choosing one")
+    p.add_argument("--sinks", type=int, default=None,
+                   help="sink tokens s (default 4; with --window: evaluated as given)")
+    p.add_argument("--layers", help="layers to window, e.g. '2-29' (default: chosen from head "
+                                    "statistics, or every full-attention layer)")
+    p.add_argument("--head-stats", type=Path, metavar="FILE",
+                   help="head statistics JSON (HeadStatsAccumulator.to_dict, or an object "
+                        "with a 'head_stats' key such as a snapshot)")
+    p.add_argument("--collect-stats", action="store_true",
+                   help="compute head statistics offline by running --prompts through --model")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="prompts for --collect-stats and --validate (one per line or JSON "
+                        "list; default: built-in demo-shaped documents)")
+    p.add_argument("--stats-out", type=Path, metavar="FILE",
+                   help="write the head statistics used to this JSON file")
+    p.add_argument("--validate", action="store_true",
+                   help="replay --prompts with the suggestion vs full attention (see "
+                        "validate-window); 'safe' is printed only when the replay meets its "
+                        "target")
+    p.add_argument("--tau", type=float, default=0.9, help="coverage target (default 0.9)")
+    p.add_argument("--quantile", type=float, default=0.05,
+                   help="low quantile of coverage compared with tau (default 0.05)")
+    p.add_argument("--min-exact", type=float, default=0.9,
+                   help="without head statistics: share of requests that must stay exact "
+                        "(default 0.9)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run)
+
+
+def parse_layers(spec: str | None, n: int) -> list[int] | None:
+    if spec is None:
+        return None
+    out: set[int] = set()
+    try:
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.update(range(int(a), int(b) + 1))
+            else:
+                out.add(int(part))
+    except ValueError:
+        raise CliError(f"--layers {spec!r}: expected e.g. '0-3,7'") from None
+    bad = [x for x in out if not 0 <= x < n]
+    if bad or not out:
+        raise CliError(f"--layers {spec!r}: layers must be in 0..{n - 1}")
+    return sorted(out)
+
+
+def load_arch(spec: str) -> Any:
+    from attnprof.analyze.sparsity.savings import Arch
+    from attnprof.tools.models import ModelCacheError, resolve_model
+
+    try:
+        path = resolve_model(spec)
+    except ModelCacheError as err:
+        raise CliError(str(err)) from None
+    try:
+        return Arch.from_model_dir(path, name="smollm2" if spec == "smollm2" else path.name)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CliError(f"cannot read the architecture from {path}/config.json: {err}") from None
+
+
+def load_head_stats(path: Path) -> Any:
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.analyze.sparsity.inputs import head_stats_from_snapshot
+
+    try:
+        obj = json.loads(path.read_text())
+    except OSError as err:
+        raise CliError(f"cannot read {str(path)!r}: {err.strerror}") from None
+    except ValueError:
+        raise CliError(f"{path}: malformed JSON") from None
+    if not isinstance(obj, dict):
+        raise CliError(f"{path}: expected a JSON object with head statistics")
+    if "schema" not in obj:
+        acc = head_stats_from_snapshot(obj)
+        if acc is None:
+            raise CliError(f"{path}: no head statistics in it")
+        return acc
+    try:
+        return HeadStatsAccumulator.from_dict(obj)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CliError(f"{path}: invalid head statistics ({err})") from None
+
+
+def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(LengthDistribution, head statistics from the source or None)."""
+    from attnprof.analyze.sparsity.inputs import (
+        InputError,
+        from_snapshot,
+        head_stats_from_snapshot,
+        query_prometheus,
+        read_lengths_file,
+    )
+
+    try:
+        if args.lengths is not None:
+            return read_lengths_file(args.lengths), None
+        if args.url is not None:
+            from attnprof.cli.snapshot import fetch_snapshot
+
+            snap = fetch_snapshot(args.url)
+            return from_snapshot(snap, source=args.url), head_stats_from_snapshot(snap)
+        return query_prometheus(args.prometheus, model=args.prometheus_model,
+                                range_=args.prometheus_range), None
+    except InputError as err:
+        raise CliError(str(err)) from None
+    except ValueError as err:
+        raise CliError(f"bad length distribution: {err}") from None
+
+
+def _collect(args: argparse.Namespace) -> Any:
+    from attnprof.tools.replay import (
+        ReplayError,
+        collect_head_stats,
+        default_prompts,
+        load_model,
+        read_prompts,
+    )
+
+    try:
+        model, tok, _ = load_model(args.model)
+        prompts = read_prompts(args.prompts) if args.prompts else default_prompts(tok)
+        print(f"attnprof: collecting head statistics on {len(prompts)} prompts",
+              file=sys.stderr)
+        return collect_head_stats(model, tok, prompts)
+    except ReplayError as err:
+        raise CliError(str(err)) from None
+
+
+def _validate(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any] | None:
+    from attnprof.tools.replay import (
+        ReplayError,
+        default_prompts,
+        load_model,
+        read_prompts,
+        replay,
+    )
+
+    if not out["layers"]:
+        return None  # nothing windowed: nothing to replay
+    try:
+        model, tok, _ = load_model(args.model)
+        prompts = read_prompts(args.prompts) if args.prompts else default_prompts(tok)
+        print(f"attnprof: replaying {len(prompts)} prompts with the suggestion",
+              file=sys.stderr)
+        return replay(model, tok, prompts, out["window"], out["sinks"], layers=out["layers"])
+    except ReplayError as err:
+        raise CliError(str(err)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnprof.analyze.sparsity.classify import Thresholds
+    from attnprof.analyze.sparsity.recommend import evaluate, recommend
+
+    if args.window is not None and args.window < 1:
+        raise CliError("--window must be >= 1")
+    if args.sinks is not None and args.sinks < 0:
+        raise CliError("--sinks must be >= 0")
+    if not 0 < args.tau <= 1 or not 0 <= args.quantile < 1 or not 0 <= args.min_exact <= 1:
+        raise CliError("--tau must be in (0, 1], --quantile and --min-exact in [0, 1]")
+    arch = load_arch(args.model)
+    layers = parse_layers(args.layers, arch.num_layers)
+    dist, stats = _distribution(args)
+    if args.head_stats is not None:
+        stats = load_head_stats(args.head_stats)
+    if args.collect_stats:
+        stats = _collect(args)
+    if stats is not None and (stats.num_layers, stats.num_q_heads) != (arch.num_layers,
+                                                                        arch.num_q_heads):
+        raise CliError(f"head statistics are for {stats.num_layers} layers x "
+                       f"{stats.num_q_heads} heads, the model has {arch.num_layers} x "
+                       f"{arch.num_q_heads}")
+    sinks = 4 if args.sinks is None else args.sinks
+    th = Thresholds(tau=args.tau, quantile=args.quantile,
+                    sinks=sinks if stats is None or sinks in stats.sinks_grid else 4)
+    if args.window is not None:
+        out = evaluate(dist, arch, args.window, sinks, head_stats=stats, thresholds=th,
+                       layers=layers)
+        out["basis"] = "evaluated as given (--window/--sinks)"
+    else:
+        out = recommend(dist, arch, stats, sinks=sinks, thresholds=th,
+                        min_exact=args.min_exact)
+        if layers is not None:  # user-fixed layers: re-score the chosen window on them
+            keep = {k: out[k] for k in ("pareto", "per_layer", "classification",
+                                        "head_level_split", "dynamic_sparse_prefill",
+                                        "native_windows", "basis")}
+            out = evaluate(dist, arch, out["window"], sinks, head_stats=stats, thresholds=th,
+                           layers=layers) | keep
+    out["replay"] = _validate(args, out) if args.validate else None
+    out["safe"] = bool(out["replay"] and out["replay"]["safe"])
+    if args.stats_out is not None and stats is not None:
+        write_json(args.stats_out, stats.to_dict())
+    if args.json:
+        print(json.dumps(out, indent=2, default=_jsonable))
+    else:
+        print(render(out), end="")
+    return 0
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def render(out: dict[str, Any]) -> str:
+    from attnprof.analyze.sparsity.recommend import format_summary
+
+    lines = [format_summary(out, out.get("replay")), f"basis: {out.get('basis', '')}"]
+    if out.get("replay"):
+        lines.append(f"replay: {out['replay']['verdict']} ({out['replay']['positions']} "
+                     f"positions)")
+    if out.get("attention_flop_share") is not None:
+        lines.append(f"attention share of model FLOPs {out['attention_flop_share']:.1%}: "
+                     f"end-to-end FLOP saving {out['end_to_end_flop_saving']:.1%}")
+    kvb = out["kv_bytes_per_request"]
+    lines.append(f"KV per request: {kvb['full'] / 2**20:.1f} MiB -> "
+                 f"{kvb['windowed'] / 2**20:.1f} MiB; naive mean of per-request savings "
+                 f"(not used) {out['naive_mean_request_saving']:.1%}")
+    if out.get("heads_at_risk_count") is not None:
+        lines.append(f"heads at risk (coverage below target): {out['heads_at_risk_count']}; "
+                     f"unverified (no long enough sample): {out['heads_unverified_count']}")
+        for r in (out.get("heads_at_risk") or [])[:10]:
+            lines.append(f"  layer {r['layer']} kv head {r['kv_head']}: "
+                         f"coverage {r['coverage_q']:.3f}")
+    else:
+        lines.append("heads at risk: unknown (no head statistics)")
+    if out.get("pareto"):
+        lines.append("")
+        lines.append(f"{'window':>8} {'layers':>6} {'attn FLOPs':>11} {'KV mem':>8} "
+                     f"{'exact':>7} {'at risk':>7}")
+        for e in out["pareto"]:
+            risk = "-" if e["heads_at_risk_count"] is None else str(e["heads_at_risk_count"])
+            lines.append(f"{e['window']:>8} {e['layers']:>6} "
+                         f"{e['attention_flop_saving']:>10.1%} {e['kv_memory_saving']:>7.1%} "
+                         f"{e['exact_request_fraction']:>6.1%} {risk:>7}")
+    if out.get("classification"):
+        cls = out["classification"]
+        lines.append("")
+        lines.append("KV-head classes: " + ", ".join(f"{k} {v}"
+                                                     for k, v in cls["class_counts"].items()))
+        for x in cls["layers"]:
+            lines.append(f"  layer {x['layer']:>3}: window {x['window']!s:>6}  sink mass "
+                         f"{x['sink_mass']}  " + " ".join(f"{k}={v}"
+                                                           for k, v in x["classes"].items()))
+    hs = out.get("head_level_split")
+    if hs:
+        lines.append(f"head-level split ({hs['windowed_kv_heads']} KV heads at their own "
+                     f"window): {hs['attention_flop_saving']:.1%} attention FLOPs, "
+                     f"{hs['kv_memory_saving']:.1%} KV memory")
+    ds = out.get("dynamic_sparse_prefill")
+    if ds:
+        lines.append(f"dynamic sparse prefill (> {ds['min_tokens']} tokens): "
+                     f"{ds['request_fraction']:.1%} of requests, "
+                     f"{ds['attention_flop_share']:.1%} of attention FLOPs"
+                     + (f", expected saving {ds['expected_attention_flop_saving']:.1%}"
+                        if ds.get("expected_attention_flop_saving") is not None else ""))
+    for a in out.get("advice") or []:
+        lines.append(f"advice: {a}")
+    nw = out.get("native_windows")
+    if nw:
+        for g in nw["sliding"]:
+            lines.append(f"native window {g['window']} on {len(g['layers'])} layers: binds for "
+                         f"{g['binding_request_fraction']:.1%} of requests ({g['note']})")
+        lines.append(f"global layers hold {nw['global_kv_share']:.1%} of KV memory and "
+                     f"{nw['global_attention_flop_share']:.1%} of attention FLOPs")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,104 @@
+"""Every ``ATTNPROF_*`` environment variable: name, type, default and meaning.
+
+This module is the single source of truth. ``attnprof.config`` parses these,
+``attnprof env-doc`` prints the README table from it, and a test checks the README
+against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["VARIABLES", "EnvVar", "by_name", "markdown_table"]
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: str
+    default: str
+    help: str
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        "ATTNPROF_ENABLED", "bool", "0",
+        "Turn attnprof on inside vLLM. Installed but disabled, the plugins do nothing at all.",
+    ),
+    EnvVar(
+        "ATTNPROF_SAMPLE_RATE", "float in [0, 1]", "0.05",
+        "Fraction of model steps profiled (geometric gaps, so sampling never locks onto "
+        "periodic work). 0 disables capture; 1 profiles every step.",
+    ),
+    EnvVar(
+        "ATTNPROF_OVERHEAD_BUDGET", "float in (0, 1]", "0.01",
+        "Ceiling on attnprof's own time as a fraction of wall time; when exceeded the "
+        "effective sample rate is lowered adaptively (and raised again when under).",
+    ),
+    EnvVar(
+        "ATTNPROF_LONG_PREFILL_TOKENS", "int >= 1", "1024",
+        "Steps that schedule at least this many tokens (prompt chunks plus decode tokens) form "
+        "their own stratum, sampled at ATTNPROF_LONG_PREFILL_RATE, so rare long prompts are "
+        "not drowned by decode steps.",
+    ),
+    EnvVar(
+        "ATTNPROF_LONG_PREFILL_RATE", "float in [0, 1]", "0.5",
+        "Sample rate of the long-prefill stratum (also subject to the overhead budget).",
+    ),
+    EnvVar(
+        "ATTNPROF_HEAD_STATS_RATE", "float in [0, 1]", "0.1",
+        "Fraction of sampled steps on which per-head attention statistics (sink mass, window "
+        "coverage, entropy) are computed for whole-prompt prefills; 0 turns them off.",
+    ),
+    EnvVar(
+        "ATTNPROF_HEAD_STATS_MIN_TOKENS", "int >= 1", "256",
+        "Prompts shorter than this are not used for head statistics (no window could bind).",
+    ),
+    EnvVar(
+        "ATTNPROF_ADVICE_INTERVAL_S", "float in [0, 86400]", "60",
+        "Seconds between refreshes of the window-advice metrics in the API server (head "
+        "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots.",
+    ),
+    EnvVar(
+        "ATTNPROF_SEED", "int", "(random)",
+        "Seed of the sampler; set it for deterministic runs and tests.",
+    ),
+    EnvVar(
+        "ATTNPROF_MAX_ERRORS", "int >= 1", "100",
+        "After this many internal errors in one process attnprof stops capturing there "
+        "(errors are always counted, never raised into vLLM).",
+    ),
+    EnvVar(
+        "ATTNPROF_HOME", "path", "~/.cache/attnprof",
+        "Cache directory for the embedded default model and run files.",
+    ),
+    EnvVar(
+        "ATTNPROF_MODEL_LABEL", "str", "(served model name)",
+        "Value of the `model` label on every attnprof metric.",
+    ),
+    EnvVar(
+        "ATTNPROF_RUN_DIR", "path", "(unset)",
+        "Directory where each process the plugin is live in leaves a small JSON note "
+        "(role, pid); `attnprof serve` sets it.",
+    ),
+    EnvVar(
+        "ATTNPROF_FAULT_INJECT", "capture, step or stat_logger", "(unset)",
+        "Testing only: raise an exception inside attnprof at that place, to prove errors are "
+        "counted in attnprof_internal_errors_total and never reach vLLM or a request.",
+    ),
+)
+
+
+def by_name(name: str) -> EnvVar:
+    for var in VARIABLES:
+        if var.name == name:
+            return var
+    raise KeyError(name)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated (and checked by a test)."""
+    lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for v in VARIABLES:
+        lines.append(f"| `{v.name}` | {v.type} | `{v.default}` | {v.help} |")
+    return "\n".join(lines)

@@ -1,1 +1,0 @@
-"""Integrations with serving stacks and model libraries (vLLM, transformers)."""

