@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from attnprof.aggregate.quantiles import QuantileSketch, log_buckets
+from attnprof.aggregate.histogram import log_buckets
+from attnprof.aggregate.quantiles import QuantileSketch
 
 
 def test_log_buckets_1_2_5_up_to_max() -> None:

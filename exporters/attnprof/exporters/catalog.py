@@ -55,6 +55,10 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Prompt tokens of finished requests.", "tokens", (_M,)),
     MetricSpec("attnprof_request_generation_tokens", "histogram",
                "Generated tokens of finished requests.", "tokens", (_M,)),
+    MetricSpec("attnprof_request_tokens_quantile", "gauge",
+               "p50/p90/p99 of finished requests' context, prompt and generated tokens, by the "
+               "one quantile estimator (the same numbers as the snapshot, CLI and window "
+               "advice).", "tokens", (_M, "quantity", "quantile"), "mostrecent"),
     MetricSpec("attnprof_kv_cache_usage_ratio", "gauge",
                "KV-cache blocks in use, 0..1 (from vLLM's scheduler stats).", "ratio", (_M,),
                "mostrecent"),

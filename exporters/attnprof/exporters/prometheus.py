@@ -1,9 +1,9 @@
-"""Prometheus rendering of the catalog.
+"""Prometheus rendering of the export boundary's samples.
 
-Metrics are created per process by a :class:`PrometheusSink` (never at module level).
-Under ``PROMETHEUS_MULTIPROC_DIR`` (set by ``attnprof serve``) prometheus_client writes
-values to per-process files that vLLM's own ``/metrics`` merges, so worker-side metrics
-appear on the API server's endpoint. Without it, metrics go to the given registry
+Metrics are created per process by a :class:`PrometheusSink` (never at module level), from
+the catalog. Under ``PROMETHEUS_MULTIPROC_DIR`` (set by ``attnprof serve``) prometheus_client
+writes values to per-process files that vLLM's own ``/metrics`` merges, so worker-side
+metrics appear on the API server's endpoint. Without it, metrics go to the given registry
 (default: the global one, which vLLM serves in single-process mode).
 """
 
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from attnprof.exporters.catalog import CATALOG, MetricSpec, spec
+from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
 
 __all__ = ["PrometheusSink", "multiprocess_enabled"]
 
@@ -24,8 +25,12 @@ def multiprocess_enabled() -> bool:
 
 
 class PrometheusSink:
-    def __init__(self, registry: Any = "default",
-                 buckets: dict[str, Sequence[float]] | None = None) -> None:
+    """Renders samples: counter totals become increments (exactly once, whoever calls),
+    gauges are set, histogram bucket counts and sums advance by their deltas."""
+
+    name = "prometheus"
+
+    def __init__(self, registry: Any = "default") -> None:
         import prometheus_client
 
         self._pc = prometheus_client
@@ -34,33 +39,57 @@ class PrometheusSink:
             # registry too would only duplicate them on single-process scrapes.
             registry = None if multiprocess_enabled() else prometheus_client.REGISTRY
         self.registry = registry
-        self.buckets = dict(buckets or {})
         self._metrics: dict[str, Any] = {}
-        self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._totals_lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, ...]] = {}
+        self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self._lock = threading.Lock()
 
-    def metric(self, name: str) -> Any:
+    def export(self, samples: Iterable[MetricSample]) -> None:
+        with self._lock:
+            for smp in samples:
+                if isinstance(smp, HistogramSample):
+                    self._histogram(smp)
+                else:
+                    self._scalar(smp)
+
+    def _scalar(self, smp: Sample) -> None:
+        m = self._metric(smp.name)
+        labels = dict(smp.labels)
+        child = m.labels(**labels) if labels else m
+        if spec(smp.name).kind == "counter":
+            key = (smp.name, smp.labels)
+            last = self._totals.get(key, 0.0)
+            if smp.value > last:  # running totals never go backwards
+                child.inc(smp.value - last)
+                self._totals[key] = smp.value
+        else:
+            child.set(smp.value)
+
+    def _histogram(self, smp: HistogramSample) -> None:
+        st = smp.state
+        m = self._metric(smp.name, st.bounds)
+        labels = dict(smp.labels)
+        child = m.labels(**labels) if labels else m
+        key = (smp.name, smp.labels)
+        last = self._totals.get(key)
+        if last is not None and last.count == st.count:
+            return
+        prev_counts = last.counts if last is not None else (0,) * len(st.counts)
+        # prometheus_client keeps non-cumulative per-bucket values (bounds + +Inf), exactly
+        # our layout: advance each by its delta and the sum by its delta.
+        for i, (new, old) in enumerate(zip(st.counts, prev_counts, strict=True)):
+            if new > old:
+                child._buckets[i].inc(new - old)
+        child._sum.inc(st.sum - (last.sum if last is not None else 0.0))
+        self._totals[key] = st
+
+    def _metric(self, name: str, buckets: tuple[float, ...] | None = None) -> Any:
         m = self._metrics.get(name)
         if m is None:
-            m = self._create(spec(name))
-            self._metrics[name] = m
+            m = self._metrics[name] = self._create(spec(name), buckets)
         return m
 
-    def inc_to(self, name: str, total: float, **labels: str) -> None:
-        """Advance a counter to ``total``, a running total kept by the caller.
-
-        attnprof aggregates in plain Python numbers on the serving path and exports later;
-        this turns those totals into counter increments exactly once, whoever calls it
-        (a flusher thread, a snapshot, an error path). Totals never go backwards.
-        """
-        key = (name, tuple(sorted(labels.items())))
-        with self._totals_lock:
-            last = self._totals.get(key, 0.0)
-            if total > last:
-                self.metric(name).labels(**labels).inc(total - last)
-                self._totals[key] = total
-
-    def _create(self, s: MetricSpec) -> Any:
+    def _create(self, s: MetricSpec, buckets: tuple[float, ...] | None) -> Any:
         pc = self._pc
         kw: dict[str, Any] = {"labelnames": s.labels, "registry": self.registry}
         if s.kind == "counter":
@@ -68,8 +97,8 @@ class PrometheusSink:
         if s.kind == "gauge":
             kw["multiprocess_mode"] = s.multiprocess_mode
             return self._register(pc.Gauge, s.base_name, s.help, kw)
-        if s.name in self.buckets:
-            kw["buckets"] = list(self.buckets[s.name])
+        if buckets is not None:
+            kw["buckets"] = list(buckets)
         return self._register(pc.Histogram, s.base_name, s.help, kw)
 
     def _register(self, cls: Any, name: str, help_: str, kw: dict[str, Any]) -> Any:
@@ -84,7 +113,14 @@ class PrometheusSink:
             return existing
 
     def create_all(self) -> None:
-        """Create every catalog metric so they show up (at zero) before any traffic."""
+        """Create every label-free catalog metric so it shows up (at zero) before traffic."""
         for s in CATALOG:
             if not s.labels:
-                self.metric(s.name)
+                self._metric(s.name)
+
+    def mark_process_dead(self, pid: int) -> None:
+        """Drop a leaving process's live gauges (multiprocess mode only)."""
+        if multiprocess_enabled():
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)

@@ -1,4 +1,4 @@
-"""Bounded streaming summaries: log-spaced bucket edges and a relative-error quantile sketch.
+"""Bounded streaming summary: a relative-error quantile sketch.
 
 Both use memory bounded by the value range, never by the number of observations.
 """
@@ -8,23 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-__all__ = ["QuantileSketch", "log_buckets"]
-
-
-def log_buckets(max_value: int, per_decade: tuple[int, ...] = (1, 2, 5)) -> list[float]:
-    """1-2-5 style edges up to and including ``max_value`` (like vLLM's prompt-token buckets)."""
-    if max_value < 1:
-        raise ValueError("max_value must be >= 1")
-    edges: list[float] = []
-    mag = 1
-    while True:
-        for m in per_decade:
-            v = m * mag
-            if v >= max_value:
-                edges.append(float(max_value))
-                return edges
-            edges.append(float(v))
-        mag *= 10
+__all__ = ["QuantileSketch"]
 
 
 class QuantileSketch:

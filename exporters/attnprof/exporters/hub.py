@@ -1,0 +1,112 @@
+"""One export loop per process: sample sources in, every configured sink out.
+
+Sources are callables registered by the rooms that own state (worker aggregates, request
+statistics, window advice, error counts); sinks are exporters (Prometheus, OTLP). A daemon
+thread flushes every ``interval`` seconds, off the serving path; ``flush()`` may also be
+called directly (snapshots). A failing source or sink is counted through ``on_error`` and
+skipped: nothing here raises into the host. After ``fork`` the child starts its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from attnprof.exporters.samples import MetricSample, SampleSource
+
+__all__ = ["ExportHub", "Sink"]
+
+logger = logging.getLogger("attnprof")
+
+
+class Sink(Protocol):
+    name: str
+
+    def export(self, samples: list[MetricSample]) -> None: ...
+
+
+class ExportHub:
+    def __init__(self, interval: float = 1.0,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        self.interval = interval
+        self.on_error = on_error
+        self.sources: dict[str, SampleSource] = {}
+        self.sinks: list[Any] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self.flushes = 0
+
+    def add_source(self, name: str, fn: SampleSource) -> None:
+        self.sources[name] = fn
+
+    def add_sink(self, sink: Any) -> None:
+        if all(s is not sink for s in self.sinks):
+            self.sinks.append(sink)
+
+    def sink(self, name: str) -> Any:
+        return next((s for s in self.sinks if getattr(s, "name", "") == name), None)
+
+    def _error(self, place: str, exc: BaseException) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error(place, exc)
+            except Exception:
+                pass
+
+    def collect(self) -> list[MetricSample]:
+        out: list[MetricSample] = []
+        for name, fn in list(self.sources.items()):
+            try:
+                out.extend(fn())
+            except Exception as exc:
+                self._error(f"export_source_{name}", exc)
+        return out
+
+    def flush(self) -> None:
+        """Collect every source once and hand the samples to every sink (never raises)."""
+        with self._lock:
+            samples = self.collect()
+            for sink in list(self.sinks):
+                try:
+                    sink.export(samples)
+                except Exception as exc:
+                    self._error(f"export_{getattr(sink, 'name', 'sink')}", exc)
+            self.flushes += 1
+
+    def start(self) -> None:
+        """Start the flush thread once per process (a forked child starts its own)."""
+        if self._pid != os.getpid():  # inherited across fork: that thread is not ours
+            self._pid = os.getpid()
+            self._thread = None
+            self._stop = threading.Event()
+            self._lock = threading.Lock()
+        if self._thread is not None and self._thread.is_alive():
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(self.interval):
+                self.flush()
+
+        self._thread = threading.Thread(target=loop, name="attnprof-export", daemon=True)
+        self._thread.start()
+
+    def stop(self, final_flush: bool = True) -> None:
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2 * self.interval + 1)
+        self._thread = None
+        if final_flush:
+            self.flush()
+        for sink in list(self.sinks):
+            close = getattr(sink, "shutdown", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:
+                    self._error(f"export_{getattr(sink, 'name', 'sink')}", exc)

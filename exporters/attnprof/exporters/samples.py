@@ -1,0 +1,165 @@
+"""The export boundary: aggregates in, catalog-named samples out.
+
+Every exporter (Prometheus, OTLP) renders the same :class:`Sample` / :class:`HistogramSample`
+lists, built here from the aggregate room's state. Counter samples carry running totals
+(exporters turn them into increments or cumulative points), gauges the current value,
+histograms a consistent bucket copy. Labels are the catalog's, nothing else: no request ids,
+no text, no lengths as labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from attnprof.aggregate.histogram import HistogramState
+from attnprof.exporters.catalog import spec
+
+__all__ = [
+    "HistogramSample",
+    "MetricSample",
+    "Sample",
+    "SampleSource",
+    "advice_samples",
+    "error_samples",
+    "request_samples",
+    "worker_samples",
+]
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """A counter's running total or a gauge's value for one label set."""
+
+    name: str
+    labels: Labels
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSample:
+    name: str
+    labels: Labels
+    state: HistogramState
+
+
+MetricSample = Sample | HistogramSample
+SampleSource = Callable[[], Iterable[MetricSample]]
+
+
+def _labels(name: str, **labels: str) -> Labels:
+    # Catalog order; a label the catalog does not declare is a bug, caught by tests.
+    names = spec(name).labels
+    return tuple((k, str(labels[k])) for k in names)
+
+
+def s(name: str, value: float, **labels: str) -> Sample:
+    return Sample(name, _labels(name, **labels), float(value))
+
+
+def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int) -> list[MetricSample]:
+    """Per-layer attention, step and sampler samples of one worker.
+
+    ``aggs`` is an :class:`attnprof.aggregate.layers.WorkerAggregates`, ``sampler`` a
+    :class:`attnprof.contracts.snapshot.SamplerStats`.
+    """
+    out: list[MetricSample] = []
+    with aggs.lock:
+        infos = list(aggs.layers.values())
+        rows = [(idx, phase, a.calls, a.time_s, a.flops, a.bytes, a.tokens)
+                for (idx, phase), a in aggs.agg.items()]
+        steps = [(p, v[1], v[2]) for p, v in aggs.steps.items()]
+        outcomes = dict(aggs.outcomes)
+    by_index = {i.index: i for i in infos}
+    for idx, phase, calls, t, flops, nbytes, tokens in rows:
+        info = by_index.get(idx)
+        backend = info.backend if info else "unknown"
+        lay = str(idx)
+        out += [
+            s("attnprof_attention_calls_total", calls, model=model, layer=lay, backend=backend,
+              phase=phase),
+            s("attnprof_attention_time_seconds_total", t, model=model, layer=lay,
+              backend=backend, phase=phase),
+            s("attnprof_attention_flops_total", flops, model=model, layer=lay, phase=phase),
+            s("attnprof_attention_bytes_total", nbytes, model=model, layer=lay, phase=phase),
+            s("attnprof_attention_tokens_total", tokens, model=model, layer=lay, phase=phase),
+        ]
+    for phase, model_t, attn_t in steps:
+        out.append(s("attnprof_step_time_seconds_total", model_t, model=model, phase=phase))
+        out.append(s("attnprof_step_attention_time_seconds_total", attn_t, model=model,
+                     phase=phase))
+    for outcome in ("sampled", "sampled_long", "blind"):
+        out.append(s("attnprof_steps_total", outcomes.get(outcome, 0), model=model,
+                     outcome=outcome))
+    out.append(s("attnprof_steps_total", sampler.unsampled, model=model, outcome="unsampled"))
+    out.append(s("attnprof_self_time_seconds_total", sampler.self_time_s, model=model))
+    out.append(s("attnprof_head_stats_queries_total", head_queries, model=model))
+    out.append(s("attnprof_sample_rate_ratio", sampler.effective_rate, model=model))
+    for info in infos:
+        out.append(s("attnprof_layer_info", 1, model=model, layer=str(info.index),
+                     backend=info.backend, impl=info.impl, fused=str(info.fused).lower()))
+        if info.kv_cache_bytes:
+            out.append(s("attnprof_kv_cache_bytes", info.kv_cache_bytes, model=model,
+                         layer=str(info.index)))
+    return out
+
+
+def request_samples(model: str, req: Any) -> list[MetricSample]:
+    """Request histograms and KV-cache usage (``req``: ``RequestAggregates``)."""
+    out: list[MetricSample] = []
+    for q, state in req.histogram_states().items():
+        name = f"attnprof_request_{q}_tokens"
+        out.append(HistogramSample(name, _labels(name, model=model), state))
+    if req.kv_cache_usage is not None:
+        out.append(s("attnprof_kv_cache_usage_ratio", req.kv_cache_usage, model=model))
+    summary = req.summary()
+    for q, summ in (("context", summary.context_tokens), ("prompt", summary.prompt_tokens),
+                    ("generation", summary.generation_tokens)):
+        for quant, v in (("0.5", summ.p50), ("0.9", summ.p90), ("0.99", summ.p99)):
+            if v is not None:
+                out.append(s("attnprof_request_tokens_quantile", v, model=model, quantity=q,
+                             quantile=quant))
+    return out
+
+
+def error_samples(model: str, errors: Mapping[str, int], dropped: Mapping[str, int],
+                  roles: Iterable[str]) -> list[MetricSample]:
+    out: list[MetricSample] = [s("attnprof_internal_errors_total", n, model=model, place=p)
+                               for p, n in list(errors.items())]
+    out += [s("attnprof_dropped_samples_total", n, model=model, reason=r)
+            for r, n in list(dropped.items())]
+    out += [s("attnprof_plugin_processes", 1, role=r) for r in sorted(roles)]
+    return out
+
+
+def advice_samples(model: str, adv: Mapping[str, Any]) -> list[MetricSample]:
+    """Window-advice gauges (nothing when the advice is an error)."""
+    if "error" in adv:
+        return []
+    out: list[MetricSample] = [
+        s("attnprof_window_recommended_tokens", adv["window"] if adv["layers"] else 0,
+          model=model),
+        s("attnprof_window_sinks_tokens", adv["sinks"], model=model),
+        s("attnprof_window_layers", len(adv["layers"]), model=model),
+        s("attnprof_window_attention_flop_saving_ratio", adv["attention_flop_saving"],
+          model=model),
+        s("attnprof_window_kv_memory_saving_ratio", adv["kv_memory_saving"], model=model),
+        s("attnprof_window_exact_request_ratio", adv["exact_request_fraction"], model=model),
+        s("attnprof_window_heads_at_risk", adv.get("heads_at_risk_count") or 0, model=model),
+    ]
+    for lay in adv.get("per_layer") or []:
+        layer = str(lay["layer"])
+        if lay.get("sink_mass") is not None:
+            out.append(s("attnprof_head_sink_mass_ratio", lay["sink_mass"], model=model,
+                         layer=layer))
+        for w, c in (lay.get("coverage_q") or {}).items():
+            if c is not None:
+                out.append(s("attnprof_head_coverage_ratio", c, model=model, layer=layer,
+                             window=str(w)))
+        for cls, n in (lay.get("classes") or {}).items():
+            out.append(s("attnprof_head_class_heads", n, model=model, layer=layer,
+                         **{"class": cls}))
+    return out

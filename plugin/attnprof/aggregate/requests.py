@@ -1,0 +1,62 @@
+"""Request-level statistics of the API server: context, prompt and generated token counts
+of finished requests, and KV-cache usage. Token counts only: never ids or text.
+
+One object per process, shared by every engine's stat logger; bounded memory (a quantile
+estimator per quantity and fixed-bucket histograms up to ``max_model_len``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
+from attnprof.aggregate.quantiles import QuantileSketch
+from attnprof.contracts.snapshot import QuantileSummary
+from attnprof.contracts.snapshot import RequestStats as RequestStatsDoc
+
+__all__ = ["QUANTITIES", "RequestAggregates"]
+
+QUANTITIES = ("context", "prompt", "generation")
+
+
+def _summary(sk: QuantileSketch, with_state: bool) -> QuantileSummary:
+    s = sk.summary()
+    return QuantileSummary(p50=s["p50"], p90=s["p90"], p99=s["p99"], mean=s["mean"],
+                           max=s["max"], count=sk.count, exact=False,
+                           sketch=sk.to_dict() if with_state else None)
+
+
+class RequestAggregates:
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.buckets = log_buckets(max(1, max_model_len))
+        self.sketches = {q: QuantileSketch() for q in QUANTITIES}
+        self.histograms = {q: BucketHistogram(self.buckets) for q in QUANTITIES}
+        self.kv_cache_usage: float | None = None
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    def observe(self, prompt: int, generated: int) -> None:
+        """One finished request (called by the stat logger; a few microseconds)."""
+        with self.lock:
+            self.requests += 1
+            for q, v in (("prompt", prompt), ("generation", generated),
+                         ("context", prompt + generated)):
+                self.sketches[q].add(v)
+                self.histograms[q].observe(v)
+
+    def set_kv_usage(self, usage: float) -> None:
+        self.kv_cache_usage = usage
+
+    def histogram_states(self) -> dict[str, HistogramState]:
+        with self.lock:
+            return {q: h.state() for q, h in self.histograms.items()}
+
+    def summary(self) -> RequestStatsDoc:
+        with self.lock:
+            return RequestStatsDoc(
+                requests=self.requests, max_model_len=self.max_model_len,
+                context_tokens=_summary(self.sketches["context"], True),
+                prompt_tokens=_summary(self.sketches["prompt"], False),
+                generation_tokens=_summary(self.sketches["generation"], False),
+                kv_cache_usage=self.kv_cache_usage)

@@ -1,0 +1,191 @@
+"""The live snapshot (``GET /attnprof/snapshot``, ``attnprof snapshot --json``) and its parts:
+per-layer profiles from each worker, request statistics from the API server.
+
+Field names are those of snapshot version 1 (attnprof 0.1), so readers of 1.0 documents keep
+working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestStats.quantiles``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnprof.contracts.base import Document, Record
+
+__all__ = [
+    "KernelGroup",
+    "LayerProfile",
+    "PhaseStats",
+    "ProcessNote",
+    "QuantileSummary",
+    "RequestStats",
+    "SamplerStats",
+    "Snapshot",
+    "SnapshotErrors",
+    "StepPhaseStats",
+    "WorkerSnapshot",
+]
+
+
+@dataclass
+class PhaseStats(Record):
+    """One layer's attention on sampled steps of one phase (prefill, decode, mixed)."""
+
+    calls: int = 0
+    time_s: float = 0.0
+    mean_time_s: float = 0.0
+    tokens: int = 0
+    flops: int = 0
+    bytes: int = 0
+    mean_batch_requests: float = 0.0
+    mean_seq_len: float = 0.0
+    max_seq_len: int = 0
+
+
+@dataclass
+class LayerProfile(Record):
+    """One attention layer as the worker saw it: static facts and per-phase aggregates."""
+
+    name: str
+    index: int
+    backend: str
+    impl: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    sliding_window: int | None
+    dtype: str
+    kv_cache_dtype: str
+    fused: bool
+    kv_cache_bytes: int = 0
+    scale: float = 0.0
+    kernel: str | None = None
+    phases: dict[str, PhaseStats] = field(default_factory=dict)
+
+
+@dataclass
+class KernelGroup(Record):
+    """Layers of one shape: the backend that ran and why each other vLLM backend did not."""
+
+    layers: list[int]
+    backend: str
+    kernel: str | None
+    fused: bool
+    valid_backends: list[str] | None = None
+    rejected: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class StepPhaseStats(Record):
+    steps: int
+    model_time_s: float
+    attention_time_s: float
+    attention_share: float | None
+
+
+@dataclass
+class SamplerStats(Record):
+    seen: int = 0
+    sampled: int = 0
+    sampled_long: int = 0
+    blind: int = 0
+    unsampled: int = 0
+    base_rate: float = 0.0
+    effective_rate: float = 0.0
+    budget: float = 0.0
+    self_time_s: float = 0.0
+    self_time_fraction: float = 0.0
+
+
+@dataclass
+class HeadStatsCost(Record):
+    steps: int = 0
+    requests: int = 0
+    queries: int = 0
+    time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    fraction_of_prefill: float | None = None
+
+
+@dataclass
+class WorkerSnapshot(Record):
+    """Everything one worker process captured (``error`` set when it could not answer)."""
+
+    pid: int
+    process: str = ""
+    layers: list[LayerProfile] = field(default_factory=list)
+    kernel_map: list[KernelGroup] = field(default_factory=list)
+    steps: dict[str, StepPhaseStats] = field(default_factory=dict)
+    sampler: SamplerStats = field(default_factory=SamplerStats)
+    errors: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    disabled: bool = False
+    head_stats_cost: HeadStatsCost = field(default_factory=HeadStatsCost)
+    head_stats: dict[str, Any] | None = None
+    """Mergeable per-(layer, head) statistics (``HeadStatsAccumulator.to_dict``)."""
+    error: str | None = None
+
+
+@dataclass
+class QuantileSummary(Record):
+    """p50/p90/p99 by the one estimator (:mod:`attnprof.aggregate.quantiles`)."""
+
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+    max: float | None = None
+    count: int = 0
+    exact: bool = True
+    """True while the sample is small enough to be kept whole (quantiles are exact)."""
+    sketch: dict[str, Any] | None = None
+    """Mergeable state (``QuantileEstimator.to_dict``), for fleet-wide merges."""
+
+
+@dataclass
+class RequestStats(Record):
+    """Finished requests seen by the API server's stat logger (token counts only)."""
+
+    requests: int
+    max_model_len: int
+    context_tokens: QuantileSummary
+    prompt_tokens: QuantileSummary
+    generation_tokens: QuantileSummary
+    kv_cache_usage: float | None = None
+
+
+@dataclass
+class ProcessNote(Record):
+    role: str
+    pid: int
+    process: str = ""
+    started_at: float = 0.0
+    alive: bool = False
+
+
+@dataclass
+class SnapshotErrors(Record):
+    api_server: dict[str, int] = field(default_factory=dict)
+    collective_rpc: str | None = None
+
+
+@dataclass
+class Snapshot(Document):
+    """One live server: every worker's layers, the request statistics, window advice."""
+
+    KIND = "attnprof.snapshot"
+    VERSION = (1, 1)
+
+    time: float
+    model: str
+    enabled: bool
+    processes: list[ProcessNote] = field(default_factory=list)
+    roles_here: list[str] = field(default_factory=list)
+    workers: list[WorkerSnapshot] = field(default_factory=list)
+    requests: RequestStats | None = None
+    errors: SnapshotErrors = field(default_factory=SnapshotErrors)
+    window_advice: dict[str, Any] | None = None
+    """``attnprof.window_advice`` document, or ``{"error": ...}`` saying what is missing."""
