@@ -100,6 +100,21 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
     return total
 
 
+def poll_metrics(base_url: str, check: Any, timeout: float = 6.0) -> str:
+    """``/metrics`` text once ``check(text)`` holds. Exporters flush every second (off the
+    serving path), so a value lags the event that changed it by up to that interval."""
+    import time
+
+    from attnprof.tools.server import http_get
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = http_get(base_url + "/metrics")
+        if check(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,

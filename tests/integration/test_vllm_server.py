@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.server import http_get, http_post_json
-from tests.conftest import dump, metric_value
+from tests.conftest import dump, metric_value, poll_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -40,7 +41,8 @@ def test_request_is_served_and_every_layer_is_captured(tiny_server: Any) -> None
     out = _complete(tiny_server, "the model request server memory cache", 6)
     assert out["usage"]["completion_tokens"] == 6
     snap = _snapshot(tiny_server)
-    assert snap["schema_version"] == "attnprof.snapshot/1"
+    Snapshot.from_json(snap)  # typed and versioned: this attnprof reads it back
+    assert snap["schema_version"] == Snapshot.version_tag()
     (worker,) = snap["workers"]
     layers = worker["layers"]
     assert [lay["index"] for lay in layers] == [0, 1]
@@ -79,7 +81,8 @@ def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) ->
     for p, g, n in zip(prompts, gen, n_prompt, strict=True):
         out = _complete(tiny_server, p, g)
         assert out["usage"]["prompt_tokens"] == n  # the tokenizer count is the server's count
-    after = http_get(tiny_server.base_url + "/metrics")
+    after = poll_metrics(tiny_server.base_url, lambda t: metric_value(
+        t, "attnprof_request_context_tokens_count", model="tiny") == c0 + 3)
     assert metric_value(after, "attnprof_request_context_tokens_count", model="tiny") == c0 + 3
     assert metric_value(after, "attnprof_request_context_tokens_sum", model="tiny") == \
         s0 + sum(n_prompt) + sum(gen)
@@ -123,7 +126,7 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
     j = subprocess.run([sys.executable, "-m", "attnprof.cli", "snapshot", "--json",
                         "--url", tiny_server.base_url], capture_output=True, text=True,
                        timeout=60)
-    assert json.loads(j.stdout)["schema_version"] == "attnprof.snapshot/1"
+    assert json.loads(j.stdout)["schema_version"] == Snapshot.version_tag()
 
 
 def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server: Any) -> None:

@@ -4,8 +4,10 @@ import re
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from attnprof.aggregate.histogram import BucketHistogram
 from attnprof.exporters.catalog import CATALOG, spec
 from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
 
 _NAME = re.compile(r"^attnprof_[a-z0-9_]+$")
 _FORBIDDEN_LABELS = {"request_id", "prompt", "text", "token", "token_id", "user", "length"}
@@ -26,29 +28,54 @@ def test_context_histogram_name_is_the_contract() -> None:
     assert spec("attnprof_request_context_tokens").kind == "histogram"
 
 
+def _every_metric_samples(counter_total: float = 2.0) -> list[MetricSample]:
+    out: list[MetricSample] = []
+    for m in CATALOG:
+        labels = tuple((lab, "x") for lab in m.labels)
+        if m.kind == "histogram":
+            h = BucketHistogram([1, 10, 100])
+            h.observe(5)
+            out.append(HistogramSample(m.name, labels, h.state()))
+        else:
+            out.append(Sample(m.name, labels, counter_total if m.kind == "counter" else 3.0))
+    return out
+
+
 def test_sink_renders_every_metric_with_fresh_registry() -> None:
     reg = CollectorRegistry()
-    sink = PrometheusSink(registry=reg, buckets={"attnprof_request_context_tokens": [1, 10, 100]})
-    for m in CATALOG:
-        metric = sink.metric(m.name)
-        child = metric.labels(**{lab: "x" for lab in m.labels}) if m.labels else metric
-        if m.kind == "counter":
-            child.inc(2)
-        elif m.kind == "gauge":
-            child.set(3)
-        else:
-            child.observe(5)
+    sink = PrometheusSink(registry=reg)
+    sink.export(_every_metric_samples())
     text = generate_latest(reg).decode()
     for m in CATALOG:
         assert m.name in text or f"{m.name}_bucket" in text, m.name
     assert 'attnprof_request_context_tokens_bucket{le="10.0",model="x"} 1.0' in text
+    assert 'attnprof_request_context_tokens_sum{model="x"} 5.0' in text
 
 
 def test_sink_is_idempotent_per_registry() -> None:
     reg = CollectorRegistry()
-    a = PrometheusSink(registry=reg).metric("attnprof_attention_calls_total")
-    b = PrometheusSink(registry=reg).metric("attnprof_attention_calls_total")
-    assert a is b
+    PrometheusSink(registry=reg).export(_every_metric_samples())
+    PrometheusSink(registry=reg).export(_every_metric_samples())  # reuses, never raises
+    v = reg.get_sample_value("attnprof_steps_total", {"model": "x", "outcome": "x"})
+    assert v == 4.0  # two sinks, each advancing its own running total from 0 to 2
+
+
+def test_histogram_deltas_are_exact() -> None:
+    reg = CollectorRegistry()
+    sink = PrometheusSink(registry=reg)
+    h = BucketHistogram([10, 100])
+    labels = (("model", "m"),)
+    for batch in ([3, 10, 11], [], [500, 100]):
+        for v in batch:
+            h.observe(v)
+        sink.export([HistogramSample("attnprof_request_prompt_tokens", labels, h.state())])
+    name = "attnprof_request_prompt_tokens"
+    get = reg.get_sample_value
+    assert get(f"{name}_bucket", {"model": "m", "le": "10.0"}) == 2
+    assert get(f"{name}_bucket", {"model": "m", "le": "100.0"}) == 4
+    assert get(f"{name}_bucket", {"model": "m", "le": "+Inf"}) == 5
+    assert get(f"{name}_count", {"model": "m"}) == 5
+    assert get(f"{name}_sum", {"model": "m"}) == 624
 
 
 def test_otel_names_are_dotted_without_units() -> None:
@@ -65,12 +92,12 @@ def test_docs_metric_table_is_generated_from_catalog() -> None:
     assert markdown_table() in doc, "regenerate: python -m attnprof.exporters.catalog"
 
 
-def test_inc_to_exports_each_running_total_once() -> None:
+def test_counter_totals_export_each_increment_once() -> None:
     reg = CollectorRegistry()
     sink = PrometheusSink(registry=reg)
     name = "attnprof_internal_errors_total"
     for total in (2, 2, 5, 3):  # repeated and stale totals add nothing
-        sink.inc_to(name, total, model="m", place="capture")
-    sink.inc_to(name, 1, model="m", place="metrics")
+        sink.export([Sample(name, (("model", "m"), ("place", "capture")), total)])
+    sink.export([Sample(name, (("model", "m"), ("place", "metrics")), 1)])
     assert reg.get_sample_value(name, {"model": "m", "place": "capture"}) == 5
     assert reg.get_sample_value(name, {"model": "m", "place": "metrics"}) == 1

@@ -41,7 +41,8 @@ class StepSampler:
         self.seen = 0
         self.sampled = 0
         self.sampled_long = 0
-        self._countdown = self._gap()
+        self.countdown = self._gap()
+        """Steps left until the next base-stratum sample; capture decrements it inline."""
 
     @property
     def rate(self) -> float:
@@ -58,11 +59,19 @@ class StepSampler:
 
     def tick(self) -> bool:
         """Called once per model step; True if the step is sampled by the base stratum."""
-        self._countdown -= 1
-        if self._countdown > 0:
+        self.countdown -= 1
+        if self.countdown > 0:
             return False
-        self._countdown = self._gap()
+        return self.fire()
+
+    def fire(self) -> bool:
+        """The countdown reached zero: draw the next gap; True if sampling is on."""
+        self.countdown = self._gap()
         return self.rate > 0.0
+
+    def draw(self) -> float:
+        """A uniform draw from the sampler's seeded stream (sub-sampling decisions)."""
+        return self._rng.random()
 
     def long_prefill(self, prefill_tokens: int) -> bool:
         """Second stratum: an unsampled step whose prefill is long gets its own draw."""
@@ -88,7 +97,7 @@ class StepSampler:
         if self.scale != old:
             # Redraw the countdown at the new rate: a gap drawn at a throttled rate could
             # otherwise keep sampling off for hours after the load has gone.
-            self._countdown = min(self._countdown, self._gap())
+            self.countdown = min(self.countdown, self._gap())
         self._window_self = 0.0
         self._window_start = now
 

@@ -11,7 +11,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compute_advice", "export_advice", "recommend_from_snapshot", "summarize"]
+__all__ = ["compute_advice", "recommend_from_snapshot", "summarize"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -57,32 +57,3 @@ def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, An
     except InputError as err:
         return {"error": str(err)}
     return summarize(rec, acc)
-
-
-def export_advice(sink: Any, model: str, adv: dict[str, Any]) -> None:
-    if "error" in adv:
-        return
-    g = sink.metric
-    g("attnprof_window_recommended_tokens").labels(model=model).set(
-        adv["window"] if adv["layers"] else 0)
-    g("attnprof_window_sinks_tokens").labels(model=model).set(adv["sinks"])
-    g("attnprof_window_layers").labels(model=model).set(len(adv["layers"]))
-    g("attnprof_window_attention_flop_saving_ratio").labels(model=model).set(
-        adv["attention_flop_saving"])
-    g("attnprof_window_kv_memory_saving_ratio").labels(model=model).set(adv["kv_memory_saving"])
-    g("attnprof_window_exact_request_ratio").labels(model=model).set(
-        adv["exact_request_fraction"])
-    g("attnprof_window_heads_at_risk").labels(model=model).set(adv.get("heads_at_risk_count")
-                                                                 or 0)
-    for lay in adv.get("per_layer") or []:
-        layer = str(lay["layer"])
-        if lay.get("sink_mass") is not None:
-            g("attnprof_head_sink_mass_ratio").labels(model=model, layer=layer).set(
-                lay["sink_mass"])
-        for w, c in (lay.get("coverage_q") or {}).items():
-            if c is not None:
-                g("attnprof_head_coverage_ratio").labels(model=model, layer=layer,
-                                                         window=str(w)).set(c)
-        for cls, n in (lay.get("classes") or {}).items():
-            g("attnprof_head_class_heads").labels(model=model, layer=layer,
-                                                  **{"class": cls}).set(n)

@@ -129,7 +129,6 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
         InputError,
         from_snapshot,
         head_stats_from_snapshot,
-        query_prometheus,
         read_lengths_file,
     )
 
@@ -141,6 +140,8 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
 
             snap = fetch_snapshot(args.url)
             return from_snapshot(snap, source=args.url), head_stats_from_snapshot(snap)
+        from attnprof.tools.prometheus_query import query_prometheus
+
         return query_prometheus(args.prometheus, model=args.prometheus_model,
                                 range_=args.prometheus_range), None
     except InputError as err:

@@ -12,7 +12,6 @@ from attnprof.analyze.sparsity.inputs import (
     InputError,
     from_prometheus_response,
     from_snapshot,
-    query_prometheus,
     read_lengths_file,
 )
 from attnprof.analyze.sparsity.recommend import (
@@ -35,7 +34,6 @@ __all__ = [
     "format_summary",
     "from_prometheus_response",
     "from_snapshot",
-    "query_prometheus",
     "read_lengths_file",
     "recommend",
 ]

@@ -12,8 +12,6 @@ import csv
 import io
 import json
 import math
-import urllib.error
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,6 @@ __all__ = [
     "from_snapshot",
     "head_stats_from_snapshot",
     "parse_lengths_text",
-    "query_prometheus",
     "read_lengths_file",
 ]
 
@@ -147,35 +144,6 @@ def from_prometheus_response(obj: Any, source: str = "prometheus") -> LengthDist
         raise InputError(f"{source}: no attnprof_request_context_tokens_bucket series "
                          "(is Prometheus scraping attnprof?)")
     return from_buckets(buckets, source)
-
-
-def query_prometheus(url: str, model: str | None = None, range_: str | None = None,
-                     metric: str = "attnprof_request_context_tokens",
-                     timeout: float = 30.0) -> LengthDistribution:
-    """Fleet-wide distribution: one query summing the histogram over every replica."""
-    from attnprof.tools.server import http_get
-
-    selector = "{" + f'model="{model}"' + "}" if model else ""
-    series = f"{metric}_bucket{selector}"
-    inner = f"increase({series}[{range_}])" if range_ else series
-    query = f"sum by (le) ({inner})"
-    full = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    try:
-        body = http_get(full, timeout=timeout)
-    except urllib.error.HTTPError as err:
-        try:
-            msg = json.loads(err.read()).get("error", "")
-        except Exception:
-            msg = ""
-        raise InputError(f"{url}: HTTP {err.code} {msg}".strip()) from None
-    except (urllib.error.URLError, OSError) as err:
-        raise InputError(f"cannot reach Prometheus at {url}: "
-                         f"{getattr(err, 'reason', err)}") from None
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        raise InputError(f"{url} did not return JSON (is it a Prometheus server?)") from None
-    return from_prometheus_response(obj, source=f"prometheus {url}")
 
 
 def _positive_int(tok: str, where: str) -> int:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from attnprof.capture.vllm import runtime
+from attnprof.capture.vllm import hooks, runtime
 from attnprof.config import Config, ConfigError
 
-__all__ = ["register"]
+__all__ = ["register", "start"]
 
 logger = logging.getLogger("attnprof")
 
@@ -26,4 +26,9 @@ def register() -> None:
         raise SystemExit(f"attnprof: invalid configuration: {err}") from None
     if not cfg.enabled:
         return
-    runtime.start(cfg)
+    start(cfg)
+
+
+def start(cfg: Config) -> None:
+    """Set attnprof up in this vLLM process once: state, export loop, hooks."""
+    runtime.start(cfg, hooks.install)

@@ -1,7 +1,8 @@
 """vLLM endpoint plugin (API server): ``GET /attnprof/snapshot``.
 
 Loaded by vLLM only when ``attnprof_http`` is named in ``VLLM_PLUGINS`` (``attnprof serve``
-does that). The worker-side profile comes over ``collective_rpc`` from every worker.
+does that). The worker-side profile comes over ``collective_rpc`` from every worker; the
+window advice is computed in a thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import asyncio
 import time
 from typing import Any
 
-from attnprof.capture.vllm import runtime
+from attnprof.capture.vllm import runtime, start
 from attnprof.config import Config
+from attnprof.contracts.snapshot import ProcessNote, Snapshot, SnapshotErrors, WorkerSnapshot
 
 __all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "build_snapshot"]
 
-SCHEMA_VERSION = "attnprof.snapshot/1"
+SCHEMA_VERSION = Snapshot.version_tag()
 
 
-async def build_snapshot(engine_client: Any, advice: bool = True) -> dict[str, Any]:
+async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
     st = runtime.STATE
     workers: list[Any] = []
     error: str | None = None
@@ -27,31 +29,36 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> dict[str, A
             workers = list(await engine_client.collective_rpc("attnprof_snapshot"))
         except Exception as exc:  # the engine may not be ours to query
             error = f"{type(exc).__name__}: {exc}"
-    snap = {
-        "schema_version": SCHEMA_VERSION,
-        "time": time.time(),
-        "model": st.model_label,
-        "enabled": st.enabled,
-        "processes": await asyncio.to_thread(runtime.processes_from_run_dir, st.config),
-        "roles_here": sorted(st.roles),
-        "workers": [w for w in workers if isinstance(w, dict)],
-        "requests": st.requests.summary() if st.requests is not None else None,
-        "errors": {"api_server": dict(st.errors.by_place), "collective_rpc": error},
-    }
+    notes = await asyncio.to_thread(runtime.processes_from_run_dir, st.config)
+    parsed: list[WorkerSnapshot] = []
+    for w in workers:
+        if isinstance(w, dict):
+            try:
+                parsed.append(WorkerSnapshot.from_json(w))
+            except Exception as exc:
+                st.errors.record("snapshot", exc)
+    snap = Snapshot(
+        time=time.time(), model=st.model_label, enabled=st.enabled,
+        processes=[ProcessNote.from_json(n) for n in notes],
+        roles_here=sorted(st.roles), workers=parsed,
+        requests=st.requests.summary() if st.requests is not None else None,
+        errors=SnapshotErrors(api_server=dict(st.errors.by_place), collective_rpc=error))
     if advice:
-        snap["window_advice"] = await _advice(snap)
-    st.export_errors()  # the API server has no flusher thread of its own
+        snap.window_advice = await _advice(snap)
+    # Workers flushed when they answered; flush here too so /metrics agrees with this
+    # snapshot right away (file writes: off the event loop).
+    await asyncio.to_thread(st.flush)
     return snap
 
 
-async def _advice(snap: dict[str, Any]) -> dict[str, Any]:
+async def _advice(snap: Snapshot) -> dict[str, Any]:
     """Recommendation from the snapshot, computed in a thread (never on the event loop)."""
     st = runtime.STATE
     try:
-        from attnprof.analyze.window_advice import compute_advice, export_advice
+        from attnprof.analyze.window_advice import compute_advice
 
-        adv = await asyncio.to_thread(compute_advice, snap, st.model_path)
-        export_advice(st.get_sink(), st.model_label, adv)
+        adv = await asyncio.to_thread(compute_advice, snap.to_json(), st.model_path)
+        st.advice = adv  # the export loop renders it as gauges
         return adv
     except Exception as exc:
         st.errors.record("window_advice", exc)
@@ -83,13 +90,16 @@ class AttnProfEndpoint:
 
         @app.get("/attnprof/snapshot")  # type: ignore[untyped-decorator]
         async def attnprof_snapshot() -> Any:
-            return JSONResponse(await build_snapshot(plugin.engine_client))
+            snap = await build_snapshot(plugin.engine_client)
+            # Serialization of a large snapshot (head statistics) stays off the event loop.
+            body = await asyncio.to_thread(snap.to_json)
+            return JSONResponse(body)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         self.engine_client = engine_client
         cfg = Config.from_env()
         if cfg.enabled:
-            runtime.start(cfg)
+            start(cfg)
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
                     _advice_loop(engine_client, cfg.advice_interval_s))

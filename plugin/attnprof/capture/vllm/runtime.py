@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +35,9 @@ class State:
     errors: ErrorBook = field(default_factory=ErrorBook)
     roles: set[str] = field(default_factory=set)
     started_at: float = 0.0
-    sink: Any = None  # attnprof.exporters.prometheus.PrometheusSink, created lazily
-    requests: Any = None  # stat_logger.RequestStats in the API server
+    hub: Any = None  # attnprof.exporters.hub.ExportHub, created by start()
+    requests: Any = None  # aggregate.requests.RequestAggregates in the API server
+    advice: dict[str, Any] | None = None  # latest window advice (API server)
     model_label: str = "unknown"
     model_path: str | None = None
     _once: Once = field(default_factory=Once)
@@ -44,36 +46,45 @@ class State:
     def enabled(self) -> bool:
         return self.config is not None and self.config.enabled
 
-    def get_sink(self) -> Any:
-        if self.sink is None:
+    def get_hub(self) -> Any:
+        """This process's export loop (Prometheus always; OTLP when configured)."""
+        if self.hub is None:
+            from attnprof.exporters.hub import ExportHub
             from attnprof.exporters.prometheus import PrometheusSink
 
-            self.sink = PrometheusSink()
-        return self.sink
+            hub = ExportHub(on_error=self.errors.record)
+            hub.add_sink(PrometheusSink())
+            hub.add_source("process", self._process_samples)
+            self.hub = hub
+        return self.hub
 
-    def export_errors(self) -> None:
-        """Push this process's error and drop counts to Prometheus (idempotent: the sink
-        exports each running total once, whoever calls)."""
+    def _process_samples(self) -> list[Any]:
+        from attnprof.exporters.samples import error_samples
+
+        return error_samples(self.model_label, self.errors.by_place, self.errors.dropped,
+                             self.roles)
+
+    def export_source(self, name: str, fn: Any) -> None:
+        """Register a sample source with this process's export loop and make sure it runs."""
         try:
-            sink = self.get_sink()
-            for place, n in list(self.errors.by_place.items()):
-                sink.inc_to("attnprof_internal_errors_total", n, model=self.model_label,
-                            place=place)
-            for reason, n in list(self.errors.dropped.items()):
-                sink.inc_to("attnprof_dropped_samples_total", n, model=self.model_label,
-                            reason=reason)
-        except Exception:
-            pass  # exporting errors must not become an error
+            hub = self.get_hub()
+            hub.add_source(name, fn)
+            hub.start()
+        except Exception as exc:
+            self.errors.record("export", exc)
+
+    def flush(self) -> None:
+        """Export now (snapshots, error paths); never raises."""
+        try:
+            self.get_hub().flush()
+        except Exception as exc:
+            self.errors.record("export", exc)
 
     def add_role(self, role: str) -> None:
         """Mark this process as live in ``role`` (gauge + run-dir note), once per role."""
         if role in self.roles:
             return
         self.roles.add(role)
-        try:
-            self.get_sink().metric("attnprof_plugin_processes").labels(role=role).set(1)
-        except Exception as exc:
-            self.errors.record("metrics", exc)
         cfg = self.config
         if cfg is not None and cfg.run_dir is not None:
             try:
@@ -91,7 +102,9 @@ class State:
 STATE = State()
 
 
-def start(cfg: Config) -> None:
+def start(cfg: Config, install: Callable[[State], Any] | None = None) -> None:
+    """Set this process up once (later calls do nothing); ``install`` patches the host."""
+
     def _start() -> None:
         STATE.config = cfg
         STATE.errors = ErrorBook(cfg.max_errors)
@@ -99,10 +112,10 @@ def start(cfg: Config) -> None:
         if cfg.model_label:
             STATE.model_label = cfg.model_label
         STATE.add_role(role_of_process())
+        STATE.export_source("process", STATE._process_samples)
         atexit.register(_mark_dead)
-        from attnprof.capture.vllm import hooks
-
-        hooks.install(STATE)
+        if install is not None:
+            install(STATE)
         logger.info("attnprof: enabled in %s (pid %d), sample rate %.3g",
                     multiprocessing.current_process().name, os.getpid(), cfg.sample_rate)
 
@@ -112,10 +125,12 @@ def start(cfg: Config) -> None:
 def _mark_dead() -> None:
     """Drop this process's live gauges and note so short-lived helpers do not linger."""
     try:
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(os.getpid())
+        hub = STATE.hub
+        if hub is not None:
+            hub.stop(final_flush=True)
+            prom = hub.sink("prometheus")
+            if prom is not None:
+                prom.mark_process_dead(os.getpid())
         cfg = STATE.config
         if cfg is not None and cfg.run_dir is not None:
             for role in STATE.roles:
