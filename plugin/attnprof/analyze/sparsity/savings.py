@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from attnprof.aggregate.quantiles import nearest_rank
 from attnprof.facts.shape import AttentionShape
 
 __all__ = [
@@ -93,9 +94,9 @@ class LengthDistribution:
         return float(sum(self.weights))
 
     def quantile(self, q: float) -> int:
-        cum = np.cumsum(self.w) / self.total_weight
-        i = int(np.searchsorted(cum, q - 1e-12, side="left"))
-        return self.lengths[min(i, len(self.lengths) - 1)]
+        """Nearest-rank quantile, the one definition of :mod:`attnprof.aggregate.quantiles`
+        (so it equals the live snapshot's p50/p90/p99 for the same requests)."""
+        return int(nearest_rank(self.lengths, np.cumsum(self.w).tolist(), q))
 
     def fraction_at_most(self, n: float) -> float:
         return float(self.w[self.t <= n].sum() / self.total_weight)
