@@ -67,14 +67,3 @@ def test_fit_and_predict() -> None:
     # Non-negative terms even on noisy, decreasing data.
     noisy = scaling.fit_poly2([64, 128, 256], [0.48, 0.2, 0.38])
     assert noisy["b"] >= 0 and noisy["c"] >= 0
-
-
-def test_dtype_bytes_names_used_by_vllm_and_torch() -> None:
-    import torch
-
-    from attnprof.analyze.memory import dtype_bytes
-
-    assert dtype_bytes(torch.float32) == 4 and dtype_bytes("bfloat16") == 2
-    # vLLM KV-cache dtype names: fp8 variants and int8 are one byte per element.
-    assert [dtype_bytes(n) for n in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")] == [1, 1, 1, 1]
-    assert dtype_bytes("auto", default=2) == 2

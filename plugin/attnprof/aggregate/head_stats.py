@@ -420,12 +420,13 @@ class HeadStatsAccumulator:
         return acc
 
     @classmethod
-    def for_config(cls, cfg: Mapping[str, Any], **kw: Any) -> HeadStatsAccumulator:
-        """Shape from a Hugging Face config dict."""
-        c = dict(cfg.get("text_config") or cfg)
-        hq = int(c["num_attention_heads"])
-        hkv = int(c.get("num_key_value_heads") or hq)
-        return cls(int(c["num_hidden_layers"]), hkv, hq // hkv, **kw)
+    def for_config(cls, cfg: Any, **kw: Any) -> HeadStatsAccumulator:
+        """Shape from a Hugging Face config (dict or object), read by
+        :class:`attnprof.facts.shape.AttentionShape`."""
+        from attnprof.facts.shape import AttentionShape
+
+        shape = AttentionShape.from_config(cfg)
+        return cls(shape.num_layers, shape.num_kv_heads, shape.group_size, **kw)
 
     def layers_with_data(self) -> Iterable[int]:
         return (i for i in range(self.num_layers) if self.queries[i].sum() > 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
-from attnprof.aggregate.quantiles import QuantileSketch
+from attnprof.aggregate.quantiles import QuantileEstimator
 from attnprof.contracts.snapshot import QuantileSummary
 from attnprof.contracts.snapshot import RequestStats as RequestStatsDoc
 
@@ -19,18 +19,18 @@ __all__ = ["QUANTITIES", "RequestAggregates"]
 QUANTITIES = ("context", "prompt", "generation")
 
 
-def _summary(sk: QuantileSketch, with_state: bool) -> QuantileSummary:
-    s = sk.summary()
+def _summary(est: QuantileEstimator, with_state: bool) -> QuantileSummary:
+    s = est.summary()
     return QuantileSummary(p50=s["p50"], p90=s["p90"], p99=s["p99"], mean=s["mean"],
-                           max=s["max"], count=sk.count, exact=False,
-                           sketch=sk.to_dict() if with_state else None)
+                           max=s["max"], count=s["count"], exact=s["exact"],
+                           sketch=est.to_dict() if with_state else None)
 
 
 class RequestAggregates:
     def __init__(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.buckets = log_buckets(max(1, max_model_len))
-        self.sketches = {q: QuantileSketch() for q in QUANTITIES}
+        self.quantiles = {q: QuantileEstimator() for q in QUANTITIES}
         self.histograms = {q: BucketHistogram(self.buckets) for q in QUANTITIES}
         self.kv_cache_usage: float | None = None
         self.requests = 0
@@ -42,7 +42,7 @@ class RequestAggregates:
             self.requests += 1
             for q, v in (("prompt", prompt), ("generation", generated),
                          ("context", prompt + generated)):
-                self.sketches[q].add(v)
+                self.quantiles[q].add(v)
                 self.histograms[q].observe(v)
 
     def set_kv_usage(self, usage: float) -> None:
@@ -56,7 +56,7 @@ class RequestAggregates:
         with self.lock:
             return RequestStatsDoc(
                 requests=self.requests, max_model_len=self.max_model_len,
-                context_tokens=_summary(self.sketches["context"], True),
-                prompt_tokens=_summary(self.sketches["prompt"], False),
-                generation_tokens=_summary(self.sketches["generation"], False),
+                context_tokens=_summary(self.quantiles["context"], True),
+                prompt_tokens=_summary(self.quantiles["prompt"], False),
+                generation_tokens=_summary(self.quantiles["generation"], False),
                 kv_cache_usage=self.kv_cache_usage)

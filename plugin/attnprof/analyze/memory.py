@@ -25,11 +25,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+# dtype_bytes is re-exported only for capture/vllm/hooks.py (being rewritten to import
+# attnprof.facts.dtypes); drop it from __all__ once that lands.
+from attnprof.facts.dtypes import dtype_bytes
+
 __all__ = [
     "PATH_BYTES_PER_SCORE",
     "AttnShape",
     "analytic_attention_peak",
     "cache_bytes",
+    "dtype_bytes",
     "kv_bytes_per_token",
     "measure_peak",
     "memory_profile",
@@ -48,18 +53,6 @@ PATH_BYTES_PER_SCORE: dict[str, Callable[[int], float]] = {
     "math": lambda s: 9.0 if s >= 4 else 10.0,
     "eager": lambda s: 2 * s if s >= 4 else 4 + 3 * s,
 }
-
-
-def dtype_bytes(dtype: Any, default: int = 4) -> int:
-    """Bytes per element of a torch dtype or a dtype/KV-cache-dtype name (fp8_e4m3, int8...)."""
-    name = str(dtype).removeprefix("torch.")
-    known = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
-             "bfloat16": 2, "bf16": 2, "float64": 8}
-    if name in known:
-        return known[name]
-    if name.startswith(("fp8", "float8", "int8", "uint8")):
-        return 1
-    return default
 
 
 @dataclass

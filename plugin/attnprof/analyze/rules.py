@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from attnprof.facts.dtypes import normalize
+
 __all__ = [
-    "DTYPE_ALIASES",
     "Verdict",
     "evaluate",
     "evaluate_all",
@@ -27,14 +28,6 @@ __all__ = [
     "resolve_hardware",
 ]
 
-DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
-}
-
-
 @functools.cache
 def load_matrix() -> dict[str, Any]:
     text = resources.files("attnprof.analyze").joinpath("data/compat_matrix.json").read_text()
@@ -42,11 +35,10 @@ def load_matrix() -> dict[str, Any]:
     return data
 
 
-def normalize_dtype(dtype: str) -> str:
-    d = DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
-    if d is None:
-        raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(sorted(DTYPE_ALIASES))})")
-    return d
+def normalize_dtype(dtype: Any) -> str:
+    """The matrix's dtype name (fp32, fp16, bf16, fp8; also int8, fp64, which no backend
+    lists) from any alias :mod:`attnprof.facts.dtypes` knows; ``ValueError`` if unknown."""
+    return normalize(dtype)
 
 
 def resolve_hardware(name: str) -> str:

@@ -1,19 +1,30 @@
 """A model's attention shape from its Hugging Face config: the one reader every room uses.
 
-Sliding-window conventions transformers uses, in the order they are checked (the first that
-applies wins, as transformers derives ``layer_types`` itself):
+Per-layer sliding windows follow what transformers (5.x) derives in each config class's
+``__post_init__`` and what its modeling code then reads, checked in this order:
 
-1. ``layer_types`` (new configs: Gemma2/3, Cohere2, Qwen2/3, GPT-OSS, ...): windowed where
-   the type is ``sliding_attention``. ``chunked_attention`` (Llama 4) is not a sliding
-   window and counts as full here.
-2. ``use_sliding_window: false`` (Qwen2 family): no window, whatever ``sliding_window`` says.
-3. ``use_sliding_window: true`` + ``max_window_layers`` (Qwen2 family): layers with index
-   >= ``max_window_layers`` are windowed.
-4. ``sliding_window_pattern`` (Gemma3: 6, Cohere2: 4): layer i is windowed unless
-   ``(i + 1) % pattern == 0``. Older Gemma3/Cohere2 configs call the window
-   ``interleaved_sliding_window``.
-5. ``model_type`` ``gemma2`` without ``layer_types``: even layers are windowed.
-6. ``sliding_window`` alone (Mistral, Phi-3, Starcoder2): every layer is windowed.
+1. No window: ``sliding_window`` (older Gemma3/Cohere2: ``interleaved_sliding_window``) is
+   missing, null or 0, and the family has no class default (:data:`FAMILIES`); or
+   ``use_sliding_window`` is false. The Qwen2/Qwen3 family (and SmolLM3) default it to
+   false, so a Qwen config without the key has no window whatever ``sliding_window`` says.
+2. Mistral, Mixtral, Phi-3, PhiMoE, Starcoder2, Qwen3-MoE: every layer is windowed; their
+   modeling code never reads ``layer_types``.
+3. ``layer_types`` (every config transformers writes now): windowed where the type is
+   ``sliding_attention``. ``chunked_attention`` (Llama 4) and ``linear_attention`` are not
+   sliding windows and count as full here.
+4. Without ``layer_types``, the family's default pattern (:data:`FAMILIES`): Gemma2,
+   VaultGemma, GPT-OSS windows even layers; Gemma3 (``sliding_window_pattern``, default 6),
+   Cohere2 (default 4), Exaone4 (default 4; also a string like ``"LLLG"``) window layer i
+   unless ``(i + 1) % pattern == 0``; Gemma4 (6, and its last layer is always full),
+   Gemma3n (5), OLMo3 (4) likewise with a fixed pattern; CWM keeps every 4th layer from 0
+   full; Qwen2/Qwen3/Qwen2-VL/dots1 window layers ``i >= max_window_layers`` (class defaults
+   28, 80, 62); Qwen2-MoE windows even layers ``i < max_window_layers``; SmolLM3 windows
+   its NoPE layers (``no_rope_layers[i] == 0``, default every 4th).
+5. Otherwise an int ``sliding_window_pattern`` as in 4, else every layer is windowed.
+
+Gemma3/Gemma4 with bidirectional attention (embedding models) halve the window the way
+their config class does (``w // 2 + 1``). Per-layer configs (transformers' heterogeneous
+``per_layer_config``) are not read.
 
 The window is the number of most recent keys a query sees, itself included (transformers'
 ``sliding_window_overlay``: key j is visible from query i when ``i - w < j <= i``).
@@ -22,14 +33,14 @@ The window is the number of most recent keys a query sees, itself included (tran
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attnprof.facts.dtypes import dtype_bytes, dtype_name
 
-__all__ = ["AttentionShape", "ShapeError"]
+__all__ = ["FAMILIES", "AttentionShape", "Family", "ShapeError", "layer_windows"]
 
 
 class ShapeError(ValueError):
@@ -118,24 +129,111 @@ class AttentionShape:
         return cls.from_config(cfg)
 
 
+@dataclass(frozen=True)
+class Family:
+    """How one ``model_type`` lays out windows when its config has no ``layer_types``."""
+
+    sliding: Callable[[int, Mapping[str, Any]], bool] | None = None
+    """Layer i is windowed (None: every layer)."""
+    window: int | None = None
+    """The config class's default ``sliding_window`` when the key is absent."""
+    gated: bool = False
+    """``use_sliding_window`` defaults to false (Qwen family): no window unless it is true."""
+    every_layer: bool = False
+    """Modeling code windows every layer and ignores ``layer_types`` (Mistral family)."""
+    last_full: bool = False
+    """The config class forces the last layer to full attention (Gemma4)."""
+
+
+def _every(n: int, default: int | None = None) -> Callable[[int, Mapping[str, Any]], bool]:
+    """Windowed unless ``(i + 1) % pattern == 0``; the pattern comes from the config's
+    ``sliding_window_pattern`` when ``default`` is given, else it is fixed at ``n``."""
+    def sliding(i: int, c: Mapping[str, Any]) -> bool:
+        pat = c.get("sliding_window_pattern") if default is not None else None
+        if isinstance(pat, str) and pat:  # Exaone4: "LLLG"; the last layer is always full
+            return pat[i % len(pat)].upper() == "L" and i != int(c["num_hidden_layers"]) - 1
+        p = int(pat) if isinstance(pat, int) and pat > 0 else n
+        return p <= 0 or (i + 1) % p != 0
+    return sliding
+
+
+def _from_max_window_layers(default: int) -> Callable[[int, Mapping[str, Any]], bool]:
+    def sliding(i: int, c: Mapping[str, Any]) -> bool:
+        mwl = c.get("max_window_layers")
+        return i >= (default if mwl is None else int(mwl))
+    return sliding
+
+
+def _qwen2_moe(i: int, c: Mapping[str, Any]) -> bool:
+    mwl = c.get("max_window_layers")
+    return i % 2 == 0 and i < (28 if mwl is None else int(mwl))
+
+
+def _smollm3(i: int, c: Mapping[str, Any]) -> bool:
+    nope = c.get("no_rope_layers")
+    if isinstance(nope, Sequence) and i < len(nope):
+        return not nope[i]
+    return (i + 1) % int(c.get("no_rope_layer_interval") or 4) == 0
+
+
+_EVEN = _every(2)
+FAMILIES: dict[str, Family] = {
+    "gemma2": Family(_EVEN, 4096), "vaultgemma": Family(_EVEN, 4096),
+    "gpt_oss": Family(_EVEN, 128),
+    "gemma3": Family(_every(6, 6), 4096), "gemma3_text": Family(_every(6, 6), 4096),
+    "gemma4": Family(_every(6), 512, last_full=True),
+    "gemma4_text": Family(_every(6), 512, last_full=True),
+    "gemma3n": Family(_every(5), 512), "gemma3n_text": Family(_every(5), 512),
+    "cohere2": Family(_every(4, 4), 4096), "exaone4": Family(_every(4, 4), 4096),
+    "olmo3": Family(_every(4), 4096),
+    "cwm": Family(lambda i, _c: i % 4 != 0, 8192),
+    "qwen2": Family(_from_max_window_layers(28), 4096, gated=True),
+    "qwen3": Family(_from_max_window_layers(28), 4096, gated=True),
+    "qwen2_vl": Family(_from_max_window_layers(80), 4096, gated=True),
+    "qwen2_vl_text": Family(_from_max_window_layers(80), 4096, gated=True),
+    "qwen2_5_vl": Family(_from_max_window_layers(80), 4096, gated=True),
+    "qwen2_5_vl_text": Family(_from_max_window_layers(80), 4096, gated=True),
+    "dots1": Family(_from_max_window_layers(62), 4096),
+    "qwen2_moe": Family(_qwen2_moe, 4096, gated=True),
+    "qwen3_moe": Family(None, 4096, gated=True, every_layer=True),
+    "smollm3": Family(_smollm3, None, gated=True),
+    "mistral": Family(None, 4096, every_layer=True),
+    "mixtral": Family(None, None, every_layer=True),
+    "phi3": Family(None, None, every_layer=True),
+    "phimoe": Family(None, None, every_layer=True),
+    "starcoder2": Family(None, None, every_layer=True),
+    "llama4": Family(lambda _i, _c: False), "llama4_text": Family(lambda _i, _c: False),
+}
+"""Families whose defaults differ from "every layer windowed when ``sliding_window`` is set",
+read off each ``configuration_*.py`` of transformers 5.x (tests/unit/test_facts.py builds the
+config classes and checks the reader against the ``layer_types`` they derive)."""
+
+
 def layer_windows(c: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window under the conventions in the module docstring."""
-    sw = c.get("sliding_window") or c.get("interleaved_sliding_window")
-    sw = int(sw) if isinstance(sw, (int, float)) and sw > 0 else None
-    types = c.get("layer_types")
-    if isinstance(types, Sequence) and not isinstance(types, str) and len(types) == layers:
-        if sw is None:
-            return ()
-        out = tuple(sw if t == "sliding_attention" else None for t in types)
-        return out if any(out) else ()
-    if sw is None or c.get("use_sliding_window") is False:
+    fam = FAMILIES.get(str(c.get("model_type") or ""), Family())
+    if "sliding_window" in c or "interleaved_sliding_window" in c:
+        raw = c.get("sliding_window") or c.get("interleaved_sliding_window")
+    else:
+        raw = fam.window
+    sw = int(raw) if isinstance(raw, (int, float)) and raw > 0 else None
+    use = c.get("use_sliding_window")
+    if sw is None or use is False or (fam.gated and not use):
         return ()
-    if c.get("use_sliding_window"):
-        first = int(c.get("max_window_layers") or 0)
-        return tuple(sw if i >= first else None for i in range(layers))
-    pattern = c.get("sliding_window_pattern")
-    if isinstance(pattern, int) and pattern > 0:
-        return tuple(None if (i + 1) % pattern == 0 else sw for i in range(layers))
-    if c.get("model_type") == "gemma2":
-        return tuple(sw if i % 2 == 0 else None for i in range(layers))
-    return tuple(sw for _ in range(layers))
+    if c.get("use_bidirectional_attention") in (True, "all"):
+        sw = sw // 2 + 1
+    types = c.get("layer_types")
+    if fam.every_layer:
+        out: tuple[int | None, ...] = tuple(sw for _ in range(layers))
+    elif isinstance(types, Sequence) and not isinstance(types, str) and len(types) == layers:
+        out = tuple(sw if t == "sliding_attention" else None for t in types)
+    elif fam.sliding is not None:
+        out = tuple(sw if fam.sliding(i, c) else None for i in range(layers))
+    elif isinstance(c.get("sliding_window_pattern"), (int, str)):
+        rule = _every(0, 0)
+        out = tuple(sw if rule(i, c) else None for i in range(layers))
+    else:
+        out = tuple(sw for _ in range(layers))
+    if fam.last_full and out:
+        out = (*out[:-1], None)
+    return out if any(w is not None for w in out) else ()

@@ -22,6 +22,7 @@ from typing import Any
 
 from attnprof.analyze import backend_advice as advice_mod
 from attnprof.analyze import memory, scaling
+from attnprof.facts.shape import AttentionShape
 
 __all__ = ["SCHEMA_VERSION", "ProfileOptions", "environment", "run_profile"]
 
@@ -113,14 +114,15 @@ def _text_config(cfg: Any) -> Any:
 
 
 def _layer_shape(cfg: Any) -> dict[str, Any]:
-    tc = _text_config(cfg)
-    hq = int(tc.num_attention_heads)
-    hkv = int(getattr(tc, "num_key_value_heads", None) or hq)
-    d = int(getattr(tc, "head_dim", None) or tc.hidden_size // hq)
-    return {"num_layers": int(tc.num_hidden_layers), "num_heads": hq, "num_kv_heads": hkv,
-            "head_dim": d, "vocab_size": int(tc.vocab_size),
-            "layer_types": list(getattr(tc, "layer_types", None) or []),
-            "sliding_window": getattr(tc, "sliding_window", None)}
+    """The ``model`` fields of profile.json, from :class:`AttentionShape` (the one reader):
+    ``layer_types`` per layer and the largest per-layer window (None when all are full)."""
+    shape = AttentionShape.from_config(cfg)
+    windows = [w for w in shape.layer_windows if w is not None]
+    return {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+            "vocab_size": int(shape.vocab_size or 0), "layer_types": shape.layer_types,
+            "sliding_window": max(windows) if windows else None,
+            "layer_windows": list(shape.layer_windows) or None}
 
 
 def _ids(vocab: int, batch: int, length: int, seed: int = 0) -> Any:
@@ -279,14 +281,11 @@ def _available_bytes() -> int:
 
 
 def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
-    per = memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype)
-    total = 0
-    types = shape["layer_types"] or ["full_attention"] * shape["num_layers"]
-    sw = shape.get("sliding_window")
-    for t in types:
-        n = min(L, int(sw)) if t == "sliding_attention" and sw else L
-        total += int(per["per_layer"]) * B * n
-    return total
+    """KV-cache bytes after a length-L prefill: a windowed layer keeps min(L, window)."""
+    per = int(memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"],
+                                        dtype)["per_layer"])
+    windows = shape.get("layer_windows") or [None] * shape["num_layers"]
+    return sum(per * B * (L if w is None else min(L, int(w))) for w in windows)
 
 
 def _layers(prof: Any, shape: dict[str, Any], dtype: str,

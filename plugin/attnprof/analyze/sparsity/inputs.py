@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from attnprof.aggregate.quantiles import QuantileSketch
+from attnprof.aggregate.quantiles import QuantileEstimator
 from attnprof.analyze.sparsity.savings import LengthDistribution
 
 __all__ = [
@@ -74,19 +74,21 @@ def from_buckets(buckets: Sequence[tuple[float, float]], source: str = "") -> Le
 
 
 def from_sketch(d: Mapping[str, Any], source: str = "") -> LengthDistribution:
-    """A :meth:`QuantileSketch.to_dict` -> distribution (lengths within the sketch's rel_err)."""
+    """A :meth:`QuantileEstimator.to_dict` (or an attnprof 0.1 ``QuantileSketch.to_dict``)
+    -> distribution: the exact lengths while the estimator kept them, else the sketch's
+    buckets (within its rel_err; ``exact`` False). Its quantiles are the estimator's."""
     try:
-        sk = QuantileSketch.from_dict(d)
-    except (KeyError, TypeError, ValueError, AssertionError):
+        est = QuantileEstimator.from_dict(d)
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise InputError(f"{source or 'sketch'}: not a quantile sketch") from None
-    if sk.count == 0:
+    if est.count == 0:
         raise InputError(f"{source or 'sketch'}: the distribution is empty (no requests)")
-    g = sk._gamma
-    lengths = [max(1, round(min(max(2 * g ** k / (g + 1), sk.min), sk.max)))
-               for k in sk.counts]
-    weights = [float(n) for n in sk.counts.values()]
-    return LengthDistribution.from_lengths(lengths, source, weights,
-                                           exact=sk.rel_err == 0 or sk.min == sk.max)
+    pairs = est.distribution()
+    if not est.sketch.integral:  # lengths are integers; only non-token data gets here
+        pairs = [(max(1, round(v)), n) for v, n in pairs]
+    exact = est.exact or est.sketch.min == est.sketch.max
+    return LengthDistribution.from_lengths([int(v) for v, _ in pairs], source,
+                                           [float(n) for _, n in pairs], exact=exact)
 
 
 def from_snapshot(snap: Mapping[str, Any], source: str = "") -> LengthDistribution:

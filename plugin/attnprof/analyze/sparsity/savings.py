@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from attnprof.aggregate.quantiles import nearest_rank
+from attnprof.facts.shape import AttentionShape
 
 __all__ = [
     "Arch",
@@ -31,10 +34,6 @@ __all__ = [
     "pairs_window",
     "workload_costs",
 ]
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
-                "float8_e4m3fn": 1, "fp8": 1, "int8": 1}
-
 
 def pairs_window(t: Any, w: int, s: int) -> Any:
     """sum_{i<T} n_i(w, s) in closed form; ``t`` may be an int or a numpy array."""
@@ -95,9 +94,9 @@ class LengthDistribution:
         return float(sum(self.weights))
 
     def quantile(self, q: float) -> int:
-        cum = np.cumsum(self.w) / self.total_weight
-        i = int(np.searchsorted(cum, q - 1e-12, side="left"))
-        return self.lengths[min(i, len(self.lengths) - 1)]
+        """Nearest-rank quantile, the one definition of :mod:`attnprof.aggregate.quantiles`
+        (so it equals the live snapshot's p50/p90/p99 for the same requests)."""
+        return int(nearest_rank(self.lengths, np.cumsum(self.w).tolist(), q))
 
     def fraction_at_most(self, n: float) -> float:
         return float(self.w[self.t <= n].sum() / self.total_weight)
@@ -153,45 +152,24 @@ class Arch:
                 "layer_windows": list(self.layer_windows) or None, "n_params": self.n_params}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], name: str = "",
-                    n_params: float | None = None) -> Arch:
-        """From a config.json dict (text config of multimodal models is used if present)."""
-        c = dict(cfg.get("text_config") or cfg)
-        layers = int(c["num_hidden_layers"])
-        hq = int(c["num_attention_heads"])
-        hkv = int(c.get("num_key_value_heads") or hq)
-        d = int(c.get("head_dim") or int(c["hidden_size"]) // hq)
-        dtype = str(c.get("dtype") or c.get("torch_dtype") or cfg.get("dtype")
-                    or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
-        windows = _layer_windows(c, layers)
-        return cls(layers, hq, hkv, d, _DTYPE_BYTES.get(dtype, 2), windows, n_params, name)
+    def from_shape(cls, shape: AttentionShape, name: str = "",
+                   n_params: float | None = None) -> Arch:
+        """The cost model's view of :class:`attnprof.facts.shape.AttentionShape`."""
+        return cls(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                   shape.dtype_bytes, shape.layer_windows, n_params, name)
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str = "", n_params: float | None = None) -> Arch:
+        """From a config.json dict or a transformers config (text tower of multimodal
+        models); ``ShapeError`` (a ``ValueError``) names a missing field."""
+        return cls.from_shape(AttentionShape.from_config(cfg), name, n_params)
 
     @classmethod
     def from_model_dir(cls, path: Path, name: str = "") -> Arch:
-        cfg = json.loads((path / "config.json").read_text())
-        try:  # derived fields (layer_types, ...) are filled in by the config class
-            from transformers import AutoConfig
-
-            full = AutoConfig.from_pretrained(path).to_dict()
-            cfg = {**cfg, **{k: v for k, v in full.items() if k not in cfg or v is not None}}
-        except Exception:  # a config transformers cannot load still has the raw fields
-            pass
-        return cls.from_config(cfg, name=name or path.name, n_params=_count_params(path))
-
-
-def _layer_windows(c: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
-    sw = c.get("sliding_window")
-    types = c.get("layer_types")
-    if isinstance(types, Sequence) and len(types) == layers and sw:
-        return tuple(int(sw) if t == "sliding_attention" else None for t in types)
-    if c.get("use_sliding_window") is False:
-        return ()
-    if sw and c.get("use_sliding_window"):
-        first = int(c.get("max_window_layers") or 0)
-        return tuple(int(sw) if i >= first else None for i in range(layers))
-    if sw and "use_sliding_window" not in c and not types:  # Mistral-style: every layer
-        return tuple(int(sw) for _ in range(layers))
-    return ()
+        """From ``path/config.json`` (read by :class:`AttentionShape`, no transformers) and
+        the parameter count in the safetensors headers."""
+        return cls.from_shape(AttentionShape.from_model_dir(path), name or path.name,
+                              _count_params(path))
 
 
 def _count_params(path: Path) -> float | None:
