@@ -7,6 +7,7 @@ two never disagree about a distribution.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class BucketHistogram:
 
     def __init__(self, bounds: Sequence[float]) -> None:
         b = [float(x) for x in bounds]
-        if not b or any(y <= x for x, y in zip(b, b[1:], strict=False)):
+        if not b or any(y <= x for x, y in itertools.pairwise(b)):
             raise ValueError("bucket bounds must be non-empty and strictly increasing")
         self.bounds = tuple(b)
         self.counts = [0] * (len(b) + 1)

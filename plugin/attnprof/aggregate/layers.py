@@ -188,7 +188,7 @@ class WorkerAggregates:
                         a.kv_tokens, a.max_seq_len) for k, a in self.agg.items()}
         out = []
         for info in infos:
-            phases = {}
+            phases: dict[str, PhaseStats] = {}
             for phase in PHASES:
                 v = aggs.get((info.index, phase))
                 if v is None:
