@@ -374,3 +374,24 @@ def test_edge_type_errors(value: dict[str, Any], needle: str) -> None:
         decode(_Edge, value)
     _one_line(err, needle)
 
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"schema_version": "attnprof.snapshot/2.0"}, "attnprof.snapshot version 2 is not supported"),
+    ({"schema_version": "attnprof.profile/1.1"}, "this is a attnprof.profile document"),
+    ([], "expected a JSON object"),
+])
+def test_snapshot_cli_refuses_other_documents(monkeypatch: pytest.MonkeyPatch, body: Any,
+                                              needle: str) -> None:
+    from attnprof.cli._common import CliError
+    from attnprof.cli.snapshot import fetch_snapshot
+    from attnprof.tools import server
+
+    monkeypatch.setattr(server, "http_get", lambda url, timeout=0: json.dumps(body))
+    with pytest.raises(CliError) as err:
+        fetch_snapshot("http://127.0.0.1:1")
+    assert "\n" not in str(err.value) and needle in str(err.value)
+    monkeypatch.setattr(server, "http_get",
+                        lambda url, timeout=0: json.dumps({"schema_version":
+                                                           "attnprof.snapshot/1"}))
+    assert fetch_snapshot("http://127.0.0.1:1")["schema_version"] == "attnprof.snapshot/1"
