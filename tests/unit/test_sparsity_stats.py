@@ -181,11 +181,11 @@ def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
     assert rec["head_level_split"]["windowed_kv_heads"] == 3
     assert any(a.startswith("a head-level split (3 ") for a in rec["advice"])
     exp = export_summary(rec)
-    assert [x["windowed"] for x in exp["per_layer"]] == [True, False]
-    assert exp["per_layer"][1]["coverage_q"]["64"] < 0.9 <= exp["per_layer"][0][
-        "coverage_q"]["16"]
-    assert exp["safe"] is False and "not validated" in exp["summary"]
-    assert len(json.dumps(exp)) < 4000  # bounded: no per-head or per-request lists
+    assert exp.per_layer is not None
+    assert [x.windowed for x in exp.per_layer] == [True, False]
+    assert exp.per_layer[1].coverage_q["64"] < 0.9 <= exp.per_layer[0].coverage_q["16"]
+    assert exp.safe is False and "not validated" in exp.summary
+    assert len(json.dumps(exp.to_json())) < 4000  # bounded: no per-head or per-request lists
 
 
 def test_hf_layout_merge_and_roundtrip() -> None:

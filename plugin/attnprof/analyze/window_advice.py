@@ -11,7 +11,14 @@ import functools
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compute_advice", "recommend_from_snapshot", "summarize"]
+from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
+
+__all__ = [
+    "advise_snapshot",
+    "compute_advice",
+    "recommend_from_snapshot",
+    "summarize",
+]
 
 
 @functools.lru_cache(maxsize=4)
@@ -36,24 +43,32 @@ def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
 
 
 def summarize(rec: dict[str, Any], acc: Any, replay: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
-    """The bounded ``window_advice`` object (snapshot, demo report)."""
+              ) -> WindowAdvice:
+    """The bounded window advice (snapshot, demo report) with the head-statistics sample."""
     from attnprof.analyze.sparsity.recommend import export_summary
 
     out = export_summary(rec, replay)
-    out["head_stats_requests"] = None if acc is None else int(acc.requests.max())
+    out.head_stats_requests = None if acc is None else int(acc.requests.max())
     return out
 
 
-def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, Any]:
-    """``window_advice`` for a live snapshot, or ``{"error": ...}`` saying what is missing."""
+def advise_snapshot(snap: dict[str, Any], model_path: str | None
+                    ) -> WindowAdvice | AdviceUnavailable:
+    """Window advice for a live snapshot, or :class:`AdviceUnavailable` saying what is
+    missing (no local checkpoint, no finished requests yet)."""
     from attnprof.analyze.sparsity.inputs import InputError
 
     if not model_path or not (Path(model_path) / "config.json").is_file():
-        return {"error": "the model is not a local checkpoint; use `attnprof suggest-window "
-                         "--model PATH --url ...` instead"}
+        return AdviceUnavailable("the model is not a local checkpoint; use `attnprof "
+                                 "suggest-window --model PATH --url ...` instead")
     try:
         rec, acc = recommend_from_snapshot(snap, model_path)
     except InputError as err:
-        return {"error": str(err)}
+        return AdviceUnavailable(str(err))
     return summarize(rec, acc)
+
+
+def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, Any]:
+    """:func:`advise_snapshot` as the JSON the snapshot's ``window_advice`` carries (an
+    ``attnprof.window_advice`` document, or ``{"error": ...}``)."""
+    return advise_snapshot(snap, model_path).to_json()

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.cli._common import CliError, progress_bar, write_json
+from attnprof.contracts.advice import (
+    AdviceUnavailable,
+    HeadLevelSplit,
+    ParetoPoint,
+    WindowAdvice,
+)
 
 __all__ = ["add_parser"]
 
@@ -142,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     advice = _window_advice(model_dir, snap, [r.prompt for r in reqs if r.prompt],
                             replay=not args.no_replay)
-    report["window_advice"] = advice
+    report["window_advice"] = advice.to_json()
     # Head statistics are large and already summarized in window_advice.
     for w in report["snapshot"].get("workers") or []:
         w.pop("head_stats", None)
@@ -155,16 +161,16 @@ def _run(args: argparse.Namespace) -> int:
           f"{report['traffic']['prompt_tokens']} prompt + "
           f"{report['traffic']['completion_tokens']} generated tokens in {traffic_s:.0f} s; "
           f"server ready in {startup:.0f} s; total {report['timing']['total_s']:.0f} s.")
-    if advice.get("summary"):
-        print(f"\nWindow advice: {advice['summary']}")
-    elif advice.get("error"):
-        print(f"\nWindow advice: not available ({advice['error']})")
+    if isinstance(advice, AdviceUnavailable):
+        print(f"\nWindow advice: not available ({advice.error})")
+    else:
+        print(f"\nWindow advice: {advice.summary}")
     print(f"Report: {args.out}")
     return 0
 
 
 def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
-                   replay: bool) -> dict[str, Any]:
+                   replay: bool) -> WindowAdvice | AdviceUnavailable:
     """Sliding-window suggestion for the demo's own traffic, with replay evidence.
 
     The replay runs the demo's own document prompts through the transformers model (locally;
@@ -176,7 +182,7 @@ def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
     try:
         rec, acc = recommend_from_snapshot(snap, model_dir)
     except InputError as err:
-        return {"error": str(err)}
+        return AdviceUnavailable(str(err))
     evidence: dict[str, Any] | None = None
     if replay and rec.get("binds") and rec.get("layers"):
         from attnprof.tools.replay import load_model
@@ -191,6 +197,7 @@ def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
         bar.close()
     # Same bounded shape as the live snapshot's window_advice, plus the replay evidence.
     out = summarize(rec, acc, evidence)
-    out["pareto"] = rec.get("pareto")
-    out["head_level_split"] = rec.get("head_level_split")
+    out.pareto = [ParetoPoint.from_json(p) for p in rec.get("pareto") or []]
+    if rec.get("head_level_split"):
+        out.head_level_split = HeadLevelSplit.from_json(rec["head_level_split"])
     return out

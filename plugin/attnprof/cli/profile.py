@@ -1,9 +1,11 @@
 """``attnprof profile MODEL``: kernel map, per-layer time and memory, scaling fits, OOM
 prediction and advice for a Hugging Face checkpoint (or the embedded ``smollm2``).
 
-Writes, only when the whole run succeeded: ``profile.json`` (schema in
+Writes, only when the whole run succeeded: ``profile.json`` (an ``attnprof.profile``
+document, :class:`attnprof.contracts.profile.ProfileReport`; schema in
 docs/schema/profile.schema.json), ``trace.json`` (Chrome/Perfetto trace with the
-``attn::L{layer}::{backend}`` ranges) and ``scaling.png``.
+``attn::L{layer}::{backend}`` ranges) and ``scaling.png``. ``--show FILE`` prints the summary
+of a profile.json written before.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.cli._common import CliError, ensure_writable_dir, progress_bar, write_atomic
+from attnprof.contracts.base import ContractError
+from attnprof.contracts.profile import ProfileReport
 
-__all__ = ["add_parser", "parse_bytes", "parse_seq_lens"]
+__all__ = ["add_parser", "parse_bytes", "parse_seq_lens", "read_profile"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -54,7 +58,10 @@ def parse_seq_lens(text: str) -> list[int]:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="profile a HF model's attention: kernels and reasons, "
                                        "per-layer time/memory, scaling, OOM prediction, advice")
-    p.add_argument("model", metavar="MODEL", help="local HF checkpoint directory or 'smollm2'")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="local HF checkpoint directory or 'smollm2'")
+    p.add_argument("--show", type=Path, metavar="PROFILE_JSON",
+                   help="print the summary of an existing profile.json instead of profiling")
     p.add_argument("--seq-lens", default="512,1024,2048,4096",
                    help="comma-separated prefill lengths (default 512,1024,2048,4096)")
     p.add_argument("--batch-size", type=int, default=1, help="batch size (default 1)")
@@ -80,10 +87,32 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
+def read_profile(path: Path) -> ProfileReport:
+    """A profile.json (any 1.x); :class:`CliError` (one line) when it is unreadable, another
+    kind of document, another major version or malformed."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise CliError(f"cannot read {str(path)!r}: {err.strerror}") from None
+    except ValueError:
+        raise CliError(f"{path}: malformed JSON") from None
+    try:
+        return ProfileReport.from_json(data)
+    except ContractError as err:
+        raise CliError(f"{path}: {err}") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze import scaling
     from attnprof.tools import models
 
+    if args.show is not None:
+        if args.model is not None:
+            raise CliError("give MODEL to profile or --show PROFILE_JSON, not both")
+        print(summary(read_profile(args.show), args.show.parent))
+        return 0
+    if args.model is None:
+        raise CliError("MODEL is required (a checkpoint directory or 'smollm2')")
     seq_lens = parse_seq_lens(args.seq_lens)
     if args.batch_size <= 0:
         raise CliError(f"--batch-size must be positive, got {args.batch_size}")
@@ -134,18 +163,16 @@ def _run(args: argparse.Namespace) -> int:
             from attnprof.analyze.sparsity.recommend import export_summary, recommend
 
             dist, arch, stats = advice_inputs
-            result["window_advice"] = export_summary(recommend(dist, arch, stats))
-        result["run"]["wall_s"] = round(time.monotonic() - t0, 1)
+            result.window_advice = export_summary(recommend(dist, arch, stats))
+        result.run.wall_s = round(time.monotonic() - t0, 1)
         png = _plot(result)
         trace = trace_tmp.read_bytes() if trace_tmp.exists() else b'{"traceEvents": []}'
     write_atomic(out_dir / "trace.json", trace)
     write_atomic(out_dir / "scaling.png", png)
-    result["outputs"] = {"profile": "profile.json", "trace": "trace.json",
-                         "plot": "scaling.png"}
-    write_atomic(out_dir / "profile.json", json.dumps(result, indent=2, default=str) + "\n")
+    result.outputs = {"profile": "profile.json", "trace": "trace.json", "plot": "scaling.png"}
+    write_atomic(out_dir / "profile.json",
+                 json.dumps(result.to_json(), indent=2, default=str) + "\n")
     print(summary(result, out_dir))
-    if "window_advice" in result:
-        print(f"Window advice: {result['window_advice']['summary']}")
     return 0
 
 
@@ -170,61 +197,67 @@ def _gib(b: float | None) -> str:
     return "-" if b is None else f"{b / 2**30:.2f} GiB"
 
 
-def summary(res: dict[str, Any], out_dir: Path) -> str:
-    m = res["model"]
-    lines = [f"{m['name']}: {m['architecture']}, {m['num_layers']} layers, "
-             f"{m['num_heads']}/{m['num_kv_heads']} heads x {m['head_dim']}, {m['dtype']}, "
-             f"attn_implementation={m['attn_implementation']}", ""]
+def summary(res: ProfileReport, out_dir: Path) -> str:
+    """The terminal summary of a profile (kernel map, scaling, OOM prediction, advice)."""
+    m = res.model
+    lines = [f"{m.name}: {m.architecture}, {m.num_layers} layers, "
+             f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, {m.dtype}, "
+             f"attn_implementation={m.attn_implementation}", ""]
     lines.append("Kernel activation map (per shape class; same for every layer unless listed):")
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for r in res["activation_map"]:
-        key = (r["phase"], r["mask"], r["length_bucket"], r["kernel"], r["fused"],
-               "; ".join(x["code"] for x in r["reasons"]))
-        groups.setdefault(key, []).append(r["layer_idx"])
+    for r in res.activation_map:
+        key = (r.phase, r.mask, r.length_bucket, r.kernel, r.fused,
+               "; ".join(x.code for x in r.reasons))
+        groups.setdefault(key, []).append(r.layer_idx)
     lines.append(f"{'phase':<8} {'mask':<6} {'bucket':>6}  {'kernel':<10} {'fused':<5} "
                  f"{'layers':<10} reasons")
     for (ph, mk, bk, kern, fu, why), lays in sorted(groups.items(), key=lambda kv: kv[0][:3]):
-        lay = "all" if len(set(lays)) == m["num_layers"] else ",".join(map(str, sorted(
+        lay = "all" if len(set(lays)) == m.num_layers else ",".join(map(str, sorted(
             set(lays))))[:10]
         lines.append(f"{ph:<8} {mk:<6} {bk:>6}  {kern:<10} {'yes' if fu else 'no':<5} "
                      f"{lay:<10} {why or '-'}")
-    lines += ["", f"Scaling (model forward, batch {res['run']['batch_size']}):",
+    lines += ["", f"Scaling (model forward, batch {res.run.batch_size}):",
               f"{'seq_len':>8} {'forward s':>10} {'attn s':>8} {'peak':>11} {'KV cache':>11}"]
-    for r in res["scaling"]["by_seq_len"]:
-        lines.append(f"{r['seq_len']:>8} {r['forward_s']:>10.3f} {r['attention_s']:>8.3f} "
-                     f"{_gib(r['peak_total_bytes']):>11} {_gib(r['kv_cache_bytes_analytic']):>11}")
+    for row in res.scaling.by_seq_len:
+        lines.append(f"{row.seq_len:>8} {row.forward_s:>10.3f} {row.attention_s:>8.3f} "
+                     f"{_gib(row.peak_total_bytes):>11} "
+                     f"{_gib(row.kv_cache_bytes_analytic):>11}")
     lines += ["", "Attention paths (one layer call, this model's shape):",
               f"{'path':<10} {'seq_len':>8} {'time ms':>9} {'peak MiB':>9} {'model MiB':>9}"]
-    for path, e in res["scaling"]["paths"].items():
-        for L, t in e["time_s"].items():
-            pk = e["peak_bytes"][L]
-            an = e["analytic_peak_bytes"].get(L, 0)
+    for path, e in res.scaling.paths.items():
+        for L, t in e.time_s.items():
+            pk = e.peak_bytes[L]
+            an = e.analytic_peak_bytes.get(L, 0)
             lines.append(f"{path:<10} {L:>8} {t * 1e3:>9.2f} {pk / 2**20:>9.1f} "
                          f"{an / 2**20:>9.1f}")
-    o = res["oom_prediction"]
-    lines += ["", f"OOM prediction for a {_gib(o['memory_budget_bytes'])} budget: "
-                  f"max seq_len {o.get('max_seq_len')} at batch {o['batch_size']}"]
-    for path, w in (o.get("if_attention_path") or {}).items():
-        lines.append(f"  if attention ran on {path}: max seq_len {w['max_seq_len']}")
-    v = o.get("validation", {})
-    if "measured_peak_bytes" in v:
-        lines.append(f"  validated at L={v['seq_len']}: measured {_gib(v['measured_peak_bytes'])}"
-                     f" vs predicted {_gib(v['predicted_peak_bytes'])} "
-                     f"({v['rel_error'] * 100:.1f}% off), fits budget: {v['fits_budget']}")
-    elif v.get("skipped"):
-        lines.append(f"  validation skipped: {v['skipped']}")
+    o = res.oom_prediction
+    lines += ["", f"OOM prediction for a {_gib(o.memory_budget_bytes)} budget: "
+                  f"max seq_len {o.max_seq_len} at batch {o.batch_size}"]
+    for path, w in o.if_attention_path.items():
+        lines.append(f"  if attention ran on {path}: max seq_len {w.max_seq_len}")
+    v = o.validation
+    if v is not None and v.measured_peak_bytes is not None:
+        lines.append(f"  validated at L={v.seq_len}: measured {_gib(v.measured_peak_bytes)}"
+                     f" vs predicted {_gib(v.predicted_peak_bytes)} "
+                     f"({(v.rel_error or 0.0) * 100:.1f}% off), fits budget: {v.fits_budget}")
+    elif v is not None and v.skipped:
+        lines.append(f"  validation skipped: {v.skipped}")
     lines += ["", "Advice:"]
-    for a in res["advice"]:
-        gain = a.get("expected_gain") or {}
-        g = (f" (expected: {gain['speedup']}x faster, {gain.get('memory_ratio', '?')}x less "
-             f"attention memory at L={gain['at_seq_len']})" if "speedup" in gain else "")
-        lines.append(f"  - [{a['reason']}] {a['change']}{g}")
-    lines += ["", f"wrote {out_dir}/profile.json, trace.json, scaling.png "
-                  f"({res['run'].get('wall_s', '?')} s)"]
+    for a in res.advice:
+        gain = a.expected_gain
+        g = (f" (expected: {gain.speedup}x faster, "
+             f"{'?' if gain.memory_ratio is None else gain.memory_ratio}x less "
+             f"attention memory at L={gain.at_seq_len})"
+             if gain is not None and gain.speedup is not None else "")
+        lines.append(f"  - [{a.reason}] {a.change}{g}")
+    wall = "?" if res.run.wall_s is None else res.run.wall_s
+    lines += ["", f"wrote {out_dir}/profile.json, trace.json, scaling.png ({wall} s)"]
+    if res.window_advice is not None:
+        lines.append(f"Window advice: {res.window_advice.summary}")
     return "\n".join(lines)
 
 
-def _plot(res: dict[str, Any]) -> bytes:
+def _plot(res: ProfileReport) -> bytes:
     import io
 
     import matplotlib
@@ -236,35 +269,36 @@ def _plot(res: dict[str, Any]) -> bytes:
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"flash_cpu": "tab:green", "math": "tab:red", "eager": "tab:orange"}
-    for path, e in res["scaling"]["paths"].items():
-        xs = [int(k) for k in e["time_s"]]
+    for path, e in res.scaling.paths.items():
+        xs = [int(k) for k in e.time_s]
         if not xs:
             continue
         c = colors.get(path)
-        ax_t.plot(xs, [v * 1e3 for v in e["time_s"].values()], "o", color=c, label=path)
-        ax_m.plot(xs, [v / 2**20 for v in e["peak_bytes"].values()], "o", color=c,
+        ax_t.plot(xs, [v * 1e3 for v in e.time_s.values()], "o", color=c, label=path)
+        ax_m.plot(xs, [v / 2**20 for v in e.peak_bytes.values()], "o", color=c,
                   label=f"{path} (one call)")
-        if "time_fit" in e:
+        if e.time_fit is not None and e.memory_fit is not None:
+            tf, mf = e.time_fit.to_json(), e.memory_fit.to_json()
             grid = _grid(xs)
-            ax_t.plot(grid, [eval_poly2(e["time_fit"], x) * 1e3 for x in grid], "-", color=c,
+            ax_t.plot(grid, [eval_poly2(tf, x) * 1e3 for x in grid], "-", color=c, alpha=0.6)
+            ax_m.plot(grid, [eval_poly2(mf, x) / 2**20 for x in grid], "-", color=c,
                       alpha=0.6)
-            ax_m.plot(grid, [eval_poly2(e["memory_fit"], x) / 2**20 for x in grid], "-",
-                      color=c, alpha=0.6)
-    rows = res["scaling"]["by_seq_len"]
-    xs = [r["seq_len"] for r in rows]
-    ax_m.plot(xs, [r["peak_total_bytes"] / 2**20 for r in rows], "s-", color="tab:blue",
+    rows = res.scaling.by_seq_len
+    xs = [r.seq_len for r in rows]
+    ax_m.plot(xs, [r.peak_total_bytes / 2**20 for r in rows], "s-", color="tab:blue",
               label="whole model forward")
-    o = res["oom_prediction"]
-    ax_m.axhline(o["memory_budget_bytes"] / 2**20, color="black", ls="--", lw=1,
-                 label=f"budget {o['memory_budget_bytes'] / 2**30:.2f} GiB")
-    fit = res["scaling"]["fits"].get("model_peak_total_bytes")
-    if fit and o.get("max_seq_len") and o["max_seq_len"] <= 64 * max(xs):
+    o = res.oom_prediction
+    ax_m.axhline(o.memory_budget_bytes / 2**20, color="black", ls="--", lw=1,
+                 label=f"budget {o.memory_budget_bytes / 2**30:.2f} GiB")
+    fit = res.scaling.fits.get("model_peak_total_bytes")
+    if fit is not None and o.max_seq_len and o.max_seq_len <= 64 * max(xs):
         # Extrapolate the fitted model peak out to the predicted OOM length.
-        grid = _grid([min(xs), int(o["max_seq_len"] * 1.3)])
-        ax_m.plot(grid, [eval_poly2(fit, x) / 2**20 for x in grid], "--", color="tab:blue",
+        f = fit.to_json()
+        grid = _grid([min(xs), int(o.max_seq_len * 1.3)])
+        ax_m.plot(grid, [eval_poly2(f, x) / 2**20 for x in grid], "--", color="tab:blue",
                   lw=1, label="model fit (extrapolated)")
-        ax_m.axvline(o["max_seq_len"], color="black", ls=":", lw=1,
-                     label=f"predicted OOM at L={o['max_seq_len']}")
+        ax_m.axvline(o.max_seq_len, color="black", ls=":", lw=1,
+                     label=f"predicted OOM at L={o.max_seq_len}")
     ax_t.set(xlabel="sequence length", ylabel="ms per attention call", title="Attention time",
              xscale="log", yscale="log")
     ax_m.set(xlabel="sequence length", ylabel="MiB (peak)", title="Memory vs length",
@@ -272,9 +306,9 @@ def _plot(res: dict[str, Any]) -> bytes:
     for ax in (ax_t, ax_m):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    m = res["model"]
-    fig.suptitle(f"{m['name']} ({m['num_heads']}/{m['num_kv_heads']} heads x {m['head_dim']}, "
-                 f"{m['dtype']}, batch {res['run']['batch_size']})", fontsize=10)
+    m = res.model
+    fig.suptitle(f"{m.name} ({m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, "
+                 f"{m.dtype}, batch {res.run.batch_size})", fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)

@@ -8,6 +8,8 @@ import urllib.error
 from typing import Any
 
 from attnprof.cli._common import CliError
+from attnprof.contracts.base import ContractError
+from attnprof.contracts.snapshot import Snapshot
 
 __all__ = ["add_parser", "fetch_snapshot"]
 
@@ -35,10 +37,12 @@ def fetch_snapshot(url: str, timeout: float = 30.0) -> dict[str, Any]:
         raise CliError(f"cannot reach {full}: {reason}") from None
     except ValueError:
         raise CliError(f"{full} did not return JSON") from None
-    if not isinstance(data, dict) or not str(data.get("schema_version", "")).startswith(
-            "attnprof.snapshot/"):
-        raise CliError(f"{full} did not return an attnprof snapshot")
-    return data
+    try:
+        Snapshot.check_version(data)  # kind and major; the body is read by its consumers
+    except ContractError as err:
+        raise CliError(f"{full} did not return an attnprof snapshot: {err}") from None
+    out: dict[str, Any] = data
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 per-layer profiles from each worker, request statistics from the API server.
 
 Field names are those of snapshot version 1 (attnprof 0.1), so readers of 1.0 documents keep
-working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestStats.quantiles``.
+working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestStats.quantiles``;
+1.2 types ``window_advice``: an ``attnprof.window_advice`` document (carrying its own
+``schema_version``) or ``{"error": ...}``, as before.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.base import Document, Record
 
 __all__ = [
@@ -177,7 +180,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 1)
+    VERSION = (1, 2)
 
     time: float
     model: str
@@ -187,5 +190,5 @@ class Snapshot(Document):
     workers: list[WorkerSnapshot] = field(default_factory=list)
     requests: RequestStats | None = None
     errors: SnapshotErrors = field(default_factory=SnapshotErrors)
-    window_advice: dict[str, Any] | None = None
-    """``attnprof.window_advice`` document, or ``{"error": ...}`` saying what is missing."""
+    window_advice: WindowAdvice | AdviceUnavailable | None = None
+    """Window advice for this traffic, or ``{"error": ...}`` saying what is missing."""

@@ -22,11 +22,21 @@ from typing import Any
 
 from attnprof.analyze import backend_advice as advice_mod
 from attnprof.analyze import memory, scaling
+from attnprof.contracts.profile import (
+    ActivationRow,
+    BackendAdvice,
+    Environment,
+    LayerReport,
+    OomPrediction,
+    ProfileModel,
+    ProfileReport,
+    RunInfo,
+    Scaling,
+)
 from attnprof.facts.shape import AttentionShape
 
-__all__ = ["SCHEMA_VERSION", "ProfileOptions", "environment", "run_profile"]
+__all__ = ["ProfileOptions", "environment", "run_profile"]
 
-SCHEMA_VERSION = 1
 TRACE_PREFIX = "attn::"
 
 
@@ -144,7 +154,8 @@ def _static_bytes(model: Any) -> int:
                + sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
-def run_profile(opts: ProfileOptions) -> dict[str, Any]:
+def run_profile(opts: ProfileOptions) -> ProfileReport:
+    """Profile the model at every length; the typed profile.json (nothing written here)."""
     import torch
 
     from attnprof.capture.transformers import instrument
@@ -253,23 +264,22 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
         adv = [{"reason": "none", "message": "every attention call ran a fused kernel",
                 "kernel": None, "layers": [], "change": "nothing to change",
                 "target": None, "expected_gain": None}]
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "model": {"name": opts.model_name, "path": str(opts.model_dir),
-                  "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
-                  "attn_implementation": impl, "dtype": dtype, "static_bytes": static,
-                  **shape},
-        "environment": environment(),
-        "run": {"seq_lens": opts.seq_lens, "batch_size": B, "repeats": opts.repeats,
-                "memory_budget_bytes": opts.memory_budget, "paths": list(opts.paths),
-                "inputs": "random token ids (no text)"},
-        "layers": layers,
-        "activation_map": amap,
-        "scaling": sc,
-        "oom_prediction": oom,
-        "advice": adv,
-        "errors": list(prof.errors),
-    }
+    return ProfileReport(
+        model=ProfileModel(
+            name=opts.model_name, path=str(opts.model_dir),
+            architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
+            attn_implementation=impl, dtype=dtype, static_bytes=static, **shape),
+        environment=Environment.from_json(environment()),
+        run=RunInfo(seq_lens=list(opts.seq_lens), batch_size=B, repeats=opts.repeats,
+                    memory_budget_bytes=opts.memory_budget, paths=list(opts.paths),
+                    inputs="random token ids (no text)"),
+        layers=[LayerReport.from_json(x) for x in layers],
+        activation_map=[ActivationRow.from_json(x) for x in amap],
+        scaling=Scaling.from_json(sc),
+        oom_prediction=OomPrediction.from_json(oom),
+        advice=[BackendAdvice.from_json(x) for x in adv],
+        errors=list(prof.errors),
+    )
 
 
 def _available_bytes() -> int:

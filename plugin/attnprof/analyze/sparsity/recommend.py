@@ -25,6 +25,7 @@ from attnprof.analyze.sparsity.savings import (
     pairs_window,
     workload_costs,
 )
+from attnprof.contracts.advice import AdviceTraffic, LayerAdvice, ReplayEvidence, WindowAdvice
 
 __all__ = [
     "DYNAMIC_SPARSE_MIN_TOKENS",
@@ -361,12 +362,12 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
 
 
 def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = None
-                   ) -> dict[str, Any]:
+                   ) -> WindowAdvice:
     """Bounded view of a recommendation for metrics, snapshot JSON and profile.json.
 
     Size is O(layers x windows): per layer, the windowable-or-not decision, mean sink mass,
     KV-head class counts and the worst KV head's low-quantile coverage at each grid window.
-    No lengths of individual requests, no text.
+    No lengths of individual requests, no text. Never raises on a ``recommend`` result.
     """
     cls = rec.get("classification")
     per_layer = None
@@ -378,21 +379,24 @@ def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
                 vals = [k["coverage_q"][str(w)] for k in x["kv_heads"]
                         if k["coverage_q"].get(str(w)) is not None]
                 cov[str(w)] = min(vals) if len(vals) == len(x["kv_heads"]) else None
-            per_layer.append({"layer": x["layer"], "window": x["window"],
-                              "windowed": x["layer"] in rec["layers"],
-                              "sink_mass": x["sink_mass"], "classes": x["classes"],
-                              "coverage_q": cov})
-    return {
-        "sinks": rec["sinks"], "window": rec["window"], "layers": list(rec["layers"]),
-        "attention_flop_saving": rec["attention_flop_saving"],
-        "kv_memory_saving": rec["kv_memory_saving"],
-        "exact_request_fraction": rec["exact_request_fraction"],
-        "heads_at_risk_count": rec.get("heads_at_risk_count"),
-        "basis": rec.get("basis"),
-        "traffic": {k: rec["traffic"][k] for k in ("requests", "p50", "p90", "p99", "max")},
-        "replay": None if replay is None else {
-            k: replay[k] for k in ("agreement", "mean_kl", "positions", "safe", "verdict")},
-        "safe": bool(replay and replay.get("safe")),
-        "summary": format_summary(rec, replay),
-        "per_layer": per_layer,
-    }
+            per_layer.append(LayerAdvice(
+                layer=x["layer"], window=x["window"], windowed=x["layer"] in rec["layers"],
+                sink_mass=x["sink_mass"], classes=dict(x["classes"]), coverage_q=cov))
+    tr = rec["traffic"]
+    return WindowAdvice(
+        sinks=rec["sinks"], window=rec["window"], layers=list(rec["layers"]),
+        attention_flop_saving=rec["attention_flop_saving"],
+        kv_memory_saving=rec["kv_memory_saving"],
+        exact_request_fraction=rec["exact_request_fraction"],
+        heads_at_risk_count=rec.get("heads_at_risk_count"),
+        basis=rec.get("basis"),
+        traffic=AdviceTraffic(requests=tr["requests"], p50=tr["p50"], p90=tr["p90"],
+                              p99=tr["p99"], max=tr["max"]),
+        replay=None if replay is None else ReplayEvidence(
+            agreement=replay["agreement"], mean_kl=replay["mean_kl"],
+            positions=replay["positions"], safe=bool(replay["safe"]),
+            verdict=replay["verdict"]),
+        safe=bool(replay and replay.get("safe")),
+        summary=format_summary(rec, replay),
+        per_layer=per_layer,
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 from attnprof.capture.vllm import runtime, start
 from attnprof.config import Config
+from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.snapshot import ProcessNote, Snapshot, SnapshotErrors, WorkerSnapshot
 
 __all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "build_snapshot"]
@@ -51,18 +52,18 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
     return snap
 
 
-async def _advice(snap: Snapshot) -> dict[str, Any]:
+async def _advice(snap: Snapshot) -> WindowAdvice | AdviceUnavailable:
     """Recommendation from the snapshot, computed in a thread (never on the event loop)."""
     st = runtime.STATE
     try:
-        from attnprof.analyze.window_advice import compute_advice
+        from attnprof.analyze.window_advice import advise_snapshot
 
-        adv = await asyncio.to_thread(compute_advice, snap.to_json(), st.model_path)
-        st.advice = adv  # the export loop renders it as gauges
+        adv = await asyncio.to_thread(advise_snapshot, snap.to_json(), st.model_path)
+        st.advice = adv.to_json()  # the export loop renders it as gauges
         return adv
     except Exception as exc:
         st.errors.record("window_advice", exc)
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return AdviceUnavailable(f"{type(exc).__name__}: {exc}")
 
 
 async def _advice_loop(engine_client: Any, interval: float) -> None:

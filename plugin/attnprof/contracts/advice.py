@@ -1,0 +1,132 @@
+"""Window advice: the bounded sliding-window suggestion for a model on its traffic.
+
+Written into the live snapshot (``window_advice``), the demo report and profile.json (built
+by :func:`attnprof.analyze.sparsity.recommend.export_summary`). Size is O(layers x grid
+windows): no lengths of individual requests, no text.
+
+When the advice cannot be computed (no local checkpoint, no finished requests yet) the live
+snapshot carries :class:`AdviceUnavailable` instead, ``{"error": "..."}`` on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from attnprof.contracts.base import Document, Fraction, NonNegative, Record
+
+__all__ = [
+    "AdviceTraffic",
+    "AdviceUnavailable",
+    "HeadLevelSplit",
+    "LayerAdvice",
+    "ParetoPoint",
+    "ReplayEvidence",
+    "WindowAdvice",
+]
+
+
+@dataclass
+class AdviceTraffic(Record):
+    """The traffic the advice weighs savings by: request count and context-length quantiles."""
+
+    requests: float
+    """Requests (a weight: fractional when read from histogram buckets)."""
+    p50: int
+    p90: int
+    p99: int
+    max: int
+
+
+@dataclass
+class ReplayEvidence(Record):
+    """Replay of prompts with the suggestion vs full attention (``validate-window``)."""
+
+    agreement: Fraction
+    """Greedy next-token agreement where the window binds."""
+    mean_kl: float
+    """Mean KL(full || windowed) in nats."""
+    positions: NonNegative
+    safe: bool
+    verdict: str
+
+
+@dataclass
+class LayerAdvice(Record):
+    """One layer: its window w*, whether the suggestion windows it, and head statistics."""
+
+    layer: int
+    window: int | Literal["full"] | None
+    """Smallest grid window covering every KV head ("full": none does; null: no evidence)."""
+    windowed: bool
+    sink_mass: float | None
+    classes: dict[str, int]
+    """KV heads per class (sink, streaming, local, retrieval, ...)."""
+    coverage_q: dict[str, float | None]
+    """Worst KV head's low-quantile coverage per grid window (null: not every head sampled)."""
+
+
+@dataclass
+class ParetoPoint(Record):
+    """One grid window as the recommendation scored it."""
+
+    window: int
+    sinks: int
+    attention_flop_saving: Fraction
+    kv_memory_saving: Fraction
+    exact_request_fraction: Fraction
+    heads_at_risk_count: int | None
+    layers: int
+    """Number of layers windowed at this window."""
+
+
+@dataclass
+class HeadLevelSplit(Record):
+    """Savings if each KV head ran at its own window (streaming heads) and the rest full."""
+
+    windowed_kv_heads: int
+    attention_flop_saving: float
+    kv_memory_saving: float
+    note: str = ""
+
+
+@dataclass
+class WindowAdvice(Document):
+    """Sinks + sliding window suggested for the traffic, its savings and the evidence."""
+
+    KIND = "attnprof.window_advice"
+    VERSION = (1, 0)
+
+    sinks: NonNegative
+    window: int
+    layers: list[int]
+    """Layers the window applies to (empty: keep full attention)."""
+    attention_flop_saving: Fraction
+    """Cost-weighted share of attention FLOPs saved (ratio of expectations over requests)."""
+    kv_memory_saving: Fraction
+    exact_request_fraction: Fraction
+    """Requests no longer than sinks + window: their output is unchanged."""
+    heads_at_risk_count: int | None
+    """KV heads whose coverage is below target (null: no head statistics)."""
+    basis: str | None
+    traffic: AdviceTraffic
+    replay: ReplayEvidence | None
+    safe: bool
+    """True only when a replay met its target."""
+    summary: str
+    """The one-sentence suggestion printed by the demo and ``attnprof profile``."""
+    per_layer: list[LayerAdvice] | None
+    """Per layer (null without head statistics)."""
+    head_stats_requests: int | None = None
+    """Requests the head statistics were sampled from (live snapshot and demo)."""
+    pareto: list[ParetoPoint] | None = None
+    """Every grid window scored (demo report)."""
+    head_level_split: HeadLevelSplit | None = None
+    """Per-head windows instead of per-layer (demo report)."""
+
+
+@dataclass
+class AdviceUnavailable(Record):
+    """Why there is no window advice yet (``{"error": ...}`` on the wire)."""
+
+    error: str

@@ -1,0 +1,308 @@
+"""profile.json, written by ``attnprof profile MODEL``: the model's attention kernels and why,
+per-layer time and memory, scaling fits, an OOM prediction and advice. Sizes in bytes, times
+in seconds.
+
+Version 1.1 writes ``schema_version: "attnprof.profile/1.1"``; files from before it carry the
+integer ``1`` and read as 1.0 (same fields). Deep leaves that vary by path or by torch
+version (SDPA arguments, shape-class tags) stay free-form objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from attnprof.contracts.advice import WindowAdvice
+from attnprof.contracts.base import Document, NonNegative, Record
+
+__all__ = [
+    "ActivationRow",
+    "BackendAdvice",
+    "Device",
+    "Environment",
+    "ExpectedGain",
+    "Fit",
+    "LayerMemory",
+    "LayerReport",
+    "LayerTiming",
+    "LengthResult",
+    "OomPrediction",
+    "PathResult",
+    "PeakRow",
+    "ProfileModel",
+    "ProfileReport",
+    "Reason",
+    "RunInfo",
+    "Scaling",
+    "ShapeClass",
+    "Validation",
+    "WhatIf",
+]
+
+
+@dataclass
+class ProfileModel(Record):
+    """The checkpoint profiled and its attention shape (text config for multimodal models)."""
+
+    name: str
+    architecture: str
+    attn_implementation: str
+    dtype: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    static_bytes: NonNegative
+    """Weights and buffers."""
+    path: str = ""
+    vocab_size: int = 0
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    layer_windows: list[int | None] | None = None
+    """Sliding window per layer as attnprof.facts.shape reads the config (None: full)."""
+
+
+@dataclass
+class Device(Record):
+    type: Literal["cpu", "cuda"]
+    threads: int | None = None
+    cpu: str | None = None
+    cpu_flags: list[str] = field(default_factory=list)
+    name: str | None = None
+    compute_capability: str | None = None
+
+
+@dataclass
+class Environment(Record):
+    """Versions and device the profile was measured with."""
+
+    torch: str
+    transformers: str | None
+    vllm: str | None
+    device: Device
+    git_revision: str | None
+    attnprof: str | None = None
+    python: str | None = None
+    platform: str | None = None
+
+
+@dataclass
+class RunInfo(Record):
+    seq_lens: list[int]
+    batch_size: int
+    memory_budget_bytes: int
+    repeats: int = 1
+    paths: list[str] = field(default_factory=list)
+    """Attention paths micro-benchmarked (flash_cpu, math, eager)."""
+    inputs: str = ""
+    wall_s: float | None = None
+
+
+@dataclass
+class Reason(Record):
+    """Why a fused kernel was not used (code from the SDPA dispatcher's message)."""
+
+    code: str
+    message: str = ""
+    backend: str | None = None
+
+
+@dataclass
+class ShapeClass(Record):
+    phase: str
+    mask: str
+    length_bucket: int
+    kernel: str
+    fused: bool
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LayerTiming(Record):
+    calls: int
+    total_s: float
+    median_s_by_seq_len: dict[str, float]
+
+
+@dataclass
+class PeakRow(Record):
+    seq_len: int
+    measured_peak_bytes: int
+    analytic_peak_bytes: int
+    analytic_score_bytes: int = 0
+    rel_error: float | None = None
+
+
+@dataclass
+class LayerMemory(Record):
+    kv_cache_bytes_per_token: float
+    kv_cache_bytes_per_token_per_kv_head: float
+    kv_cache_bytes_per_token_per_query_head: float
+    attention_peak: list[PeakRow]
+
+
+@dataclass
+class LayerReport(Record):
+    """One attention layer: the kernels that ran, why not fused, time and memory."""
+
+    layer: int
+    backend: str
+    kernels: list[str]
+    fused: bool
+    reasons: list[Reason]
+    timing: LayerTiming
+    memory: LayerMemory
+    sliding_window: int | None = None
+    layer_type: str | None = None
+    shape_classes: list[ShapeClass] = field(default_factory=list)
+
+
+@dataclass
+class ActivationRow(Record):
+    """Kernel activation map: the kernel for one layer and shape class, and why."""
+
+    layer_idx: int
+    impl: str
+    phase: str
+    mask: str
+    length_bucket: int
+    dtype: str
+    kernel: str
+    fused: bool
+    reasons: list[Reason]
+    ops: list[str]
+    """The first aten ops under the call (the ground truth)."""
+    sdpa_args: dict[str, Any] | None = None
+    calls: int = 0
+    time_s: float = 0.0
+    tags: dict[str, Any] = field(default_factory=dict)
+    device: str | None = None
+
+
+@dataclass
+class Fit(Record):
+    """``y = a + b*L + c*L^2`` with non-negative terms, and its R^2."""
+
+    a: float
+    b: float
+    c: float
+    r2: float
+
+
+@dataclass
+class LengthResult(Record):
+    """The whole model's forward at one length."""
+
+    seq_len: int
+    batch_size: int
+    forward_s: float
+    attention_s: float
+    peak_total_bytes: int
+    kv_cache_bytes_analytic: int
+    peak_extra_bytes: int = 0
+    kv_cache_bytes_measured: int | None = None
+
+
+@dataclass
+class PathResult(Record):
+    """One attention path (one layer call at this model's shape), by length."""
+
+    time_s: dict[str, float]
+    peak_bytes: dict[str, float]
+    analytic_peak_bytes: dict[str, float]
+    skipped: dict[str, str] = field(default_factory=dict)
+    time_fit: Fit | None = None
+    memory_fit: Fit | None = None
+    analytic_vs_measured_max_rel_error: float | None = None
+
+
+@dataclass
+class Scaling(Record):
+    by_seq_len: list[LengthResult]
+    paths: dict[str, PathResult]
+    fits: dict[str, Fit]
+    """model_peak_total_bytes, attention_time_s, forward_time_s (two lengths or more)."""
+
+
+@dataclass
+class Validation(Record):
+    """A run at the predicted maximum length, when affordable here."""
+
+    planned: bool
+    estimated_forward_s: float | None = None
+    skipped: str | None = None
+    seq_len: int | None = None
+    measured_peak_bytes: int | None = None
+    predicted_peak_bytes: float | None = None
+    rel_error: float | None = None
+    fits_budget: bool | None = None
+    seconds: float | None = None
+
+
+@dataclass
+class WhatIf(Record):
+    max_seq_len: int | None
+
+
+@dataclass
+class OomPrediction(Record):
+    memory_budget_bytes: int
+    batch_size: int
+    static_bytes: int = 0
+    method: str = ""
+    max_seq_len: int | None = None
+    """Longest prefill that fits the budget (null: fewer than two lengths measured)."""
+    note: str | None = None
+    predicted_peak_bytes_at_max: float | None = None
+    max_batch_by_seq_len: dict[str, int] = field(default_factory=dict)
+    if_attention_path: dict[str, WhatIf] = field(default_factory=dict)
+    """The same prediction if attention fell back to another path."""
+    validation: Validation | None = None
+    extrapolation_factor: float | None = None
+
+
+@dataclass
+class ExpectedGain(Record):
+    at_seq_len: int
+    source: str = ""
+    speedup: float | None = None
+    attention_peak_bytes_saved: int | None = None
+    memory_ratio: float | None = None
+
+
+@dataclass
+class BackendAdvice(Record):
+    """One change that activates a fused path, and its measured gain."""
+
+    reason: str
+    change: str
+    layers: list[int]
+    expected_gain: ExpectedGain | None
+    message: str = ""
+    kernel: str | None = None
+    target: str | None = None
+
+
+@dataclass
+class ProfileReport(Document):
+    """Output of ``attnprof profile MODEL``."""
+
+    KIND = "attnprof.profile"
+    VERSION = (1, 1)
+    LEGACY_TAGS = {1: "attnprof.profile/1.0"}
+
+    model: ProfileModel
+    environment: Environment
+    run: RunInfo
+    layers: list[LayerReport]
+    activation_map: list[ActivationRow]
+    scaling: Scaling
+    oom_prediction: OomPrediction
+    advice: list[BackendAdvice]
+    errors: list[str] = field(default_factory=list)
+    """Errors the instrumentation counted and dropped during the run."""
+    window_advice: WindowAdvice | None = None
+    """Sliding-window suggestion for the traffic given with --lengths (null without)."""
+    outputs: dict[str, str] = field(default_factory=dict)
+    """The files written next to it (profile, trace, plot)."""
+
