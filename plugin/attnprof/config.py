@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Config", "ConfigError", "default_home"]
+__all__ = ["OTLP_HISTOGRAMS", "Config", "ConfigError", "default_home", "otlp_histogram"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -73,6 +73,14 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str 
     return raw
 
 
+OTLP_HISTOGRAMS = ("explicit", "exponential")
+
+
+def otlp_histogram(env: Mapping[str, str]) -> str:
+    """``ATTNPROF_OTLP_HISTOGRAM``: how request histograms go out over OTLP."""
+    return _choice(env, "ATTNPROF_OTLP_HISTOGRAM", OTLP_HISTOGRAMS) or "explicit"
+
+
 def default_home(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     raw = env.get("ATTNPROF_HOME")
@@ -109,6 +117,8 @@ class Config:
     """Where processes leave their liveness notes."""
     fault_inject: str | None = None
     """Testing only: raise inside attnprof at this place to prove it is contained."""
+    otlp_histogram: str = "explicit"
+    """OTLP histogram encoding: ``explicit`` (same buckets as Prometheus) or ``exponential``."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -129,4 +139,5 @@ class Config:
             model_label=env.get("ATTNPROF_MODEL_LABEL") or None,
             run_dir=Path(run_dir) if run_dir else None,
             fault_inject=_choice(env, "ATTNPROF_FAULT_INJECT", FAULT_PLACES),
+            otlp_histogram=otlp_histogram(env),
         )

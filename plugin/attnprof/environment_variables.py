@@ -86,6 +86,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Testing only: raise an exception inside attnprof at that place, to prove errors are "
         "counted in attnprof_internal_errors_total and never reach vLLM or a request.",
     ),
+    EnvVar(
+        "ATTNPROF_OTLP_HISTOGRAM", "explicit or exponential", "explicit",
+        "How histograms are sent over OTLP (only when an OTEL_EXPORTER_OTLP_*ENDPOINT is set): "
+        "`explicit` uses the same bucket bounds, counts and sum as Prometheus; `exponential` "
+        "sends base-2 exponential histograms, converted exactly from bounds that are powers of "
+        "two (other bounds stay explicit, with one warning).",
+    ),
 )
 
 

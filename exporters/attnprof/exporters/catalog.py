@@ -39,10 +39,27 @@ class MetricSpec:
         """Dotted OpenTelemetry instrument name (units go in ``unit=``, not the name)."""
         n = self.base_name.removeprefix("attnprof_")
         for suffix in ("_seconds", "_bytes", "_tokens", "_ratio", "_flops"):
-            if n.endswith(suffix) and n != suffix.lstrip("_"):
+            # Keep the word when it is the quantity itself (attention_flops, attention_bytes):
+            # stripping it would collapse distinct metrics into one name.
+            if n.endswith(suffix) and "_" in n.removesuffix(suffix):
                 n = n.removesuffix(suffix)
                 break
         return "attnprof." + n.replace("_", ".")
+
+    @property
+    def otel_unit(self) -> str:
+        """UCUM unit for OpenTelemetry (``s``, ``By``, ``1``, annotations like ``{token}``)."""
+        return _UCUM[self.unit]
+
+
+# Catalog unit -> UCUM. Counted things are dimensionless annotations ({token}); a unit missing
+# here is a KeyError in tests, never a silent guess.
+_UCUM = {
+    "seconds": "s", "bytes": "By", "ratio": "1", "info": "1", "tokens": "{token}",
+    "flops": "{flop}", "calls": "{call}", "steps": "{step}", "queries": "{query}",
+    "heads": "{head}", "layers": "{layer}", "errors": "{error}", "samples": "{sample}",
+    "processes": "{process}",
+}
 
 
 _M = "model"
@@ -134,6 +151,9 @@ CATALOG: tuple[MetricSpec, ...] = (
                (_M, "place")),
     MetricSpec("attnprof_dropped_samples_total", "counter",
                "Samples dropped, by reason.", "samples", (_M, "reason")),
+    MetricSpec("attnprof_otlp_export_failures_total", "counter",
+               "OTLP metric exports that failed (endpoint down, refusing or slow); counted, "
+               "never raised.", "errors", ()),
     MetricSpec("attnprof_plugin_processes", "gauge",
                "Processes the attnprof plugin is live in, by role.", "processes", ("role",),
                "livesum"),
@@ -149,10 +169,11 @@ def spec(name: str) -> MetricSpec:
 
 def markdown_table() -> str:
     """The metric reference table in docs/metrics.md (checked by a test)."""
-    rows = ["| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+    rows = ["| metric | OpenTelemetry name | type | unit | OTel unit | labels | meaning |",
+            "|---|---|---|---|---|---|---|"]
     for m in CATALOG:
-        rows.append(f"| `{m.name}` | {m.kind} | {m.unit} | {', '.join(m.labels) or '-'} "
-                    f"| {m.help} |")
+        rows.append(f"| `{m.name}` | `{m.otel_name}` | {m.kind} | {m.unit} | `{m.otel_unit}` "
+                    f"| {', '.join(m.labels) or '-'} | {m.help} |")
     return "\n".join(rows)
 
 

