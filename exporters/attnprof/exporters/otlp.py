@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import importlib.metadata
 import importlib.util
+import itertools
 import logging
 import math
 import os
@@ -274,7 +275,7 @@ def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
         return None
     ex = [e for e in exps if e is not None]
     q = ex[1] - ex[0] if len(ex) > 1 else 1
-    if q <= 0 or q & (q - 1) or any(y - x != q for x, y in zip(ex, ex[1:], strict=False)):
+    if q <= 0 or q & (q - 1) or any(y - x != q for x, y in itertools.pairwise(ex)):
         return None
     if ex[0] % q:
         return None

@@ -38,10 +38,14 @@ def resolve_or_fail(spec: str) -> tuple[str, str | None]:
 
 
 def check_config() -> None:
+    import os
+
     from attnprof.config import Config, ConfigError
+    from attnprof.exporters.otlp import otlp_config_from_env
 
     try:
         Config.from_env()
+        otlp_config_from_env(os.environ)
     except ConfigError as err:
         raise CliError(f"invalid configuration: {err}") from None
 

@@ -1,0 +1,122 @@
+"""Does a broken OTLP endpoint hurt serving? Inter-token latency with OTLP off, pointed at a
+closed port, at a receiver that refuses (HTTP 503), and at one that answers after 5 s.
+
+Four SmolLM2 servers (attnprof at its default rate, OTLP export every second where on) take
+the same streaming load one at a time, arms interleaved A/B/C/D then D/C/B/A so machine
+drift hits each alike. Reports ITL and TTFT p50/p99 per arm with the spread over rounds, and
+the OTLP failures each server counted, to benchmarks/results/otlp_faults.json.
+
+Run: ``.venv/bin/python benchmarks/otlp_faults.py`` (about 8 minutes on 2 cores; ``--rounds``
+and ``--requests`` trade time for precision). Part of ``make bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnprof.tools import models
+from attnprof.tools.server import VllmServer, http_get
+from overhead import load
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "otlp_faults.json"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when we return: connection refused
+
+
+def _failures(base: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(http_get(base + "/metrics")):
+        for s in fam.samples:
+            if s.name == "attnprof_internal_errors_total" and "otlp" in s.labels.get("place", ""):
+                total += s.value
+    return total
+
+
+def main() -> int:
+    from tests.otlp_receiver import OtlpReceiver
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    args = ap.parse_args()
+    model = models.verified_model_dir()
+    from transformers import AutoTokenizer
+
+    from attnprof.tools.traffic import _doc
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    prompts = [_doc(rng, tok, args.prompt_tokens) for _ in range(args.requests)]
+    refusing = OtlpReceiver(mode="refusing").start()
+    slow = OtlpReceiver(mode="slow", delay=5.0).start()
+    otlp = {"OTEL_METRIC_EXPORT_INTERVAL": "1000", "OTEL_METRIC_EXPORT_TIMEOUT": "2000"}
+    endpoints = {"otlp_off": None,
+                 "endpoint_down": f"http://127.0.0.1:{_closed_port()}/v1/metrics",
+                 "refusing_503": refusing.endpoint, "slow_5s": slow.endpoint}
+    arms: dict[str, VllmServer] = {}
+    for i, (name, ep) in enumerate(endpoints.items()):
+        env = {} if ep is None else {**otlp, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": ep}
+        arms[name] = VllmServer(model, port=18201 + i, served_name="smollm2", eager=True,
+                                env=env, log=ROOT / f"benchmarks/results/otlp_{name}.log",
+                                extra_args=["--no-enable-prefix-caching", "--max-model-len",
+                                            "2048"])
+    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}
+    failures: dict[str, float] = {}
+    try:
+        for srv in arms.values():  # one at a time: start-up is CPU-bound
+            srv.start()
+            srv.wait_ready(600)
+        for srv in arms.values():
+            load(srv.base_url, prompts[:4], 8, args.concurrency)
+        for i in range(args.rounds):
+            order = list(arms) if i % 2 == 0 else list(reversed(arms))
+            for name in order:
+                r = load(arms[name].base_url, prompts, args.max_tokens, args.concurrency)
+                rounds[name].append(r)
+                print(f"round {i + 1} {name}: ITL p99 {r['itl_p99_s'] * 1e3:.1f} ms, "
+                      f"{r['throughput_tok_s']:.1f} tok/s", file=sys.stderr)
+        failures = {name: _failures(srv.base_url) for name, srv in arms.items()}
+    finally:
+        for srv in arms.values():
+            srv.stop()
+        refusing.stop()
+        slow.stop()
+    summary: dict[str, Any] = {}
+    for name, rs in rounds.items():
+        summary[name] = {k: {"mean": statistics.mean(r[k] for r in rs),
+                             "stdev": statistics.stdev(r[k] for r in rs) if len(rs) > 1 else 0.0}
+                         for k in ("itl_p50_s", "itl_p99_s", "ttft_p99_s", "throughput_tok_s")}
+        summary[name]["otlp_failures_counted"] = failures.get(name)
+    base = summary["otlp_off"]["itl_p99_s"]
+    for name in summary:
+        summary[name]["itl_p99_change"] = summary[name]["itl_p99_s"]["mean"] / base["mean"] - 1
+    result = {"config": vars(args), "rounds": rounds, "summary": summary,
+              "otlp_off_itl_p99_rel_stdev": base["stdev"] / base["mean"]}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
