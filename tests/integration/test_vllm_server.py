@@ -172,3 +172,25 @@ def test_window_advice_in_snapshot_and_metrics(tiny_server: Any) -> None:
     assert q is not None and q > 0
     sink = metric_value(metrics, "attnprof_head_sink_mass_ratio", model="tiny", layer="0")
     assert sink is not None and 0 <= sink <= 1
+
+
+def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) -> None:
+    """One estimator: the same traffic gives the same p50/p90/p99 everywhere it is shown."""
+    import re
+
+    from attnprof.exporters.terminal import render_snapshot
+
+    for n in (3, 9, 27):  # a few more distinct lengths on top of earlier tests' traffic
+        _complete(tiny_server, " ".join(["cache layer token"] * n), 2)
+    snap = _snapshot(tiny_server)  # the snapshot flushes the export loop first
+    ctx = snap["requests"]["context_tokens"]
+    qs = [ctx["p50"], ctx["p90"], ctx["p99"]]
+    assert all(isinstance(q, (int, float)) for q in qs) and ctx["exact"] is True
+    metrics = http_get(tiny_server.base_url + "/metrics")
+    gauges = [metric_value(metrics, "attnprof_request_tokens_quantile", model="tiny",
+                           quantity="context", quantile=q) for q in ("0.5", "0.9", "0.99")]
+    assert gauges == qs
+    m = re.search(r"P50/P90/P99 = (\d+)/(\d+)/(\d+)", snap["window_advice"]["summary"])
+    assert m is not None and [float(x) for x in m.groups()] == qs
+    row = next(ln for ln in render_snapshot(snap).splitlines() if ln.startswith("context"))
+    assert [float(x) for x in row.split()[1:4]] == qs

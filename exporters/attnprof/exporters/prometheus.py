@@ -53,17 +53,20 @@ class PrometheusSink:
                     self._scalar(smp)
 
     def _scalar(self, smp: Sample) -> None:
+        # Most series do not change between flushes: compare first, touch prometheus_client
+        # (label lookup, file write in multiprocess mode) only for the ones that did.
+        key = (smp.name, smp.labels)
+        last = self._totals.get(key)
+        counter = spec(smp.name).kind == "counter"
+        if last is not None and (smp.value <= last if counter else smp.value == last):
+            return  # unchanged (counters: running totals never go backwards)
         m = self._metric(smp.name)
-        labels = dict(smp.labels)
-        child = m.labels(**labels) if labels else m
-        if spec(smp.name).kind == "counter":
-            key = (smp.name, smp.labels)
-            last = self._totals.get(key, 0.0)
-            if smp.value > last:  # running totals never go backwards
-                child.inc(smp.value - last)
-                self._totals[key] = smp.value
+        child = m.labels(**dict(smp.labels)) if smp.labels else m
+        if counter:
+            child.inc(smp.value - (last or 0.0))
         else:
             child.set(smp.value)
+        self._totals[key] = smp.value
 
     def _histogram(self, smp: HistogramSample) -> None:
         st = smp.state

@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-# dtype_bytes is re-exported only for capture/vllm/hooks.py (being rewritten to import
-# attnprof.facts.dtypes); drop it from __all__ once that lands.
 from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = [
@@ -34,7 +32,6 @@ __all__ = [
     "AttnShape",
     "analytic_attention_peak",
     "cache_bytes",
-    "dtype_bytes",
     "kv_bytes_per_token",
     "measure_peak",
     "memory_profile",

@@ -40,7 +40,7 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
                 st.errors.record("snapshot", exc)
     snap = Snapshot(
         time=time.time(), model=st.model_label, enabled=st.enabled,
-        processes=[ProcessNote.from_json(n) for n in notes],
+        processes=_notes(notes),
         roles_here=sorted(st.roles), workers=parsed,
         requests=st.requests.summary() if st.requests is not None else None,
         errors=SnapshotErrors(api_server=dict(st.errors.by_place), collective_rpc=error))
@@ -50,6 +50,17 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
     # snapshot right away (file writes: off the event loop).
     await asyncio.to_thread(st.flush)
     return snap
+
+
+def _notes(raw: list[Any]) -> list[ProcessNote]:
+    """Liveness notes; one a process left half-written or malformed is counted, not fatal."""
+    out = []
+    for n in raw:
+        try:
+            out.append(ProcessNote.from_json(n))
+        except Exception as exc:
+            runtime.STATE.errors.record("snapshot", exc)
+    return out
 
 
 async def _advice(snap: Snapshot) -> WindowAdvice | AdviceUnavailable:
