@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import importlib.metadata
 import importlib.util
+import itertools
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -274,7 +276,7 @@ def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
         return None
     ex = [e for e in exps if e is not None]
     q = ex[1] - ex[0] if len(ex) > 1 else 1
-    if q <= 0 or q & (q - 1) or any(y - x != q for x, y in zip(ex, ex[1:], strict=False)):
+    if q <= 0 or q & (q - 1) or any(y - x != q for x, y in itertools.pairwise(ex)):
         return None
     if ex[0] % q:
         return None
@@ -420,7 +422,16 @@ class OtlpSink:
         self._resource: Any = None
         self._instruments: dict[str, Any] = {}
         self._closed = False
-        atexit.register(self._at_exit)
+        # A weak reference: the exit hook must not keep every sink (and its provider's fork
+        # hook) alive for the life of the process.
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            sink = ref()
+            if sink is not None:
+                sink._at_exit()
+
+        atexit.register(at_exit)
 
     def _reset_state(self) -> None:
         self._scalars: dict[str, dict[Labels, float]] = {}
@@ -444,12 +455,13 @@ class OtlpSink:
                         self._starts.setdefault((smp.name, smp.labels), now)
                         continue
                     series = self._scalars.setdefault(smp.name, {})
+                    value = float(smp.value)  # one point type (as_double) per metric
                     if spec(smp.name).kind == "counter":
                         last = series.get(smp.labels)
-                        if last is None or smp.value > last:  # totals never go backwards
-                            series[smp.labels] = smp.value
+                        if last is None or value > last:  # totals never go backwards
+                            series[smp.labels] = value
                     else:
-                        series[smp.labels] = smp.value
+                        series[smp.labels] = value
                     if smp.name not in self._instruments:
                         new.add(smp.name)
             for name in sorted(new):
@@ -519,6 +531,13 @@ class OtlpSink:
                 pass
 
     def _build(self) -> None:
+        # The SDK's MeterProvider registers an after-fork hook that submits to a
+        # ThreadPoolExecutor in the child. concurrent.futures.thread re-initialises its global
+        # lock in its own after-fork hook; if that module were imported after the provider was
+        # built, its hook would run second and the child would deadlock on the lock its
+        # before-fork hook took (seen in tests). Importing it first fixes the hook order.
+        import concurrent.futures.thread  # noqa: F401
+
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource

@@ -1,0 +1,140 @@
+"""A loopback OTLP metrics receiver for tests: http/protobuf and gRPC, decoded with the
+official protobuf messages. Modes: ``normal``, ``refusing`` (HTTP 503 / gRPC UNAVAILABLE),
+``slow`` (sleep ``delay`` seconds, then answer normally)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as pb
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as pbg
+
+
+class OtlpReceiver:
+    def __init__(self, protocol: str = "http/protobuf", mode: str = "normal",
+                 delay: float = 2.0) -> None:
+        assert protocol in ("http/protobuf", "grpc") and mode in ("normal", "refusing", "slow")
+        self.protocol, self.mode, self.delay = protocol, mode, delay
+        self.requests: list[pb.ExportMetricsServiceRequest] = []
+        self.headers: list[dict[str, str]] = []
+        self.hits = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._http: ThreadingHTTPServer | None = None
+        self._grpc: Any = None
+        self.port = 0
+
+    # -- shared ---------------------------------------------------------------------------
+    def _handle(self, body: bytes | pb.ExportMetricsServiceRequest,
+                headers: dict[str, str]) -> bool:
+        """Store the request; False when refusing."""
+        with self._lock:
+            self.hits += 1
+        if self.mode == "refusing":
+            return False
+        if self.mode == "slow":
+            self._stop.wait(self.delay)
+        req = body if isinstance(body, pb.ExportMetricsServiceRequest) else \
+            pb.ExportMetricsServiceRequest.FromString(body)
+        with self._lock:
+            self.requests.append(req)
+            self.headers.append(headers)
+        return True
+
+    @property
+    def endpoint(self) -> str:
+        """What OTEL_EXPORTER_OTLP_METRICS_ENDPOINT should say."""
+        if self.protocol == "grpc":
+            return f"http://127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.port}/v1/metrics"
+
+    def start(self) -> OtlpReceiver:
+        if self.protocol == "grpc":
+            self._start_grpc()
+        else:
+            self._start_http()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        if self._grpc is not None:
+            self._grpc.stop(grace=None).wait(2)
+
+    def __enter__(self) -> OtlpReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_for(self, n: int = 1, timeout: float = 5.0) -> list[pb.ExportMetricsServiceRequest]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if len(self.requests) >= n:
+                    return list(self.requests)
+            time.sleep(0.01)
+        raise AssertionError(f"{len(self.requests)} OTLP requests, expected {n}")
+
+    # -- transports -----------------------------------------------------------------------
+    def _start_http(self) -> None:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path != "/v1/metrics":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                ok = receiver._handle(body, {k.lower(): v for k, v in self.headers.items()})
+                if not ok:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                out = pb.ExportMetricsServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads = True
+        self.port = self._http.server_address[1]
+        threading.Thread(target=self._http.serve_forever, daemon=True,
+                         name="otlp-receiver-http").start()
+
+    def _start_grpc(self) -> None:
+        receiver = self
+
+        class Servicer(pbg.MetricsServiceServicer):  # type: ignore[misc]
+            def Export(self, request: Any, context: Any) -> Any:
+                meta = {k: v for k, v in context.invocation_metadata()}
+                if not receiver._handle(request, meta):
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "refusing")
+                return pb.ExportMetricsServiceResponse()
+
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pbg.add_MetricsServiceServicer_to_server(Servicer(), self._grpc)
+        self.port = self._grpc.add_insecure_port("127.0.0.1:0")
+        self._grpc.start()
+
+
+def free_port() -> int:
+    """A loopback port with nothing listening (for 'endpoint down')."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
