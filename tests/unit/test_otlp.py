@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
+from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets, pow2_buckets
+from attnprof.aggregate.requests import RequestAggregates
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.catalog import CATALOG, spec
 from attnprof.exporters.hub import ExportHub
@@ -320,6 +321,24 @@ def test_exponential_conversion_is_exact(bounds: list[float], values: list[float
     assert -10 <= e.scale <= 0
 
 
+def test_pow2_token_histograms_with_zeros_convert_exactly() -> None:
+    # Token counts include zeros (a request that generated nothing): pow2_buckets puts them
+    # alone under 0.5, so the integer rule sends them as zero_count.
+    req = RequestAggregates(4096, buckets=pow2_buckets(4096))
+    rng = random.Random(3)
+    for _ in range(500):
+        req.observe(rng.randint(1, 5000), rng.choice([0, 0, 1, rng.randint(2, 900)]))
+    for q, st in req.histogram_states().items():
+        assert st.bounds[:3] == (0.5, 1.0, 2.0) and st.bounds[-1] == 4096.0
+        e = exponential_buckets(st, integer=True)
+        assert e is not None, q
+        assert sum(e.counts) + e.zero_count == st.count
+        if q == "generation":
+            assert e.zero_count == st.counts[0] > 0
+            assert exponential_buckets(st) is None  # without the integer rule: inexact
+    assert RequestAggregates(4096).buckets == log_buckets(4096)
+
+
 @pytest.mark.parametrize(("bounds", "values"), [
     (log_buckets(1000), [1, 5, 50]),  # 1-2-5 edges cut exponential buckets
     ([1.0, 2.0, 4.0], [0, 1]),  # zero mixed with 1 in the underflow bucket
@@ -333,8 +352,8 @@ def test_exponential_conversion_refuses_when_not_exact(bounds: list[float],
 
 
 def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
-    pow2 = [2.0 ** k for k in range(0, 12)]
-    vals = [1, 2, 3, 40, 41, 900, 5000]
+    pow2 = pow2_buckets(2048)
+    vals = [0, 1, 2, 3, 40, 41, 900, 5000]
     sink = OtlpSink(config(receiver.endpoint, receiver.protocol, histogram="exponential"),
                     role="api_server")
     try:
@@ -356,7 +375,8 @@ def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
     zero, want = _oracle(p.scale, vals)
     got = {p.positive.offset + i: c for i, c in enumerate(p.positive.bucket_counts) if c}
     assert (p.zero_count, got) == (zero, want)
-    assert (p.count, p.sum, p.min, p.max) == (len(vals), sum(vals), 1, 5000)
+    assert p.zero_count == 1
+    assert (p.count, p.sum, p.min, p.max) == (len(vals), sum(vals), 0, 5000)
     assert ms["attnprof.request.prompt"].WhichOneof("data") == "histogram"
     assert sink.exponential_fallbacks == {"attnprof_request_prompt_tokens"}
 

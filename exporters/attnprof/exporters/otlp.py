@@ -75,6 +75,8 @@ Labels = tuple[tuple[str, str], ...]
 # ("chat", "text_completion") would be a guess; these are attnprof.* metrics, not the
 # gen_ai.* ones for which the attribute is required.
 _ATTRIBUTE = {"model": "gen_ai.request.model"}
+# Histogram units whose observations are non-negative integers (counts of things).
+_INTEGER_UNITS = {"tokens"}
 
 
 class OtlpExportError(RuntimeError):
@@ -259,7 +261,8 @@ def _ceil_log2(x: float) -> int:
     return e - 1 if m == 0.5 else e
 
 
-def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
+def exponential_buckets(state: HistogramState,
+                        integer: bool = False) -> ExponentialBuckets | None:
     """Exact conversion of explicit buckets to a base-2 exponential histogram, or None.
 
     Exact means every observation lands in the exponential bucket it would have been
@@ -268,7 +271,9 @@ def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
     buckets can be placed from min/max: all underflow values positive, or all exactly zero
     (zero_count); the grid is coarsened (down to scale -10) until the underflow and overflow
     ranges each fit in one bucket. Explicit bounds such as 1-2-5 can never be converted
-    exactly (their edges cut exponential buckets), so they return None.
+    exactly (their edges cut exponential buckets), so they return None. ``integer``: the
+    values are non-negative integers (token counts), so an underflow bucket below 1 holds
+    only zeros (see :func:`attnprof.aggregate.histogram.pow2_buckets`).
     """
     b, c = state.bounds, state.counts
     exps = [_exact_log2(x) for x in b]
@@ -293,7 +298,7 @@ def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
     if c[0]:
         if state.min > 0:
             ranges.append((index(state.min), k0 - 1, c[0]))
-        elif state.min == 0 and state.max == 0:
+        elif state.min == 0 and (state.max == 0 or (integer and b[0] < 1)):
             zero = c[0]
         else:
             return None  # zeros mixed with positives (or negatives): cannot be split
@@ -624,7 +629,9 @@ class OtlpSink:
             s = spec(name)
             data: Any = None
             if self.config.histogram == "exponential" and name not in self.exponential_fallbacks:
-                expo = [(lab, st, start, exponential_buckets(st)) for lab, st, start in pts]
+                integer = s.unit in _INTEGER_UNITS
+                expo = [(lab, st, start, exponential_buckets(st, integer))
+                        for lab, st, start in pts]
                 if all(e is not None for *_, e in expo):
                     data = ExponentialHistogram(data_points=[
                         ExponentialHistogramDataPoint(
@@ -640,7 +647,7 @@ class OtlpSink:
                     self.exponential_fallbacks.add(name)
                     logger.warning("attnprof: %s is sent as an explicit histogram: its buckets "
                                    "cannot be converted exactly to an exponential one "
-                                   "(bounds must be powers of two)", s.otel_name)
+                                   "(use pow2_buckets bounds)", s.otel_name)
             if data is None:
                 data = Histogram(data_points=[
                     HistogramDataPoint(
