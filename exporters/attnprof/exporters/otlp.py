@@ -141,14 +141,14 @@ def _pairs(name: str, raw: str, key_re: re.Pattern[str] | None) -> Labels:
     return tuple(out)
 
 
-def _require(module: str, var: str, package: str) -> None:
+def _require(module: str, var: str, package: str, extra: str = "otel") -> None:
     try:
         found = importlib.util.find_spec(module) is not None
     except ImportError:
         found = False
     if not found:
         raise ConfigError(f"{var} is set but {package} is not installed "
-                          "(pip install 'attnprof[otel]')")
+                          f"(pip install 'attnprof[{extra}]')")
 
 
 def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
@@ -188,7 +188,7 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
     _require("opentelemetry.sdk.metrics", ep_var, "opentelemetry-sdk")
     if protocol == "grpc":
         _require("opentelemetry.exporter.otlp.proto.grpc", ep_var,
-                 "opentelemetry-exporter-otlp-proto-grpc")
+                 "opentelemetry-exporter-otlp-proto-grpc", "otel-grpc")
     else:
         _require("opentelemetry.exporter.otlp.proto.http", ep_var,
                  "opentelemetry-exporter-otlp-proto-http")
