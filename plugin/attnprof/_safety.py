@@ -25,6 +25,7 @@ class ErrorBook:
         self.by_place: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self.disabled = False
+        self._tripping = 0  # errors that count towards the breaker (not exporter errors)
         self._lock = threading.Lock()
 
     def record(self, place: str, exc: BaseException) -> None:
@@ -32,7 +33,8 @@ class ErrorBook:
             with self._lock:
                 n = self.by_place.get(place, 0) + 1
                 self.by_place[place] = n
-                total = sum(self.by_place.values())
+                self._tripping += 1
+                total = self._tripping
                 if total >= self.max_errors and not self.disabled:
                     self.disabled = True
                     logger.error("attnprof: %d internal errors; capture disabled in this process",
@@ -41,6 +43,19 @@ class ErrorBook:
                 logger.warning("attnprof: internal error in %s (counted, not raised): %r",
                                place, exc)
         except Exception:  # never let bookkeeping raise either
+            pass
+
+    def note(self, place: str, exc: BaseException) -> None:
+        """Count an error of an exporter (endpoint down, refusing) without tripping the
+        capture breaker: a broken collector must not switch off profiling."""
+        try:
+            with self._lock:
+                n = self.by_place.get(place, 0) + 1
+                self.by_place[place] = n
+            if n == 1:
+                logger.warning("attnprof: %s failed (counted, not raised; further failures "
+                               "counted silently): %r", place, exc)
+        except Exception:
             pass
 
     def drop(self, reason: str) -> None:

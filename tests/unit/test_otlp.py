@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
+from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets, pow2_buckets
+from attnprof.aggregate.requests import RequestAggregates
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.catalog import CATALOG, spec
 from attnprof.exporters.hub import ExportHub
@@ -251,6 +252,17 @@ def test_values_names_units_and_resource_on_both_transports(receiver: OtlpReceiv
     assert len(receiver.wait_for(3)) == 3
 
 
+def test_counter_totals_never_go_backwards() -> None:
+    with OtlpReceiver() as r:
+        sink = OtlpSink(config(r.endpoint), role="worker")
+        sink.export([Sample("attnprof_steps_total", lab(model="m", outcome="sampled"), 7)])
+        sink.export([Sample("attnprof_steps_total", lab(model="m", outcome="sampled"), 3)])
+        assert sink.force_flush()
+        sink.shutdown()
+        m = metrics_by_name(r.wait_for(1)[0])["attnprof.steps"]
+    assert [p.as_double for p in m.sum.data_points] == [7.0]
+
+
 def test_hub_drives_the_sink_and_stop_sends_the_last_values() -> None:
     with OtlpReceiver() as r:
         errors: list[str] = []
@@ -292,13 +304,13 @@ def _oracle(scale: int, values: list[float]) -> tuple[int, dict[int, int]]:
     ([2.0 ** k for k in range(0, 11)], [1, 1, 2, 3, 5, 8, 13, 100, 1000, 1024]),
     ([2.0 ** k for k in range(0, 11)], [0.3, 0.7, 1, 3, 2000, 5000]),  # under/overflow
     ([4.0 ** k for k in range(-2, 6)], [0.01, 0.2, 1, 15, 16, 17, 900, 1025]),  # scale -1
+    ([0.5, 1.0, 2.0], [0.0, 0.0]),  # zeros only
     ([1.0, 2.0, 4.0], []),
 ])
 def test_exponential_conversion_is_exact(bounds: list[float], values: list[float]) -> None:
-    rng = random.Random(7)
-    values = values + [rng.uniform(0.6, 3000) for _ in range(200)] if values else values
-    if values == [0.0, 0.0]:
-        values = [0.0] * 5
+    if any(values):  # plus random traffic over the whole range
+        rng = random.Random(7)
+        values = values + [rng.uniform(0.6, 3000) for _ in range(200)]
     st = hist(bounds, values)
     e = exponential_buckets(st)
     assert e is not None
@@ -307,6 +319,24 @@ def test_exponential_conversion_is_exact(bounds: list[float], values: list[float
     assert (e.zero_count, got) == (zero, {k: v for k, v in want.items() if v})
     assert sum(e.counts) + e.zero_count == st.count
     assert -10 <= e.scale <= 0
+
+
+def test_pow2_token_histograms_with_zeros_convert_exactly() -> None:
+    # Token counts include zeros (a request that generated nothing): pow2_buckets puts them
+    # alone under 0.5, so the integer rule sends them as zero_count.
+    req = RequestAggregates(4096, buckets=pow2_buckets(4096))
+    rng = random.Random(3)
+    for _ in range(500):
+        req.observe(rng.randint(1, 5000), rng.choice([0, 0, 1, rng.randint(2, 900)]))
+    for q, st in req.histogram_states().items():
+        assert st.bounds[:3] == (0.5, 1.0, 2.0) and st.bounds[-1] == 4096.0
+        e = exponential_buckets(st, integer=True)
+        assert e is not None, q
+        assert sum(e.counts) + e.zero_count == st.count
+        if q == "generation":
+            assert e.zero_count == st.counts[0] > 0
+            assert exponential_buckets(st) is None  # without the integer rule: inexact
+    assert RequestAggregates(4096).buckets == log_buckets(4096)
 
 
 @pytest.mark.parametrize(("bounds", "values"), [
@@ -322,8 +352,8 @@ def test_exponential_conversion_refuses_when_not_exact(bounds: list[float],
 
 
 def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
-    pow2 = [2.0 ** k for k in range(0, 12)]
-    vals = [1, 2, 3, 40, 41, 900, 5000]
+    pow2 = pow2_buckets(2048)
+    vals = [0, 1, 2, 3, 40, 41, 900, 5000]
     sink = OtlpSink(config(receiver.endpoint, receiver.protocol, histogram="exponential"),
                     role="api_server")
     try:
@@ -345,10 +375,85 @@ def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
     zero, want = _oracle(p.scale, vals)
     got = {p.positive.offset + i: c for i, c in enumerate(p.positive.bucket_counts) if c}
     assert (p.zero_count, got) == (zero, want)
-    assert (p.count, p.sum, p.min, p.max) == (len(vals), sum(vals), 1, 5000)
+    assert p.zero_count == 1
+    assert (p.count, p.sum, p.min, p.max) == (len(vals), sum(vals), 0, 5000)
     assert ms["attnprof.request.prompt"].WhichOneof("data") == "histogram"
     assert sink.exponential_fallbacks == {"attnprof_request_prompt_tokens"}
 
+
+# ----------------------------------------------------------------------------- fork
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_sink_inherited_across_fork_builds_its_own_provider() -> None:
+    with OtlpReceiver() as r:
+        sink = OtlpSink(config(r.endpoint), role="engine_core")
+        sink.export([Sample("attnprof_steps_total", lab(model="parent", outcome="blind"), 5)])
+        assert sink.force_flush()
+        parent_id = sink.instance_id
+        pid = os.fork()
+        if pid == 0:  # child: only the child's own samples, under a new identity
+            code = 1
+            try:
+                sink.export([Sample("attnprof_steps_total", lab(model="child", outcome="blind"),
+                                    2)])
+                code = 0 if sink.force_flush() and sink.instance_id != parent_id else 3
+                sink.shutdown()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        reqs = r.wait_for(2)
+        sink.shutdown()
+    by_pid = {}
+    for req in reqs:
+        res = attrs(req.resource_metrics[0].resource.attributes)
+        models = {attrs(p.attributes)["gen_ai.request.model"]
+                  for p in metrics_by_name(req)["attnprof.steps"].sum.data_points}
+        by_pid[res["process.pid"]] = (res["service.instance.id"], models)
+    assert by_pid[os.getpid()] == (parent_id, {"parent"})
+    child_id, child_models = by_pid[pid]
+    assert child_id != parent_id and child_models == {"child"}
+
+
+_FORK_ORDER = """
+import os, signal, sys, time
+from tests.otlp_receiver import OtlpReceiver
+from tests.unit.test_otlp import config, lab
+from attnprof.exporters.otlp import OtlpSink
+from attnprof.exporters.samples import Sample
+assert "concurrent.futures.thread" not in sys.modules
+with OtlpReceiver() as r:
+    sink = OtlpSink(config(r.endpoint), role="api_server")
+    sink.export([Sample("attnprof_steps_total", lab(model="p", outcome="blind"), 1)])
+    assert sink.force_flush()
+    import concurrent.futures.thread  # as vLLM may, after the provider exists
+    pid = os.fork()
+    if pid == 0:
+        sink.export([Sample("attnprof_steps_total", lab(model="c", outcome="blind"), 1)])
+        os._exit(0 if sink.force_flush() else 3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            sys.exit(os.waitstatus_to_exitcode(status))
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    sys.exit(2)  # the child hung in an after-fork hook
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_after_provider_does_not_deadlock_the_child() -> None:
+    # A fresh interpreter, so the import order is the one under test.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FORK_ORDER], cwd=REPO, timeout=60,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+
+
+# ----------------------------------------------------------------------------- faults
 
 def _failing_flushes(sink: OtlpSink, n: int) -> list[float]:
     times = []

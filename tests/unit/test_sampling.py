@@ -61,3 +61,25 @@ def test_budget_lowers_rate_then_recovers() -> None:
         clock.t += 1.0
         s.charge(0.0)
     assert s.rate > low and s.rate == pytest.approx(0.5)
+
+
+def test_throttle_applies_to_the_very_next_steps() -> None:
+    # At rate 1 every pending gap is one step; a throttle must redraw it, not wait a sample.
+    clock = FakeClock()
+    s = StepSampler(1.0, budget=0.01, seed=0, clock=clock)
+    clock.t += 1.0
+    s.charge(0.5)  # 50% self time: throttled hard
+    assert s.rate < 0.2
+    assert sum(s.tick() for _ in range(50)) < 25
+
+
+def test_exporter_errors_never_trip_the_capture_breaker() -> None:
+    from attnprof._safety import ErrorBook
+
+    book = ErrorBook(max_errors=3)
+    for _ in range(10):
+        book.note("export_otlp", ConnectionRefusedError())
+    assert not book.disabled and book.by_place["export_otlp"] == 10
+    for _ in range(3):
+        book.record("capture", RuntimeError())
+    assert book.disabled

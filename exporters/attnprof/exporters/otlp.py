@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,8 @@ Labels = tuple[tuple[str, str], ...]
 # ("chat", "text_completion") would be a guess; these are attnprof.* metrics, not the
 # gen_ai.* ones for which the attribute is required.
 _ATTRIBUTE = {"model": "gen_ai.request.model"}
+# Histogram units whose observations are non-negative integers (counts of things).
+_INTEGER_UNITS = {"tokens"}
 
 
 class OtlpExportError(RuntimeError):
@@ -138,14 +141,14 @@ def _pairs(name: str, raw: str, key_re: re.Pattern[str] | None) -> Labels:
     return tuple(out)
 
 
-def _require(module: str, var: str, package: str) -> None:
+def _require(module: str, var: str, package: str, extra: str = "otel") -> None:
     try:
         found = importlib.util.find_spec(module) is not None
     except ImportError:
         found = False
     if not found:
         raise ConfigError(f"{var} is set but {package} is not installed "
-                          "(pip install 'attnprof[otel]')")
+                          f"(pip install 'attnprof[{extra}]')")
 
 
 def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
@@ -185,7 +188,7 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
     _require("opentelemetry.sdk.metrics", ep_var, "opentelemetry-sdk")
     if protocol == "grpc":
         _require("opentelemetry.exporter.otlp.proto.grpc", ep_var,
-                 "opentelemetry-exporter-otlp-proto-grpc")
+                 "opentelemetry-exporter-otlp-proto-grpc", "otel-grpc")
     else:
         _require("opentelemetry.exporter.otlp.proto.http", ep_var,
                  "opentelemetry-exporter-otlp-proto-http")
@@ -258,7 +261,8 @@ def _ceil_log2(x: float) -> int:
     return e - 1 if m == 0.5 else e
 
 
-def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
+def exponential_buckets(state: HistogramState,
+                        integer: bool = False) -> ExponentialBuckets | None:
     """Exact conversion of explicit buckets to a base-2 exponential histogram, or None.
 
     Exact means every observation lands in the exponential bucket it would have been
@@ -267,7 +271,9 @@ def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
     buckets can be placed from min/max: all underflow values positive, or all exactly zero
     (zero_count); the grid is coarsened (down to scale -10) until the underflow and overflow
     ranges each fit in one bucket. Explicit bounds such as 1-2-5 can never be converted
-    exactly (their edges cut exponential buckets), so they return None.
+    exactly (their edges cut exponential buckets), so they return None. ``integer``: the
+    values are non-negative integers (token counts), so an underflow bucket below 1 holds
+    only zeros (see :func:`attnprof.aggregate.histogram.pow2_buckets`).
     """
     b, c = state.bounds, state.counts
     exps = [_exact_log2(x) for x in b]
@@ -292,7 +298,7 @@ def exponential_buckets(state: HistogramState) -> ExponentialBuckets | None:
     if c[0]:
         if state.min > 0:
             ranges.append((index(state.min), k0 - 1, c[0]))
-        elif state.min == 0 and state.max == 0:
+        elif state.min == 0 and (state.max == 0 or (integer and b[0] < 1)):
             zero = c[0]
         else:
             return None  # zeros mixed with positives (or negatives): cannot be split
@@ -421,7 +427,16 @@ class OtlpSink:
         self._resource: Any = None
         self._instruments: dict[str, Any] = {}
         self._closed = False
-        atexit.register(self._at_exit)
+        # A weak reference: the exit hook must not keep every sink (and its provider's fork
+        # hook) alive for the life of the process.
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            sink = ref()
+            if sink is not None:
+                sink._at_exit()
+
+        atexit.register(at_exit)
 
     def _reset_state(self) -> None:
         self._scalars: dict[str, dict[Labels, float]] = {}
@@ -445,12 +460,13 @@ class OtlpSink:
                         self._starts.setdefault((smp.name, smp.labels), now)
                         continue
                     series = self._scalars.setdefault(smp.name, {})
+                    value = float(smp.value)  # one point type (as_double) per metric
                     if spec(smp.name).kind == "counter":
                         last = series.get(smp.labels)
-                        if last is None or smp.value > last:  # totals never go backwards
-                            series[smp.labels] = smp.value
+                        if last is None or value > last:  # totals never go backwards
+                            series[smp.labels] = value
                     else:
-                        series[smp.labels] = smp.value
+                        series[smp.labels] = value
                     if smp.name not in self._instruments:
                         new.add(smp.name)
             for name in sorted(new):
@@ -520,6 +536,13 @@ class OtlpSink:
                 pass
 
     def _build(self) -> None:
+        # The SDK's MeterProvider registers an after-fork hook that submits to a
+        # ThreadPoolExecutor in the child. concurrent.futures.thread re-initialises its global
+        # lock in its own after-fork hook; if that module were imported after the provider was
+        # built, its hook would run second and the child would deadlock on the lock its
+        # before-fork hook took (seen in tests). Importing it first fixes the hook order.
+        import concurrent.futures.thread  # noqa: F401
+
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource
@@ -606,7 +629,9 @@ class OtlpSink:
             s = spec(name)
             data: Any = None
             if self.config.histogram == "exponential" and name not in self.exponential_fallbacks:
-                expo = [(lab, st, start, exponential_buckets(st)) for lab, st, start in pts]
+                integer = s.unit in _INTEGER_UNITS
+                expo = [(lab, st, start, exponential_buckets(st, integer))
+                        for lab, st, start in pts]
                 if all(e is not None for *_, e in expo):
                     data = ExponentialHistogram(data_points=[
                         ExponentialHistogramDataPoint(
@@ -622,7 +647,7 @@ class OtlpSink:
                     self.exponential_fallbacks.add(name)
                     logger.warning("attnprof: %s is sent as an explicit histogram: its buckets "
                                    "cannot be converted exactly to an exponential one "
-                                   "(bounds must be powers of two)", s.otel_name)
+                                   "(use pow2_buckets bounds)", s.otel_name)
             if data is None:
                 data = Histogram(data_points=[
                     HistogramDataPoint(

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BucketHistogram", "HistogramState", "log_buckets"]
+__all__ = ["BucketHistogram", "HistogramState", "log_buckets", "pow2_buckets"]
 
 
 def log_buckets(max_value: int, per_decade: tuple[int, ...] = (1, 2, 5)) -> list[float]:
@@ -29,6 +29,20 @@ def log_buckets(max_value: int, per_decade: tuple[int, ...] = (1, 2, 5)) -> list
                 return edges
             edges.append(float(v))
         mag *= 10
+
+
+def pow2_buckets(max_value: int) -> list[float]:
+    """0.5, 1, 2, 4, ... up to the first power of two >= ``max_value``, for integer counts.
+
+    The first bucket (<= 0.5) holds exactly the zeros. These edges lie on a base-2 grid, so
+    OTLP exponential histograms are converted from them exactly (ATTNPROF_OTLP_HISTOGRAM).
+    """
+    if max_value < 1:
+        raise ValueError("max_value must be >= 1")
+    edges = [0.5, 1.0]
+    while edges[-1] < max_value:
+        edges.append(edges[-1] * 2)
+    return edges
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ estimator per quantity and fixed-bucket histograms up to ``max_model_len``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
 from attnprof.aggregate.quantiles import QuantileEstimator
@@ -27,9 +28,11 @@ def _summary(est: QuantileEstimator, with_state: bool) -> QuantileSummary:
 
 
 class RequestAggregates:
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(self, max_model_len: int, buckets: Sequence[float] | None = None) -> None:
+        """``buckets``: histogram edges (default 1-2-5 up to max_model_len; pass
+        ``pow2_buckets(max_model_len)`` when OTLP exponential histograms are wanted)."""
         self.max_model_len = max_model_len
-        self.buckets = log_buckets(max(1, max_model_len))
+        self.buckets = list(buckets) if buckets is not None else log_buckets(max(1, max_model_len))
         self.quantiles = {q: QuantileEstimator() for q in QUANTITIES}
         self.histograms = {q: BucketHistogram(self.buckets) for q in QUANTITIES}
         self.kv_cache_usage: float | None = None

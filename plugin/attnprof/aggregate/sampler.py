@@ -94,9 +94,13 @@ class StepSampler:
         elif self.scale < 1.0:
             # Recover by 25% per elapsed second, however long since the last sampled step.
             self.scale = min(1.0, self.scale * 1.25 ** min(span, 60.0))
-        if self.scale != old:
-            # Redraw the countdown at the new rate: a gap drawn at a throttled rate could
-            # otherwise keep sampling off for hours after the load has gone.
+        if self.scale < old:
+            # Throttled: the pending gap was drawn at the old, higher rate (at rate 1 it is
+            # always 1 step), so draw afresh or the cut only takes effect a sample later.
+            self.countdown = self._gap()
+        elif self.scale > old:
+            # Recovering: a gap drawn at a throttled rate could otherwise keep sampling off
+            # for hours after the load has gone.
             self.countdown = min(self.countdown, self._gap())
         self._window_self = 0.0
         self._window_start = now

@@ -53,12 +53,12 @@ class State:
             from attnprof.exporters.otlp import OtlpSink, otlp_config_from_env
             from attnprof.exporters.prometheus import PrometheusSink
 
-            hub = ExportHub(on_error=self.errors.record)
+            hub = ExportHub(on_error=self.errors.note)
             hub.add_sink(PrometheusSink())
             otlp = otlp_config_from_env(os.environ)  # validated at start-up by register()
             if otlp is not None:
                 hub.add_sink(OtlpSink(otlp, role=role_of_process(),
-                                      on_error=self.errors.record))
+                                      on_error=self.errors.note))
             hub.add_source("process", self._process_samples)
             self.hub = hub
         return self.hub

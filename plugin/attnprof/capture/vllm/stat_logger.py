@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from attnprof.aggregate.histogram import pow2_buckets
 from attnprof.aggregate.requests import RequestAggregates
 from attnprof.capture.vllm import runtime, start
 from attnprof.config import Config, ConfigError
@@ -56,7 +57,9 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
             st.errors.record("stat_logger_init", exc)
             max_len = 8192
         if st.requests is None:
-            st.requests = RequestAggregates(max_len)
+            # OTLP exponential histograms convert exactly only from power-of-two edges.
+            buckets = pow2_buckets(max_len) if cfg.otlp_histogram == "exponential" else None
+            st.requests = RequestAggregates(max_len, buckets=buckets)
         self.requests: RequestAggregates = st.requests
         st.export_source("requests", request_samples)
 
