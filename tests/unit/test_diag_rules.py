@@ -115,6 +115,7 @@ def test_docs_compat_matrix_is_generated() -> None:
         "regenerate: attnprof compat --markdown --out docs/compat-matrix.md"
 
 
+@pytest.mark.vllm
 def test_vllm_backend_report_cpu() -> None:
     rep = vllm_backend_report(9, 3, 64, torch.float32, "auto", None)
     b = rep["backends"]

@@ -24,6 +24,7 @@ def test_entry_points_registered() -> None:
     assert _eps("console_scripts") == {"attnprof": "attnprof.cli:main"}
 
 
+@pytest.mark.vllm
 def test_entry_points_load() -> None:
     for group in ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.endpoint_plugins"):
         for ep in entry_points(group=group):
@@ -31,6 +32,7 @@ def test_entry_points_load() -> None:
                 assert callable(ep.load())
 
 
+@pytest.mark.vllm
 def test_stat_logger_is_a_vllm_stat_logger() -> None:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -54,6 +56,7 @@ print("patched" if Attention.__init__ is not init0 else "untouched",
 """
 
 
+@pytest.mark.vllm
 def test_disabled_plugin_changes_nothing() -> None:
     r = run_py(_PROBE)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -61,6 +64,7 @@ def test_disabled_plugin_changes_nothing() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_enabled_plugin_patches_once_even_if_loaded_twice() -> None:
     r = run_py(_PROBE, env={"ATTNPROF_ENABLED": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
