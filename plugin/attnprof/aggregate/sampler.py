@@ -36,6 +36,8 @@ class StepSampler:
         self._clock: Callable[[], float] = clock or time.perf_counter
         self._t0 = self._clock()
         self.self_time = 0.0
+        self.throttles = 0
+        """How often the budget cut the rate (it recovers by itself afterwards)."""
         self._window_self = 0.0
         self._window_start = self._t0
         self.seen = 0
@@ -95,6 +97,7 @@ class StepSampler:
             # Recover by 25% per elapsed second, however long since the last sampled step.
             self.scale = min(1.0, self.scale * 1.25 ** min(span, 60.0))
         if self.scale < old:
+            self.throttles += 1
             # Throttled: the pending gap was drawn at the old, higher rate (at rate 1 it is
             # always 1 step), so draw afresh or the cut only takes effect a sample later.
             self.countdown = self._gap()

@@ -101,6 +101,8 @@ class SamplerStats(Record):
     budget: float = 0.0
     self_time_s: float = 0.0
     self_time_fraction: float = 0.0
+    throttles: int = 0
+    """Times the overhead budget cut the rate (added in snapshot 1.2)."""
 
 
 @dataclass

@@ -441,7 +441,7 @@ class Capture:
             seen=seen, sampled=o["sampled"], sampled_long=o["sampled_long"], blind=o["blind"],
             unsampled=max(0, seen - sum(o.values())), base_rate=s.base_rate,
             effective_rate=s.rate, budget=s.budget, self_time_s=s.self_time,
-            self_time_fraction=s.self_time_fraction())
+            self_time_fraction=s.self_time_fraction(), throttles=s.throttles)
 
     def samples(self) -> list[Any]:
         from attnprof.exporters.samples import worker_samples
