@@ -57,6 +57,7 @@ bench: model
 	$(PY) benchmarks/microbench.py
 	$(PY) benchmarks/head_stats.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/otlp_export.py
 	$(PY) benchmarks/otlp_faults.py
 
 clean-venv:
