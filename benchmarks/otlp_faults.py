@@ -52,7 +52,8 @@ def load(base: str, prompts: list[str], max_tokens: int, concurrency: int) -> di
     return {"throughput_tok_s": sum(r["tokens"] for r in res) / wall,
             "ttft_p99_s": pct([r["ttft"] for r in res], 99),
             "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
-            "itl_steady_p99_s": pct(steady, 99), "itl_steady_max_s": max(steady)}
+            "itl_steady_p99_s": pct(steady, 99),
+            "itl_steady_max_s": max(steady, default=float("nan"))}
 
 
 def _closed_port() -> int:
