@@ -77,9 +77,11 @@ def test_overhead_budget_lowers_the_effective_rate(tiny_model: Path) -> None:
     res = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "1.0",
                             "ATTNPROF_HEAD_STATS_RATE": "1.0",
                             "ATTNPROF_HEAD_STATS_MIN_TOKENS": "4",
-                            "ATTNPROF_OVERHEAD_BUDGET": "0.01",
-                            # Enough decode steps to span several of the budget's 1 s windows
-                            # (the controller acts once a second, not per step).
+                            # A budget far below anything attnprof can meet, over enough
+                            # decode steps to span several of the controller's 1 s windows
+                            # (it acts once a second, not per step): a throttle must happen
+                            # however fast or loaded the machine is.
+                            "ATTNPROF_OVERHEAD_BUDGET": "0.00001",
                             "TEST_MAX_TOKENS": "200"})
     (snap,) = res["snapshot"]
     s = snap["sampler"]
