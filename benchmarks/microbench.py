@@ -86,7 +86,8 @@ def main() -> int:
     res["layer_forward_is_vllms_own_when_unsampled"] = "forward" not in vars(layer.impl)
     res["smollm2_30_layer_step_ns"] = round(
         res["step_hook_overhead_ns"] + 30 * max(0.0, res["layer_unsampled_overhead_ns"]), 1)
-    state.hub.stop(final_flush=False) if state.hub is not None else None
+    if state.hub is not None:  # wrap_layer started this process's export loop
+        state.hub.stop(final_flush=False)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

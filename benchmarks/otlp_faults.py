@@ -16,7 +16,6 @@ import argparse
 import json
 import random
 import socket
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnprof.tools import models
 from attnprof.tools.server import VllmServer, http_get
-from overhead import pct, stream_one
+from overhead import load, mean_stdev
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "otlp_faults.json"
@@ -37,23 +36,6 @@ OUT_MD = ROOT / "docs" / "otlp-overhead.md"
 SKIP = 8  # first intervals of each stream: other requests' prefills still running
 
 
-def load(base: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict[str, Any]:
-    """Like overhead.load, plus ITL in steady decode (each stream's first intervals dropped:
-    they include other requests' prefill chunks, a stall of ~1 s here in every arm)."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as ex:
-        res = list(ex.map(lambda p: stream_one(base, p, max_tokens), prompts))
-    wall = time.perf_counter() - t0
-    itls = [x for r in res for x in r["itl"]]
-    steady = [x for r in res for x in r["itl"][SKIP:]]
-    return {"throughput_tok_s": sum(r["tokens"] for r in res) / wall,
-            "ttft_p99_s": pct([r["ttft"] for r in res], 99),
-            "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
-            "itl_steady_p99_s": pct(steady, 99),
-            "itl_steady_max_s": max(steady, default=float("nan"))}
 
 
 def _closed_port() -> int:
@@ -119,11 +101,11 @@ def main() -> int:
             srv.start()
             srv.wait_ready(600)
         for srv in arms.values():
-            load(srv.base_url, prompts[:4], 8, args.concurrency)
+            load(srv.base_url, prompts[:4], 8, args.concurrency, SKIP)
         for i in range(args.rounds):
             order = list(arms) if i % 2 == 0 else list(reversed(arms))
             for name in order:
-                r = load(arms[name].base_url, prompts, args.max_tokens, args.concurrency)
+                r = load(arms[name].base_url, prompts, args.max_tokens, args.concurrency, SKIP)
                 rounds[name].append(r)
                 print(f"round {i + 1} {name}: ITL p99 {r['itl_p99_s'] * 1e3:.1f} ms, "
                       f"{r['throughput_tok_s']:.1f} tok/s", file=sys.stderr)
@@ -135,10 +117,8 @@ def main() -> int:
         slow.stop()
     summary: dict[str, Any] = {}
     for name, rs in rounds.items():
-        summary[name] = {k: {"mean": statistics.mean(r[k] for r in rs),
-                             "stdev": statistics.stdev(r[k] for r in rs) if len(rs) > 1 else 0.0}
-                         for k in ("itl_p50_s", "itl_p99_s", "itl_steady_p99_s",
-                                   "itl_steady_max_s", "ttft_p99_s", "throughput_tok_s")}
+        summary[name] = mean_stdev(rs, ["itl_p50_s", "itl_p99_s", "itl_steady_p99_s",
+                                        "itl_steady_max_s", "ttft_p99_s", "throughput_tok_s"])
         summary[name]["otlp_failures_counted"] = failures.get(name)
     base = summary["otlp_off"]["itl_steady_p99_s"]
     for name in summary:

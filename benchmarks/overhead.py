@@ -56,16 +56,32 @@ def stream_one(base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     return {"ttft": ttft, "itl": itl, "tokens": len(stamps), "end": stamps[-1] if stamps else t0}
 
 
-def load(base: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict[str, Any]:
+def load(base: str, prompts: list[str], max_tokens: int, concurrency: int,
+         steady_skip: int | None = None) -> dict[str, Any]:
+    """Throughput, TTFT and ITL of one round. With ``steady_skip``, also ITL in steady
+    decode: each stream's first ``steady_skip`` intervals dropped (they include other
+    requests' prefill chunks)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
         res = list(ex.map(lambda p: stream_one(base, p, max_tokens), prompts))
     wall = time.perf_counter() - t0
     ttfts = [r["ttft"] for r in res]
     itls = [x for r in res for x in r["itl"]]
-    return {"throughput_tok_s": sum(r["tokens"] for r in res) / wall,
-            "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
-            "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99), "wall_s": wall}
+    out = {"throughput_tok_s": sum(r["tokens"] for r in res) / wall,
+           "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+           "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99), "wall_s": wall}
+    if steady_skip is not None:
+        steady = [x for r in res for x in r["itl"][steady_skip:]]
+        out["itl_steady_p99_s"] = pct(steady, 99)
+        out["itl_steady_max_s"] = max(steady, default=float("nan"))
+    return out
+
+
+def mean_stdev(rounds: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
+    """Per key: mean and sample stdev over rounds (stdev 0 for a single round)."""
+    return {k: {"mean": statistics.mean(r[k] for r in rounds),
+                "stdev": statistics.stdev(r[k] for r in rounds) if len(rounds) > 1 else 0.0}
+            for k in keys}
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -146,9 +162,7 @@ def main() -> int:
             srv.stop()
     summary: dict[str, Any] = {}
     for name, rs in rounds.items():
-        summary[name] = {k: {"mean": statistics.mean(r[k] for r in rs),
-                             "stdev": statistics.stdev(r[k] for r in rs) if len(rs) > 1 else 0.0}
-                         for k in rs[0] if k != "wall_s"}
+        summary[name] = mean_stdev(rs, [k for k in rs[0] if k != "wall_s"])
     base = summary["absent"]["throughput_tok_s"]["mean"]
     for name in summary:
         summary[name]["throughput_change"] = summary[name]["throughput_tok_s"]["mean"] / base - 1

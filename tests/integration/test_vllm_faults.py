@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from attnprof.tools.server import VllmServer, http_get, http_post_json
-from tests.conftest import metric_value, running_tiny_server
+from attnprof.tools.server import VllmServer, http_post_json
+from tests.conftest import metric_value, poll_metrics, running_tiny_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -32,12 +31,8 @@ def test_exception_in_capture_path_is_counted_not_raised(faulty_server: VllmServ
                                    "max_tokens": 4, "ignore_eos": True, "temperature": 0.0})
         assert out["usage"]["completion_tokens"] == 4
     # Worker metrics are flushed by a background thread about once a second: poll.
-    deadline = time.monotonic() + 15
-    while True:
-        metrics = http_get(faulty_server.base_url + "/metrics")
-        errors = metric_value(metrics, "attnprof_internal_errors_total", place="capture")
-        if (errors or 0) > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    metrics = poll_metrics(faulty_server.base_url, lambda t: (metric_value(
+        t, "attnprof_internal_errors_total", place="capture") or 0) > 0, timeout=15)
+    errors = metric_value(metrics, "attnprof_internal_errors_total", place="capture")
     assert errors is not None and errors > 0
     assert metric_value(metrics, "attnprof_dropped_samples_total", reason="capture_error")

@@ -39,7 +39,6 @@ class ExportHub:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
-        self.flushes = 0
 
     def add_source(self, name: str, fn: SampleSource) -> None:
         self.sources[name] = fn
@@ -76,7 +75,6 @@ class ExportHub:
                     sink.export(samples)
                 except Exception as exc:
                     self._error(f"export_{getattr(sink, 'name', 'sink')}", exc)
-            self.flushes += 1
 
     def start(self) -> None:
         """Start the flush thread once per process (a forked child starts its own)."""

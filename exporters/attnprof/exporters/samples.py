@@ -115,7 +115,7 @@ def request_samples(model: str, req: Any) -> list[MetricSample]:
         out.append(HistogramSample(name, _labels(name, model=model), state))
     if req.kv_cache_usage is not None:
         out.append(s("attnprof_kv_cache_usage_ratio", req.kv_cache_usage, model=model))
-    summary = req.summary()
+    summary = req.summary(with_state=False)
     for q, summ in (("context", summary.context_tokens), ("prompt", summary.prompt_tokens),
                     ("generation", summary.generation_tokens)):
         for quant, v in (("0.5", summ.p50), ("0.9", summ.p90), ("0.99", summ.p99)):

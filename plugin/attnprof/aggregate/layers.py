@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from attnprof.contracts.snapshot import LayerProfile, PhaseStats, StepPhaseStats
+from attnprof.contracts.snapshot import LayerFacts, LayerProfile, PhaseStats, StepPhaseStats
 from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = [
@@ -47,26 +47,10 @@ def layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-@dataclass(slots=True)
-class LayerInfo:
-    """Static facts of one attention layer, read once when the model is built."""
-
-    name: str
-    index: int
-    backend: str
-    impl: str
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    head_size_v: int
-    sliding_window: int | None
-    dtype: str
-    kv_cache_dtype: str
-    fused: bool
-    kv_cache_bytes: int = 0
-    scale: float = 0.0
-    kernel: str | None = None
-    """Kernel variant actually used (CPU ISA, FlashAttention version), seen on first call."""
+@dataclass
+class LayerInfo(LayerFacts):
+    """A layer's static facts (the contract's field list) as capture keeps them: ``kernel``
+    and ``kv_cache_bytes`` are filled in on the first sampled call."""
 
     @property
     def kv_element_bytes(self) -> int:
@@ -200,14 +184,8 @@ class WorkerAggregates:
                     tokens=tokens, flops=flops, bytes=nbytes,
                     mean_batch_requests=reqs / calls if calls else 0.0,
                     mean_seq_len=kv / reqs if reqs else 0.0, max_seq_len=mx)
-            out.append(LayerProfile(
-                name=info.name, index=info.index, backend=info.backend, impl=info.impl,
-                num_heads=info.num_heads, num_kv_heads=info.num_kv_heads,
-                head_size=info.head_size, head_size_v=info.head_size_v,
-                sliding_window=info.sliding_window, dtype=info.dtype,
-                kv_cache_dtype=info.kv_cache_dtype, fused=info.fused,
-                kv_cache_bytes=info.kv_cache_bytes, scale=info.scale, kernel=info.kernel,
-                phases=phases))
+            facts = {f.name: getattr(info, f.name) for f in fields(LayerFacts)}
+            out.append(LayerProfile(**facts, phases=phases))
         return out
 
     def step_stats(self) -> dict[str, StepPhaseStats]:

@@ -55,11 +55,13 @@ class RequestAggregates:
         with self.lock:
             return {q: h.state() for q, h in self.histograms.items()}
 
-    def summary(self) -> RequestStatsDoc:
+    def summary(self, with_state: bool = True) -> RequestStatsDoc:
+        """Quantiles of each quantity; ``with_state`` adds the context estimator's mergeable
+        state (snapshots need it for fleet merges; the once-a-second export does not)."""
         with self.lock:
             return RequestStatsDoc(
                 requests=self.requests, max_model_len=self.max_model_len,
-                context_tokens=_summary(self.quantiles["context"], True),
+                context_tokens=_summary(self.quantiles["context"], with_state),
                 prompt_tokens=_summary(self.quantiles["prompt"], False),
                 generation_tokens=_summary(self.quantiles["generation"], False),
                 kv_cache_usage=self.kv_cache_usage)

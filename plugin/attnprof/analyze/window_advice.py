@@ -15,7 +15,6 @@ from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 
 __all__ = [
     "advise_snapshot",
-    "compute_advice",
     "recommend_from_snapshot",
     "summarize",
 ]
@@ -66,9 +65,3 @@ def advise_snapshot(snap: dict[str, Any], model_path: str | None
     except InputError as err:
         return AdviceUnavailable(str(err))
     return summarize(rec, acc)
-
-
-def compute_advice(snap: dict[str, Any], model_path: str | None) -> dict[str, Any]:
-    """:func:`advise_snapshot` as the JSON the snapshot's ``window_advice`` carries (an
-    ``attnprof.window_advice`` document, or ``{"error": ...}``)."""
-    return advise_snapshot(snap, model_path).to_json()

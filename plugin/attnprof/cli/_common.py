@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CliError", "progress_bar", "write_atomic", "write_json"]
+__all__ = ["CliError", "progress_bar", "read_json", "write_atomic", "write_json"]
 
 
 class CliError(Exception):
@@ -36,6 +36,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or :class:`CliError` (one line) when unreadable or malformed."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as err:
+        raise CliError(f"cannot read {str(path)!r}: {err.strerror}") from None
+    except ValueError:
+        raise CliError(f"{path}: malformed JSON") from None
 
 
 def write_json(path: Path, obj: Any) -> None:

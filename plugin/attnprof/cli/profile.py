@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, ensure_writable_dir, progress_bar, write_atomic
+from attnprof.cli._common import (
+    CliError,
+    ensure_writable_dir,
+    progress_bar,
+    read_json,
+    write_atomic,
+)
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.profile import ProfileReport
 
@@ -90,12 +96,7 @@ def add_parser(sub: Any) -> None:
 def read_profile(path: Path) -> ProfileReport:
     """A profile.json (any 1.x); :class:`CliError` (one line) when it is unreadable, another
     kind of document, another major version or malformed."""
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise CliError(f"cannot read {str(path)!r}: {err.strerror}") from None
-    except ValueError:
-        raise CliError(f"{path}: malformed JSON") from None
+    data = read_json(path)
     try:
         return ProfileReport.from_json(data)
     except ContractError as err:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, write_json
+from attnprof.cli._common import CliError, read_json, write_json
 
 __all__ = ["add_parser", "load_arch", "load_head_stats", "parse_layers"]
 
@@ -104,12 +104,7 @@ def load_head_stats(path: Path) -> Any:
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
     from attnprof.analyze.sparsity.inputs import head_stats_from_snapshot
 
-    try:
-        obj = json.loads(path.read_text())
-    except OSError as err:
-        raise CliError(f"cannot read {str(path)!r}: {err.strerror}") from None
-    except ValueError:
-        raise CliError(f"{path}: malformed JSON") from None
+    obj = read_json(path)
     if not isinstance(obj, dict):
         raise CliError(f"{path}: expected a JSON object with head statistics")
     if "schema" not in obj:

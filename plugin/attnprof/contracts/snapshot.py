@@ -17,6 +17,7 @@ from attnprof.contracts.base import Document, Record
 
 __all__ = [
     "KernelGroup",
+    "LayerFacts",
     "LayerProfile",
     "PhaseStats",
     "ProcessNote",
@@ -46,8 +47,9 @@ class PhaseStats(Record):
 
 
 @dataclass
-class LayerProfile(Record):
-    """One attention layer as the worker saw it: static facts and per-phase aggregates."""
+class LayerFacts(Record):
+    """Static facts of one attention layer, read once when the model is built (capture keeps
+    them as :class:`attnprof.aggregate.layers.LayerInfo`, this same field list)."""
 
     name: str
     index: int
@@ -64,6 +66,13 @@ class LayerProfile(Record):
     kv_cache_bytes: int = 0
     scale: float = 0.0
     kernel: str | None = None
+    """Kernel variant actually used (CPU ISA, FlashAttention version), seen on first call."""
+
+
+@dataclass
+class LayerProfile(LayerFacts):
+    """One attention layer as the worker saw it: static facts and per-phase aggregates."""
+
     phases: dict[str, PhaseStats] = field(default_factory=dict)
 
 

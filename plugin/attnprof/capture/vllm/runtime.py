@@ -59,7 +59,6 @@ class State:
             if otlp is not None:
                 hub.add_sink(OtlpSink(otlp, role=role_of_process(),
                                       on_error=self.errors.note))
-            hub.add_source("process", self._process_samples)
             self.hub = hub
         return self.hub
 
