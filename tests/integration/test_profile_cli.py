@@ -138,9 +138,10 @@ def test_unwritable_out_writes_nothing(tmp_path: Path) -> None:
 def test_compat_cli_answers_case(capsys: Any) -> None:
     assert main(["compat", "--head-dim", "96", "--dtype", "bf16", "--gpu", "h100", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert "flash_attn_3" in rep["active"] and "flashinfer" not in rep["active"]
-    fi = next(b for b in rep["backends"] if b["backend"] == "flashinfer")
-    assert fi["reasons"][0]["message"] == "head dim 96 not in [64, 128, 256, 512]"
+    assert "flash_attn_3" in rep["active"]
+    assert rep["vllm"]["selected"] == "FLASH_ATTN" and rep["vllm"]["flash_attn_version"] == 3
+    fi = next(b for b in rep["vllm"]["backends"] if b["backend"] == "FLASHINFER")
+    assert fi["reasons"] == ["head_size not supported"]
 
 
 def test_profile_with_traffic_adds_the_window_advice(tmp_path: Path, capsys: Any) -> None:

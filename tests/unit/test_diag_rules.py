@@ -42,8 +42,11 @@ def test_head_dim_96_bf16_h100() -> None:
     rep = compat.case_report("h100", 96, "bf16")
     by = {b["backend"]: b for b in rep["backends"]}
     assert by["flash_attn_3"]["ok"] and by["torch_sdpa_flash"]["ok"]
-    assert not by["flashinfer"]["ok"]
-    assert by["flashinfer"]["reasons"][0]["code"] == "head_dim"
+    # vLLM's backends are not hand-kept any more: they come from the derived matrix.
+    assert "flashinfer" not in by and "triton_attn" not in by
+    v = {b["backend"]: b for b in rep["vllm"]["backends"]}
+    assert rep["vllm"]["selected"] == "FLASH_ATTN" and rep["vllm"]["flash_attn_version"] == 3
+    assert v["FLASHINFER"]["reasons"] == ["head_size not supported"]
     assert not by["vllm_cpu_attn"]["ok"] and by["vllm_cpu_attn"]["reasons"][0]["code"] == \
         "hardware"
     assert rep["torch_sdpa_choice"]["backend"] == "flash"
@@ -54,8 +57,6 @@ def test_fa3_only_on_hopper_and_fp8_kv() -> None:
     assert rules.evaluate("flash_attn_3", "h100", 128, "bf16", {"fp8_kv": True}).ok
     v = rules.evaluate("flash_attn_2", "h100", 128, "bf16", {"fp8_kv": True})
     assert [r["code"] for r in v.reasons] == ["fp8_kv"]
-    sink = rules.evaluate("flashinfer", "h100", 128, "bf16", {"sinks": True})
-    assert not sink.ok and rules.evaluate("flashinfer", "b200", 128, "bf16", {"sinks": True}).ok
 
 
 def test_cudnn_head_dim_limit_depends_on_hardware() -> None:
@@ -117,23 +118,32 @@ def test_docs_compat_matrix_is_generated() -> None:
 
 @pytest.mark.vllm
 def test_vllm_backend_report_cpu() -> None:
+    # The running platform is the target: vLLM's CPU backend answers itself, and no CUDA
+    # backend is validated under the CPU platform.
     rep = vllm_backend_report(9, 3, 64, torch.float32, "auto", None)
-    b = rep["backends"]
-    assert b["CPU_ATTN"]["valid"] and b["CPU_ATTN"]["source"] == "vllm.validate_configuration"
+    assert rep["source"] == "vllm.validate_configuration (CpuPlatform, this machine)"
+    assert list(rep["backends"]) == ["CPU_ATTN"]
     assert rep["valid"] == ["CPU_ATTN"] and rep["predicted"] == "CPU_ATTN"
     bad = vllm_backend_report(9, 3, 72, torch.float32, "auto", None)
     assert bad["backends"]["CPU_ATTN"]["reasons"] == ["head_size not supported"]
 
 
-def test_vllm_backend_report_gpu_target() -> None:
+def test_vllm_backend_report_gpu_target_reads_the_derived_matrix() -> None:
+    # An H100 asked about from this CPU process: the derived matrix answers, and says so.
     rep = vllm_backend_report(9, 3, 96, torch.bfloat16, "fp8", 4096, device_capability=(9, 0))
+    assert rep["source"].startswith("attnprof derived matrix")
+    assert "not the running platform" in rep["source"]
     b = rep["backends"]
-    assert not b["FLASH_ATTN"]["valid"]
-    assert "kv_cache_dtype not supported" in b["FLASH_ATTN"]["reasons"]
-    assert b["TRITON_ATTN"]["valid"]
-    assert "head dim 96" in b["FLASHINFER"]["reasons"][0]
-    assert rep["predicted"] == "TRITON_ATTN"  # first valid in Hopper's priority order
-    ok = vllm_backend_report(9, 3, 128, torch.bfloat16, "auto", None, device_capability=(9, 0))
-    assert ok["predicted"] == "FLASH_ATTN"
+    # vLLM 0.32 runs FA3 with an fp8 KV cache on Hopper (the hand rules said it could not).
+    assert b["FLASH_ATTN"]["valid"] and rep["predicted"] == "FLASH_ATTN"
+    assert rep["flash_attn_version"] == 3
+    assert b["FLASHINFER"]["reasons"] == ["head_size not supported"]
     bw = vllm_backend_report(8, 8, 128, torch.bfloat16, "auto", None, device_capability=(10, 0))
     assert next(iter(bw["backends"])) == "FLASHINFER" and bw["predicted"] == "FLASHINFER"
+    off = vllm_backend_report(8, 8, 100, torch.bfloat16, "auto", None, device_capability=(9, 0))
+    assert off["valid"] is None and "outside the derived grid" in off["note"]
+    unk = vllm_backend_report(8, 8, 128, torch.bfloat16, "auto", None, device_capability=(12, 0))
+    assert unk["valid"] is None and "12.0" in unk["note"]
+    e5 = vllm_backend_report(8, 8, 128, torch.bfloat16, "fp8_e5m2", None,
+                             device_capability=(9, 0))
+    assert e5["valid"] is None and "fp8_e5m2" in e5["note"]

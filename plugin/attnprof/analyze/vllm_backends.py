@@ -1,9 +1,15 @@
-"""vLLM attention backends: which are valid for a layer and why the others are not.
+"""vLLM attention backends: which are valid for a layer, which one vLLM picks, and why not the
+others, in vLLM's own words.
 
-Uses vLLM's own ``validate_configuration`` on each backend class (the same call
-``CudaPlatform.get_valid_backends`` makes) where the class imports; where it does not (e.g.
-FlashInfer on a CPU build), falls back to the rules in ``data/compat_matrix.json``.
-Safe inside a vLLM worker on CPU: no kernels run, nothing is allocated.
+Where the answer comes from, always named in ``source``:
+- the running platform is the target (a worker on its own GPU, or on its own CPU): vLLM itself,
+  ``CudaPlatform.get_valid_backends`` / the CPU backend's ``validate_configuration``;
+- another target (an H100 asked about from a CPU process): the derived matrix
+  (``data/vllm_matrix.json``, computed from vLLM's own code by ``attnprof compat
+  --regenerate``). A CUDA backend is never validated under another platform: vLLM would then
+  see no FlashAttention at all and the verdict would be the CPU build's, not the GPU's.
+
+Safe inside a vLLM worker: nothing is allocated, no kernel runs, no process is started.
 """
 
 from __future__ import annotations
@@ -11,21 +17,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from attnprof.analyze.rules import evaluate, resolve_hardware
+from attnprof.analyze import vllm_matrix
 
-__all__ = ["CANDIDATES", "vllm_backend_report"]
+__all__ = ["vllm_backend_report"]
 
 logger = logging.getLogger("attnprof")
 
-# vLLM backend -> compat-matrix key (used when the class cannot be imported here).
-CANDIDATES: dict[str, str] = {
-    "FLASH_ATTN": "flash_attn_2",
-    "FLASHINFER": "flashinfer",
-    "TRITON_ATTN": "triton_attn",
-    "FLEX_ATTENTION": "flex_attention",
-    "CPU_ATTN": "vllm_cpu_attn",
-}
-_GPU_ONLY = {"FLASH_ATTN", "FLASHINFER"}
+_FP8 = {"fp8", "fp8_e4m3"}  # the grid's fp8 KV (--kv-cache-dtype fp8 is e4m3 on CUDA)
+_PLAIN_KV = {None, "auto", "bfloat16", "float16", "bf16", "fp16", "half", "float32"}
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -38,144 +37,174 @@ def _torch_dtype(dtype: Any) -> Any:
             "fp32": torch.float32, "float": torch.float32}.get(name) or getattr(torch, name)
 
 
-def _matrix_hw(device_capability: tuple[int, int] | None) -> str:
-    if device_capability is None:
-        return "cpu_avx2"
+def _short_dtype(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+            "float": "fp32"}.get(name, name)
+
+
+def _running() -> tuple[str | None, Any, str | None]:
+    """(platform class name, current_platform, vLLM version) without forcing anything."""
     try:
-        return resolve_hardware(f"{device_capability[0]}.{device_capability[1]}")
-    except ValueError:
-        return "sm90" if device_capability >= (9, 0) else "sm80"
+        import vllm
+        from vllm.platforms import current_platform
+
+        return type(current_platform).__name__, current_platform, str(vllm.__version__)
+    except Exception as exc:  # no vLLM here
+        logger.debug("vLLM not importable (%s)", exc)
+        return None, None, None
 
 
 def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype: Any,
                         kv_cache_dtype: str | None = "auto", sliding_window: int | None = None,
                         *, has_sink: bool = False, block_size: int | None = None,
                         device_capability: tuple[int, int] | None = None,
-                        backends: list[str] | None = None,
                         selected: str | None = None) -> dict[str, Any]:
-    """Per-backend validity for one attention layer, as vLLM would judge it.
+    """Per-backend validity for one attention layer, as vLLM judges it.
 
-    ``device_capability`` defaults to the current platform's (None on CPU, where only
-    backends without a capability requirement are judged by vLLM and GPU-only ones by the
-    rule data for an sm90 target). Returns ``{"source", "vllm_version", "platform",
-    "device_capability", "layer", "selected", "valid", "predicted", "backends": {NAME:
-    {"valid", "config_valid", "reasons", "source", "priority"}}}``; ``selected`` echoes the
-    backend the worker uses, ``predicted`` is the first valid backend in vLLM's priority order
-    (what vLLM picks without ``--attention-backend``).
+    ``device_capability`` None means "the device this process runs on". Returns ``{"source",
+    "vllm_version", "platform", "device_capability", "layer", "selected", "valid",
+    "predicted", "flash_attn_version", "backends": {NAME: {"valid", "reasons", "priority"}}}``;
+    ``selected`` echoes the backend the worker uses, ``predicted`` is what vLLM picks without
+    ``--attention-backend``; ``valid`` is None when no source can answer (then ``note`` says
+    why).
     """
     out: dict[str, Any] = {
         "layer": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                   "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": kv_cache_dtype,
                   "sliding_window": sliding_window, "has_sink": has_sink,
                   "block_size": block_size},
-        "selected": selected, "backends": {}, "vllm_version": None, "platform": None,
+        "selected": selected, "backends": {}, "valid": None, "predicted": None,
+        "flash_attn_version": None, "source": None, "note": None,
+        "vllm_version": None, "platform": None,
         "device_capability": list(device_capability) if device_capability else None,
     }
-    cap_obj: Any = None
-    enum: Any = None
-    try:
-        import vllm
-        from vllm.platforms import current_platform
-        from vllm.platforms.interface import DeviceCapability
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-        enum = AttentionBackendEnum
-
-        out["vllm_version"] = str(vllm.__version__)
-        out["platform"] = type(current_platform).__name__
-        if device_capability is None:
-            cc = current_platform.get_device_capability()
-            if cc is not None:
-                device_capability = (int(cc.major), int(cc.minor))
-                out["device_capability"] = list(device_capability)
-        if device_capability is not None:
-            cap_obj = DeviceCapability(*device_capability)
-    except Exception as exc:  # no vLLM here: rules only
-        logger.debug("vLLM not importable (%s): rule data only", exc)
-    cpu_platform = device_capability is None
-    if backends:
-        names = list(backends)
-    elif device_capability is not None:
-        # CudaPlatform's priority order (vllm/platforms/cuda.py, _get_backend_priorities).
-        names = (["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
-                 if device_capability[0] == 10 else
-                 ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"])
-        live = _cuda_valid_backends(device_capability, cap_obj, num_heads, head_size, dtype,
-                                    kv_cache_dtype, block_size, has_sink, sliding_window)
-        if live is not None:
-            out["backends"] = live
-            out["valid"] = [n for n, e in live.items() if e["valid"]]
-            out["predicted"] = out["valid"][0] if out["valid"] else None
-            return out
-    else:
-        names = list(CANDIDATES)
-    hw = _matrix_hw(device_capability)
-    for prio, name in enumerate(names):
-        entry: dict[str, Any] = {"priority": prio}
-        reasons: list[str] | None = None
-        if enum is not None and not (cap_obj is None and name in _GPU_ONLY):
-            try:
-                cls = enum[name].get_class()
-                reasons = list(cls.validate_configuration(
-                    head_size=head_size, dtype=_torch_dtype(dtype),
-                    kv_cache_dtype=kv_cache_dtype, block_size=block_size, use_mla=False,
-                    has_sink=has_sink, use_sparse=False, use_mm_prefix=False,
-                    use_per_head_quant_scales=False, device_capability=cap_obj,
-                    attn_type="decoder", has_sliding_window=bool(sliding_window)))
-                entry["source"] = "vllm.validate_configuration"
-            except Exception as exc:
-                logger.debug("validate_configuration(%s) failed: %s", name, exc)
-                reasons = None
-        if reasons is None:
-            key = CANDIDATES.get(name)
-            if key is None:
-                entry.update(valid=None, reasons=["unknown backend"], source="none")
-                out["backends"][name] = entry
-                continue
-            if key == "flash_attn_2" and hw == "sm90":
-                key = "flash_attn_3"
-            feats = {"sliding_window": bool(sliding_window), "sinks": has_sink,
-                     "fp8_kv": str(kv_cache_dtype or "auto").startswith("fp8")}
-            v = evaluate(key, hw, head_size, str(dtype).removeprefix("torch."), feats)
-            reasons = [r["message"] for r in v.reasons]
-            entry["source"] = f"attnprof rules ({key} on {hw})"
-        entry["config_valid"] = not reasons
-        if cpu_platform and name != "CPU_ATTN":
-            # vLLM's CPU platform never asks the other backends; say so, keep their verdict.
-            reasons = [*reasons, "not selectable on the CPU platform (vLLM CPU always uses "
-                                 "CPU_ATTN)"]
-        entry["valid"] = not reasons
-        entry["reasons"] = reasons
-        out["backends"][name] = entry
-    out["valid"] = [n for n, e in out["backends"].items() if e.get("valid")]
-    # What vLLM would pick without --attention-backend: the first valid one in priority order.
-    out["predicted"] = "CPU_ATTN" if cpu_platform else (out["valid"][0] if out["valid"]
-                                                        else None)
+    platform_name, platform, version = _running()
+    out["platform"], out["vllm_version"] = platform_name, version
+    running_cc: tuple[int, int] | None = None
+    is_cuda = bool(platform is not None and _call(platform, "is_cuda"))
+    if is_cuda:
+        cc = platform.get_device_capability()
+        running_cc = (int(cc.major), int(cc.minor)) if cc is not None else None
+    if device_capability is None and is_cuda:
+        device_capability = running_cc
+        out["device_capability"] = list(running_cc) if running_cc else None
+    if device_capability is None:
+        if platform is not None and _call(platform, "is_cpu"):
+            _cpu_live(out, head_size, dtype, kv_cache_dtype, block_size, has_sink,
+                      sliding_window)
+        else:
+            out["note"] = ("no vLLM platform to ask and no target capability given: pass "
+                           "device_capability for a GPU target")
+        return out
+    if is_cuda and device_capability == running_cc and _cuda_live(
+            out, device_capability, num_heads, head_size, dtype, kv_cache_dtype, block_size,
+            has_sink, sliding_window):
+        return out
+    _from_matrix(out, device_capability, head_size, dtype, kv_cache_dtype, block_size,
+                 has_sink, sliding_window, version)
     return out
 
 
-def _cuda_valid_backends(device_capability: tuple[int, int], cap_obj: Any, num_heads: int,
-                         head_size: int, dtype: Any, kv_cache_dtype: str | None,
-                         block_size: int | None, has_sink: bool, sliding_window: int | None
-                         ) -> dict[str, Any] | None:
-    """``CudaPlatform.get_valid_backends`` itself, where vLLM's CUDA build is importable."""
+def _call(obj: Any, name: str) -> Any:
     try:
-        from vllm.platforms.cuda import CudaPlatform
+        return getattr(obj, name)()
+    except Exception:
+        return None
+
+
+def _finish(out: dict[str, Any], backends: dict[str, dict[str, Any]]) -> None:
+    out["backends"] = dict(sorted(backends.items(), key=lambda kv: kv[1]["priority"]))
+    out["valid"] = [n for n, e in out["backends"].items() if e["valid"]]
+    out["predicted"] = out["valid"][0] if out["valid"] else None
+
+
+def _cpu_live(out: dict[str, Any], head_size: int, dtype: Any, kv_cache_dtype: str | None,
+              block_size: int | None, has_sink: bool, sliding_window: int | None) -> None:
+    """The CPU platform always selects CPU_ATTN (non-MLA); ask that class itself."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        cls = AttentionBackendEnum["CPU_ATTN"].get_class()
+        reasons = list(cls.validate_configuration(
+            head_size=head_size, dtype=_torch_dtype(dtype), kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size, use_mla=False, has_sink=has_sink, use_sparse=False,
+            use_mm_prefix=False, use_per_head_quant_scales=False, device_capability=None,
+            attn_type="decoder", has_sliding_window=bool(sliding_window)))
+    except Exception as exc:
+        out["note"] = f"vLLM's CPU_ATTN could not be asked: {type(exc).__name__}: {exc}"
+        return
+    out["source"] = "vllm.validate_configuration (CpuPlatform, this machine)"
+    _finish(out, {"CPU_ATTN": {"priority": 0, "valid": not reasons, "reasons": reasons}})
+
+
+def _cuda_live(out: dict[str, Any], cc: tuple[int, int], num_heads: int, head_size: int,
+               dtype: Any, kv_cache_dtype: str | None, block_size: int | None, has_sink: bool,
+               sliding_window: int | None) -> bool:
+    """``CudaPlatform.get_valid_backends`` on the device this process runs on."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.platforms.interface import DeviceCapability
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.v1.attention.selector import AttentionSelectorConfig
 
         cfg = AttentionSelectorConfig(head_size=head_size, dtype=_torch_dtype(dtype),
                                       kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                       has_sink=has_sink,
                                       has_sliding_window=bool(sliding_window))
-        valid, invalid = CudaPlatform.get_valid_backends(cap_obj, cfg, num_heads=num_heads)
-    except Exception as exc:  # CPU wheel: vllm._C_stable_libtorch is missing
+        valid, invalid = type(current_platform).get_valid_backends(
+            DeviceCapability(*cc), cfg, num_heads=num_heads)
+    except Exception as exc:
         logger.debug("CudaPlatform.get_valid_backends unavailable: %s", exc)
-        return None
-    out: dict[str, Any] = {}
+        return False
+    backends: dict[str, dict[str, Any]] = {}
     for cand in valid:
-        out[cand.backend.name] = {"priority": cand.priority, "valid": True, "reasons": [],
-                                  "config_valid": True, "source": "vllm.get_valid_backends"}
+        backends[cand.backend.name] = {"priority": cand.priority, "valid": True, "reasons": []}
     for be, (prio, reasons) in invalid.items():
-        out[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons),
-                        "config_valid": False, "source": "vllm.get_valid_backends"}
-    return dict(sorted(out.items(), key=lambda kv: kv[1]["priority"]))
+        backends[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons)}
+    out["source"] = f"vllm.get_valid_backends (CudaPlatform, this device {cc[0]}.{cc[1]})"
+    _finish(out, backends)
+    if "FLASH_ATTN" in out["valid"]:
+        try:  # the arguments FlashAttentionImpl passes
+            out["flash_attn_version"] = get_flash_attn_version(
+                head_size=head_size, has_sinks=has_sink, supports_fa4_hd256=True)
+        except Exception as exc:
+            logger.debug("get_flash_attn_version failed: %s", exc)
+    return True
+
+
+def _from_matrix(out: dict[str, Any], cc: tuple[int, int], head_size: int, dtype: Any,
+                 kv_cache_dtype: str | None, block_size: int | None, has_sink: bool,
+                 sliding_window: int | None, installed: str | None) -> None:
+    data = vllm_matrix.load()
+    hw = next((k for k, c in data["capabilities"].items()
+               if tuple(c["capability"]) == tuple(cc)), None)
+    kv = None if kv_cache_dtype is None else str(kv_cache_dtype)
+    if hw is None:
+        out["note"] = (f"capability {cc[0]}.{cc[1]} is not in the derived matrix "
+                       f"({', '.join(data['capabilities'])}); run this on that GPU, where vLLM "
+                       "answers itself")
+        return
+    if kv not in _FP8 and kv not in _PLAIN_KV:
+        out["note"] = (f"KV cache dtype {kv} is not in the derived grid (auto, fp8): run on the "
+                       "GPU, or attnprof compat --regenerate after widening the grid")
+        return
+    feats = {"sliding_window": bool(sliding_window), "sinks": has_sink,
+             "fp8_kv": kv in _FP8}
+    case = vllm_matrix.lookup(hw, head_size, _short_dtype(dtype), feats)
+    if case is None:
+        out["note"] = (f"head size {head_size} / dtype {_short_dtype(dtype)} is outside the "
+                       "derived grid: `attnprof compat` derives it from vLLM's own code")
+        return
+    out["source"] = (f"attnprof derived matrix ({vllm_matrix.source_line(data)}; CUDA "
+                     f"platform pinned to {cc[0]}.{cc[1]}), not the running platform")
+    notes = []
+    if installed is not None and installed not in data["vllm_version"]:
+        notes.append(f"derived from {data['vllm_version']}, this process runs vLLM {installed}")
+    if block_size is not None:
+        notes.append(f"derived for vLLM's automatic block size, not {block_size}")
+    out["note"] = "; ".join(notes) or None
+    _finish(out, {b["backend"]: {"priority": b["priority"], "valid": b["valid"],
+                                 "reasons": b["reasons"]}
+                  for b in case.as_dict()["backends"]})
+    out["flash_attn_version"] = case.flash_attn_version if "FLASH_ATTN" in out["valid"] else None

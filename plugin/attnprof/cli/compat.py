@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -26,29 +30,110 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     p.add_argument("--markdown", action="store_true",
                    help="print the whole matrix as Markdown (docs/compat-matrix.md)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="re-derive vLLM's CUDA backend verdicts from the installed vLLM's own "
+                        "code and write analyze/data/vllm_matrix.json (or --out)")
     p.add_argument("--out", type=Path, default=None, help="write the output to this file")
     p.set_defaults(func=_run)
+
+
+_MAX_HEAD_DIM = 4096
+
+
+def _regenerate(out: Path | None) -> int:
+    from attnprof.analyze import vllm_matrix
+    from attnprof.tools import vllm_matrix as derive
+
+    target = out or Path(str(resources.files("attnprof.analyze").joinpath(
+        "data/vllm_matrix.json")))
+    if target.is_dir():
+        raise CliError(f"--out {target} is a directory")
+    if not os.access(target.parent if not target.exists() else target, os.W_OK):
+        raise CliError(f"cannot write {target}; pass --out FILE")
+    try:
+        doc = derive.regenerate(progress=lambda m: print(m, file=sys.stderr))
+    except derive.DeriveError as err:
+        raise CliError(str(err)) from None
+    old = vllm_matrix.load() if out is None else None
+    write_atomic(target, derive.dump(doc))
+    n = sum(len(c["cases"]) for c in doc["capabilities"].values())
+    print(f"wrote {target}: {n} cases from {doc['vllm_version']} "
+          f"(sources sha256:{doc['source_digest']['combined'][:12]})")
+    if old is not None:
+        changed = _changed(old, doc)
+        print(f"{len(changed)} of {n} cases differ from the data shipped before"
+              + (":" if changed else ""))
+        for line in changed[:20]:
+            print(f"  {line}")
+        if changed:
+            print("regenerate the docs: attnprof compat --markdown --out docs/compat-matrix.md")
+    return 0
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    def rows(d: dict[str, Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+        out = {}
+        for key, cap in d["capabilities"].items():
+            for r in cap["cases"]:
+                inv = {b: [d["reasons"][i] for i in ids] for b, ids in r[6].items()}
+                out[(key, r[0], r[1], r[2])] = (r[3], r[4], json.dumps(inv, sort_keys=True))
+        return out
+
+    a, b = rows(old), rows(new)
+    return [f"{k[0]} head {k[1]} {k[2]} [{k[3] or 'none'}]: {a.get(k, ('-',))[0]} "
+            f"FA{a.get(k, (None, None))[1]} -> {b.get(k, ('-',))[0]} FA{b.get(k, (None, None))[1]}"
+            for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)]
+
+
+def _derive_off_grid(hw: str, head_dim: int, dtype: str,
+                     feats: dict[str, bool]) -> Any:
+    """vLLM's verdicts for a case the shipped grid lacks, derived now from the installed
+    vLLM (a child process, ~8 s); None where the shipped data answers or nothing can."""
+    from attnprof.analyze import rules, vllm_matrix
+
+    spec = rules.load_matrix()["hardware"][hw]
+    grid = vllm_matrix.load()["grid"]
+    if (spec["vendor"] != "nvidia" or dtype not in grid["dtypes"]
+            or vllm_matrix.lookup(hw, head_dim, dtype, feats) is not None
+            or importlib.util.find_spec("vllm") is None):
+        return None
+    from attnprof.tools import vllm_matrix as derive
+
+    case = {"head_size": head_dim, "dtype": dtype,
+            "features": [f for f in derive.FEATURES if feats.get(f)]}
+    cap = (int(spec["cc"][0]), int(spec["cc"][1]))
+    print(f"head dim {head_dim} is outside the shipped grid: deriving it from the installed "
+          "vLLM's own code...", file=sys.stderr)
+    try:
+        got = derive.derive(cap, [case])
+    except derive.DeriveError as err:
+        raise CliError(str(err)) from None
+    return vllm_matrix.from_derived(hw, cap, got, got["cases"][0])
 
 
 def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze import compat, rules
 
+    if args.regenerate:
+        return _regenerate(args.out)
     if args.markdown:
         text = compat.markdown_matrix()
     else:
-        if args.head_dim <= 0:
-            raise CliError(f"--head-dim must be a positive integer, got {args.head_dim}")
+        if not 0 < args.head_dim <= _MAX_HEAD_DIM:
+            raise CliError(f"--head-dim must be an integer in 1..{_MAX_HEAD_DIM}, "
+                           f"got {args.head_dim}")
         try:
-            rules.resolve_hardware(args.gpu)
+            hw = rules.resolve_hardware(args.gpu)
         except ValueError as err:
             raise CliError(str(err)) from None
         try:
-            rules.normalize_dtype(args.dtype)
+            dtype = rules.normalize_dtype(args.dtype)
         except ValueError as err:
             raise CliError(str(err)) from None
         feats = {"mask": args.mask, "sliding_window": args.sliding_window,
                  "sinks": args.sinks, "fp8_kv": args.fp8_kv}
-        rep = compat.case_report(args.gpu, args.head_dim, args.dtype, feats)
+        rep = compat.case_report(args.gpu, args.head_dim, dtype, feats,
+                                 vllm_case=_derive_off_grid(hw, args.head_dim, dtype, feats))
         text = json.dumps(rep, indent=2) if args.json else compat.render_case(rep)
     if args.out is not None:
         write_atomic(args.out, text + "\n")

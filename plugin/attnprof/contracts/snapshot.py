@@ -4,7 +4,9 @@ per-layer profiles from each worker, request statistics from the API server.
 Field names are those of snapshot version 1 (attnprof 0.1), so readers of 1.0 documents keep
 working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestStats.quantiles``;
 1.2 types ``window_advice``: an ``attnprof.window_advice`` document (carrying its own
-``schema_version``) or ``{"error": ...}``, as before.
+``schema_version``) or ``{"error": ...}``, as before; 1.3 adds ``KernelGroup.predicted``,
+``flash_attn_version`` and ``note``, and ``source`` names where the verdicts came from (vLLM
+itself on this device, or the matrix derived from vLLM's code) instead of the platform class.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ class KernelGroup(Record):
     rejected: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
     error: str | None = None
+    # Added in 1.3: vLLM's own pick without --attention-backend, the FlashAttention version
+    # vLLM resolves for this shape (the kernel field has the one that actually ran), and why
+    # the verdicts may be partial.
+    predicted: str | None = None
+    flash_attn_version: int | None = None
+    note: str | None = None
 
 
 @dataclass
@@ -191,7 +199,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 2)
+    VERSION = (1, 3)
 
     time: float
     model: str

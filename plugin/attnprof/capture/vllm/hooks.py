@@ -451,8 +451,8 @@ class Capture:
 
     def kernel_map(self) -> list[KernelGroup]:
         """Per group of identical layers: the backend that ran, the kernel variant, and why
-        each other vLLM backend is not valid (vLLM's own ``validate_configuration`` where it
-        imports, attnprof's rule data where not). Computed once per layer shape."""
+        each other vLLM backend is not valid, asked of vLLM itself on this device (see
+        :mod:`attnprof.analyze.vllm_backends`). Computed once per layer shape."""
         groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
         for info in sorted(self.aggs.layers.values(), key=lambda i: i.index):
             key = (info.backend, info.kernel, info.num_heads, info.num_kv_heads, info.head_size,
@@ -477,7 +477,9 @@ class Capture:
                 fused=first.fused, valid_backends=rep.get("valid"),
                 rejected={name: b.get("reasons") for name, b in
                           (rep.get("backends") or {}).items() if not b.get("valid")},
-                source=rep.get("platform"), error=rep.get("error")))
+                source=rep.get("source"), error=rep.get("error"),
+                predicted=rep.get("predicted"),
+                flash_attn_version=rep.get("flash_attn_version"), note=rep.get("note")))
         return out
 
     def snapshot(self, include_head_stats: bool = True) -> WorkerSnapshot:

