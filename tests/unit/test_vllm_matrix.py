@@ -170,3 +170,26 @@ def test_derive_without_vllm_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(derive.DeriveError, match="vLLM is not installed"):
         derive.derive((9, 0))
+
+
+def test_gpu_check_reads_vllms_own_log_lines() -> None:
+    """The GPU script (benchmarks/gpu_compat_check.py) parses vLLM's log lines; the format
+    strings are read from the installed vLLM, so a change in them fails here, not on a GPU."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location(
+        "gpu_compat_check", Path(__file__).parents[2] / "benchmarks" / "gpu_compat_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root = Path(str(iu.find_spec("vllm").submodule_search_locations[0]))  # type: ignore[union-attr]
+    chosen = '"Using %s attention backend out of potential backends: %s."'
+    fa_line = '"Using FlashAttention version %s"'
+    assert chosen in (root / "platforms" / "cuda.py").read_text()
+    assert fa_line in (root / "v1" / "attention" / "backends" / "flash_attn.py").read_text()
+    log = ("INFO 12-03 [cuda.py:512] " + chosen.strip('"') % ("FLASH_ATTN", "['FLASH_ATTN']")
+           + "\nINFO 12-03 [flash_attn.py:1117] " + fa_line.strip('"') % 3 + "\n")
+    got = mod.parse_choice(log)
+    assert got == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
+    assert mod.compare(got, _vllm("h100", 128)) == []
+    assert mod.compare(got, _vllm("h100", 512)) == ["FA version: vLLM 3, attnprof 4"]

@@ -85,6 +85,10 @@ def render_snapshot(snap: dict[str, Any]) -> str:
                                          + "; ".join(rs))
             out.append(table(["layers", "backend", "kernel", "fused", "valid backends"], krows))
             out.extend(why_lines)
+            out.extend(f"  layers {_ranges(g['layers'])}: {g['note']}" for g in kmap
+                       if g.get("note"))
+            for src in dict.fromkeys(g.get("source") for g in kmap if g.get("source")):
+                out.append(f"  verdicts from: {src}")
             out.append("")
         if steps:
             out.append("Attention share of model time on sampled steps:")

@@ -109,12 +109,17 @@ def render_case(rep: dict[str, Any]) -> str:
     else:
         lines.append(f"  {v.get('reason', 'not available')}")
     lines += ["", "torch SDPA and standalone kernels (hand-kept rules, pinned sources):"]
-    w = max(len(b["backend"]) for b in rep["backends"])
-    for b in rep["backends"]:
+    here = [b for b in rep["backends"]
+            if not any(r["code"] == "hardware" for r in b["reasons"])]
+    elsewhere = [b["backend"] for b in rep["backends"] if b not in here]
+    w = max(len(b["backend"]) for b in here or rep["backends"])
+    for b in here:
         mark = "yes" if b["ok"] else "no "
         kind = "fused" if b["fused"] else "unfused"
         why = "; ".join(r["message"] for r in b["reasons"]) if b["reasons"] else b["notes"]
         lines.append(f"  {b['backend']:<{w}}  {mark}  {kind:<7}  {why}")
+    if elsewhere:
+        lines.append(f"  (not built for {q['hardware_key']}: {', '.join(elsewhere)})")
     lines += ["", f"  activates: {', '.join(rep['active']) or 'none'}"]
     ch = rep.get("torch_sdpa_choice")
     if ch:
