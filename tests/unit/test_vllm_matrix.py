@@ -193,3 +193,20 @@ def test_gpu_check_reads_vllms_own_log_lines() -> None:
     assert got == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
     assert mod.compare(got, _vllm("h100", 128)) == []
     assert mod.compare(got, _vllm("h100", 512)) == ["FA version: vLLM 3, attnprof 4"]
+
+
+def test_derivation_refuses_a_module_that_bound_another_platform() -> None:
+    """If any vLLM module had bound the CPU platform before pinning, some verdict would be the
+    CPU build's: the derivation must stop rather than write it."""
+    import types
+
+    pinned, other = object(), object()
+    early = types.ModuleType("vllm.bound_early")
+    early.current_platform = other  # type: ignore[attr-defined]
+    late = types.ModuleType("vllm.bound_late")
+    late.current_platform = pinned  # type: ignore[attr-defined]
+    unrelated = types.ModuleType("elsewhere")
+    unrelated.current_platform = other  # type: ignore[attr-defined]
+    with pytest.raises(derive.DeriveError, match=r"vllm\.bound_early bound another platform"):
+        derive._check_bound(pinned, {"vllm.bound_early": early, "vllm.bound_late": late})
+    derive._check_bound(pinned, {"vllm.bound_late": late, "elsewhere": unrelated})

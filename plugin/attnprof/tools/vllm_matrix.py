@@ -289,10 +289,10 @@ def _install_platform_facts(cap: tuple[int, int]) -> Any:
     return platform
 
 
-def _check_bound(platform: Any) -> None:
+def _check_bound(platform: Any, modules: dict[str, Any] | None = None) -> None:
     """Every loaded vLLM module that bound ``current_platform`` bound the pinned one;
     otherwise some verdict would be the CPU platform's and the data would lie."""
-    for name, mod in list(sys.modules.items()):
+    for name, mod in list((sys.modules if modules is None else modules).items()):
         bound = getattr(mod, "__dict__", {}).get("current_platform", platform)
         if name.startswith("vllm.") and bound is not platform:
             raise DeriveError(f"{name} bound another platform before pinning; "
