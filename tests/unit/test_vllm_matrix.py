@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -210,3 +211,32 @@ def test_derivation_refuses_a_module_that_bound_another_platform() -> None:
     with pytest.raises(derive.DeriveError, match=r"vllm\.bound_early bound another platform"):
         derive._check_bound(pinned, {"vllm.bound_early": early, "vllm.bound_late": late})
     derive._check_bound(pinned, {"vllm.bound_late": late, "elsewhere": unrelated})
+
+
+@pytest.mark.vllm
+def test_live_report_on_a_cuda_worker_asks_vllm_and_agrees_with_the_matrix() -> None:
+    """The GPU path of the live report, run where it would run: a process whose vLLM platform
+    is CUDA (pinned to 9.0 with the derivation's platform facts). It must ask vLLM itself and
+    agree with the shipped matrix for the same case."""
+    code = (
+        "import json, torch\n"
+        "from attnprof.tools.vllm_matrix import _install_platform_facts\n"
+        "_install_platform_facts((9, 0))\n"
+        "from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config\n"
+        "from attnprof.analyze import vllm_backend_report\n"
+        "with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype='fp8'))):\n"
+        "    rep = vllm_backend_report(64, 8, 512, torch.bfloat16, 'fp8', None, has_sink=True)\n"
+        "print(json.dumps(rep))\n")
+    env = {"VLLM_HAS_FLASHINFER_CUBIN": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rep["source"] == "vllm.get_valid_backends (CudaPlatform, this device 9.0)"
+    assert rep["device_capability"] == [9, 0]
+    want = vllm_matrix.lookup("sm90", 512, "bf16", {"sinks": True, "fp8_kv": True})
+    assert want is not None
+    assert rep["valid"] == want.valid and rep["predicted"] == want.selected
+    assert rep["flash_attn_version"] == want.flash_attn_version == 4
+    assert {n: b["reasons"] for n, b in rep["backends"].items() if not b["valid"]} == \
+        want.invalid

@@ -71,8 +71,8 @@ def render_snapshot(snap: dict[str, Any]) -> str:
         out.append("")
         kmap = w.get("kernel_map") or []
         if kmap:
-            out.append("Kernel map (which backend and kernel ran, and why the other vLLM "
-                       "backends are not valid here):")
+            out.append("Kernel map (which backend and kernel ran, and vLLM's reason for each "
+                       "backend it rejects here):")
             krows = []
             why_lines = []
             for g in kmap:
