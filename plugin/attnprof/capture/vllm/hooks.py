@@ -73,7 +73,23 @@ def layer_info(layer: Any, impl: Any) -> LayerInfo:
         kv_cache_dtype=str(getattr(layer, "kv_cache_dtype", "auto")),
         fused=backend not in UNFUSED_BACKENDS,
         scale=float(getattr(impl, "scale", 0.0) or 0.0),
+        has_sink=bool(getattr(layer, "has_sink", False)),
     )
+
+
+def _report_key(info: LayerInfo) -> tuple[Any, ...]:
+    """What vLLM's backend verdicts depend on for a layer."""
+    return (info.num_heads, info.num_kv_heads, info.head_size, info.dtype, info.kv_cache_dtype,
+            info.sliding_window, info.has_sink)
+
+
+def _current_vllm_config() -> Any:
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        return get_current_vllm_config_or_none()
+    except Exception:
+        return None
 
 
 def _ints(x: Any) -> list[int]:
@@ -179,7 +195,8 @@ class Capture:
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
         self._shapes: dict[int, BatchShape] = {}
-        self._reports: dict[tuple[Any, ...], KernelGroup | dict[str, Any]] = {}
+        self._reports: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.vllm_config: Any = None  # the worker's VllmConfig, seen at model build
 
     # ----- layer registration (model build time) -----
     def wrap_layer(self, layer: Any) -> None:
@@ -190,6 +207,9 @@ class Capture:
         if not self.aggs.layers:
             self._learn_model_label()
         self.aggs.add_layer(info)
+        # Ask vLLM about this shape now, inside vLLM's own config context (model build), as
+        # its selector did a moment ago; the snapshot later reads the cached answer.
+        self._backend_report(info)
         instance_attr = "forward" in vars(impl)
         orig = impl.forward
         cap = self
@@ -202,6 +222,25 @@ class Capture:
         impl._attnprof_wrapped = True
         self.state.add_role("worker")
         self.state.export_source("worker", self.samples)
+
+    def _backend_report(self, info: LayerInfo) -> dict[str, Any]:
+        key = _report_key(info)
+        rep = self._reports.get(key)
+        if rep is None:
+            try:
+                from attnprof.analyze import vllm_backend_report
+
+                if self.vllm_config is None:
+                    self.vllm_config = _current_vllm_config()
+                rep = vllm_backend_report(
+                    info.num_heads, info.num_kv_heads, info.head_size, info.dtype,
+                    info.kv_cache_dtype, info.sliding_window, has_sink=info.has_sink,
+                    selected=info.backend, vllm_config=self.vllm_config)
+            except Exception as exc:
+                self.errors.record("kernel_map", exc)
+                rep = {"error": f"{type(exc).__name__}: {exc}"}
+            self._reports[key] = rep
+        return rep
 
     def _learn_model_label(self) -> None:
         """Workers never see the stat logger: read the served name from vLLM's config."""
@@ -455,22 +494,10 @@ class Capture:
         :mod:`attnprof.analyze.vllm_backends`). Computed once per layer shape."""
         groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
         for info in sorted(self.aggs.layers.values(), key=lambda i: i.index):
-            key = (info.backend, info.kernel, info.num_heads, info.num_kv_heads, info.head_size,
-                   info.dtype, info.kv_cache_dtype, info.sliding_window)
-            groups.setdefault(key, []).append(info)
+            groups.setdefault((info.backend, info.kernel, *_report_key(info)), []).append(info)
         out = []
-        for key, infos in groups.items():
-            rep: Any = self._reports.get(key[2:])
-            if rep is None:
-                try:
-                    from attnprof.analyze import vllm_backend_report
-
-                    rep = vllm_backend_report(key[2], key[3], key[4], key[5], key[6], key[7],
-                                              selected=key[0])
-                except Exception as exc:
-                    self.errors.record("kernel_map", exc)
-                    rep = {"error": f"{type(exc).__name__}: {exc}"}
-                self._reports[key[2:]] = rep
+        for infos in groups.values():
+            rep = self._backend_report(infos[0])
             first = infos[0]
             out.append(KernelGroup(
                 layers=[i.index for i in infos], backend=first.backend, kernel=first.kernel,
