@@ -56,3 +56,19 @@ def test_demo_bad_flags(args: list[str], needle: str) -> None:
 
 def test_demo_unwritable_out() -> None:
     _one_line_error(_cli("demo", "--out", "/proc/attnprof/demo.json"), "output directory")
+
+
+def test_written_files_get_the_umask_mode_not_mkstemps_0600(tmp_path: Path) -> None:
+    """CLI outputs are written atomically through a temp file; they must still be readable
+    like any file the user creates (a served dashboard, the regenerated matrix)."""
+    import os
+
+    from attnprof.cli._common import write_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "out.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "out.json").read_text() == "{}\n"
