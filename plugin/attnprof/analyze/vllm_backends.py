@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from attnprof.analyze import vllm_matrix
+from attnprof.facts.dtypes import normalize
 
 __all__ = ["vllm_backend_report"]
 
@@ -39,9 +40,10 @@ def _torch_dtype(dtype: Any) -> Any:
 
 
 def _short_dtype(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-            "float": "fp32"}.get(name, name)
+    try:
+        return normalize(dtype)
+    except ValueError:  # not a dtype attnprof knows: no grid row will match it
+        return str(dtype).removeprefix("torch.")
 
 
 def _running() -> tuple[str | None, Any, str | None]:
