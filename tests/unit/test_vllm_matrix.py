@@ -218,64 +218,103 @@ def test_derivation_refuses_a_module_that_bound_another_platform() -> None:
     derive._check_bound(pinned, {"vllm.bound_late": late, "elsewhere": unrelated})
 
 
-_WORKER = """
+_BUILD = """
 import json, sys, torch
 from attnprof.tools.vllm_matrix import _install_platform_facts
 _install_platform_facts(tuple(json.loads(sys.argv[1])))
-from vllm.config import AttentionConfig, CacheConfig, VllmConfig
-from attnprof.analyze import vllm_backend_report
-out = {}
-for name, head, kv, sink, cfg in json.loads(sys.argv[2]):
-    vc = None if cfg is None else VllmConfig(cache_config=CacheConfig(cache_dtype=kv),
-                                             attention_config=AttentionConfig(**cfg))
-    # No vLLM config context: a snapshot RPC in a worker has none.
-    out[name] = vllm_backend_report(32, 8, head, torch.bfloat16, kv, None, has_sink=sink,
-                                    vllm_config=vc)
-print(json.dumps(out))
+torch.set_default_dtype(torch.bfloat16)
+from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
+import attnprof.analyze as an
+from attnprof.capture.vllm import hooks
+from attnprof.capture.vllm.runtime import State
+from attnprof.config import Config
+calls = []
+real = an.vllm_backend_report
+def counting(*a, **k):
+    calls.append(1)
+    return real(*a, **k)
+an.vllm_backend_report = counting
+cap = hooks.install(State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m")))
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.layers.attention.encoder_only_attention import EncoderOnlyAttention
+layers = {}
+for i, (name, spec) in enumerate(json.loads(sys.argv[2]).items()):
+    cfg = VllmConfig(cache_config=CacheConfig(cache_dtype=spec["kv"]),
+                     attention_config=AttentionConfig(**spec.get("attn", {})))
+    kw = dict(num_heads=32, head_size=spec["head"], scale=0.1, num_kv_heads=8,
+              prefix=f"model.layers.{i}.self_attn.attn", cache_config=cfg.cache_config)
+    if spec.get("sinks"):
+        kw["sinks"] = torch.zeros(32)
+    cls = EncoderOnlyAttention if spec.get("encoder_only") else Attention
+    with set_current_vllm_config(cfg):  # model build: vLLM's own config context
+        layers[name] = (i, cls(**kw))
+built = len(calls)
+kmap = [g.to_json() for g in cap.kernel_map()]  # later, outside any context: a snapshot RPC
+facts = {info.index: info for info in cap.aggs.layers.values()}
+out = {"asked_at_build": built, "asked_by_snapshot": len(calls) - built}
+for name, (i, layer) in layers.items():
+    out[name] = {"backend": layer.attn_backend.get_name(),
+                 "fa": getattr(layer.impl, "vllm_flash_attn_version", None),
+                 "has_sink": facts[i].has_sink, "attn_type": facts[i].attn_type,
+                 "group": next(g for g in kmap if i in g["layers"])}
+print("RESULT " + json.dumps(out))
 """
 
 
-def _worker(cap: tuple[int, int], cases: list[Any]) -> dict[str, Any]:
+def _build(cap: tuple[int, int], layers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Real vLLM ``Attention`` layers built with attnprof installed, on vLLM's CUDA platform
+    pinned with the derivation's platform facts: vLLM itself selects each layer's backend and
+    FlashAttention version, which is the truth the kernel map must name."""
     env = {**os.environ, "VLLM_HAS_FLASHINFER_CUBIN": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    proc = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(cap), json.dumps(cases)],
+    proc = subprocess.run([sys.executable, "-c", _BUILD, json.dumps(cap), json.dumps(layers)],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    out: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
     return out
 
 
-def _agrees(rep: dict[str, Any], want: vllm_matrix.VllmCase) -> None:
-    assert rep["valid"] == want.valid and rep["predicted"] == want.selected
-    assert rep["flash_attn_version"] == want.flash_attn_version
-    assert {n: b["reasons"] for n, b in rep["backends"].items() if not b["valid"]} == \
-        want.invalid
-
-
 @pytest.mark.vllm
-def test_live_report_on_a_cuda_worker_asks_vllm_and_agrees_with_the_matrix() -> None:
-    """The GPU path of the live report, run where it runs: a process on vLLM's CUDA platform
-    (pinned with the derivation's platform facts), outside any vLLM config context as in a
-    snapshot RPC. It must ask vLLM itself, agree with the shipped matrix, and honour the
-    worker's own config when it has one."""
-    h100 = _worker((9, 0), [["sinks_fp8", 512, "fp8", True, None]])
-    rep = h100["sinks_fp8"]
-    assert rep["source"] == "vllm.get_valid_backends (CudaPlatform, this device 9.0)"
-    assert rep["device_capability"] == [9, 0] and "vLLM's defaults assumed" in rep["note"]
-    want = vllm_matrix.lookup("sm90", 512, "bf16", {"sinks": True, "fp8_kv": True})
-    assert want is not None and want.flash_attn_version == 4
-    _agrees(rep, want)
-
-    b200 = _worker((10, 0), [["fp8_256", 256, "fp8", False, None],
-                             ["forced_fa2", 128, "auto", False, {"flash_attn_version": 2}]])
-    # The KV dtype reaches vLLM's config: FA4's head-256 kernel refuses fp8 KV there.
-    want = vllm_matrix.lookup("sm100", 256, "bf16", {"fp8_kv": True})
-    assert want is not None and "FLASH_ATTN" in want.invalid
-    _agrees(b200["fp8_256"], want)
-    # The worker's own config wins over defaults: a forced FA2 is what the report names.
-    forced = b200["forced_fa2"]
-    assert forced["note"] is None and forced["flash_attn_version"] == 2
-    default = vllm_matrix.lookup("sm100", 128, "bf16", {})
-    assert default is not None and default.flash_attn_version == 4
+def test_kernel_map_names_what_vllm_chose_for_real_layers_on_a_cuda_worker() -> None:
+    """The production path: verdicts are taken at model build inside vLLM's config context,
+    with vLLM's own selector inputs, and a later snapshot (no context) only reads them. Every
+    group names the backend vLLM selected, vLLM's own pick, and the FlashAttention version the
+    layer's implementation resolved."""
+    h100 = _build((9, 0), {
+        "sinks_fp8": {"head": 128, "kv": "fp8", "sinks": True},
+        "head512": {"head": 512, "kv": "auto"},
+        "forced_fa2": {"head": 128, "kv": "auto", "attn": {"flash_attn_version": 2}},
+        "encoder": {"head": 128, "kv": "auto", "encoder_only": True},
+        "pinned": {"head": 128, "kv": "auto", "attn": {"backend": "TRITON_ATTN"}},
+    })
+    b200 = _build((10, 0), {
+        "encoder": {"head": 128, "kv": "auto", "encoder_only": True},
+        "fp8_256": {"head": 256, "kv": "fp8"},
+    })
+    for res in (h100, b200):
+        assert res["asked_by_snapshot"] == 0 and res["asked_at_build"] >= 2
+    for name, r in [*h100.items(), *b200.items()]:
+        if not isinstance(r, dict) or name == "pinned":
+            continue
+        g = r["group"]
+        assert g["source"].startswith("vllm.get_valid_backends (CudaPlatform"), (name, g)
+        assert g["note"] is None, (name, g["note"])
+        assert g["backend"] == r["backend"] == g["predicted"], (name, g)
+        if r["backend"] == "FLASH_ATTN":
+            assert g["flash_attn_version"] == r["fa"], (name, g, r["fa"])
+    assert h100["sinks_fp8"]["has_sink"] and h100["sinks_fp8"]["group"]["flash_attn_version"] == 3
+    assert h100["head512"]["group"]["flash_attn_version"] == 4
+    assert h100["forced_fa2"]["fa"] == 2  # the model-level setting reached vLLM and us
+    # Encoder-only layers: FlashInfer refuses them in vLLM's words (a decoder-only question
+    # would have predicted FlashInfer on Blackwell).
+    enc = b200["encoder"]
+    assert enc["attn_type"] == "encoder_only" and enc["backend"] == "FLASH_ATTN"
+    assert any("not supported" in r for r in enc["group"]["rejected"]["FLASHINFER"])
+    assert "FLASH_ATTN" in b200["fp8_256"]["group"]["rejected"]
+    # A pinned --attention-backend: vLLM judged nothing else, and the report says so.
+    pin = h100["pinned"]
+    assert pin["backend"] == "TRITON_ATTN" and "is pinned" in pin["group"]["note"]
+    assert pin["group"]["source"].startswith("attnprof derived matrix")
 
 
 def test_layer_facts_carry_sinks_into_the_verdict_key() -> None:

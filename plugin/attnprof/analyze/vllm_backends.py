@@ -14,8 +14,8 @@ Safe inside a vLLM worker: nothing is allocated, no kernel runs, no process is s
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from attnprof.analyze import vllm_matrix
@@ -58,29 +58,64 @@ def _running() -> tuple[str | None, Any, str | None]:
         return None, None, None
 
 
+@dataclass
+class _Layer:
+    """The selector's inputs for one layer (vLLM's own ``AttentionSelectorConfig`` when the
+    caller has it; otherwise built from the layer's facts)."""
+
+    num_heads: int
+    head_size: int
+    dtype: Any
+    kv_cache_dtype: str | None
+    block_size: int | None
+    has_sink: bool
+    sliding_window: int | None
+    selector: Any = None
+    requires_alibi: bool = False
+    requires_softcap: bool = False
+
+    @property
+    def attn_type(self) -> str:
+        t = getattr(self.selector, "attn_type", None) or "decoder"
+        return str(getattr(t, "value", t))
+
+    @property
+    def decoder_grid(self) -> bool:
+        """Within the derived grid's assumptions (decoder self-attention, no mm prefix)."""
+        sel = self.selector
+        return self.attn_type == "decoder" and not getattr(sel, "use_mm_prefix", False)
+
+
 def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype: Any,
                         kv_cache_dtype: str | None = "auto", sliding_window: int | None = None,
                         *, has_sink: bool = False, block_size: int | None = None,
                         device_capability: tuple[int, int] | None = None,
-                        selected: str | None = None, vllm_config: Any = None
-                        ) -> dict[str, Any]:
+                        selected: str | None = None, selector_config: Any = None,
+                        flash_attn_version: int | None = None, requires_alibi: bool = False,
+                        requires_softcap: bool = False) -> dict[str, Any]:
     """Per-backend validity for one attention layer, as vLLM judges it.
 
-    ``device_capability`` None means "the device this process runs on". ``vllm_config`` is
-    the worker's ``VllmConfig`` (model-level settings such as a forced FlashAttention version
-    change vLLM's answers); without it and outside vLLM's config context a default config
-    with this layer's KV dtype is assumed, and ``note`` says so. Returns ``{"source",
-    "vllm_version", "platform", "device_capability", "layer", "selected", "valid",
-    "predicted", "flash_attn_version", "backends": {NAME: {"valid", "reasons", "priority"}}}``;
+    ``device_capability`` None means "the device this process runs on". ``selector_config``
+    is the ``AttentionSelectorConfig`` vLLM's selector built for the layer (the capture keeps
+    it): with it vLLM is asked with exactly its own inputs (attention type, block size,
+    multimodal prefix, ...). ``flash_attn_version`` is the version the layer's implementation
+    resolved (what runs); without it vLLM's resolution is asked with ``requires_alibi`` and
+    ``requires_softcap`` as the implementation passes them.
+
+    vLLM is asked live only inside its own config context (as at model build in a worker);
+    this never sets vLLM's process-global config. Returns ``{"source", "vllm_version",
+    "platform", "device_capability", "layer", "selected", "valid", "predicted",
+    "flash_attn_version", "note", "backends": {NAME: {"valid", "reasons", "priority"}}}``;
     ``selected`` echoes the backend the worker uses, ``predicted`` is what vLLM picks without
-    ``--attention-backend``; ``valid`` is None when no source can answer (then ``note`` says
-    why).
+    ``--attention-backend``; ``valid`` is None when no source can answer (``note`` says why).
     """
+    lay = _Layer(num_heads, head_size, dtype, kv_cache_dtype, block_size, has_sink,
+                 sliding_window, selector_config, requires_alibi, requires_softcap)
     out: dict[str, Any] = {
         "layer": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                   "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": kv_cache_dtype,
                   "sliding_window": sliding_window, "has_sink": has_sink,
-                  "block_size": block_size},
+                  "block_size": block_size, "attn_type": lay.attn_type},
         "selected": selected, "backends": {}, "valid": None, "predicted": None,
         "flash_attn_version": None, "source": None, "note": None,
         "vllm_version": None, "platform": None,
@@ -100,18 +135,16 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
         out["device_capability"] = list(running_cc) if running_cc else None
     if device_capability is None:
         if platform is not None and _call(platform, "is_cpu"):
-            _cpu_live(out, head_size, dtype, kv_cache_dtype, block_size, has_sink,
-                      sliding_window)
+            _cpu_live(out, lay)
         else:
             out["note"] = ("no vLLM platform to ask and no target capability given: pass "
                            "device_capability for a GPU target")
         return out
-    if is_cuda and device_capability == running_cc and _cuda_live(
-            out, device_capability, num_heads, head_size, dtype, kv_cache_dtype, block_size,
-            has_sink, sliding_window, vllm_config):
+    if is_cuda and device_capability == running_cc and _cuda_live(out, device_capability, lay):
+        if out["valid"] and "FLASH_ATTN" in out["valid"] and flash_attn_version is not None:
+            out["flash_attn_version"] = flash_attn_version  # what the implementation runs
         return out
-    _from_matrix(out, device_capability, head_size, dtype, kv_cache_dtype, block_size,
-                 has_sink, sliding_window, version)
+    _from_matrix(out, device_capability, lay, version)
     return out
 
 
@@ -128,18 +161,26 @@ def _finish(out: dict[str, Any], backends: dict[str, dict[str, Any]]) -> None:
     out["predicted"] = out["valid"][0] if out["valid"] else None
 
 
-def _cpu_live(out: dict[str, Any], head_size: int, dtype: Any, kv_cache_dtype: str | None,
-              block_size: int | None, has_sink: bool, sliding_window: int | None) -> None:
+def _selector(lay: _Layer) -> Any:
+    """vLLM's own selector inputs, or the same built from the layer's facts."""
+    if lay.selector is not None:
+        return lay.selector
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    return AttentionSelectorConfig(head_size=lay.head_size, dtype=_torch_dtype(lay.dtype),
+                                   kv_cache_dtype=lay.kv_cache_dtype, block_size=lay.block_size,
+                                   has_sink=lay.has_sink,
+                                   has_sliding_window=bool(lay.sliding_window))
+
+
+def _cpu_live(out: dict[str, Any], lay: _Layer) -> None:
     """The CPU platform always selects CPU_ATTN (non-MLA); ask that class itself."""
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         cls = AttentionBackendEnum["CPU_ATTN"].get_class()
-        reasons = list(cls.validate_configuration(
-            head_size=head_size, dtype=_torch_dtype(dtype), kv_cache_dtype=kv_cache_dtype,
-            block_size=block_size, use_mla=False, has_sink=has_sink, use_sparse=False,
-            use_mm_prefix=False, use_per_head_quant_scales=False, device_capability=None,
-            attn_type="decoder", has_sliding_window=bool(sliding_window)))
+        reasons = list(cls.validate_configuration(device_capability=None,
+                                                  **_selector(lay)._asdict()))
     except Exception as exc:
         out["note"] = f"vLLM's CPU_ATTN could not be asked: {type(exc).__name__}: {exc}"
         return
@@ -147,47 +188,39 @@ def _cpu_live(out: dict[str, Any], head_size: int, dtype: Any, kv_cache_dtype: s
     _finish(out, {"CPU_ATTN": {"priority": 0, "valid": not reasons, "reasons": reasons}})
 
 
-def _cuda_live(out: dict[str, Any], cc: tuple[int, int], num_heads: int, head_size: int,
-               dtype: Any, kv_cache_dtype: str | None, block_size: int | None, has_sink: bool,
-               sliding_window: int | None, vllm_config: Any = None) -> bool:
-    """``CudaPlatform.get_valid_backends`` on the device this process runs on, inside a vLLM
-    config context as vLLM's own selector runs (FlashInfer's sink check and the FA version
-    read the config)."""
+def _cuda_live(out: dict[str, Any], cc: tuple[int, int], lay: _Layer) -> bool:
+    """``CudaPlatform.get_valid_backends`` on the device this process runs on, in vLLM's own
+    config context (its sink check and FA version read the config). False, with a note, where
+    vLLM cannot be asked as its selector was."""
     try:
-        from vllm.config import (
-            CacheConfig,
-            VllmConfig,
-            get_current_vllm_config_or_none,
-            set_current_vllm_config,
-        )
+        from vllm.config import get_current_vllm_config_or_none
+
+        vcfg = get_current_vllm_config_or_none()
+        if vcfg is None:
+            out["note"] = ("asked outside vLLM's config context, where vLLM's answers would "
+                           "miss the model's settings: the derived matrix answers instead")
+            return False
+        pinned = getattr(vcfg.attention_config, "backend", None)
+        if pinned is not None:
+            # vLLM judged only the pinned backend; asking it about the others here would import
+            # them (and may probe for FlashInfer kernels) during model build.
+            out["note"] = (f"--attention-backend {getattr(pinned, 'name', pinned)} is pinned, "
+                           "so vLLM judged no other backend; the derived matrix answers for "
+                           "the others")
+            return False
         from vllm.platforms import current_platform
         from vllm.platforms.interface import DeviceCapability
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-        from vllm.v1.attention.selector import AttentionSelectorConfig
 
-        cfg = AttentionSelectorConfig(head_size=head_size, dtype=_torch_dtype(dtype),
-                                      kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                                      has_sink=has_sink,
-                                      has_sliding_window=bool(sliding_window))
-        ctx: Any = contextlib.nullcontext()
-        if get_current_vllm_config_or_none() is None:
-            if vllm_config is None:
-                vllm_config = VllmConfig(cache_config=CacheConfig(
-                    cache_dtype=kv_cache_dtype or "auto"))
-                out["note"] = ("no vLLM config in this process: vLLM's defaults assumed, so "
-                               "model-level settings (a forced FlashAttention version, "
-                               "soft-capping) are not seen")
-            # Only the worker's own config (or a default), only for this call: the RPC and
-            # model-build threads that call this are not running a forward pass.
-            ctx = set_current_vllm_config(vllm_config)
-        with ctx:
-            valid, invalid = type(current_platform).get_valid_backends(
-                DeviceCapability(*cc), cfg, num_heads=num_heads)
-            fa = None
-            if any(c.backend.name == "FLASH_ATTN" for c in valid):
-                # The arguments FlashAttentionImpl passes.
-                fa = get_flash_attn_version(head_size=head_size, has_sinks=has_sink,
-                                            supports_fa4_hd256=True)
+        valid, invalid = type(current_platform).get_valid_backends(
+            DeviceCapability(*cc), _selector(lay), num_heads=lay.num_heads)
+        fa = None
+        if any(c.backend.name == "FLASH_ATTN" for c in valid):
+            # The arguments FlashAttentionImpl.__init__ passes.
+            fa = get_flash_attn_version(
+                requires_alibi=lay.requires_alibi, head_size=lay.head_size,
+                has_sinks=lay.has_sink, requires_softcap=lay.requires_softcap,
+                supports_fa4_hd256=True)
     except Exception as exc:
         logger.debug("CudaPlatform.get_valid_backends unavailable: %s", exc)
         out["note"] = f"vLLM could not be asked ({type(exc).__name__}: {exc})"
@@ -198,44 +231,53 @@ def _cuda_live(out: dict[str, Any], cc: tuple[int, int], num_heads: int, head_si
     for be, (prio, reasons) in invalid.items():
         backends[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons)}
     out["source"] = f"vllm.get_valid_backends (CudaPlatform, this device {cc[0]}.{cc[1]})"
+    if lay.selector is None:
+        out["note"] = ("vLLM's own selector inputs were not seen: asked with the layer's "
+                       "facts (decoder attention, automatic block size)")
     _finish(out, backends)
     out["flash_attn_version"] = fa
     return True
 
 
-def _from_matrix(out: dict[str, Any], cc: tuple[int, int], head_size: int, dtype: Any,
-                 kv_cache_dtype: str | None, block_size: int | None, has_sink: bool,
-                 sliding_window: int | None, installed: str | None) -> None:
+def _from_matrix(out: dict[str, Any], cc: tuple[int, int], lay: _Layer,
+                 installed: str | None) -> None:
     data = vllm_matrix.load()
+    notes = [out["note"]] if out.get("note") else []
+
+    def unanswered(why: str) -> None:
+        out["note"] = "; ".join([*notes, why])
+
     hw = next((k for k, c in data["capabilities"].items()
                if tuple(c["capability"]) == tuple(cc)), None)
-    kv = None if kv_cache_dtype is None else str(kv_cache_dtype)
+    kv = None if lay.kv_cache_dtype is None else str(lay.kv_cache_dtype)
     if hw is None:
-        out["note"] = (f"capability {cc[0]}.{cc[1]} is not in the derived matrix "
-                       f"({', '.join(data['capabilities'])}); run this on that GPU, where vLLM "
-                       "answers itself")
-        return
+        return unanswered(f"capability {cc[0]}.{cc[1]} is not in the derived matrix "
+                          f"({', '.join(data['capabilities'])}); run this on that GPU, where "
+                          "vLLM answers itself")
     if kv not in _FP8 and kv not in _PLAIN_KV:
-        out["note"] = (f"KV cache dtype {kv} is not in the derived grid (auto, fp8): run on the "
-                       "GPU, or attnprof compat --regenerate after widening the grid")
-        return
-    feats = {"sliding_window": bool(sliding_window), "sinks": has_sink,
+        return unanswered(f"KV cache dtype {kv} is not in the derived grid (auto, fp8): run on "
+                          "the GPU, or attnprof compat --regenerate after widening the grid")
+    if not lay.decoder_grid:
+        return unanswered(f"{lay.attn_type} attention is outside the derived grid (decoder "
+                          "self-attention): run on the GPU, where vLLM answers itself")
+    feats = {"sliding_window": bool(lay.sliding_window), "sinks": lay.has_sink,
              "fp8_kv": kv in _FP8}
-    case = vllm_matrix.lookup(hw, head_size, _short_dtype(dtype), feats)
+    case = vllm_matrix.lookup(hw, lay.head_size, _short_dtype(lay.dtype), feats)
     if case is None:
-        out["note"] = (f"head size {head_size} / dtype {_short_dtype(dtype)} is outside the "
-                       "derived grid: `attnprof compat` derives it from vLLM's own code")
-        return
+        return unanswered(f"head size {lay.head_size} / dtype {_short_dtype(lay.dtype)} is "
+                          "outside the derived grid: `attnprof compat` derives it from vLLM's "
+                          "own code")
     out["source"] = (f"attnprof derived matrix ({vllm_matrix.source_line(data)}; CUDA "
                      f"platform pinned to {cc[0]}.{cc[1]}), not the running platform")
-    notes = [out["note"]] if out.get("note") else []
     if installed is not None and installed.split("+")[0] != data["vllm_version"]:
         notes.append(f"derived from vLLM {data['vllm_version']}, this process runs vLLM "
                      f"{installed}")
-    if block_size is not None:
-        notes.append(f"derived for vLLM's automatic block size, not {block_size}")
+    block = lay.block_size if lay.selector is None else getattr(lay.selector, "block_size", None)
+    if block is not None:
+        notes.append(f"derived for vLLM's automatic block size, not {block}")
     out["note"] = "; ".join(notes) or None
     _finish(out, {b["backend"]: {"priority": b["priority"], "valid": b["valid"],
                                  "reasons": b["reasons"]}
                   for b in case.as_dict()["backends"]})
     out["flash_attn_version"] = case.flash_attn_version if "FLASH_ATTN" in out["valid"] else None
+    return None

@@ -25,15 +25,27 @@ def ensure_writable_dir(path: Path) -> Path:
     return path
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux says it (os.umask can only
+    be read by setting it, which would race with any other thread creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write via a temp file + rename so a crash never leaves half a file."""
     ensure_writable_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         # mkstemp makes 0600; give the file the mode a plain open() would (umask applied).
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)

@@ -5,9 +5,9 @@ Field names are those of snapshot version 1 (attnprof 0.1), so readers of 1.0 do
 working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestStats.quantiles``;
 1.2 types ``window_advice``: an ``attnprof.window_advice`` document (carrying its own
 ``schema_version``) or ``{"error": ...}``, as before; 1.3 adds ``KernelGroup.predicted``,
-``flash_attn_version`` and ``note`` and ``LayerFacts.has_sink``, and ``KernelGroup.source``
-names where the verdicts came from (vLLM itself on this device, or the matrix derived from
-vLLM's code) instead of the platform class.
+``flash_attn_version`` and ``note`` and ``LayerFacts.has_sink`` and ``attn_type``, and
+``KernelGroup.source`` names where the verdicts came from (vLLM itself on this device, or the
+matrix derived from vLLM's code) instead of the platform class.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class LayerFacts(Record):
     """Kernel variant actually used (CPU ISA, FlashAttention version), seen on first call."""
     has_sink: bool = False
     """Learned attention-sink logits (GPT-OSS style); added in 1.3."""
+    attn_type: str = "decoder"
+    """vLLM's attention type: decoder, encoder, encoder_only, encoder_decoder (cross); 1.3."""
 
 
 @dataclass

@@ -74,22 +74,15 @@ def layer_info(layer: Any, impl: Any) -> LayerInfo:
         fused=backend not in UNFUSED_BACKENDS,
         scale=float(getattr(impl, "scale", 0.0) or 0.0),
         has_sink=bool(getattr(layer, "has_sink", False)),
+        attn_type=str(getattr(getattr(layer, "attn_type", None), "value", None)
+                      or getattr(layer, "attn_type", None) or "decoder"),
     )
 
 
 def _report_key(info: LayerInfo) -> tuple[Any, ...]:
     """What vLLM's backend verdicts depend on for a layer."""
     return (info.num_heads, info.num_kv_heads, info.head_size, info.dtype, info.kv_cache_dtype,
-            info.sliding_window, info.has_sink)
-
-
-def _current_vllm_config() -> Any:
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        return get_current_vllm_config_or_none()
-    except Exception:
-        return None
+            info.sliding_window, info.has_sink, info.attn_type)
 
 
 def _ints(x: Any) -> list[int]:
@@ -195,11 +188,13 @@ class Capture:
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
         self._shapes: dict[int, BatchShape] = {}
-        self._reports: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self.vllm_config: Any = None  # the worker's VllmConfig, seen at model build
+        self._reports: dict[Any, dict[str, Any]] = {}
+        self._report_keys: dict[str, Any] = {}  # layer name -> key of its report
+        # vLLM's own selector inputs for the layer being built (see install()).
+        self.selector_seen: Any = None
 
     # ----- layer registration (model build time) -----
-    def wrap_layer(self, layer: Any) -> None:
+    def wrap_layer(self, layer: Any, selector: Any = None) -> None:
         impl = getattr(layer, "impl", None)
         if impl is None or getattr(impl, "_attnprof_wrapped", False):
             return
@@ -207,9 +202,14 @@ class Capture:
         if not self.aggs.layers:
             self._learn_model_label()
         self.aggs.add_layer(info)
-        # Ask vLLM about this shape now, inside vLLM's own config context (model build), as
-        # its selector did a moment ago; the snapshot later reads the cached answer.
-        self._backend_report(info)
+        if selector is not None and (getattr(selector, "head_size", None) != info.head_size
+                                     or bool(getattr(selector, "has_sink", False))
+                                     != info.has_sink):
+            selector = None  # not this layer's selection (a backend passed in explicitly)
+        if "vllm" in sys.modules:
+            # Ask vLLM about this layer now, inside vLLM's own config context (model build),
+            # with the inputs its selector had a moment ago; the snapshot reads the answer.
+            self._backend_report(info, selector, impl)
         instance_attr = "forward" in vars(impl)
         orig = impl.forward
         cap = self
@@ -223,19 +223,25 @@ class Capture:
         self.state.add_role("worker")
         self.state.export_source("worker", self.samples)
 
-    def _backend_report(self, info: LayerInfo) -> dict[str, Any]:
-        key = _report_key(info)
+    def _backend_report(self, info: LayerInfo, selector: Any = None,
+                        impl: Any = None) -> dict[str, Any]:
+        fa_ran = getattr(impl, "vllm_flash_attn_version", None)
+        key = self._report_keys.get(info.name)
+        if key is None:
+            key = (_report_key(info), selector, info.backend, fa_ran)
+            self._report_keys[info.name] = key
         rep = self._reports.get(key)
         if rep is None:
             try:
                 from attnprof.analyze import vllm_backend_report
 
-                if self.vllm_config is None:
-                    self.vllm_config = _current_vllm_config()
                 rep = vllm_backend_report(
                     info.num_heads, info.num_kv_heads, info.head_size, info.dtype,
                     info.kv_cache_dtype, info.sliding_window, has_sink=info.has_sink,
-                    selected=info.backend, vllm_config=self.vllm_config)
+                    selected=info.backend, selector_config=selector,
+                    flash_attn_version=fa_ran if isinstance(fa_ran, int) else None,
+                    requires_alibi=getattr(impl, "alibi_slopes", None) is not None,
+                    requires_softcap=bool(getattr(impl, "logits_soft_cap", None)))
             except Exception as exc:
                 self.errors.record("kernel_map", exc)
                 rep = {"error": f"{type(exc).__name__}: {exc}"}
@@ -494,7 +500,9 @@ class Capture:
         :mod:`attnprof.analyze.vllm_backends`). Computed once per layer shape."""
         groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
         for info in sorted(self.aggs.layers.values(), key=lambda i: i.index):
-            groups.setdefault((info.backend, info.kernel, *_report_key(info)), []).append(info)
+            key = (info.backend, info.kernel, self._report_keys.get(info.name),
+                   *_report_key(info))
+            groups.setdefault(key, []).append(info)
         out = []
         for infos in groups.values():
             rep = self._backend_report(infos[0])
@@ -549,6 +557,31 @@ def step_hook(cap: Capture, orig_fwd: Any) -> Any:
     return _model_forward
 
 
+def _watch_selector(cap: Capture, state: State) -> None:
+    """Keep the ``AttentionSelectorConfig`` vLLM's selector builds for each layer (block size,
+    attention type, multimodal prefix, batch invariance, ...), so the kernel map asks vLLM with
+    exactly its own inputs. Model build time only; the call itself is untouched."""
+    try:
+        from vllm.v1.attention import selector as sel
+    except Exception as exc:
+        state.errors.record("install", exc)
+        return
+    orig = getattr(sel, "_cached_get_attn_backend", None)
+    if orig is None or getattr(orig, "_attnprof", False):
+        return
+
+    @functools.wraps(orig)
+    def _cached_get_attn_backend(*args: Any, **kwargs: Any) -> Any:
+        cap.selector_seen = kwargs.get("attn_selector_config")
+        return orig(*args, **kwargs)
+
+    _cached_get_attn_backend._attnprof = True  # type: ignore[attr-defined]
+    for name in ("cache_clear", "cache_info"):  # it is an lru_cache; keep its handles
+        if hasattr(orig, name):
+            setattr(_cached_get_attn_backend, name, getattr(orig, name))
+    sel._cached_get_attn_backend = _cached_get_attn_backend
+
+
 def install(state: State) -> Capture | None:
     """Patch vLLM classes in this process (called once, from the general plugin)."""
     cap = Capture(state)
@@ -558,15 +591,19 @@ def install(state: State) -> Capture | None:
         state.errors.record("install", exc)
         return None
 
+    _watch_selector(cap, state)
     orig_init = Attention.__init__
     if not getattr(orig_init, "_attnprof", False):
         @functools.wraps(orig_init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            # Subclasses (encoder-only, cross attention) select before calling this, so the
+            # selector seen last is this layer's; it is consumed here.
             orig_init(self, *args, **kwargs)
             try:
-                cap.wrap_layer(self)
+                cap.wrap_layer(self, cap.selector_seen)
             except Exception as exc:
                 state.errors.record("wrap_layer", exc)
+            cap.selector_seen = None
 
         __init__._attnprof = True  # type: ignore[attr-defined]
         Attention.__init__ = __init__
