@@ -43,31 +43,26 @@ def load_old(spec: str) -> dict[str, Any]:
 
 
 def audit(old: dict[str, Any]) -> dict[str, Any]:
-    saved = rules.load_matrix
-    rules.load_matrix = lambda: old  # type: ignore[assignment]  # evaluate() reads the old rows
-    try:
-        cases = verdicts = 0
-        by: dict[str, int] = {}
-        for gpu, head, dtype in itertools.product(GPUS, HEADS, ("fp16", "bf16", "fp32")):
-            for bits in itertools.product((False, True), repeat=3):
-                feats = dict(zip(("sliding_window", "sinks", "fp8_kv"), bits, strict=True))
-                case = vllm_matrix.lookup(gpu, head, dtype, feats)
-                assert case is not None
-                differs = False
-                for be in ("FLASH_ATTN", *ROWS):
-                    keys = FA_ROWS[gpu] if be == "FLASH_ATTN" else [ROWS[be]]
-                    said = any(rules.evaluate(k, gpu, head, dtype, feats).ok for k in keys
-                               if k in old["backends"])
-                    says = be not in case.invalid
-                    if said != says:
-                        verdicts += 1
-                        differs = True
-                        key = f"{be} on {gpu}: attnprof {'yes' if said else 'no'}, vLLM " \
-                              f"{'yes' if says else 'no'}"
-                        by[key] = by.get(key, 0) + 1
-                cases += differs
-    finally:
-        rules.load_matrix = saved  # type: ignore[method-assign]
+    cases = verdicts = 0
+    by: dict[str, int] = {}
+    for gpu, head, dtype in itertools.product(GPUS, HEADS, ("fp16", "bf16", "fp32")):
+        for bits in itertools.product((False, True), repeat=3):
+            feats = dict(zip(vllm_matrix.FEATURES, bits, strict=True))
+            case = vllm_matrix.lookup(gpu, head, dtype, feats)
+            assert case is not None
+            differs = False
+            for be in ("FLASH_ATTN", *ROWS):
+                keys = FA_ROWS[gpu] if be == "FLASH_ATTN" else [ROWS[be]]
+                said = any(rules.evaluate(k, gpu, head, dtype, feats, matrix=old).ok
+                           for k in keys if k in old["backends"])
+                says = be not in case.invalid
+                if said != says:
+                    verdicts += 1
+                    differs = True
+                    key = f"{be} on {gpu}: attnprof {'yes' if said else 'no'}, vLLM " \
+                          f"{'yes' if says else 'no'}"
+                    by[key] = by.get(key, 0) + 1
+            cases += differs
     return {"cases": 576, "backend_verdicts": 576 * 4, "cases_disagreeing": cases,
             "verdicts_disagreeing": verdicts, "by_class": dict(sorted(by.items()))}
 

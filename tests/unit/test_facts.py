@@ -229,3 +229,15 @@ def test_profile_run_shape_and_kv_use_the_reader() -> None:
     full = _layer_shape(transformers.LlamaConfig(**_BASE))
     assert full["layer_windows"] is None and full["sliding_window"] is None
     assert _kv_total(full, "bf16", 1, 10) == 2 * 2 * 16 * 2 * 8 * 10
+
+
+def test_torch_dtype_from_any_alias() -> None:
+    import torch
+
+    from attnprof.facts.dtypes import torch_dtype
+
+    assert torch_dtype("bf16") is torch.bfloat16 and torch_dtype("half") is torch.float16
+    assert torch_dtype("torch.float32") is torch.float32
+    assert torch_dtype(torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ValueError, match="not a compute dtype"):
+        torch_dtype("fp8_e4m3")

@@ -147,7 +147,9 @@ def _cell(sel: str | None, fa: int | None) -> str:
 
 def _vllm_markdown() -> list[str]:
     d = vllm_matrix.load()
-    cols = d["columns"]
+    pick = {(c.hardware, c.head_size, c.dtype, c.features): _cell(c.selected,
+                                                                  c.flash_attn_version)
+            for c in vllm_matrix.cases(d)}
     out = ["## vLLM on CUDA (derived from vLLM's own code)", "",
            f"Every cell below is {vllm_matrix.source_line(d)}: `attnprof compat --regenerate` "
            "runs `CudaPlatform.get_valid_backends` and `get_flash_attn_version` with vLLM's "
@@ -163,7 +165,6 @@ def _vllm_markdown() -> list[str]:
            "Abbreviations: " + ", ".join(f"{v} = `{k}`" for k, v in _SHORT.items()) + ".", ""]
     blocks: dict[str, list[str]] = {}
     for key, cap in d["capabilities"].items():
-        rows = [dict(zip(cols, r, strict=True)) for r in cap["cases"]]
         f = cap["facts"]
         out += [f"### `{key}` (capability {cap['capability'][0]}.{cap['capability'][1]})", "",
                 f"Priority: {' > '.join(cap['priority'])}. FlashAttention versions vLLM "
@@ -178,9 +179,7 @@ def _vllm_markdown() -> list[str]:
             for h in d["grid"]["head_sizes"]:
                 cells = []
                 for fk, _ in _FEATURE_COLUMNS:
-                    r = next(x for x in rows if x["head_size"] == h and x["dtype"] == dtype
-                             and x["features"] == fk)
-                    cells.append(_cell(r["selected"], r["flash_attn_version"]))
+                    cells.append(pick[(key, h, dtype, fk)])
                 table.append(f"| {h} | " + " | ".join(cells) + " |")
             same = next((k for k, t in seen.items() if t == tuple(table)), None)
             if same is not None:

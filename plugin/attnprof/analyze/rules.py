@@ -77,9 +77,11 @@ def _feature_ok(value: Any, hw: str) -> bool:
 
 
 def evaluate(backend: str, hardware: str, head_dim: int, dtype: str,
-             features: dict[str, bool] | None = None, head_dim_v: int | None = None) -> Verdict:
-    """Does ``backend`` activate for this case, and if not, every reason why."""
-    spec = load_matrix()["backends"][backend]
+             features: dict[str, bool] | None = None, head_dim_v: int | None = None,
+             matrix: dict[str, Any] | None = None) -> Verdict:
+    """Does ``backend`` activate for this case, and if not, every reason why. ``matrix``
+    replaces the shipped rules (an older matrix, for audits)."""
+    spec = (matrix or load_matrix())["backends"][backend]
     hw = resolve_hardware(hardware)
     dt = normalize_dtype(dtype)
     reasons: list[dict[str, str]] = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnprof.analyze import vllm_matrix
-from attnprof.facts.dtypes import normalize
+from attnprof.facts.dtypes import normalize, torch_dtype
 
 __all__ = ["vllm_backend_report"]
 
@@ -27,16 +27,6 @@ logger = logging.getLogger("attnprof")
 
 _FP8 = {"fp8", "fp8_e4m3"}  # the grid's fp8 KV (--kv-cache-dtype fp8 is e4m3 on CUDA)
 _PLAIN_KV = {None, "auto", "bfloat16", "float16"}  # vLLM's --kv-cache-dtype spellings
-
-
-def _torch_dtype(dtype: Any) -> Any:
-    import torch
-
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
-            "fp32": torch.float32, "float": torch.float32}.get(name) or getattr(torch, name)
 
 
 def _short_dtype(dtype: Any) -> str:
@@ -167,7 +157,7 @@ def _selector(lay: _Layer) -> Any:
         return lay.selector
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    return AttentionSelectorConfig(head_size=lay.head_size, dtype=_torch_dtype(lay.dtype),
+    return AttentionSelectorConfig(head_size=lay.head_size, dtype=torch_dtype(lay.dtype),
                                    kv_cache_dtype=lay.kv_cache_dtype, block_size=lay.block_size,
                                    has_sink=lay.has_sink,
                                    has_sliding_window=bool(lay.sliding_window))

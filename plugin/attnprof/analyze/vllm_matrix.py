@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-__all__ = ["VllmCase", "feature_key", "from_derived", "load", "lookup", "source_line"]
+__all__ = ["FEATURES", "VllmCase", "cases", "feature_key", "from_derived", "load", "lookup",
+           "source_line"]
 
-_FEATURES = ("sliding_window", "sinks", "fp8_kv")
+# The derived grid's feature axes, in the order of their "+"-joined key.
+FEATURES = ("sliding_window", "sinks", "fp8_kv")
 
 
 @functools.cache
@@ -28,7 +31,7 @@ def load() -> dict[str, Any]:
 def feature_key(features: dict[str, bool] | None) -> str:
     """The data's feature column: the set features in canonical order, ``+``-joined."""
     f = features or {}
-    return "+".join(k for k in _FEATURES if f.get(k))
+    return "+".join(k for k in FEATURES if f.get(k))
 
 
 @dataclass
@@ -72,30 +75,36 @@ def source_line(data: dict[str, Any] | None = None) -> str:
             f"sha256:{d['source_digest']['combined'][:12]})")
 
 
+def cases(data: dict[str, Any] | None = None) -> Iterator[VllmCase]:
+    """Every case of a derived matrix (default: the shipped one), decoded: the one reader
+    of its compact rows (``columns``, interned ``reasons`` and ``notes``)."""
+    d = data or load()
+    src = source_line(d)
+    for hw, cap in d["capabilities"].items():
+        for row in cap["cases"]:
+            r = dict(zip(d["columns"], row, strict=True))
+            yield VllmCase(
+                hardware=hw, capability=(cap["capability"][0], cap["capability"][1]),
+                head_size=r["head_size"], dtype=r["dtype"], features=r["features"],
+                priority=list(cap["priority"]), selected=r["selected"],
+                invalid={b: [d["reasons"][i] for i in ids] for b, ids in r["invalid"].items()},
+                flash_attn_version=r["flash_attn_version"],
+                flash_attn_note=(None if r["flash_attn_note"] is None
+                                 else d["notes"][r["flash_attn_note"]]),
+                source=src, facts=dict(cap["facts"]))
+
+
+@functools.cache
+def _index() -> dict[tuple[str, int, str, str], VllmCase]:
+    return {(c.hardware, c.head_size, c.dtype, c.features): c for c in cases()}
+
+
 def lookup(hardware: str, head_size: int, dtype: str,
            features: dict[str, bool] | None = None) -> VllmCase | None:
     """The derived verdicts for a case, or None when the case is outside the shipped grid
     (another head size, an fp8 compute dtype, a capability vLLM's CUDA platform was not
     derived for)."""
-    d = load()
-    cap = d["capabilities"].get(hardware)
-    if cap is None:
-        return None
-    fk = feature_key(features)
-    cols = d["columns"]
-    for row in cap["cases"]:
-        r = dict(zip(cols, row, strict=True))
-        if r["head_size"] == head_size and r["dtype"] == dtype and r["features"] == fk:
-            return VllmCase(
-                hardware=hardware, capability=(cap["capability"][0], cap["capability"][1]),
-                head_size=head_size, dtype=dtype, features=fk, priority=list(cap["priority"]),
-                selected=r["selected"],
-                invalid={b: [d["reasons"][i] for i in ids] for b, ids in r["invalid"].items()},
-                flash_attn_version=r["flash_attn_version"],
-                flash_attn_note=(None if r["flash_attn_note"] is None
-                                 else d["notes"][r["flash_attn_note"]]),
-                source=source_line(d), facts=dict(cap["facts"]))
-    return None
+    return _index().get((hardware, head_size, dtype, feature_key(features)))
 
 
 def from_derived(hardware: str, capability: tuple[int, int], got: dict[str, Any],

@@ -77,15 +77,12 @@ def _regenerate(out: Path | None) -> int:
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    from attnprof.analyze import vllm_matrix
+
     def rows(d: dict[str, Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
-        out = {}
-        for key, cap in d["capabilities"].items():
-            for r in cap["cases"]:
-                inv = {b: [d["reasons"][i] for i in ids] for b, ids in r[6].items()}
-                note = None if r[5] is None else d["notes"][r[5]]
-                out[(key, r[0], r[1], r[2])] = (r[3], r[4], json.dumps(inv, sort_keys=True),
-                                                note)
-        return out
+        return {(c.hardware, c.head_size, c.dtype, c.features):
+                (c.selected, c.flash_attn_version, json.dumps(c.invalid, sort_keys=True),
+                 c.flash_attn_note) for c in vllm_matrix.cases(d)}
 
     a, b = rows(old), rows(new)
     return [f"{k[0]} head {k[1]} {k[2]} [{k[3] or 'none'}]: {a.get(k, ('-',))[0]} "
@@ -108,7 +105,7 @@ def _derive_off_grid(hw: str, head_dim: int, dtype: str,
     from attnprof.tools import vllm_matrix as derive
 
     case = {"head_size": head_dim, "dtype": dtype,
-            "features": [f for f in derive.FEATURES if feats.get(f)]}
+            "features": [f for f in vllm_matrix.FEATURES if feats.get(f)]}
     cap = (int(spec["cc"][0]), int(spec["cc"][1]))
     print(f"head dim {head_dim} is outside the shipped grid: deriving it from the installed "
           "vLLM's own code...", file=sys.stderr)

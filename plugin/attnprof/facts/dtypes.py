@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CANONICAL", "dtype_bytes", "dtype_name", "normalize"]
+__all__ = ["CANONICAL", "dtype_bytes", "dtype_name", "normalize", "torch_dtype"]
 
 # alias -> (canonical short name, bytes per element)
 _TABLE: dict[str, tuple[str, int]] = {
@@ -20,6 +20,7 @@ _TABLE: dict[str, tuple[str, int]] = {
     "int8": ("int8", 1), "uint8": ("int8", 1),
 }
 CANONICAL = frozenset(v[0] for v in _TABLE.values())
+_TORCH = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -51,3 +52,16 @@ def normalize(dtype: Any) -> str:
     if hit is None:
         raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(sorted(_TABLE))})")
     return hit[0]
+
+
+def torch_dtype(dtype: Any) -> Any:
+    """The ``torch.dtype`` of a compute dtype alias (fp64/fp32/fp16/bf16); torch is imported
+    here, on call. ``ValueError`` for a dtype with no single torch compute type (fp8, int8)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = normalize(dtype)
+    if name not in _TORCH:
+        raise ValueError(f"{dtype!r} is not a compute dtype (one of {', '.join(_TORCH)})")
+    return getattr(torch, _TORCH[name])

@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from attnprof.analyze.vllm_matrix import FEATURES
+from attnprof.facts.dtypes import torch_dtype
+
 __all__ = [
     "ASSUMPTIONS",
     "COLUMNS",
@@ -44,7 +47,6 @@ __all__ = [
 # Head sizes real decoder models use, 32..512; 8 of them (64..512) are the audit grid.
 GRID_HEAD_SIZES = (32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 512)
 GRID_DTYPES = ("fp16", "bf16", "fp32")
-FEATURES = ("sliding_window", "sinks", "fp8_kv")
 FEATURE_SETS: tuple[tuple[str, ...], ...] = tuple(
     tuple(f for f, on in zip(FEATURES, bits, strict=True) if on)
     for bits in itertools.product((False, True), repeat=len(FEATURES)))
@@ -88,7 +90,6 @@ SOURCE_FILES = (
     "config/vllm.py",
 )
 
-_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _FA_LOGGER = "vllm.v1.attention.backends.fa_utils"
 
 
@@ -321,7 +322,6 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
     import logging
 
     platform = _install_platform_facts(capability)
-    import torch
     import vllm
     import vllm.logger as vlog
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
@@ -356,7 +356,7 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
         feats = set(case["features"])
         kv = FP8_KV if "fp8_kv" in feats else "auto"
         cfg = AttentionSelectorConfig(
-            head_size=int(case["head_size"]), dtype=getattr(torch, _DTYPES[case["dtype"]]),
+            head_size=int(case["head_size"]), dtype=torch_dtype(case["dtype"]),
             kv_cache_dtype=kv, block_size=None, has_sink="sinks" in feats,
             has_sliding_window="sliding_window" in feats)
         with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype=kv))):

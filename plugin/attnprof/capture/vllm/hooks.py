@@ -189,7 +189,8 @@ class Capture:
         self._hs_seen: set[int] = set()
         self._shapes: dict[int, BatchShape] = {}
         self._reports: dict[Any, dict[str, Any]] = {}
-        self._report_keys: dict[str, Any] = {}  # layer name -> key of its report
+        # id(LayerInfo) -> key of its report (names can be empty; the infos live as long as we do)
+        self._report_keys: dict[int, Any] = {}
         # vLLM's own selector inputs for the layer being built (see install()).
         self.selector_seen: Any = None
 
@@ -226,10 +227,10 @@ class Capture:
     def _backend_report(self, info: LayerInfo, selector: Any = None,
                         impl: Any = None) -> dict[str, Any]:
         fa_ran = getattr(impl, "vllm_flash_attn_version", None)
-        key = self._report_keys.get(info.name)
+        key = self._report_keys.get(id(info))
         if key is None:
             key = (_report_key(info), selector, info.backend, fa_ran)
-            self._report_keys[info.name] = key
+            self._report_keys[id(info)] = key
         rep = self._reports.get(key)
         if rep is None:
             try:
@@ -500,12 +501,12 @@ class Capture:
         :mod:`attnprof.analyze.vllm_backends`). Computed once per layer shape."""
         groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
         for info in sorted(self.aggs.layers.values(), key=lambda i: i.index):
-            key = (info.backend, info.kernel, self._report_keys.get(info.name),
-                   *_report_key(info))
-            groups.setdefault(key, []).append(info)
+            self._backend_report(info)  # cached since model build (lazily without vLLM)
+            groups.setdefault((info.backend, info.kernel, self._report_keys[id(info)]),
+                              []).append(info)
         out = []
-        for infos in groups.values():
-            rep = self._backend_report(infos[0])
+        for (_, _, key), infos in groups.items():
+            rep = self._reports[key]
             first = infos[0]
             out.append(KernelGroup(
                 layers=[i.index for i in infos], backend=first.backend, kernel=first.kernel,
