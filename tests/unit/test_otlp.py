@@ -7,7 +7,6 @@ import gc
 import os
 import random
 import re
-import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from attnprof.exporters.otlp import (
     otlp_config_from_env,
 )
 from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
-from tests.otlp_receiver import OtlpReceiver, free_port
+from tests.otlp_receiver import OtlpReceiver, exporter_threads, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROTOCOLS = ["http/protobuf", "grpc"]
@@ -482,7 +481,7 @@ def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None
     try:
         _failing_flushes(sink, 3)  # warm-up: provider, channel, first-failure warning
         gc.collect()
-        threads = threading.active_count()
+        threads = exporter_threads()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
         times = _failing_flushes(sink, 20)
@@ -490,7 +489,7 @@ def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
         grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
-        assert threading.active_count() <= threads
+        assert exporter_threads() <= threads
         assert grown < 256 * 1024, f"{grown} bytes retained over 20 failing flushes"
         assert max(times) < 0.05  # export() never waits on the network
         assert sink.failures == 23 and sink.successes == 0
