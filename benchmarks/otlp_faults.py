@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnprof.tools import models
 from attnprof.tools.server import VllmServer, http_get
-from overhead import load, mean_stdev
+from overhead import fixed_prompts, interleaved_rounds, mean_stdev
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "otlp_faults.json"
@@ -36,12 +34,6 @@ OUT_MD = ROOT / "docs" / "otlp-overhead.md"
 SKIP = 8  # first intervals of each stream: other requests' prefills still running
 
 
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again when we return: connection refused
 
 
 def _failures(base: str) -> float:
@@ -56,7 +48,7 @@ def _failures(base: str) -> float:
 
 
 def main() -> int:
-    from tests.otlp_receiver import OtlpReceiver
+    from tests.otlp_receiver import OtlpReceiver, free_port
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4)
@@ -74,18 +66,12 @@ def main() -> int:
         write_markdown(json.loads(OUT.read_text()))
         return 0
     model = models.verified_model_dir()
-    from transformers import AutoTokenizer
-
-    from attnprof.tools.traffic import _doc
-
-    tok = AutoTokenizer.from_pretrained(model)
-    rng = random.Random(0)
-    prompts = [_doc(rng, tok, args.prompt_tokens) for _ in range(args.requests)]
+    prompts = fixed_prompts(model, args.requests, args.prompt_tokens)
     refusing = OtlpReceiver(mode="refusing").start()
     slow = OtlpReceiver(mode="slow", delay=5.0).start()
     otlp = {"OTEL_METRIC_EXPORT_INTERVAL": "1000", "OTEL_METRIC_EXPORT_TIMEOUT": "2000"}
     endpoints = {"otlp_off": None,
-                 "endpoint_down": f"http://127.0.0.1:{_closed_port()}/v1/metrics",
+                 "endpoint_down": f"http://127.0.0.1:{free_port()}/v1/metrics",
                  "refusing_503": refusing.endpoint, "slow_5s": slow.endpoint}
     arms: dict[str, VllmServer] = {}
     for i, (name, ep) in enumerate(endpoints.items()):
@@ -94,21 +80,10 @@ def main() -> int:
                                 env=env, log=ROOT / f"benchmarks/results/otlp_{name}.log",
                                 extra_args=["--no-enable-prefix-caching", "--max-model-len",
                                             "2048"])
-    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}
     failures: dict[str, float] = {}
     try:
-        for srv in arms.values():  # one at a time: start-up is CPU-bound
-            srv.start()
-            srv.wait_ready(600)
-        for srv in arms.values():
-            load(srv.base_url, prompts[:4], 8, args.concurrency, SKIP)
-        for i in range(args.rounds):
-            order = list(arms) if i % 2 == 0 else list(reversed(arms))
-            for name in order:
-                r = load(arms[name].base_url, prompts, args.max_tokens, args.concurrency, SKIP)
-                rounds[name].append(r)
-                print(f"round {i + 1} {name}: ITL p99 {r['itl_p99_s'] * 1e3:.1f} ms, "
-                      f"{r['throughput_tok_s']:.1f} tok/s", file=sys.stderr)
+        rounds = interleaved_rounds(arms, prompts, args.rounds, args.max_tokens,
+                                    args.concurrency, SKIP)
         failures = {name: _failures(srv.base_url) for name, srv in arms.items()}
     finally:
         for srv in arms.values():

@@ -77,6 +77,43 @@ def load(base: str, prompts: list[str], max_tokens: int, concurrency: int,
     return out
 
 
+def fixed_prompts(model: Path, n: int, tokens: int) -> list[str]:
+    """``n`` pseudo-English prompts of ``tokens`` tokens each, the same in every run (seed 0)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from attnprof.tools.traffic import pseudo_text
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    return [pseudo_text(rng, tok, tokens) for _ in range(n)]
+
+
+def interleaved_rounds(arms: dict[str, VllmServer], prompts: list[str], rounds: int,
+                       max_tokens: int, concurrency: int,
+                       steady_skip: int | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Start the arms one at a time (start-up is CPU-bound), warm each, then run ``rounds``
+    rounds of the same load with the arms in A..Z then Z..A order, so drift in the machine
+    hits every arm alike. The caller stops the servers."""
+    for srv in arms.values():
+        srv.start()
+        srv.wait_ready(600)
+    for name, srv in arms.items():
+        load(srv.base_url, prompts[:4], 8, concurrency, steady_skip)
+        print(f"warm: {name}", file=sys.stderr)
+    out: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}
+    for i in range(rounds):
+        for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
+            r = load(arms[name].base_url, prompts, max_tokens, concurrency, steady_skip)
+            out[name].append(r)
+            print(f"round {i + 1} {name}: {r['throughput_tok_s']:.1f} tok/s, "
+                  f"TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms, "
+                  f"ITL p50 {r['itl_p50_s'] * 1e3:.1f} ms, p99 {r['itl_p99_s'] * 1e3:.1f} ms",
+                  file=sys.stderr)
+    return out
+
+
 def mean_stdev(rounds: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
     """Per key: mean and sample stdev over rounds (stdev 0 for a single round)."""
     return {k: {"mean": statistics.mean(r[k] for r in rounds),
@@ -109,16 +146,9 @@ def main() -> int:
         print(OUT_MD.read_text())
         return 0
     model = models.verified_model_dir()
-    import random
-
-    from transformers import AutoTokenizer
-
     from attnprof.config import Config
-    from attnprof.tools.traffic import _doc
 
-    tok = AutoTokenizer.from_pretrained(model)
-    rng = random.Random(0)
-    prompts = [_doc(rng, tok, args.prompt_tokens) for _ in range(args.requests)]
+    prompts = fixed_prompts(model, args.requests, args.prompt_tokens)
     default_rate = Config().sample_rate
     import tempfile
 
@@ -142,21 +172,8 @@ def main() -> int:
                            extra_args=["--no-enable-prefix-caching", "--max-model-len", "2048"]),
     }
     try:
-        for srv in arms.values():  # one at a time: start-up is CPU-bound
-            srv.start()
-            srv.wait_ready(600)
-        for name, srv in arms.items():  # warm-up
-            load(srv.base_url, prompts[:4], 8, args.concurrency)
-            print(f"warm: {name}", file=sys.stderr)
-        rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}
-        for i in range(args.rounds):
-            order = list(arms) if i % 2 == 0 else list(reversed(arms))
-            for name in order:
-                r = load(arms[name].base_url, prompts, args.max_tokens, args.concurrency)
-                rounds[name].append(r)
-                print(f"round {i + 1} {name}: {r['throughput_tok_s']:.1f} tok/s, "
-                      f"TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms, "
-                      f"ITL p50 {r['itl_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
+        rounds = interleaved_rounds(arms, prompts, args.rounds, args.max_tokens,
+                                    args.concurrency)
     finally:
         for srv in arms.values():
             srv.stop()

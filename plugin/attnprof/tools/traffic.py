@@ -55,7 +55,7 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _doc(rng: random.Random, tok: Any, n_tokens: int) -> str:
+def pseudo_text(rng: random.Random, tok: Any, n_tokens: int) -> str:
     """Pseudo-English text of exactly ``n_tokens`` tokens (when the tokenizer allows)."""
     words: list[str] = []
     while True:
@@ -95,7 +95,7 @@ def build_mix(tokenizer: Any, seed: int = 0, chats: int = 16, doc_lengths: Seque
     reqs: list[Request] = []
     for _ in range(chats):
         topic = rng.choice(_TOPICS)
-        q = f"Tell me one fact about {topic}. " + _doc(rng, tokenizer, rng.randint(10, 100))
+        q = f"Tell me one fact about {topic}. " + pseudo_text(rng, tokenizer, rng.randint(10, 100))
         reqs.append(Request("chat", chat_max_tokens, messages=[{"role": "user", "content": q}]))
     for n in doc_lengths:
         body = document(rng, tokenizer, n)
