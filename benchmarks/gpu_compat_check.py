@@ -8,7 +8,7 @@ process per shape (a fresh engine each), 90 s each at most.
     python benchmarks/gpu_compat_check.py [--out benchmarks/results/gpu_compat.json]
 
 Needs a CUDA build of vLLM; on a CPU machine it says so and exits 2. Results go to the JSON
-file and a table on stdout; docs/compat-matrix-gpu.md records the last run.
+file and a table on stdout.
 """
 
 from __future__ import annotations
@@ -66,13 +66,8 @@ def compare(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 _CHILD = r"""
 import json, sys
 from vllm import LLM, SamplingParams
-from vllm.platforms import current_platform
-from vllm.utils.flashinfer import supports_trtllm_attention
-from vllm.v1.attention.backends.fa_utils import is_fa_version_supported
-print("FACTS", json.dumps({
-    "flash_attn_versions_supported": [v for v in (2, 3, 4) if is_fa_version_supported(v)],
-    "flashinfer_trtllm_decode": bool(supports_trtllm_attention(is_prefill=False)),
-    "flashinfer_trtllm_prefill": bool(supports_trtllm_attention(is_prefill=True))}))
+from attnprof.tools.vllm_matrix import platform_facts
+print("FACTS", json.dumps(platform_facts()))
 llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=256,
           gpu_memory_utilization=0.2, kv_cache_dtype=sys.argv[2], skip_tokenizer_init=True)
 out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2))

@@ -55,6 +55,22 @@ def test_regenerated_matrix_equals_the_shipped_data() -> None:
         shipped_text
 
 
+def test_regenerate_summary_names_the_fields_that_changed() -> None:
+    from attnprof.cli.compat import _changed
+
+    old = vllm_matrix.load()
+    new = json.loads(json.dumps(old))
+    assert _changed(old, new) == []
+    hw = next(iter(new["capabilities"]))
+    row = new["capabilities"][hw]["cases"][0]  # [head, dtype, features, selected, fa, ...]
+    first = next(iter(vllm_matrix.cases(old)))
+    row[4] = (first.flash_attn_version or 0) + 1
+    row[6] = {**row[6], "FLASHINFER": [0, 1]}
+    assert _changed(old, new) == [
+        f"{hw} head {first.head_size} {first.dtype} [none]: flash_attn_version "
+        f"{first.flash_attn_version!r} -> {row[4]!r}; vLLM's reasons for FLASHINFER"]
+
+
 def test_shipped_grid_covers_the_audit_grid_with_verdicts_for_every_backend() -> None:
     d = vllm_matrix.load()
     assert d["schema_version"] == 1 and d["vllm_version"] == "0.32.0"

@@ -15,13 +15,14 @@ Safe inside a vLLM worker: nothing is allocated, no kernel runs, no process is s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from attnprof.analyze import vllm_matrix
 from attnprof.facts.dtypes import normalize, torch_dtype
 
-__all__ = ["vllm_backend_report"]
+__all__ = ["ask_cuda", "vllm_backend_report"]
 
 logger = logging.getLogger("attnprof")
 
@@ -163,6 +164,39 @@ def _selector(lay: _Layer) -> Any:
                                    has_sliding_window=bool(lay.sliding_window))
 
 
+def ask_cuda(platform_cls: Any, cc: tuple[int, int], selector: Any, num_heads: int | None, *,
+             requires_alibi: bool = False, requires_softcap: bool = False,
+             before_fa: Callable[[], None] | None = None,
+             ) -> tuple[dict[str, dict[str, Any]], int | None]:
+    """vLLM's own answer on a CUDA capability, asked as its selector and FlashAttentionImpl
+    ask: every backend with ``priority``, ``valid`` and ``reasons``, in priority order, and
+    the FlashAttention version vLLM resolves (None unless FLASH_ATTN is valid).
+
+    The one place attnprof calls these vLLM functions: the live report (on its own GPU) and
+    the derivation (on a pinned capability) both come here. The caller holds vLLM's config
+    context; ``before_fa`` runs just before the version is resolved (the derivation starts
+    catching vLLM's log lines there)."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    valid, invalid = platform_cls.get_valid_backends(DeviceCapability(*cc), selector,
+                                                     num_heads=num_heads)
+    backends = {c.backend.name: {"priority": c.priority, "valid": True, "reasons": []}
+                for c in valid}
+    for be, (prio, reasons) in invalid.items():
+        backends[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons)}
+    fa = None
+    if "FLASH_ATTN" in backends and backends["FLASH_ATTN"]["valid"]:
+        if before_fa is not None:
+            before_fa()
+        # The arguments FlashAttentionImpl.__init__ passes (flash_attn.py).
+        fa = get_flash_attn_version(
+            requires_alibi=requires_alibi, head_size=selector.head_size,
+            has_sinks=selector.has_sink, requires_softcap=requires_softcap,
+            supports_fa4_hd256=True)
+    return dict(sorted(backends.items(), key=lambda kv: kv[1]["priority"])), fa
+
+
 def _cpu_live(out: dict[str, Any], lay: _Layer) -> None:
     """The CPU platform always selects CPU_ATTN (non-MLA); ask that class itself."""
     try:
@@ -199,27 +233,14 @@ def _cuda_live(out: dict[str, Any], cc: tuple[int, int], lay: _Layer) -> bool:
                            "the others")
             return False
         from vllm.platforms import current_platform
-        from vllm.platforms.interface import DeviceCapability
-        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
-        valid, invalid = type(current_platform).get_valid_backends(
-            DeviceCapability(*cc), _selector(lay), num_heads=lay.num_heads)
-        fa = None
-        if any(c.backend.name == "FLASH_ATTN" for c in valid):
-            # The arguments FlashAttentionImpl.__init__ passes.
-            fa = get_flash_attn_version(
-                requires_alibi=lay.requires_alibi, head_size=lay.head_size,
-                has_sinks=lay.has_sink, requires_softcap=lay.requires_softcap,
-                supports_fa4_hd256=True)
+        backends, fa = ask_cuda(type(current_platform), cc, _selector(lay), lay.num_heads,
+                                requires_alibi=lay.requires_alibi,
+                                requires_softcap=lay.requires_softcap)
     except Exception as exc:
         logger.debug("CudaPlatform.get_valid_backends unavailable: %s", exc)
         out["note"] = f"vLLM could not be asked ({type(exc).__name__}: {exc})"
         return False
-    backends: dict[str, dict[str, Any]] = {}
-    for cand in valid:
-        backends[cand.backend.name] = {"priority": cand.priority, "valid": True, "reasons": []}
-    for be, (prio, reasons) in invalid.items():
-        backends[be.name] = {"priority": prio, "valid": False, "reasons": list(reasons)}
     out["source"] = f"vllm.get_valid_backends (CudaPlatform, this device {cc[0]}.{cc[1]})"
     if lay.selector is None:
         out["note"] = ("vLLM's own selector inputs were not seen: asked with the layer's "

@@ -45,9 +45,7 @@ def _regenerate(out: Path | None) -> int:
 
     target = out or Path(str(resources.files("attnprof.analyze").joinpath(
         "data/vllm_matrix.json")))
-    if target.is_dir():
-        raise CliError(f"--out {target} is a directory")
-    try:
+    try:  # (_run already refused a directory --out)
         ensure_writable_dir(target.parent)  # before the work, not after it
     except CliError as err:
         raise CliError(f"cannot write {target} ({err}); pass --out FILE") from None
@@ -77,23 +75,36 @@ def _regenerate(out: Path | None) -> int:
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per case whose verdicts differ, naming the fields that changed."""
     from attnprof.analyze import vllm_matrix
 
-    def rows(d: dict[str, Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
-        return {(c.hardware, c.head_size, c.dtype, c.features):
-                (c.selected, c.flash_attn_version, json.dumps(c.invalid, sort_keys=True),
-                 c.flash_attn_note) for c in vllm_matrix.cases(d)}
+    def rows(d: dict[str, Any]) -> dict[tuple[Any, ...], Any]:
+        return {(c.hardware, c.head_size, c.dtype, c.features): c for c in vllm_matrix.cases(d)}
 
+    fields = ("selected", "flash_attn_version", "flash_attn_note")
     a, b = rows(old), rows(new)
-    return [f"{k[0]} head {k[1]} {k[2]} [{k[3] or 'none'}]: {a.get(k, ('-',))[0]} "
-            f"FA{a.get(k, (None, None))[1]} -> {b.get(k, ('-',))[0]} FA{b.get(k, (None, None))[1]}"
-            for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)]
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        was, now = a.get(k), b.get(k)
+        where = f"{k[0]} head {k[1]} {k[2]} [{k[3] or 'none'}]"
+        if was is None or now is None:
+            out.append(f"{where}: {'new case' if was is None else 'case gone'}")
+            continue
+        diffs = [f"{f} {getattr(was, f)!r} -> {getattr(now, f)!r}" for f in fields
+                 if getattr(was, f) != getattr(now, f)]
+        moved = sorted(n for n in set(was.invalid) | set(now.invalid)
+                       if was.invalid.get(n) != now.invalid.get(n))
+        if moved:  # the reasons themselves are long: name whose changed
+            diffs.append(f"vLLM's reasons for {', '.join(moved)}")
+        if diffs:
+            out.append(f"{where}: " + "; ".join(diffs))
+    return out
 
 
 def _derive_off_grid(hw: str, head_dim: int, dtype: str,
                      feats: dict[str, bool]) -> Any:
     """vLLM's verdicts for a case the shipped grid lacks, derived now from the installed
-    vLLM (a child process, ~8 s); None where the shipped data answers or nothing can."""
+    vLLM (a child process); None where the shipped data answers or nothing can."""
     from attnprof.analyze import rules, vllm_matrix
 
     spec = rules.load_matrix()["hardware"][hw]

@@ -318,6 +318,19 @@ def _check_bound(platform: Any, modules: dict[str, Any] | None = None) -> None:
                                   "the derivation would be unsound")
 
 
+def platform_facts() -> dict[str, Any]:
+    """What the running CUDA platform ships, as vLLM sees it: the FlashAttention versions and
+    FlashInfer's TRT-LLM kernels. The derivation records these as its assumptions; the GPU
+    check compares them with a real device's."""
+    from vllm.utils.flashinfer import supports_trtllm_attention
+    from vllm.v1.attention.backends.fa_utils import is_fa_version_supported
+
+    return {"flash_attn_versions_supported": [v for v in (2, 3, 4)
+                                              if is_fa_version_supported(v)],
+            "flashinfer_trtllm_decode": bool(supports_trtllm_attention(is_prefill=False)),
+            "flashinfer_trtllm_prefill": bool(supports_trtllm_attention(is_prefill=True))}
+
+
 def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> dict[str, Any]:
     import logging
 
@@ -325,13 +338,11 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
     import vllm
     import vllm.logger as vlog
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
-    from vllm.platforms.interface import DeviceCapability
-    from vllm.utils.flashinfer import supports_trtllm_attention
-    from vllm.v1.attention.backends import fa_utils
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    cap = DeviceCapability(*capability)
+    from attnprof.analyze.vllm_backends import ask_cuda
+
     if cases is None:
         cases = [{"head_size": h, "dtype": d, "features": list(f)}
                  for h in GRID_HEAD_SIZES for d in GRID_DTYPES for f in FEATURE_SETS]
@@ -346,9 +357,10 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
     fa_log.addHandler(Catch())
     fa_log.setLevel(logging.INFO)
 
-    def reset_once() -> None:  # vLLM logs each distinct line once per process
+    def start_catching() -> None:  # keep only what vLLM says while resolving the FA version
+        notes.clear()
         for fn in ("_print_info_once", "_print_warning_once", "_print_debug_once"):
-            getattr(vlog, fn).cache_clear()
+            getattr(vlog, fn).cache_clear()  # vLLM logs each distinct line once per process
 
     out_cases = []
     priority: list[str] | None = None
@@ -360,36 +372,23 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
             kv_cache_dtype=kv, block_size=None, has_sink="sinks" in feats,
             has_sliding_window="sliding_window" in feats)
         with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype=kv))):
-            valid, invalid = type(platform).get_valid_backends(cap, cfg, num_heads=NUM_HEADS)
-            ranked = sorted([(c.priority, c.backend.name) for c in valid]
-                            + [(p, b.name) for b, (p, _) in invalid.items()])
-            order = [n for _, n in ranked]
-            if priority is None:
-                priority = order
-            elif order != priority:  # the list depends only on capability for this grid
-                raise DeriveError(f"priority changed within sm{capability[0]}{capability[1]}")
-            names = [c.backend.name for c in sorted(valid, key=lambda c: c.priority)]
-            fa = note = None
-            if "FLASH_ATTN" in names:
-                # The arguments FlashAttentionImpl.__init__ passes (flash_attn.py).
-                notes.clear()
-                reset_once()
-                fa = fa_utils.get_flash_attn_version(
-                    head_size=cfg.head_size, has_sinks=cfg.has_sink, supports_fa4_hd256=True)
-                note = "; ".join(notes) or None
+            backends, fa = ask_cuda(type(platform), capability, cfg, NUM_HEADS,
+                                    before_fa=start_catching)
+        if priority is None:
+            priority = list(backends)
+        elif list(backends) != priority:  # the list depends only on capability for this grid
+            raise DeriveError(f"priority changed within sm{capability[0]}{capability[1]}")
+        names = [n for n, e in backends.items() if e["valid"]]
         out_cases.append({
             "head_size": cfg.head_size, "dtype": case["dtype"],
             "features": [f for f in FEATURES if f in feats],
-            "selected": names[0] if names else None, "valid": names,
-            "invalid": {b.name: list(r) for b, (_, r) in
-                        sorted(invalid.items(), key=lambda kv_: kv_[1][0])},
-            "flash_attn_version": fa, "flash_attn_note": note})
+            "selected": names[0] if names else None,
+            "invalid": {n: e["reasons"] for n, e in backends.items() if not e["valid"]},
+            "flash_attn_version": fa,
+            "flash_attn_note": ("; ".join(notes) or None) if "FLASH_ATTN" in names else None})
     _check_bound(platform)
     with set_current_vllm_config(VllmConfig()):
-        fa_versions = [v for v in (2, 3, 4) if fa_utils.is_fa_version_supported(v)]
-        facts = {"flash_attn_versions_supported": fa_versions,
-                 "flashinfer_trtllm_decode": bool(supports_trtllm_attention(is_prefill=False)),
-                 "flashinfer_trtllm_prefill": bool(supports_trtllm_attention(is_prefill=True))}
+        facts = platform_facts()
     root = Path(vllm.__file__).parent
     files = sorted({str(Path(sys.modules[AttentionBackendEnum[n].get_class().__module__]
                              .__file__ or "").relative_to(root)) for n in priority or []})
