@@ -194,3 +194,20 @@ def test_fault_in_capture_is_counted_and_output_unchanged() -> None:
     assert cap.errors.by_place.get("capture") == 3
     assert cap.errors.dropped.get("capture_error") == 3
     cap.state.hub.stop(final_flush=False)
+
+
+def test_malformed_liveness_notes_are_counted_not_fatal(tmp_path: Any) -> None:
+    import json
+    import os
+
+    from attnprof.capture.vllm import runtime
+
+    (tmp_path / "worker-1.json").write_text(json.dumps(
+        {"role": "worker", "pid": os.getpid(), "process": "w", "started_at": 1.0}))
+    (tmp_path / "api_server-2.json").write_text("[1]")  # not an object
+    (tmp_path / "worker-3.json").write_text('{"role": "work')  # still being written
+    (tmp_path / "worker-4.json").write_text('{"role": "worker", "pid": "x"}')  # wrong type
+    before = runtime.STATE.errors.by_place.get("snapshot", 0)
+    notes = runtime.processes_from_run_dir(Config(run_dir=tmp_path))
+    assert [(n.role, n.pid, n.alive) for n in notes] == [("worker", os.getpid(), True)]
+    assert runtime.STATE.errors.by_place.get("snapshot", 0) - before == 2

@@ -71,6 +71,16 @@ def test_throttle_applies_to_the_very_next_steps() -> None:
     s.charge(0.5)  # 50% self time: throttled hard
     assert s.rate < 0.2
     assert sum(s.tick() for _ in range(50)) < 25
+    # The step right after the cut, over many seeds: sampled at the new rate (< 20%), not
+    # always (the gap drawn at rate 1 would take it every time).
+    first = 0
+    for seed in range(200):
+        clock = FakeClock()
+        s = StepSampler(1.0, budget=0.01, seed=seed, clock=clock)
+        clock.t += 1.0
+        s.charge(0.5)
+        first += s.tick()
+    assert first < 60
 
 
 def test_exporter_errors_never_trip_the_capture_breaker() -> None:

@@ -5,7 +5,8 @@ Field names are those of snapshot version 1 (attnprof 0.1), so readers of 1.0 do
 working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestStats.quantiles``;
 1.2 types ``window_advice``: an ``attnprof.window_advice`` document (carrying its own
 ``schema_version``) or ``{"error": ...}``, as before; 1.3 adds ``KernelGroup.predicted``,
-``flash_attn_version`` and ``note`` and ``LayerFacts.has_sink`` and ``attn_type``, and
+``flash_attn_version`` and ``note``, ``LayerFacts.has_sink`` and ``attn_type`` and
+``SamplerStats.throttles``, and
 ``KernelGroup.source`` names where the verdicts came from (vLLM itself on this device, or the
 matrix derived from vLLM's code) instead of the platform class.
 """
@@ -71,9 +72,10 @@ class LayerFacts(Record):
     kernel: str | None = None
     """Kernel variant actually used (CPU ISA, FlashAttention version), seen on first call."""
     has_sink: bool = False
-    """Learned attention-sink logits (GPT-OSS style); added in 1.3."""
+    """Learned attention-sink logits (GPT-OSS style); added in snapshot 1.3."""
     attn_type: str = "decoder"
-    """vLLM's attention type: decoder, encoder, encoder_only, encoder_decoder (cross); 1.3."""
+    """vLLM's attention type: decoder, encoder, encoder_only, encoder_decoder (cross); added
+    in snapshot 1.3."""
 
 
 @dataclass
@@ -124,7 +126,7 @@ class SamplerStats(Record):
     self_time_s: float = 0.0
     self_time_fraction: float = 0.0
     throttles: int = 0
-    """Times the overhead budget cut the rate (added in snapshot 1.2)."""
+    """Times the overhead budget cut the rate (added in snapshot 1.3)."""
 
 
 @dataclass

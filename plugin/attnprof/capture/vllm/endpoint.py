@@ -14,7 +14,7 @@ from typing import Any
 from attnprof.capture.vllm import runtime, start
 from attnprof.config import Config
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
-from attnprof.contracts.snapshot import ProcessNote, Snapshot, SnapshotErrors, WorkerSnapshot
+from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
 __all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "build_snapshot"]
 
@@ -40,7 +40,7 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
                 st.errors.record("snapshot", exc)
     snap = Snapshot(
         time=time.time(), model=st.model_label, enabled=st.enabled,
-        processes=_notes(notes),
+        processes=notes,
         roles_here=sorted(st.roles), workers=parsed,
         requests=st.requests.summary() if st.requests is not None else None,
         errors=SnapshotErrors(api_server=dict(st.errors.by_place), collective_rpc=error))
@@ -50,17 +50,6 @@ async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
     # snapshot right away (file writes: off the event loop).
     await asyncio.to_thread(st.flush)
     return snap
-
-
-def _notes(raw: list[Any]) -> list[ProcessNote]:
-    """Liveness notes; one a process left half-written or malformed is counted, not fatal."""
-    out = []
-    for n in raw:
-        try:
-            out.append(ProcessNote.from_json(n))
-        except Exception as exc:
-            runtime.STATE.errors.record("snapshot", exc)
-    return out
 
 
 async def _advice(snap: Snapshot) -> WindowAdvice | AdviceUnavailable:

@@ -14,6 +14,7 @@ from typing import Any
 
 from attnprof._safety import ErrorBook, Once
 from attnprof.config import Config
+from attnprof.contracts.snapshot import ProcessNote
 
 __all__ = ["STATE", "State", "role_of_process", "start"]
 
@@ -143,19 +144,24 @@ def _mark_dead() -> None:
         pass
 
 
-def processes_from_run_dir(cfg: Config | None) -> list[dict[str, Any]]:
-    """Liveness notes left by every process (API-server side, for the snapshot)."""
+def processes_from_run_dir(cfg: Config | None) -> list[ProcessNote]:
+    """Liveness notes left by every process (API-server side, for the snapshot). A note still
+    being written is skipped; a malformed one (not an object, wrong fields) is counted in the
+    errors, never fatal to the snapshot."""
     if cfg is None or cfg.run_dir is None or not cfg.run_dir.is_dir():
         return []
-    out: list[dict[str, Any]] = []
+    out: list[ProcessNote] = []
     for p in sorted(cfg.run_dir.glob("*.json")):
         try:
-            note = json.loads(p.read_text())
+            raw = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        pid = note.get("pid")
-        note["alive"] = isinstance(pid, int) and pid_alive(pid)
-        out.append(note)
+        try:
+            pid = raw.get("pid")
+            out.append(ProcessNote.from_json(
+                {**raw, "alive": isinstance(pid, int) and pid_alive(pid)}))
+        except Exception as exc:
+            STATE.errors.record("snapshot", exc)
     return out
 
 
