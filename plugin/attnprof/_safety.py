@@ -29,17 +29,9 @@ class ErrorBook:
         self._lock = threading.Lock()
 
     def record(self, place: str, exc: BaseException) -> None:
+        """Count an internal error; ``max_errors`` of them disable capture in this process."""
         try:
-            with self._lock:
-                n = self.by_place.get(place, 0) + 1
-                self.by_place[place] = n
-                self._tripping += 1
-                total = self._tripping
-                if total >= self.max_errors and not self.disabled:
-                    self.disabled = True
-                    logger.error("attnprof: %d internal errors; capture disabled in this process",
-                                 total)
-            if n == 1:
+            if self._count(place, trips=True) == 1:
                 logger.warning("attnprof: internal error in %s (counted, not raised): %r",
                                place, exc)
         except Exception:  # never let bookkeeping raise either
@@ -49,21 +41,26 @@ class ErrorBook:
         """Count an error of an exporter (endpoint down, refusing) without tripping the
         capture breaker: a broken collector must not switch off profiling."""
         try:
-            with self._lock:
-                n = self.by_place.get(place, 0) + 1
-                self.by_place[place] = n
-            if n == 1:
+            if self._count(place, trips=False) == 1:
                 logger.warning("attnprof: %s failed (counted, not raised; further failures "
                                "counted silently): %r", place, exc)
         except Exception:
             pass
 
+    def _count(self, place: str, trips: bool) -> int:
+        with self._lock:
+            n = self.by_place.get(place, 0) + 1
+            self.by_place[place] = n
+            if trips:
+                self._tripping += 1
+                if self._tripping >= self.max_errors and not self.disabled:
+                    self.disabled = True
+                    logger.error("attnprof: %d internal errors; capture disabled in this "
+                                 "process", self._tripping)
+        return n
+
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_place.values())
 
 
 class Once:

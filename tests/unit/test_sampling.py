@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -93,3 +94,29 @@ def test_exporter_errors_never_trip_the_capture_breaker() -> None:
     for _ in range(3):
         book.record("capture", RuntimeError())
     assert book.disabled
+
+
+def test_a_failing_source_trips_the_breaker_a_failing_exporter_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnprof._safety import ErrorBook
+    from attnprof.capture.vllm.runtime import State
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", raising=False)
+    state = State(errors=ErrorBook(max_errors=3))
+    hub = state.get_hub()  # the hub wiring the server runs with
+
+    class Down:
+        name = "otlp"
+
+        def export(self, samples: Any) -> None:
+            raise ConnectionRefusedError("collector down")
+
+    hub.sinks[:] = [Down()]
+    for _ in range(10):
+        hub.flush()
+    assert state.errors.by_place["export_otlp"] == 10 and not state.errors.disabled
+    hub.add_source("worker", lambda: [][0])  # attnprof's own sample code failing
+    for _ in range(3):
+        hub.flush()
+    assert state.errors.by_place["export_source_worker"] == 3 and state.errors.disabled

@@ -3,8 +3,10 @@
 Sources are callables registered by the rooms that own state (worker aggregates, request
 statistics, window advice, error counts); sinks are exporters (Prometheus, OTLP). A daemon
 thread flushes every ``interval`` seconds, off the serving path; ``flush()`` may also be
-called directly (snapshots). A failing source or sink is counted through ``on_error`` and
-skipped: nothing here raises into the host. After ``fork`` the child starts its own thread.
+called directly (snapshots). A failing source is reported to ``on_error`` (attnprof's own
+code failed), a failing sink to ``on_sink_error`` (an exporter: endpoint down, disk full;
+``on_error`` when not given), and skipped: nothing here raises into the host. After
+``fork`` the child starts its own thread.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ class Sink(Protocol):
 
 class ExportHub:
     def __init__(self, interval: float = 1.0,
-                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[str, BaseException], None] | None = None,
+                 on_sink_error: Callable[[str, BaseException], None] | None = None) -> None:
         self.interval = interval
         self.on_error = on_error
+        self.on_sink_error = on_sink_error or on_error
         self.sources: dict[str, SampleSource] = {}
         self.sinks: list[Any] = []
         self._lock = threading.Lock()
@@ -51,9 +55,17 @@ class ExportHub:
         return next((s for s in self.sinks if getattr(s, "name", "") == name), None)
 
     def _error(self, place: str, exc: BaseException) -> None:
-        if self.on_error is not None:
+        self._report(self.on_error, place, exc)
+
+    def _sink_error(self, sink: Any, exc: BaseException) -> None:
+        self._report(self.on_sink_error, f"export_{getattr(sink, 'name', 'sink')}", exc)
+
+    @staticmethod
+    def _report(fn: Callable[[str, BaseException], None] | None, place: str,
+                exc: BaseException) -> None:
+        if fn is not None:
             try:
-                self.on_error(place, exc)
+                fn(place, exc)
             except Exception:
                 pass
 
@@ -74,7 +86,7 @@ class ExportHub:
                 try:
                     sink.export(samples)
                 except Exception as exc:
-                    self._error(f"export_{getattr(sink, 'name', 'sink')}", exc)
+                    self._sink_error(sink, exc)
 
     def start(self) -> None:
         """Start the flush thread once per process (a forked child starts its own)."""
@@ -107,4 +119,4 @@ class ExportHub:
                 try:
                     close()
                 except Exception as exc:
-                    self._error(f"export_{getattr(sink, 'name', 'sink')}", exc)
+                    self._sink_error(sink, exc)

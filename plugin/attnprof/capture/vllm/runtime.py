@@ -54,7 +54,9 @@ class State:
             from attnprof.exporters.otlp import OtlpSink, otlp_config_from_env
             from attnprof.exporters.prometheus import PrometheusSink
 
-            hub = ExportHub(on_error=self.errors.note)
+            # A failing sample source is attnprof's own bug and counts towards the breaker;
+            # a failing exporter (collector down) never switches profiling off.
+            hub = ExportHub(on_error=self.errors.record, on_sink_error=self.errors.note)
             hub.add_sink(PrometheusSink())
             otlp = otlp_config_from_env(os.environ)  # validated at start-up by register()
             if otlp is not None:
