@@ -91,7 +91,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "How histograms are sent over OTLP (only when an OTEL_EXPORTER_OTLP_*ENDPOINT is set): "
         "`explicit` uses the same bucket bounds, counts and sum as Prometheus; `exponential` "
         "sends base-2 exponential histograms, converted exactly from bounds that are powers of "
-        "two (other bounds stay explicit, with one warning).",
+        "two (other bounds stay explicit, with one warning); the request histograms then use "
+        "power-of-two bounds, on /metrics too.",
     ),
 )
 

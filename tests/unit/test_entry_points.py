@@ -86,3 +86,29 @@ def test_bad_setting_fails_even_when_disabled_flag_is_bad() -> None:
                env={"ATTNPROF_ENABLED": "perhaps"})
     assert r.returncode != 0 and "ATTNPROF_ENABLED" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+_BUCKETS = """
+import os, sys
+from types import SimpleNamespace
+from attnprof.capture.vllm import runtime
+from attnprof.capture.vllm.stat_logger import AttnProfStatLogger
+cfg = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096, model="m"))
+for endpoint in ("", sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:9/v1/metrics"):
+    runtime.STATE = runtime.State()
+    if endpoint:
+        os.environ["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"] = endpoint
+    logger = AttnProfStatLogger(cfg)
+    print(bool(endpoint), [int(b) for b in logger.requests.buckets[:6]])
+    runtime.STATE.hub.stop(final_flush=False)
+"""
+
+
+@pytest.mark.vllm
+def test_exponential_otlp_histograms_change_the_bounds_only_when_otlp_is_on() -> None:
+    r = run_py(_BUCKETS, env={"ATTNPROF_ENABLED": "1", "ATTNPROF_OTLP_HISTOGRAM": "exponential",
+                              "OTEL_METRIC_EXPORT_TIMEOUT": "200"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    off, on = r.stdout.strip().splitlines()[-2:]
+    assert off == "False [1, 2, 5, 10, 20, 50]"  # /metrics keeps its 1-2-5 bounds
+    assert on == "True [0, 1, 2, 4, 8, 16]"  # powers of two (and 0): OTLP converts exactly

@@ -38,14 +38,11 @@ def resolve_or_fail(spec: str) -> tuple[str, str | None]:
 
 
 def check_config() -> None:
-    import os
-
-    from attnprof.config import Config, ConfigError
-    from attnprof.exporters.otlp import otlp_config_from_env
+    from attnprof.capture.vllm.runtime import config_from_env
+    from attnprof.config import ConfigError
 
     try:
-        Config.from_env()
-        otlp_config_from_env(os.environ)
+        config_from_env(check_otlp=True)
     except ConfigError as err:
         raise CliError(f"invalid configuration: {err}") from None
 

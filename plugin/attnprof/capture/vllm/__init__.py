@@ -8,7 +8,7 @@ called, and raises only at start-up, for a bad ``ATTNPROF_*`` value, with one li
 from __future__ import annotations
 
 import logging
-import os
+from typing import Any
 
 from attnprof.capture.vllm import hooks, runtime
 from attnprof.config import Config, ConfigError
@@ -20,20 +20,16 @@ logger = logging.getLogger("attnprof")
 
 def register() -> None:
     try:
-        cfg = Config.from_env()
-        if cfg.enabled:
-            from attnprof.exporters.otlp import otlp_config_from_env
-
-            otlp_config_from_env(os.environ)  # a bad OTEL_* value stops start-up here
+        cfg, otlp = runtime.config_from_env()
     except ConfigError as err:
         # SystemExit with a string prints one line and no traceback; vLLM does not catch
         # it around general plugins, so the process stops at start-up as it should.
         raise SystemExit(f"attnprof: invalid configuration: {err}") from None
     if not cfg.enabled:
         return
-    start(cfg)
+    start(cfg, otlp)
 
 
-def start(cfg: Config) -> None:
+def start(cfg: Config, otlp: Any = None) -> None:
     """Set attnprof up in this vLLM process once: state, export loop, hooks."""
-    runtime.start(cfg, hooks.install)
+    runtime.start(cfg, hooks.install, otlp)

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 from attnprof.capture.vllm import runtime, start
-from attnprof.config import Config
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
@@ -98,9 +97,9 @@ class AttnProfEndpoint:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         self.engine_client = engine_client
-        cfg = Config.from_env()
+        cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
-            start(cfg)
+            start(cfg, otlp)
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
                     _advice_loop(engine_client, cfg.advice_interval_s))

@@ -37,6 +37,7 @@ class State:
     roles: set[str] = field(default_factory=set)
     started_at: float = 0.0
     hub: Any = None  # attnprof.exporters.hub.ExportHub, created by start()
+    otlp: Any = None  # attnprof.exporters.otlp.OtlpConfig when an OTLP endpoint is set
     requests: Any = None  # aggregate.requests.RequestAggregates in the API server
     advice: dict[str, Any] | None = None  # latest window advice (API server)
     model_label: str = "unknown"
@@ -51,16 +52,15 @@ class State:
         """This process's export loop (Prometheus always; OTLP when configured)."""
         if self.hub is None:
             from attnprof.exporters.hub import ExportHub
-            from attnprof.exporters.otlp import OtlpSink, otlp_config_from_env
+            from attnprof.exporters.otlp import OtlpSink
             from attnprof.exporters.prometheus import PrometheusSink
 
             # A failing sample source is attnprof's own bug and counts towards the breaker;
             # a failing exporter (collector down) never switches profiling off.
             hub = ExportHub(on_error=self.errors.record, on_sink_error=self.errors.note)
             hub.add_sink(PrometheusSink())
-            otlp = otlp_config_from_env(os.environ)  # validated at start-up by register()
-            if otlp is not None:
-                hub.add_sink(OtlpSink(otlp, role=role_of_process(),
+            if self.otlp is not None:
+                hub.add_sink(OtlpSink(self.otlp, role=role_of_process(),
                                       on_error=self.errors.note))
             self.hub = hub
         return self.hub
@@ -109,11 +109,25 @@ class State:
 STATE = State()
 
 
-def start(cfg: Config, install: Callable[[State], Any] | None = None) -> None:
+def config_from_env(check_otlp: bool = False) -> tuple[Config, Any]:
+    """attnprof's settings and the OTLP ones (an ``OtlpConfig``, None without an endpoint),
+    read and checked together wherever attnprof starts, so a bad ``ATTNPROF_*`` or ``OTEL_*``
+    value raises ``ConfigError`` at start-up. OTLP is read only when attnprof is enabled (or
+    ``check_otlp``: the CLI checking a server's environment before launching it)."""
+    cfg = Config.from_env()
+    if not (cfg.enabled or check_otlp):
+        return cfg, None
+    from attnprof.exporters.otlp import otlp_config_from_env
+
+    return cfg, otlp_config_from_env(os.environ)
+
+
+def start(cfg: Config, install: Callable[[State], Any] | None = None, otlp: Any = None) -> None:
     """Set this process up once (later calls do nothing); ``install`` patches the host."""
 
     def _start() -> None:
         STATE.config = cfg
+        STATE.otlp = otlp
         STATE.errors = ErrorBook(cfg.max_errors)
         STATE.started_at = time.time()
         if cfg.model_label:

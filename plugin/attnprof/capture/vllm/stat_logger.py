@@ -15,7 +15,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from attnprof.aggregate.histogram import pow2_buckets
 from attnprof.aggregate.requests import RequestAggregates
 from attnprof.capture.vllm import runtime, start
-from attnprof.config import Config, ConfigError
+from attnprof.config import ConfigError
 from attnprof.facts.label import model_label
 
 __all__ = ["AttnProfStatLogger"]
@@ -37,14 +37,14 @@ def request_samples() -> list[Any]:
 class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         try:
-            cfg = Config.from_env()
+            cfg, otlp = runtime.config_from_env()
         except ConfigError as err:
             raise SystemExit(f"attnprof: invalid configuration: {err}") from None
         self.enabled = cfg.enabled
         self.fault = cfg.fault_inject == "stat_logger"
         if not self.enabled:
             return
-        start(cfg)
+        start(cfg, otlp)
         st = runtime.STATE
         self.state = st
         try:
@@ -57,8 +57,10 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
             st.errors.record("stat_logger_init", exc)
             max_len = 8192
         if st.requests is None:
-            # OTLP exponential histograms convert exactly only from power-of-two edges.
-            buckets = pow2_buckets(max_len) if cfg.otlp_histogram == "exponential" else None
+            # OTLP exponential histograms convert exactly only from power-of-two edges (the
+            # one set of bounds: /metrics shows them too). Without an endpoint, no change.
+            buckets = (pow2_buckets(max_len) if st.otlp is not None
+                       and cfg.otlp_histogram == "exponential" else None)
             st.requests = RequestAggregates(max_len, buckets=buckets)
         self.requests: RequestAggregates = st.requests
         st.export_source("requests", request_samples)
