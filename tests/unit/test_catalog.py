@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import os
 import re
+from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from attnprof.aggregate.histogram import BucketHistogram
@@ -101,3 +104,32 @@ def test_counter_totals_export_each_increment_once() -> None:
     sink.export([Sample(name, (("model", "m"), ("place", "metrics")), 1)])
     assert reg.get_sample_value(name, {"model": "m", "place": "capture"}) == 5
     assert reg.get_sample_value(name, {"model": "m", "place": "metrics"}) == 1
+
+
+_FORKED_GAUGE = """
+import os, sys
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.exporters.samples import Sample
+sink = PrometheusSink()
+live = [Sample("attnprof_plugin_processes", (("role", "worker"),), 1)]
+sink.export(live)
+pid = os.fork()
+if pid == 0:
+    sink.export(live)  # the same value as the parent's last: still this process's own 1
+    os._exit(0)
+os.waitpid(pid, 0)
+reg = CollectorRegistry()
+MultiProcessCollector(reg)
+print(reg.get_sample_value("attnprof_plugin_processes", {"role": "worker"}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_process_writes_its_own_gauges_in_multiprocess_mode(tmp_path: Any) -> None:
+    from tests.conftest import run_py
+
+    r = run_py(_FORKED_GAUGE, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["2.0"]  # livesum over both processes

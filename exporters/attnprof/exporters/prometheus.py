@@ -43,14 +43,27 @@ class PrometheusSink:
         self._buckets: dict[str, tuple[float, ...]] = {}
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def export(self, samples: Iterable[MetricSample]) -> None:
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             for smp in samples:
                 if isinstance(smp, HistogramSample):
                     self._histogram(smp)
                 else:
                     self._scalar(smp)
+
+    def _forked(self) -> None:
+        """A forked child: its multiprocess values live in its own, empty files, so a gauge
+        equal to the parent's last value must still be written (the livesum would miss this
+        process). Counter and histogram baselines stay: the child's sources inherited the
+        parent's totals, and only what it adds after the fork is its own. The lock may have
+        been held by a parent thread at the fork."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._totals = {k: v for k, v in self._totals.items() if spec(k[0]).kind != "gauge"}
 
     def _scalar(self, smp: Sample) -> None:
         # Most series do not change between flushes: compare first, touch prometheus_client
@@ -70,13 +83,12 @@ class PrometheusSink:
 
     def _histogram(self, smp: HistogramSample) -> None:
         st = smp.state
-        m = self._metric(smp.name, st.bounds)
-        labels = dict(smp.labels)
-        child = m.labels(**labels) if labels else m
         key = (smp.name, smp.labels)
         last = self._totals.get(key)
         if last is not None and last.count == st.count:
-            return
+            return  # unchanged: as for scalars, no label lookup or file write
+        m = self._metric(smp.name, st.bounds)
+        child = m.labels(**dict(smp.labels)) if smp.labels else m
         prev_counts = last.counts if last is not None else (0,) * len(st.counts)
         # prometheus_client keeps non-cumulative per-bucket values (bounds + +Inf), exactly
         # our layout: advance each by its delta and the sum by its delta.
