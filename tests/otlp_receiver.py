@@ -14,6 +14,8 @@ import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as pb
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as pbg
 
+from tests.conftest import free_port as free_port  # re-exported: the OTLP tests and benchmarks
+
 
 class OtlpReceiver:
     def __init__(self, protocol: str = "http/protobuf", mode: str = "normal",
@@ -147,12 +149,3 @@ def exporter_threads() -> int:
     """Live threads, not counting the in-process receiver's: its pools grow lazily
     (gRPC up to 4 workers, HTTP one per request), which is not the exporter leaking."""
     return sum(1 for t in threading.enumerate() if not t.name.startswith("otlp-receiver"))
-
-
-def free_port() -> int:
-    """A loopback port with nothing listening (for 'endpoint down')."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

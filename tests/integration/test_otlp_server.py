@@ -3,7 +3,6 @@ official OTLP protobufs: the same counters as the same server's /metrics, exactl
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,8 @@ from typing import Any
 import pytest
 
 from attnprof.exporters.catalog import CATALOG, spec
-from attnprof.tools.server import VllmServer, http_get, http_post_json
-from tests.conftest import running_tiny_server
+from attnprof.tools.server import VllmServer, http_post_json
+from tests.conftest import poll_metrics, running_tiny_server
 from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -69,8 +68,10 @@ def _otlp_latest(rx: OtlpReceiver) -> tuple[dict[tuple[str, frozenset[tuple[str,
                     assert m.sum.is_monotonic
                     for dp in m.sum.data_points:
                         attrs = frozenset((a.key, str(_any(a.value))) for a in dp.attributes)
-                        v = dp.as_double if dp.HasField("as_double") else dp.as_int
-                        per_proc[(inst, m.name, attrs)] = float(v)
+                        # One point type per metric (as_double): a flip to as_int between
+                        # exports would break backends that key series by type.
+                        assert dp.HasField("as_double"), m.name
+                        per_proc[(inst, m.name, attrs)] = dp.as_double
     summed: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for (_inst, name, attrs), v in per_proc.items():
         summed[(name, attrs)] = summed.get((name, attrs), 0.0) + v
@@ -99,18 +100,17 @@ def test_otlp_counters_equal_metrics_exactly(otlp_server: tuple[VllmServer, Otlp
                                    "max_tokens": 5, "ignore_eos": True, "temperature": 0.0})
         assert out["usage"]["completion_tokens"] == 5
     # Traffic stopped: wait until both sides have flushed the final totals and agree.
-    deadline = time.monotonic() + 20
-    while True:
-        prom = _prom_counters(http_get(srv.base_url + "/metrics"))
-        otlp, resources, units = _otlp_latest(rx)
-        mapped = {_to_otel(k): v for k, v in prom.items()}
-        calls = [k for k in prom if k[0] == "attnprof_attention_calls_total"]
-        if calls and all(otlp.get(k) == v for k, v in mapped.items()):
-            break
-        if time.monotonic() > deadline:
-            missing = {k: (v, otlp.get(k)) for k, v in mapped.items() if otlp.get(k) != v}
-            raise AssertionError(f"OTLP disagrees with /metrics: {list(missing.items())[:8]}")
-        time.sleep(0.5)
+    def agree(text: str) -> bool:
+        prom = _prom_counters(text)
+        otlp = _otlp_latest(rx)[0]
+        return (any(k[0] == "attnprof_attention_calls_total" for k in prom)
+                and all(otlp.get(_to_otel(k)) == v for k, v in prom.items()))
+
+    prom = _prom_counters(poll_metrics(srv.base_url, agree, timeout=20))
+    otlp, resources, units = _otlp_latest(rx)
+    missing = {k: (v, otlp.get(_to_otel(k))) for k, v in prom.items() if otlp.get(_to_otel(k)) != v}
+    assert not missing, f"OTLP disagrees with /metrics: {list(missing.items())[:8]}"
+    calls = [k for k in prom if k[0] == "attnprof_attention_calls_total"]
     assert len(calls) >= 2  # both layers, at least one phase each
     # Units (UCUM), names and resource.
     assert units[spec("attnprof_attention_time_seconds_total").otel_name] == "s"
