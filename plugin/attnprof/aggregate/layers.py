@@ -47,6 +47,9 @@ def layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+_FACT_FIELDS = tuple(f.name for f in fields(LayerFacts))  # what a LayerProfile copies
+
+
 @dataclass
 class LayerInfo(LayerFacts):
     """A layer's static facts (the contract's field list) as capture keeps them: ``kernel``
@@ -184,7 +187,7 @@ class WorkerAggregates:
                     tokens=tokens, flops=flops, bytes=nbytes,
                     mean_batch_requests=reqs / calls if calls else 0.0,
                     mean_seq_len=kv / reqs if reqs else 0.0, max_seq_len=mx)
-            facts = {f.name: getattr(info, f.name) for f in fields(LayerFacts)}
+            facts = {name: getattr(info, name) for name in _FACT_FIELDS}
             out.append(LayerProfile(**facts, phases=phases))
         return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -25,32 +25,19 @@ def ensure_writable_dir(path: Path) -> Path:
     return path
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux says it (os.umask can only
-    be read by setting it, which would race with any other thread creating files)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write via a temp file + rename so a crash never leaves half a file."""
+    """Write via a temp file + rename so a crash never leaves half a file. The temp file is
+    created with mode 0666 and exclusively (a random name, O_EXCL), so the kernel applies the
+    umask and the directory's default ACL exactly as for a plain open()."""
     ensure_writable_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        # mkstemp makes 0600; give the file the mode a plain open() would (umask applied).
-        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
