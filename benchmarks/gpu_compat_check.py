@@ -39,7 +39,9 @@ SHAPES: list[tuple[str, str, int, dict[str, Any], str]] = [
     ("llama-h512", "llama", 512, {}, "auto"),
     # Sinks exercise the riskiest platform fact (FlashInfer's TRT-LLM kernels); a tiny GPT-OSS
     # that vLLM cannot load is reported as an error, not as a disagreement.
-    ("gpt-oss-h64-sinks", "gpt_oss", 64, {}, "auto"),
+    # GPT-OSS's first layer is a sliding-window one (layer_types starts with
+    # sliding_attention), and vLLM logs the first layer's choice: compare with window + sinks.
+    ("gpt-oss-h64-sinks-window", "gpt_oss", 64, {"sliding_window": 128}, "auto"),
 ]
 
 
@@ -83,7 +85,7 @@ def build(path: Path, family: str, head_dim: int, extra: dict[str, Any]) -> Path
                   num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=head_dim, max_position_embeddings=512, **extra)
     if family == "gpt_oss":
-        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=128)
+        common.update(num_local_experts=4, num_experts_per_tok=2)
     cfg_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
