@@ -130,11 +130,7 @@ def render_case(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_FEATURE_COLUMNS = (("", "none"), ("sliding_window", "window"), ("sinks", "sinks"),
-                    ("fp8_kv", "fp8 KV"), ("sliding_window+sinks", "window + sinks"),
-                    ("sliding_window+fp8_kv", "window + fp8 KV"),
-                    ("sinks+fp8_kv", "sinks + fp8 KV"),
-                    ("sliding_window+sinks+fp8_kv", "all three"))
+_FEATURE_LABELS = {"sliding_window": "window", "sinks": "sinks", "fp8_kv": "fp8 KV"}
 _SHORT = {"FLASH_ATTN": "FA", "FLASHINFER": "FlashInfer", "TRITON_ATTN": "Triton",
           "FLEX_ATTENTION": "Flex", "TURBOQUANT": "TurboQuant"}
 
@@ -150,6 +146,13 @@ def _vllm_markdown() -> list[str]:
     pick = {(c.hardware, c.head_size, c.dtype, c.features): _cell(c.selected,
                                                                   c.flash_attn_version)
             for c in vllm_matrix.cases(d)}
+    # One column per feature set in the data (a new feature gets its columns): fewest first.
+    def order(fk: str) -> tuple[int, list[int]]:
+        fs = [f for f in fk.split("+") if f]
+        return len(fs), [vllm_matrix.FEATURES.index(f) for f in fs]
+
+    columns = [(fk, " + ".join(_FEATURE_LABELS.get(f, f) for f in fk.split("+")) or "none")
+               for fk in sorted({k[3] for k in pick}, key=order)]
     out = ["## vLLM on CUDA (derived from vLLM's own code)", "",
            f"Every cell below is {vllm_matrix.source_line(d)}: `attnprof compat --regenerate` "
            "runs `CudaPlatform.get_valid_backends` and `get_flash_attn_version` with vLLM's "
@@ -178,7 +181,7 @@ def _vllm_markdown() -> list[str]:
             table = []
             for h in d["grid"]["head_sizes"]:
                 cells = []
-                for fk, _ in _FEATURE_COLUMNS:
+                for fk, _ in columns:
                     cells.append(pick[(key, h, dtype, fk)])
                 table.append(f"| {h} | " + " | ".join(cells) + " |")
             same = next((k for k, t in seen.items() if t == tuple(table)), None)
@@ -187,8 +190,8 @@ def _vllm_markdown() -> list[str]:
                 continue
             seen[dtype] = tuple(table)
             block += [f"{dtype}:", "",
-                      "| head size | " + " | ".join(n for _, n in _FEATURE_COLUMNS) + " |",
-                      "|---|" + "---|" * len(_FEATURE_COLUMNS), *table, ""]
+                      "| head size | " + " | ".join(n for _, n in columns) + " |",
+                      "|---|" + "---|" * len(columns), *table, ""]
         twin = next((k for k, b in blocks.items() if b == block), None)
         if twin is not None:
             out += [f"Picks: the same as `{twin}` in every cell (the reasons can differ: "
