@@ -573,7 +573,7 @@ class OtlpSink:
 
         def observe(_options: Any) -> list[Any]:
             if name == FAILURES:
-                return [Observation(self.failures, {})]
+                return [Observation(float(self.failures), {})]  # as_double, like every sum
             with self._lock:
                 series = list(self._scalars.get(name, {}).items())
             return [Observation(v, attributes(labels)) for labels, v in series]
