@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from attnprof.cli._common import CliError
 
@@ -22,10 +23,19 @@ SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "env", "profile", "compat",
                "validate")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors (an unknown flag, ``--port abc``) are one line too, naming ``--help``;
+    subcommand parsers are of this class as well (argparse reuses the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        msg = " ".join(message.split())
+        self.exit(2, f"attnprof: error: {msg} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from attnprof import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnprof", description="Attention profiler for LLM serving (vLLM, transformers).")
     parser.add_argument("--version", action="version", version=f"attnprof {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -43,7 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except CliError as err:
-        print(f"attnprof: error: {err}", file=sys.stderr)
+        # One line, whatever a message quotes (a file's key, a server's answer).
+        msg = str(err).replace("\r", "\\r").replace("\n", "\\n")
+        print(f"attnprof: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("attnprof: interrupted", file=sys.stderr)

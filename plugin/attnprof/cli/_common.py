@@ -1,14 +1,32 @@
-"""Shared CLI helpers: the user-error type, atomic file writes, progress bars."""
+"""Shared CLI helpers: the user-error type, checks made before long work starts (output
+files, optional packages, the model), atomic file writes, progress bars."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CliError", "progress_bar", "read_json", "write_atomic", "write_json"]
+__all__ = [
+    "MAX_LENGTH",
+    "CliError",
+    "check_lengths",
+    "check_out_file",
+    "ensure_writable_dir",
+    "int_in_range",
+    "progress_bar",
+    "read_json",
+    "require_module",
+    "resolve_model",
+    "write_atomic",
+    "write_json",
+]
+
+MAX_LENGTH = 2**31 - 1
+"""Largest context length (tokens) any parser accepts: what int32 kernels index."""
 
 
 class CliError(Exception):
@@ -23,6 +41,71 @@ def ensure_writable_dir(path: Path) -> Path:
     if not os.access(path, os.W_OK):
         raise CliError(f"output directory {str(path)!r} is not writable")
     return path
+
+
+def check_out_file(path: Path, flag: str = "--out") -> Path:
+    """Refuse an output file that cannot be written (a directory, a parent that is a file or
+    not writable) before the work that produces it starts; creates nothing."""
+    if path.is_dir():
+        raise CliError(f"{flag} {str(path)!r} is a directory; give a file name")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise CliError(f"{flag} {str(path)!r} is not writable")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the directories in between are created when writing
+    if not parent.is_dir():
+        raise CliError(f"{flag} {str(path)!r}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"{flag} {str(path)!r}: output directory {str(parent)!r} is not "
+                       "writable")
+    return path
+
+
+def require_module(name: str, why: str, extra: str) -> None:
+    """:class:`CliError` now, not after minutes of work, when an optional package is missing."""
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise CliError(f"{why} needs {name}, which is not installed: "
+                       f"pip install 'attnprof[{extra}]'")
+
+
+def int_in_range(value: int, flag: str, lo: int, hi: int) -> int:
+    """``value`` when ``lo <= value <= hi``; :class:`CliError` naming ``flag`` otherwise."""
+    if not lo <= value <= hi:
+        raise CliError(f"{flag} must be an integer in {lo}..{hi}, got {value}")
+    return value
+
+
+def check_lengths(dist: Any, source: str) -> Any:
+    """A :class:`LengthDistribution` whose lengths and weights a cost model can use:
+    :class:`CliError` for a length above :data:`MAX_LENGTH` or a weight that is not finite."""
+    import math
+
+    if dist.lengths and max(dist.lengths) > MAX_LENGTH:
+        raise CliError(f"{source}: a context length of {max(dist.lengths)} tokens is above "
+                       f"the maximum {MAX_LENGTH}")
+    if not all(math.isfinite(w) for w in dist.weights) or not math.isfinite(
+            sum(dist.weights)):
+        raise CliError(f"{source}: request counts must be finite numbers")
+    return dist
+
+
+def resolve_model(spec: str) -> Path:
+    """``smollm2`` (the verified cache) or a local checkpoint directory; :class:`CliError`
+    (one line) when missing, not a checkpoint, or the cache's manifest is damaged."""
+    from attnprof.tools import models
+
+    try:
+        return models.resolve_model(spec)
+    except models.ModelCacheError as err:
+        raise CliError(str(err)) from None
+    except (AttributeError, TypeError, ValueError) as err:
+        # A manifest of the wrong shape (e.g. "files": [] where an object is expected).
+        raise CliError(f"the model cache for {spec!r} is corrupt ({type(err).__name__} "
+                       f"reading its {models.MANIFEST}): {models.FETCH_HINT}") from None
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -47,7 +130,7 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except OSError as err:
         raise CliError(f"cannot read {str(path)!r}: {err.strerror}") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to read
         raise CliError(f"{path}: malformed JSON") from None
 
 

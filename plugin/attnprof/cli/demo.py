@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, progress_bar, write_json
+from attnprof.cli._common import (
+    MAX_LENGTH,
+    CliError,
+    check_out_file,
+    int_in_range,
+    progress_bar,
+    require_module,
+    resolve_model,
+    write_json,
+)
 from attnprof.contracts.advice import (
     AdviceUnavailable,
     HeadLevelSplit,
@@ -44,13 +53,38 @@ def add_parser(sub: Any) -> None:
 
 
 def _lengths(spec: str) -> list[int]:
-    try:
-        out = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise CliError(f"--doc-lengths {spec!r}: expected comma-separated integers") from None
-    if any(n <= 0 for n in out):
-        raise CliError(f"--doc-lengths {spec!r}: lengths must be positive")
+    """``--doc-lengths``: comma-separated token counts, each in 1..MAX_LENGTH, at most 1000."""
+    shown = spec if len(spec) <= 60 else spec[:57] + "..."
+    parts = [x.strip() for x in spec.split(",") if x.strip()]
+    if any(not (x.lstrip("-").isascii() and x.lstrip("-").isdigit()) or len(x) > 12
+           for x in parts):
+        raise CliError(f"--doc-lengths {shown!r}: expected comma-separated integers")
+    out = [int(x) for x in parts]
+    if any(not 0 < n <= MAX_LENGTH for n in out):
+        raise CliError(f"--doc-lengths {shown!r}: lengths must be positive (at most "
+                       f"{MAX_LENGTH})")
+    if len(out) > 1000:
+        raise CliError("--doc-lengths: at most 1000 documents")
     return out
+
+
+def check_args(args: argparse.Namespace) -> list[int]:
+    """Every flag, the output file and the optional packages, before anything starts;
+    the document lengths."""
+    doc_lengths = _lengths(args.doc_lengths)
+    int_in_range(args.max_model_len, "--max-model-len", 128, MAX_LENGTH)
+    if max(doc_lengths, default=0) + 64 > args.max_model_len:
+        raise CliError("--doc-lengths must stay below --max-model-len minus 64")
+    if not 0.0 <= args.sample_rate <= 1.0:  # False for NaN too
+        raise CliError("--sample-rate must be in [0, 1]")
+    int_in_range(args.port, "--port", 1, 65535)
+    int_in_range(args.chats, "--chats", 0, 100_000)
+    int_in_range(args.concurrency, "--concurrency", 1, 1024)
+    int_in_range(args.seed, "--seed", 0, 2**32 - 1)
+    check_out_file(args.out)
+    require_module("transformers", "attnprof demo", "torch")
+    require_module("tqdm", "attnprof demo", "torch")
+    return doc_lengths
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -58,22 +92,19 @@ def _run(args: argparse.Namespace) -> int:
     from attnprof.cli.serve import check_config
     from attnprof.cli.snapshot import fetch_snapshot
     from attnprof.exporters.terminal import render_snapshot
-    from attnprof.tools import models
-    from attnprof.tools.server import ServerError, VllmServer, http_get
+    from attnprof.tools import http, models
+    from attnprof.tools.server import ServerError, VllmServer
     from attnprof.tools.traffic import build_mix, run_traffic
 
-    doc_lengths = _lengths(args.doc_lengths)
-    if max(doc_lengths, default=0) + 64 > args.max_model_len:
-        raise CliError("--doc-lengths must stay below --max-model-len minus 64")
-    if not 0.0 <= args.sample_rate <= 1.0:
-        raise CliError("--sample-rate must be in [0, 1]")
+    doc_lengths = check_args(args)
     check_config()
     ensure_writable_dir(args.out.parent)
     t_start = time.monotonic()
     if args.model == models.DEFAULT_MODEL:
         try:
             model_dir = models.verified_model_dir()
-        except models.ModelCacheError:
+        except (models.ModelCacheError, AttributeError, TypeError, ValueError):
+            # missing, or a damaged manifest (e.g. "files": [] where an object belongs)
             print("attnprof: fetching the default model (once)", file=sys.stderr)
             bar = progress_bar(5, "model fetch", unit="step")
 
@@ -89,10 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                 bar.close()
         served = "smollm2"
     else:
-        try:
-            model_dir = models.resolve_model(args.model)
-        except models.ModelCacheError as err:
-            raise CliError(str(err)) from None
+        model_dir = resolve_model(args.model)
         served = model_dir.name
 
     from transformers import AutoTokenizer
@@ -125,7 +153,10 @@ def _run(args: argparse.Namespace) -> int:
             raise CliError(f"{len(failed)} of {len(results)} demo requests failed: "
                            f"{failed[0].error}")
         snap = fetch_snapshot(srv.base_url)
-        metrics = http_get(srv.base_url + "/metrics")
+        try:
+            metrics = http.get(srv.base_url + "/metrics").decode("utf-8", "replace")
+        except http.HttpError as err:
+            raise CliError(str(err)) from None
     finally:
         srv.stop()
     report: dict[str, Any] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import tempfile
 import time
@@ -19,45 +20,61 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.cli._common import (
+    MAX_LENGTH,
     CliError,
     ensure_writable_dir,
+    int_in_range,
     progress_bar,
     read_json,
+    require_module,
+    resolve_model,
     write_atomic,
 )
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.profile import ProfileReport
 
-__all__ = ["add_parser", "parse_bytes", "parse_seq_lens", "read_profile"]
+__all__ = ["add_parser", "parse_bytes", "parse_seq_lens", "read_profile", "show_profile"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}
 
 
+MAX_BYTES = 1 << 60
+"""Largest --memory-budget (1 EiB): anything above is a typo, and stays an exact int."""
+MAX_SEQ_LENS = 64
+
+
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    """``24GiB``, ``500MB``, ``8e9`` -> bytes; :class:`CliError` (one line) for anything
+    else, zero, or more than :data:`MAX_BYTES`."""
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)\s*", text,
+                     flags=re.ASCII)
     if not m or m.group(2).lower() not in _UNITS:
-        raise CliError(f"--memory-budget {text!r} is not a size (e.g. 24GiB, 500MiB, 8e9)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise CliError(f"--memory-budget {shown!r} is not a size (e.g. 24GiB, 500MiB, 8e9)")
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(number) or number > MAX_BYTES:
+        raise CliError(f"--memory-budget {shown!r} is too large (at most {MAX_BYTES} bytes)")
+    value = int(number)
     if value <= 0:
-        raise CliError(f"--memory-budget must be positive, got {text!r}")
+        raise CliError(f"--memory-budget must be positive, got {shown!r}")
     return value
 
 
 def parse_seq_lens(text: str) -> list[int]:
+    """``512,1024`` -> sorted distinct lengths in 1..MAX_LENGTH (at most 64 of them)."""
     out = []
     for part in text.split(","):
         part = part.strip()
-        try:
-            n = int(part)
-        except ValueError:
-            raise CliError(f"--seq-lens: {part!r} is not an integer") from None
-        if n <= 0:
-            raise CliError(f"--seq-lens: lengths must be positive, got {n}")
+        if not part.isascii() or not part.isdigit() or len(part) > 12:
+            raise CliError(f"--seq-lens: {part[:20]!r} is not a positive integer")
+        n = int(part)
+        if not 0 < n <= MAX_LENGTH:
+            raise CliError(f"--seq-lens: lengths must be in 1..{MAX_LENGTH}, got {n}")
         out.append(n)
-    if not out:
-        raise CliError("--seq-lens is empty")
+    if len(set(out)) > MAX_SEQ_LENS:
+        raise CliError(f"--seq-lens: at most {MAX_SEQ_LENS} lengths")
     return sorted(set(out))
 
 
@@ -103,22 +120,32 @@ def read_profile(path: Path) -> ProfileReport:
         raise CliError(f"{path}: {err}") from None
 
 
+def show_profile(path: Path) -> str:
+    """``--show``: the summary of a profile.json; :class:`CliError` (one line) when the file
+    is unreadable, not a profile, or holds values the summary cannot show."""
+    rep = read_profile(path)
+    try:
+        return summary(rep, path.parent)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as err:
+        raise CliError(f"{path}: inconsistent profile ({type(err).__name__}: "
+                       f"{str(err)[:100]})".replace("\n", " ")) from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze import scaling
-    from attnprof.tools import models
 
     if args.show is not None:
         if args.model is not None:
             raise CliError("give MODEL to profile or --show PROFILE_JSON, not both")
-        print(summary(read_profile(args.show), args.show.parent))
+        print(show_profile(args.show))
         return 0
     if args.model is None:
         raise CliError("MODEL is required (a checkpoint directory or 'smollm2')")
     seq_lens = parse_seq_lens(args.seq_lens)
-    if args.batch_size <= 0:
-        raise CliError(f"--batch-size must be positive, got {args.batch_size}")
-    if args.repeats <= 0:
-        raise CliError(f"--repeats must be positive, got {args.repeats}")
+    int_in_range(args.batch_size, "--batch-size", 1, 1 << 20)
+    int_in_range(args.repeats, "--repeats", 1, 1000)
+    if not math.isfinite(args.validate_max_seconds) or args.validate_max_seconds < 0:
+        raise CliError("--validate-max-seconds must be a finite number >= 0")
     budget = parse_bytes(args.memory_budget)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     bad = [p for p in paths if p not in scaling.PATHS]
@@ -128,10 +155,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
         raise CliError(f"--attn-implementation {args.attn_implementation!r}: use sdpa, eager "
                        f"or flex_attention")
-    try:
-        model_dir = models.resolve_model(args.model)
-    except models.ModelCacheError as err:
-        raise CliError(str(err)) from None
+    if args.out.exists() and not args.out.is_dir():
+        raise CliError(f"--out {str(args.out)!r} is a file; --out names a directory")
+    require_module("matplotlib", "attnprof profile (scaling.png)", "report")
+    require_module("tqdm", "attnprof profile", "torch")
+    model_dir = resolve_model(args.model)
     advice_inputs = _advice_inputs(args, model_dir)
     out_dir = ensure_writable_dir(args.out)
 
@@ -183,13 +211,9 @@ def _advice_inputs(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any,
         if args.head_stats is not None:
             raise CliError("--head-stats needs --lengths (the traffic to weigh savings by)")
         return None
-    from attnprof.analyze.sparsity.inputs import InputError, read_lengths_file
-    from attnprof.cli.suggest import load_arch, load_head_stats
+    from attnprof.cli.suggest import load_arch, load_head_stats, read_lengths
 
-    try:
-        dist = read_lengths_file(args.lengths)
-    except InputError as err:
-        raise CliError(str(err)) from None
+    dist = read_lengths(args.lengths)
     stats = load_head_stats(args.head_stats) if args.head_stats is not None else None
     return dist, load_arch(str(model_dir)), stats
 

@@ -4,53 +4,73 @@ from __future__ import annotations
 
 import argparse
 import json
-import urllib.error
 from typing import Any
 
 from attnprof.cli._common import CliError
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
 
-__all__ = ["add_parser", "fetch_snapshot"]
+__all__ = ["add_api_key_flag", "add_parser", "fetch_snapshot", "parse_snapshot"]
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("snapshot", help="print a live server's attention profile")
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="server base URL (default http://127.0.0.1:8000)")
+    add_api_key_flag(p)
     p.add_argument("--json", action="store_true", help="print the raw versioned JSON")
     p.set_defaults(func=_run)
 
 
-def fetch_snapshot(url: str, timeout: float = 30.0) -> dict[str, Any]:
-    from attnprof.tools.server import http_get
+def add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="bearer token for the server's /attnprof routes (vLLM's --api-key; "
+                        "default $ATTNPROF_API_KEY, then $VLLM_API_KEY)")
+
+
+def parse_snapshot(data: Any, source: str) -> dict[str, Any]:
+    """``data`` if it is an ``attnprof.snapshot`` document of this major version with every
+    required field of the right type; :class:`CliError` (one line) otherwise."""
+    try:
+        Snapshot.from_json(data)
+    except ContractError as err:
+        raise CliError(f"{source} did not return an attnprof snapshot: {err}") from None
+    out: dict[str, Any] = data
+    return out
+
+
+def fetch_snapshot(url: str, timeout: float = 30.0, api_key: str | None = None
+                   ) -> dict[str, Any]:
+    """The server's snapshot (checked against the contract); :class:`CliError` (one line)
+    for an unreachable server, a refused or missing API key, an answer that is not HTTP,
+    cut short, not JSON or not a snapshot. ``api_key``: ``--api-key``; None reads
+    ``$ATTNPROF_API_KEY`` then ``$VLLM_API_KEY``."""
+    from attnprof.tools import http
 
     full = url.rstrip("/") + "/attnprof/snapshot"
     try:
-        data = json.loads(http_get(full, timeout=timeout))
-    except urllib.error.HTTPError as err:
+        http.check_url(url)
+        key = http.resolve_api_key(api_key)
+        data = http.get_json(full, timeout=timeout, api_key=key, auth=True)
+    except http.HttpError as err:
         hint = " (is attnprof_http in VLLM_PLUGINS? `attnprof serve` sets it)" \
-            if err.code == 404 else ""
-        raise CliError(f"{full}: HTTP {err.code}{hint}") from None
-    except (urllib.error.URLError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        raise CliError(f"cannot reach {full}: {reason}") from None
-    except ValueError:
-        raise CliError(f"{full} did not return JSON") from None
-    try:
-        Snapshot.check_version(data)  # kind and major; the body is read by its consumers
-    except ContractError as err:
-        raise CliError(f"{full} did not return an attnprof snapshot: {err}") from None
-    out: dict[str, Any] = data
-    return out
+            if err.status == 404 else ""
+        raise CliError(f"{err}{hint}") from None
+    return parse_snapshot(data, full)
 
 
 def _run(args: argparse.Namespace) -> int:
     from attnprof.exporters.terminal import render_snapshot
 
-    snap = fetch_snapshot(args.url)
+    snap = fetch_snapshot(args.url, api_key=args.api_key)
     if args.json:
         print(json.dumps(snap, indent=2))
-    else:
-        print(render_snapshot(snap), end="")
+        return 0
+    try:
+        text = render_snapshot(snap)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        # The contract allows what the table cannot show (a null where it formats a number).
+        raise CliError(f"cannot show this snapshot as a table ({type(err).__name__}: {err}); "
+                       "use --json") from None
+    print(text, end="")
     return 0

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, read_json, write_json
+from attnprof.cli._common import (
+    MAX_LENGTH,
+    CliError,
+    check_lengths,
+    check_out_file,
+    int_in_range,
+    read_json,
+    resolve_model,
+    write_json,
+)
 
-__all__ = ["add_parser", "load_arch", "load_head_stats", "parse_layers"]
+__all__ = ["add_parser", "load_arch", "load_head_stats", "parse_layers", "read_lengths"]
 
 
 def add_parser(sub: Any) -> None:
@@ -26,6 +36,9 @@ def add_parser(sub: Any) -> None:
                      help="one integer context length per line, a JSON list, JSON/CSV "
                           "histogram buckets (le,count), a sketch or a snapshot JSON")
     src.add_argument("--url", help="live attnprof server base URL (GET /attnprof/snapshot)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="with --url: bearer token for the server's /attnprof routes (vLLM's "
+                        "--api-key; default $ATTNPROF_API_KEY, then $VLLM_API_KEY)")
     src.add_argument("--prometheus", metavar="URL",
                      help="Prometheus base URL: sums attnprof_request_context_tokens over "
                           "every replica (one query for the fleet)")
@@ -65,39 +78,63 @@ def add_parser(sub: Any) -> None:
 
 
 def parse_layers(spec: str | None, n: int) -> list[int] | None:
+    """``'0-3,7'`` -> [0, 1, 2, 3, 7] for a model of ``n`` layers; :class:`CliError` (one
+    line) for bad syntax, a reversed range or a layer outside 0..n-1. Each range is checked
+    against ``n`` before it is expanded, so ``0-10000000000`` costs nothing."""
     if spec is None:
         return None
+    shown = spec if len(spec) <= 60 else spec[:57] + "..."
     out: set[int] = set()
-    try:
-        for part in spec.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out.update(range(int(a), int(b) + 1))
-            else:
-                out.add(int(part))
-    except ValueError:
-        raise CliError(f"--layers {spec!r}: expected e.g. '0-3,7'") from None
-    bad = [x for x in out if not 0 <= x < n]
-    if bad or not out:
-        raise CliError(f"--layers {spec!r}: layers must be in 0..{n - 1}")
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        a, sep, b = part.partition("-")
+        try:
+            lo = int(a)
+            hi = int(b) if sep else lo
+        except ValueError:
+            raise CliError(f"--layers {shown!r}: expected e.g. '0-3,7'") from None
+        if lo > hi:
+            raise CliError(f"--layers {shown!r}: range {lo}-{hi} goes downwards")
+        if lo < 0 or hi >= n:
+            raise CliError(f"--layers {shown!r}: layers must be in 0..{n - 1}")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise CliError(f"--layers {shown!r}: no layers given")
     return sorted(out)
 
 
 def load_arch(spec: str) -> Any:
     from attnprof.analyze.sparsity.savings import Arch
-    from attnprof.tools.models import ModelCacheError, resolve_model
+
+    path = resolve_model(spec)
+    try:
+        arch = Arch.from_model_dir(path, name="smollm2" if spec == "smollm2" else path.name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError,
+            RecursionError) as err:
+        raise CliError(f"cannot read the architecture from {path}/config.json: "
+                       f"{type(err).__name__}: {err}".splitlines()[0]) from None
+    if not isinstance(arch.num_layers, int) or not 0 < arch.num_layers <= 100_000:
+        raise CliError(f"{path}/config.json: implausible number of layers {arch.num_layers!r}")
+    return arch
+
+
+def read_lengths(path: Path) -> Any:
+    """A ``--lengths`` file as a distribution (every format :func:`read_lengths_file` reads);
+    :class:`CliError` (one line) when unreadable, malformed or out of bounds (a length above
+    :data:`~attnprof.cli._common.MAX_LENGTH`, a count that is not finite)."""
+    from attnprof.analyze.sparsity.inputs import InputError, read_lengths_file
 
     try:
-        path = resolve_model(spec)
-    except ModelCacheError as err:
+        dist = read_lengths_file(path)
+    except InputError as err:
         raise CliError(str(err)) from None
-    try:
-        return Arch.from_model_dir(path, name="smollm2" if spec == "smollm2" else path.name)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CliError(f"cannot read the architecture from {path}/config.json: {err}") from None
+    except (ValueError, OverflowError, TypeError, AttributeError, RecursionError) as err:
+        # numpy refuses a length past int64, a sketch of the wrong shape, JSON nested too deep
+        raise CliError(f"{path}: unusable lengths ({type(err).__name__}; lengths must be "
+                       f"integers in 1..{MAX_LENGTH})") from None
+    return check_lengths(dist, str(path))
 
 
 def load_head_stats(path: Path) -> Any:
@@ -107,15 +144,19 @@ def load_head_stats(path: Path) -> Any:
     obj = read_json(path)
     if not isinstance(obj, dict):
         raise CliError(f"{path}: expected a JSON object with head statistics")
-    if "schema" not in obj:
-        acc = head_stats_from_snapshot(obj)
-        if acc is None:
-            raise CliError(f"{path}: no head statistics in it")
-        return acc
     try:
+        if "schema" not in obj:
+            acc = head_stats_from_snapshot(obj)
+            if acc is None:
+                raise CliError(f"{path}: no head statistics in it")
+            return acc
         return HeadStatsAccumulator.from_dict(obj)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CliError(f"{path}: invalid head statistics ({err})") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError,
+            MemoryError) as err:
+        # The accumulator reads arrays and shapes from the file: any of them can be wrong.
+        msg = str(err).splitlines()[0][:200] if str(err) else ""
+        raise CliError(f"{path}: invalid head statistics ({type(err).__name__}"
+                       f"{': ' + msg if msg else ''})") from None
 
 
 def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -124,25 +165,27 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
         InputError,
         from_snapshot,
         head_stats_from_snapshot,
-        read_lengths_file,
     )
 
+    if args.lengths is not None:
+        return read_lengths(args.lengths), None
+    source = args.url if args.url is not None else args.prometheus
     try:
-        if args.lengths is not None:
-            return read_lengths_file(args.lengths), None
         if args.url is not None:
             from attnprof.cli.snapshot import fetch_snapshot
 
-            snap = fetch_snapshot(args.url)
-            return from_snapshot(snap, source=args.url), head_stats_from_snapshot(snap)
+            snap = fetch_snapshot(args.url, api_key=args.api_key)
+            dist = from_snapshot(snap, source=args.url)
+            return check_lengths(dist, source), head_stats_from_snapshot(snap)
         from attnprof.tools.prometheus_query import query_prometheus
 
-        return query_prometheus(args.prometheus, model=args.prometheus_model,
-                                range_=args.prometheus_range), None
+        dist = query_prometheus(args.prometheus, model=args.prometheus_model,
+                                range_=args.prometheus_range)
+        return check_lengths(dist, source), None
     except InputError as err:
         raise CliError(str(err)) from None
-    except ValueError as err:
-        raise CliError(f"bad length distribution: {err}") from None
+    except (ValueError, OverflowError, TypeError, AttributeError, IndexError) as err:
+        raise CliError(f"{source}: bad length distribution ({type(err).__name__})") from None
 
 
 def _collect(args: argparse.Namespace) -> Any:
@@ -155,7 +198,7 @@ def _collect(args: argparse.Namespace) -> Any:
     )
 
     try:
-        model, tok, _ = load_model(args.model)
+        model, tok, _ = load_model(str(resolve_model(args.model)))
         prompts = read_prompts(args.prompts) if args.prompts else default_prompts(tok)
         print(f"attnprof: collecting head statistics on {len(prompts)} prompts",
               file=sys.stderr)
@@ -176,7 +219,7 @@ def _validate(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any] |
     if not out["layers"]:
         return None  # nothing windowed: nothing to replay
     try:
-        model, tok, _ = load_model(args.model)
+        model, tok, _ = load_model(str(resolve_model(args.model)))
         prompts = read_prompts(args.prompts) if args.prompts else default_prompts(tok)
         print(f"attnprof: replaying {len(prompts)} prompts with the suggestion",
               file=sys.stderr)
@@ -189,12 +232,25 @@ def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze.sparsity.classify import Thresholds
     from attnprof.analyze.sparsity.recommend import evaluate, recommend
 
-    if args.window is not None and args.window < 1:
-        raise CliError("--window must be >= 1")
-    if args.sinks is not None and args.sinks < 0:
-        raise CliError("--sinks must be >= 0")
-    if not 0 < args.tau <= 1 or not 0 <= args.quantile < 1 or not 0 <= args.min_exact <= 1:
-        raise CliError("--tau must be in (0, 1], --quantile and --min-exact in [0, 1]")
+    if args.window is not None:
+        int_in_range(args.window, "--window", 1, MAX_LENGTH)
+    if args.sinks is not None:
+        int_in_range(args.sinks, "--sinks", 0, MAX_LENGTH)
+    check_thresholds(args.tau, args.quantile, args.min_exact)
+    if args.api_key is not None and args.url is None:
+        raise CliError("--api-key goes with --url (the attnprof server)")
+    if args.prometheus_range is not None or args.prometheus_model is not None:
+        if args.prometheus is None:
+            raise CliError("--prometheus-range and --prometheus-model go with --prometheus")
+        from attnprof.analyze.sparsity.inputs import InputError
+        from attnprof.tools.prometheus_query import query_url
+
+        try:  # bad flags fail before the model is read
+            query_url(args.prometheus, args.prometheus_model, args.prometheus_range)
+        except InputError as err:
+            raise CliError(str(err)) from None
+    if args.stats_out is not None:
+        check_out_file(args.stats_out, "--stats-out")
     arch = load_arch(args.model)
     layers = parse_layers(args.layers, arch.num_layers)
     dist, stats = _distribution(args)
@@ -232,6 +288,15 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(render(out), end="")
     return 0
+
+
+def check_thresholds(tau: float, quantile: float, min_exact: float) -> None:
+    """--tau in (0, 1], --quantile in [0, 1), --min-exact in [0, 1]; NaN is refused."""
+    ok = (math.isfinite(tau) and 0 < tau <= 1 and math.isfinite(quantile)
+          and 0 <= quantile < 1 and math.isfinite(min_exact) and 0 <= min_exact <= 1)
+    if not ok:
+        raise CliError("--tau must be in (0, 1], --quantile in [0, 1) and --min-exact in "
+                       "[0, 1]")
 
 
 def _jsonable(x: Any) -> Any:

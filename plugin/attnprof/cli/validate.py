@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, write_json
+from attnprof.cli._common import (
+    MAX_LENGTH,
+    CliError,
+    check_out_file,
+    int_in_range,
+    resolve_model,
+    write_json,
+)
 
 __all__ = ["add_parser"]
 
@@ -42,6 +49,27 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag and the output file, before the model is loaded and the replay runs."""
+    from attnprof.cli.suggest import parse_layers
+
+    if args.window < 1 or args.sinks < 0:
+        raise CliError("--window must be >= 1 and --sinks >= 0")
+    int_in_range(args.window, "--window", 1, MAX_LENGTH)
+    int_in_range(args.sinks, "--sinks", 0, MAX_LENGTH)
+    if args.max_tokens < 2 or args.generate < 0:
+        raise CliError("--max-tokens must be >= 2 and --generate >= 0")
+    int_in_range(args.max_tokens, "--max-tokens", 2, MAX_LENGTH)
+    int_in_range(args.generate, "--generate", 0, 1 << 20)
+    int_in_range(args.min_positions, "--min-positions", 0, MAX_LENGTH)
+    # NaN fails every comparison: written so that it is refused.
+    if not 0 <= args.target_agreement <= 1 or not args.max_kl >= 0:
+        raise CliError("--target-agreement must be in [0, 1] and --max-kl >= 0")
+    parse_layers(args.layers, 100_000)  # syntax now; the model's bound once it is loaded
+    if args.out is not None:
+        check_out_file(args.out)
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnprof.cli.suggest import parse_layers
     from attnprof.tools.replay import (
@@ -52,15 +80,10 @@ def _run(args: argparse.Namespace) -> int:
         replay,
     )
 
-    if args.window < 1 or args.sinks < 0:
-        raise CliError("--window must be >= 1 and --sinks >= 0")
-    if args.max_tokens < 2 or args.generate < 0:
-        raise CliError("--max-tokens must be >= 2 and --generate >= 0")
-    if not 0 <= args.target_agreement <= 1 or args.max_kl < 0:
-        raise CliError("--target-agreement must be in [0, 1] and --max-kl >= 0")
+    check_args(args)
     try:
         prompts = read_prompts(args.prompts) if args.prompts else None
-        model, tok, _ = load_model(args.model)
+        model, tok, _ = load_model(str(resolve_model(args.model)))
         layers = parse_layers(args.layers, model.config.get_text_config().num_hidden_layers)
         if prompts is None:
             prompts = default_prompts(tok)

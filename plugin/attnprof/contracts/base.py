@@ -105,6 +105,19 @@ def _at(where: str) -> str:
     return where or "value"
 
 
+def _one_line(text: str) -> str:
+    """A message with the newlines of quoted keys or values escaped (it is printed as one
+    line), and cut to a readable length."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to one short line: a message quotes the value, not a whole file."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def decode(tp: Any, value: Any, where: str = "") -> Any:
     """Build ``tp`` (a dataclass, list/dict/tuple of them, Optional, Literal, a primitive or
     Any) from JSON data; :class:`ContractError` naming the field's path on a mismatch."""
@@ -128,7 +141,7 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
     if origin is typing.Literal:
         # 1 == True in Python: compare the JSON type too.
         if not any(value == a and type(value) is type(a) for a in get_args(tp)):
-            raise ContractError(f"{_at(where)}: {value!r} is not one of "
+            raise ContractError(f"{_at(where)}: {_short(value)} is not one of "
                                 f"{', '.join(map(repr, get_args(tp)))}")
         return value
     if origin in (list, tuple) or tp in (list, tuple):
@@ -174,21 +187,25 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
         if value is None:
             return math.nan  # what _finite wrote for NaN/Infinity
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ContractError(f"{_at(where)}: expected a number, got {value!r}")
-        return float(value)
+            raise ContractError(f"{_at(where)}: expected a number, got {_short(value)}")
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float (JSON allows 400 digits)
+            raise ContractError(f"{_at(where)}: {_short(value)} is too large for a number"
+                                ) from None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ContractError(f"{_at(where)}: expected an integer, got {value!r}")
+            raise ContractError(f"{_at(where)}: expected an integer, got {_short(value)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ContractError(f"{_at(where)}: expected true/false, got {value!r}")
+            raise ContractError(f"{_at(where)}: expected true/false, got {_short(value)}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ContractError(f"{_at(where)}: expected a string, got {value!r}")
+            raise ContractError(f"{_at(where)}: expected a string, got {_short(value)}")
         return value
     raise TypeError(f"contracts cannot decode type {tp!r}")  # a bug in a contract, not data
 
@@ -211,7 +228,12 @@ class Record:
 
     @classmethod
     def from_json(cls: type[T], data: Any) -> T:
-        out: T = decode(cls, data, "")
+        """The record in ``data``; :class:`ContractError` (one line) for a missing field or a
+        field of the wrong type."""
+        try:
+            out: T = decode(cls, data, "")
+        except ContractError as err:
+            raise ContractError(_one_line(str(err))) from None
         return out
 
 
@@ -256,12 +278,15 @@ class Document(Record):
     def from_json(cls: type[D], data: Any) -> D:
         """The document in ``data`` (any minor version of this major); :class:`ContractError`
         (one line) for another kind or major, or a field of the wrong type."""
-        cls.check_version(data)
-        body = {k: v for k, v in data.items() if k != "schema_version"}
         try:
+            cls.check_version(data)
+            body = {k: v for k, v in data.items() if k != "schema_version"}
             out: D = decode(cls, body, "")
         except ContractError as err:
-            raise ContractError(f"{cls.KIND}: {err}") from None
+            msg = str(err)
+            raise ContractError(_one_line(msg if msg.startswith(("not a", "this is a",
+                                                                  cls.KIND))
+                                          else f"{cls.KIND}: {msg}")) from None
         return out
 
 
