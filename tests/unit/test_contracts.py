@@ -385,13 +385,12 @@ def test_snapshot_cli_refuses_other_documents(monkeypatch: pytest.MonkeyPatch, b
                                               needle: str) -> None:
     from attnprof.cli._common import CliError
     from attnprof.cli.snapshot import fetch_snapshot
-    from attnprof.tools import server
+    from attnprof.tools import http
 
-    monkeypatch.setattr(server, "http_get", lambda url, timeout=0: json.dumps(body))
+    monkeypatch.setattr(http, "get", lambda url, **kw: json.dumps(body).encode())
     with pytest.raises(CliError) as err:
         fetch_snapshot("http://127.0.0.1:1")
     assert "\n" not in str(err.value) and needle in str(err.value)
-    monkeypatch.setattr(server, "http_get",
-                        lambda url, timeout=0: json.dumps({"schema_version":
-                                                           "attnprof.snapshot/1"}))
+    one_oh = {"schema_version": "attnprof.snapshot/1", "time": 0, "model": "m", "enabled": True}
+    monkeypatch.setattr(http, "get", lambda url, **kw: json.dumps(one_oh).encode())
     assert fetch_snapshot("http://127.0.0.1:1")["schema_version"] == "attnprof.snapshot/1"
