@@ -33,6 +33,8 @@ FUSED_OPS: dict[str, tuple[str, bool]] = {
     "_scaled_dot_product_cudnn_attention": ("cudnn", True),
     "_scaled_dot_product_fused_attention_overrideable": ("overrideable", True),
 }
+_MAX_OPS = 256  # aten ops kept per observed SDPA call (the math path needs a handful)
+_MAX_ERRORS = 20
 _BACKEND_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
 # Message fragments of torch's sdp_utils checks -> stable reason codes (advice keys on them).
@@ -159,15 +161,18 @@ class SDPASpy:
     inside it sees the aten ops the composite SDPA decomposed into (the fused op, or the
     math path's bmm/softmax). Both pass every call through unchanged, so results are
     bit-identical; they add Python overhead per op, so use them on sampled calls only.
+
+    The spy's own steps never raise into the call it watches: a failure is appended to
+    ``errors`` and the op runs exactly once, unobserved.
     """
 
     def __init__(self, explain: bool = True) -> None:
         self.calls: list[SDPACall] = []
+        self.errors: list[str] = []
         self.explain = explain
         self._modes: list[Any] = []
 
     def __enter__(self) -> SDPASpy:
-        import torch
         import torch.nn.functional as F
         from torch.overrides import TorchFunctionMode
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -181,7 +186,11 @@ class SDPASpy:
 
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                    kwargs: Any = None) -> Any:
-                self.ops.append(func.__name__.split(".")[0])
+                try:
+                    if len(self.ops) < _MAX_OPS:
+                        self.ops.append(func.__name__.split(".")[0])
+                except Exception as exc:
+                    spy._fail("ops", exc)
                 return func(*args, **(kwargs or {}))
 
         class _Fn(TorchFunctionMode):  # type: ignore[misc]
@@ -190,24 +199,49 @@ class SDPASpy:
                 kwargs = kwargs or {}
                 if func is not F.scaled_dot_product_attention:
                     return func(*args, **kwargs)
-                call = spy._describe(args, kwargs)
-                ops = _Ops()
-                with ops:
-                    out = func(*args, **kwargs)
-                if call is not None:
-                    call.ops = ops.ops
-                    call.op = next((o for o in ops.ops if o in FUSED_OPS), None)
-                    spy.calls.append(call)
-                return out
+                return spy._observe(func, args, kwargs, _Ops)
 
-        del torch
-        self._modes = [_Fn()]
-        self._modes[0].__enter__()
+        mode = _Fn()
+        mode.__enter__()
+        self._modes = [mode]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._modes[0].__exit__(*exc)
-        self._modes = []
+        modes, self._modes = self._modes, []
+        if modes:
+            modes[0].__exit__(*exc)
+
+    def _fail(self, place: str, exc: BaseException) -> None:
+        try:
+            if len(self.errors) < _MAX_ERRORS:
+                self.errors.append(f"{place}: {type(exc).__name__}: {exc}")
+        except Exception:
+            self.errors.append(f"{place}: {type(exc).__name__}")
+
+    def _observe(self, func: Any, args: Any, kwargs: dict[str, Any], ops_mode: Any) -> Any:
+        """Run one SDPA call exactly once, recording it when the spy's own steps succeed."""
+        try:
+            call = self._describe(args, kwargs)
+            ops = ops_mode()
+            ops.__enter__()  # if this raises, nothing of ours is on the mode stack to pop
+        except Exception as exc:
+            self._fail("spy", exc)
+            return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            try:
+                ops.__exit__(None, None, None)
+            except Exception as exc:
+                self._fail("ops", exc)
+        try:
+            if call is not None:
+                call.ops = ops.ops
+                call.op = next((o for o in ops.ops if o in FUSED_OPS), None)
+                self.calls.append(call)
+        except Exception as exc:
+            self._fail("spy", exc)
+        return out
 
     def _describe(self, args: Any, kwargs: dict[str, Any]) -> SDPACall | None:
         try:
@@ -226,5 +260,6 @@ class SDPASpy:
                 None if mask is None else ("bool" if mask.dtype.is_floating_point is False
                                            else "float"),
                 None if mask is None else tuple(mask.shape), p, causal, gqa, choice)
-        except Exception:  # describing must never break the host call
+        except Exception as exc:  # describing must never break the host call
+            self._fail("describe", exc)
             return None

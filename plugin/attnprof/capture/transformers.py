@@ -15,6 +15,14 @@ flex_attention, or any other registered one) under a private key in **both** reg
 and points the model's configs at that key. The wrapper calls the original function with the
 original arguments, so outputs are bit-identical. ``uninstrument`` restores the configs and
 removes the keys.
+
+Bounded by default: ``Profile.kernels`` (the activation map) is O(layers x shape classes) and
+``Profile.records`` is a ring of the :data:`DEFAULT_MAX_RECORDS` most recent calls; pass
+``max_records=None`` to keep every call (offline profiling), ``keep_records=False`` for the
+aggregates only. Every attnprof step of a wrapped call runs under one guard: an exception in
+attnprof's own code is counted in ``Profile.error_count`` (first messages in ``errors``) and
+dropped, and the original attention still runs exactly once with the original arguments.
+Timing waits for the device at most once per call (CUDA: one event synchronize; CPU: none).
 """
 
 from __future__ import annotations
@@ -24,12 +32,14 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import Callable, Iterator, MutableSequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "DEFAULT_MAX_RECORDS",
     "AttentionCallEvent",
     "CallRecord",
     "KernelEntry",
@@ -42,6 +52,10 @@ logger = logging.getLogger("attnprof")
 _KEY_PREFIX = "attnprof"
 _counter = itertools.count()
 _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
+# Per-call records kept by default (a ring: the oldest are dropped). A CallRecord with its tags
+# is ~400 bytes (tracemalloc), so the default ring stays near 1.5 MiB however long it runs.
+DEFAULT_MAX_RECORDS = 4096
+_MAX_ERROR_MESSAGES = 100
 
 EAGER_REASON = {
     "code": "eager",
@@ -160,24 +174,95 @@ def _eager_fn(module: Any) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
+def _synchronize(event: Any) -> None:
+    """The one place attnprof waits for a device (once per timed CUDA call, never on CPU)."""
+    event.synchronize()
+
+
+class _HostClock:
+    """Wall time of a CPU call: nothing to wait for."""
+
+    __slots__ = ("t0",)
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class _CudaClock:
+    """Device time between two events on the tensors' stream: one synchronize, at the end.
+
+    Host-side timing would need a synchronize before the call too (else earlier queued work
+    is counted); events need none there.
+    """
+
+    __slots__ = ("end", "start", "stream")
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self.stream = torch.cuda.current_stream(device)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record(self.stream)
+
+    def stop(self) -> float:
+        self.end.record(self.stream)
+        _synchronize(self.end)
+        return float(self.start.elapsed_time(self.end)) / 1000.0
+
+
+def _clock(torch: Any, query: Any) -> _HostClock | _CudaClock:
+    if bool(getattr(query, "is_cuda", False)):
+        return _CudaClock(torch, query.device)
+    return _HostClock()
+
+
+@dataclass
+class _Pending:
+    """What the guarded set-up of one wrapped call hands to its guarded bookkeeping."""
+
+    layer: int
+    ckey: tuple[Any, ...]
+    entry: KernelEntry | None
+    spy: Any
+    clock: _HostClock | _CudaClock
+
+
 class Profile:
     """Per-call records and the kernel activation map of an instrumented model.
 
     Use as a context manager (exit uninstruments) or call :meth:`uninstrument` yourself.
+
+    ``kernels`` (what :meth:`activation_map` and :meth:`layers` read) holds one entry per
+    layer and shape class, so it stays O(layers x shape classes). ``records`` holds per-call
+    :class:`CallRecord` s: a ring (``collections.deque``) of the ``max_records`` most recent
+    calls, :data:`DEFAULT_MAX_RECORDS` by default; ``max_records=None`` keeps every call in a
+    list (offline profiling that reads every call, like ``attnprof profile``), and
+    ``keep_records=False`` keeps none. ``records_total`` counts every record made, including
+    the ones the ring dropped. ``error_count`` counts attnprof's own failures (never raised
+    into the model); ``errors`` keeps the first messages.
     """
 
     def __init__(self, model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None,
                  explain: bool = True, keep_records: bool = True,
-                 class_tags: tuple[str, ...] = ("padded",)) -> None:
+                 class_tags: tuple[str, ...] = ("padded",),
+                 max_records: int | None = DEFAULT_MAX_RECORDS) -> None:
+        if max_records is not None and max_records < 0:
+            raise ValueError(f"max_records must be >= 0 or None, got {max_records}")
         self.model = model
         # Tags that split activation-map rows (others, like seq_len, only label records).
         self.class_tags = class_tags
         self.on_call = on_call
         self.explain = explain
         self.keep_records = keep_records
-        self.records: list[CallRecord] = []
+        self.max_records = max_records
+        self.records: MutableSequence[CallRecord] = (
+            [] if max_records is None else deque(maxlen=max_records))
+        self.records_total = 0
         self.kernels: dict[tuple[Any, ...], KernelEntry] = {}
         self.errors: list[str] = []
+        self.error_count = 0
         self.enabled = True
         self._tags: dict[str, Any] = {}
         self._saved: list[tuple[Any, Any]] = []
@@ -250,7 +335,13 @@ class Profile:
 
     def clear(self) -> None:
         self.records.clear()
+        self.records_total = 0
         self.kernels.clear()
+
+    @property
+    def records_dropped(self) -> int:
+        """Records the ring let go of (0 with ``max_records=None``)."""
+        return self.records_total - len(self.records) if self.keep_records else 0
 
     # ----- the wrapper -----
     def _layer_idx(self, module: Any) -> int:
@@ -284,57 +375,108 @@ class Profile:
 
     def _call(self, base: str, fn: Callable[..., Any], module: Any, query: Any, key: Any,
               value: Any, mask: Any, kwargs: dict[str, Any]) -> Any:
+        """Run ``fn`` exactly once; every attnprof step around it is guarded.
+
+        Set-up (layer, class key, spy, profiler range, clock) failing: counted, undone, and
+        ``fn`` runs plain. ``fn`` raising: the host's own exception, re-raised after undoing
+        the set-up. Bookkeeping failing afterwards: counted; the output is returned as is.
+        """
+        stack = ExitStack()
+        try:
+            pending = self._begin(stack, base, module, query, key, mask, kwargs)
+        except Exception as exc:
+            self._error("setup", exc)
+            self._close(stack)
+            return fn(module, query, key, value, mask, **kwargs)
+        try:
+            out = fn(module, query, key, value, mask, **kwargs)
+        except BaseException:
+            self._close(stack)
+            raise
+        try:
+            self._finish(pending, stack, base, module, query, key, value, mask, kwargs, out)
+        except Exception as exc:  # _finish guards its own steps; this is the last net
+            self._error("finish", exc)
+        return out
+
+    def _begin(self, stack: ExitStack, base: str, module: Any, query: Any, key: Any,
+               mask: Any, kwargs: dict[str, Any]) -> _Pending:
         import torch
 
         layer = self._layer_idx(module)
         ckey = self._class_key(layer, base, query, key, mask, kwargs)
         entry = self.kernels.get(ckey)
         spy = None
-        cuda = bool(getattr(query, "is_cuda", False))
         if entry is None and base not in ("eager",):
             # First call of this shape class: resolve the kernel with the dispatcher spy.
             from attnprof.capture.sdpa import SDPASpy
 
             spy = SDPASpy(explain=self.explain)
-        with torch.profiler.record_function(f"attn::L{layer}::{base}"):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if spy is not None:
-                with spy:
-                    out = fn(module, query, key, value, mask, **kwargs)
-            else:
-                out = fn(module, query, key, value, mask, **kwargs)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+        stack.enter_context(torch.profiler.record_function(f"attn::L{layer}::{base}"))
+        if spy is not None:
+            stack.enter_context(spy)
+        # Last, so that the timed region is the call itself.
+        return _Pending(layer, ckey, entry, spy, _clock(torch, query))
+
+    def _finish(self, p: _Pending, stack: ExitStack, base: str, module: Any, query: Any,
+                key: Any, value: Any, mask: Any, kwargs: dict[str, Any], out: Any) -> None:
+        dt: float | None = None
         try:
-            if entry is None:
-                entry = self.kernels[ckey] = self._resolve(ckey, base, spy)
-            entry.calls += 1
-            entry.time_s += dt
-            if self.keep_records:
-                self.records.append(self._record(layer, base, query, key, value, mask, kwargs,
-                                                 dt, entry))
-        except Exception as exc:  # bookkeeping must never break the model
-            self._error("record", exc)
+            dt = p.clock.stop()
+        except Exception as exc:
+            self._error("timing", exc)
+        self._close(stack)
+        entry = p.entry
+        spy_ok = True
+        try:
+            for msg in getattr(p.spy, "errors", None) or ():
+                spy_ok = False
+                self._error("spy", msg)
+        except Exception as exc:
+            spy_ok = False
+            self._error("spy", exc)
+        # A call that could not be timed, or whose kernel the spy failed to see, is dropped
+        # (not counted with a made-up time or kernel); the next call of its class re-samples.
+        if dt is not None and spy_ok:
+            try:
+                if entry is None:
+                    entry = self.kernels[p.ckey] = self._resolve(p.ckey, base, p.spy)
+                entry.calls += 1
+                entry.time_s += dt
+                if self.keep_records:
+                    self.records.append(self._record(p.layer, base, query, key, value, mask,
+                                                     kwargs, dt, entry))
+                    self.records_total += 1
+            except Exception as exc:  # bookkeeping must never break the model
+                self._error("record", exc)
         if self.on_call is not None:
             try:
                 attn_out, weights = (out if isinstance(out, tuple) and len(out) == 2
                                      else (out, None))
                 self.on_call(AttentionCallEvent(
-                    layer, module, query, key, value, mask, kwargs, base, attn_out, weights, dt,
-                    entry.kernel if entry else None, entry.fused if entry else None))
+                    p.layer, module, query, key, value, mask, kwargs, base, attn_out, weights,
+                    dt or 0.0, entry.kernel if entry else None, entry.fused if entry else None))
             except Exception as exc:
                 self._error("on_call", exc)
-        return out
 
-    def _error(self, place: str, exc: Exception) -> None:
-        if len(self.errors) < 100:
-            self.errors.append(f"{place}: {type(exc).__name__}: {exc}")
-        if len(self.errors) == 1:
-            logger.warning("attnprof: %s failed (%s); the model call was not affected",
-                           place, exc)
+    def _close(self, stack: ExitStack) -> None:
+        try:
+            stack.close()
+        except Exception as exc:
+            self._error("close", exc)
+
+    def _error(self, place: str, exc: BaseException | str) -> None:
+        """Count one attnprof failure; keep the first messages; warn once. Never raises."""
+        self.error_count += 1
+        try:
+            msg = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+            if len(self.errors) < _MAX_ERROR_MESSAGES:
+                self.errors.append(f"{place}: {msg}")
+            if self.error_count == 1:
+                logger.warning("attnprof: %s failed (%s); the model call was not affected",
+                               place, msg)
+        except Exception:  # a broken __str__ or logging handler: the count stands
+            pass
 
     def _resolve(self, ckey: tuple[Any, ...], base: str, spy: Any) -> KernelEntry:
         layer, _base, phase, mask, bucket, dtype, _drop, tags = ckey
@@ -403,20 +545,26 @@ class Profile:
 
 
 def instrument(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,
-               explain: bool = True, keep_records: bool = True) -> Profile:
+               explain: bool = True, keep_records: bool = True,
+               max_records: int | None = DEFAULT_MAX_RECORDS) -> Profile:
     """Wrap ``model``'s attention (any HF model using the attention-function registry).
 
     ``on_call(event)`` (optional) gets an :class:`AttentionCallEvent` per attention call,
     after the call and outside its timed region; exceptions it raises are recorded in
     ``Profile.errors`` and never reach the model. ``explain`` asks the SDPA dispatcher for
-    rejection reasons on the first call of each shape class. Returns the installed
+    rejection reasons on the first call of each shape class. ``prof.records`` keeps the
+    ``max_records`` most recent calls (:data:`DEFAULT_MAX_RECORDS`; ``None``: every call,
+    for offline runs; ``keep_records=False``: none, aggregates only). Returns the installed
     :class:`Profile`; call ``uninstrument()`` (or use it as a context manager) to undo.
     Idempotent per model: an already-instrumented config is left alone.
     """
-    return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records).install()
+    return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records,
+                   max_records=max_records).install()
 
 
 def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,
-            explain: bool = True, keep_records: bool = True) -> Profile:
+            explain: bool = True, keep_records: bool = True,
+            max_records: int | None = DEFAULT_MAX_RECORDS) -> Profile:
     """``with profile(model) as prof: model(...)``: instrument for the block, then undo."""
-    return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records)
+    return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records,
+                   max_records=max_records)

@@ -168,7 +168,9 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     is_causal_lm = hasattr(model, "generate") and hasattr(model, "lm_head")
     B = opts.batch_size
-    prof = instrument(model)
+    # Offline and finite: keep every call's record (timings per length and run are read
+    # back from them below), not the default ring of recent calls.
+    prof = instrument(model, max_records=None)
     say("loaded")
     try:
         # 1) Shape classes: padded prefill and decode, short, for the activation map.
