@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["OTLP_HISTOGRAMS", "Config", "ConfigError", "default_home", "otlp_histogram"]
+__all__ = ["OTLP_HISTOGRAMS", "Config", "ConfigError", "api_tokens", "default_home",
+           "otlp_histogram"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -61,7 +62,19 @@ def _int(env: Mapping[str, str], name: str, default: int | None, lo: int | None)
     return val
 
 
-FAULT_PLACES = ("capture", "step", "stat_logger")
+def _faults(env: Mapping[str, str]) -> tuple[str, ...]:
+    """``ATTNPROF_FAULT_INJECT``: a comma-separated list of fault places (tests only)."""
+    from attnprof._safety import FAULT_PLACES
+
+    raw = env.get("ATTNPROF_FAULT_INJECT")
+    if raw is None or raw.strip() == "":
+        return ()
+    places = tuple(p.strip() for p in raw.split(",") if p.strip())
+    bad = [p for p in places if p not in FAULT_PLACES]
+    if bad or not places:
+        raise ConfigError(f"ATTNPROF_FAULT_INJECT={raw!r} must be a comma-separated list of "
+                          f"{', '.join(FAULT_PLACES)}")
+    return places
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
@@ -85,6 +98,22 @@ def default_home(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     raw = env.get("ATTNPROF_HOME")
     return Path(raw).expanduser() if raw else Path.home() / ".cache" / "attnprof"
+
+
+def api_tokens(env: Mapping[str, str] | None = None, vllm_api_key: object = None) -> list[str]:
+    """Bearer tokens accepted on every ``/attnprof/*`` route: ``ATTNPROF_API_KEY`` and vLLM's
+    own (``--api-key``, one string or a list, else ``VLLM_API_KEY``, as vLLM reads them).
+    Empty: no key configured anywhere, and the routes are as open as vLLM's."""
+    env = os.environ if env is None else env
+    keys: list[str] = []
+    if isinstance(vllm_api_key, str):
+        keys.append(vllm_api_key)
+    elif isinstance(vllm_api_key, (list, tuple)):
+        keys += [k for k in vllm_api_key if isinstance(k, str)]
+    if not keys:
+        keys.append(env.get("VLLM_API_KEY", ""))
+    keys.append(env.get("ATTNPROF_API_KEY", ""))
+    return [k for k in dict.fromkeys(keys) if k]
 
 
 @dataclass(frozen=True)
@@ -115,8 +144,14 @@ class Config:
     """Override for the ``model`` metric label."""
     run_dir: Path | None = None
     """Where processes leave their liveness notes."""
-    fault_inject: str | None = None
-    """Testing only: raise inside attnprof at this place to prove it is contained."""
+    fault_inject: tuple[str, ...] = ()
+    """Testing only: raise inside attnprof at these places to prove each is contained."""
+    snapshot_max_age_s: float = 2.0
+    """The API server answers snapshots from a cache at most this old."""
+    rpc_timeout_s: float = 10.0
+    """Longest wait for the workers' answer to a snapshot RPC (one in flight at most)."""
+    snapshot_max_bytes: int = 16 << 20
+    """Largest snapshot body served; beyond it head statistics are left out."""
     otlp_histogram: str = "explicit"
     """OTLP histogram encoding: ``explicit`` (same buckets as Prometheus) or ``exponential``."""
 
@@ -138,6 +173,10 @@ class Config:
             home=default_home(env),
             model_label=env.get("ATTNPROF_MODEL_LABEL") or None,
             run_dir=Path(run_dir) if run_dir else None,
-            fault_inject=_choice(env, "ATTNPROF_FAULT_INJECT", FAULT_PLACES),
+            fault_inject=_faults(env),
+            snapshot_max_age_s=_float(env, "ATTNPROF_SNAPSHOT_MAX_AGE_S", 2.0, 0.0, 3600.0),
+            rpc_timeout_s=_float(env, "ATTNPROF_RPC_TIMEOUT_S", 10.0, 0.0, 600.0, lo_open=True),
+            snapshot_max_bytes=_int(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", 16 << 20, 4096)
+            or (16 << 20),
             otlp_histogram=otlp_histogram(env),
         )

@@ -82,9 +82,32 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(role, pid); `attnprof serve` sets it.",
     ),
     EnvVar(
-        "ATTNPROF_FAULT_INJECT", "capture, step or stat_logger", "(unset)",
-        "Testing only: raise an exception inside attnprof at that place, to prove errors are "
-        "counted in attnprof_internal_errors_total and never reach vLLM or a request.",
+        "ATTNPROF_FAULT_INJECT",
+        "comma list of capture, step, stat_logger, endpoint, advice, flusher, otlp_export",
+        "(unset)",
+        "Testing only: raise an exception inside attnprof at those places, to prove errors are "
+        "counted in attnprof_internal_errors_total, trip the place's breaker "
+        "(attnprof_capture_disabled) and never reach vLLM or a request.",
+    ),
+    EnvVar(
+        "ATTNPROF_API_KEY", "str", "(vLLM's --api-key)",
+        "Bearer token every /attnprof/* route requires. vLLM's own `--api-key` (or "
+        "VLLM_API_KEY) is accepted too; with neither set the routes are as open as vLLM's.",
+    ),
+    EnvVar(
+        "ATTNPROF_SNAPSHOT_MAX_AGE_S", "float in [0, 3600]", "2",
+        "The API server answers /attnprof/snapshot from a cache at most this old; at most one "
+        "refresh (one collective RPC) is in flight, whatever the number of clients.",
+    ),
+    EnvVar(
+        "ATTNPROF_RPC_TIMEOUT_S", "float in (0, 600]", "10",
+        "Longest wait for the workers' answer to a snapshot refresh; past it the last cached "
+        "snapshot is served with its age (the RPC itself is never started twice).",
+    ),
+    EnvVar(
+        "ATTNPROF_SNAPSHOT_MAX_BYTES", "int >= 4096", "16777216",
+        "Largest /attnprof/snapshot body; a larger one is served without head statistics "
+        "and says so (`truncated`).",
     ),
     EnvVar(
         "ATTNPROF_OTLP_HISTOGRAM", "explicit or exponential", "explicit",

@@ -185,11 +185,17 @@ def test_sampled_steps_time_every_layer_and_restore_vllms_forward() -> None:
 
 
 def test_fault_in_capture_is_counted_and_output_unchanged() -> None:
-    cap = _capture(1.0, fault_inject="capture")
+    from attnprof._safety import set_faults
+
+    cap = _capture(1.0, fault_inject=("capture",))
     layers = [_Layer(0)]
     cap.wrap_layer(layers[0])
     before = _Impl.calls
-    _run_steps(cap, layers, 3)
+    set_faults(("capture",))
+    try:
+        _run_steps(cap, layers, 3)
+    finally:
+        set_faults(())
     assert _Impl.calls == before + 3  # the host's call ran every time
     assert cap.errors.by_place.get("capture") == 3
     assert cap.errors.dropped.get("capture_error") == 3

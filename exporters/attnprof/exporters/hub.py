@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from attnprof._safety import fault_point
 from attnprof.exporters.samples import MetricSample, SampleSource
 
 __all__ = ["ExportHub", "Sink"]
@@ -80,13 +81,17 @@ class ExportHub:
 
     def flush(self) -> None:
         """Collect every source once and hand the samples to every sink (never raises)."""
-        with self._lock:
-            samples = self.collect()
-            for sink in list(self.sinks):
-                try:
-                    sink.export(samples)
-                except Exception as exc:
-                    self._sink_error(sink, exc)
+        try:
+            with self._lock:
+                fault_point("flusher")
+                samples = self.collect()
+                for sink in list(self.sinks):
+                    try:
+                        sink.export(samples)
+                    except Exception as exc:
+                        self._sink_error(sink, exc)
+        except Exception as exc:  # the loop itself: counted; the thread must not die
+            self._error("flusher", exc)
 
     def start(self) -> None:
         """Start the flush thread once per process (a forked child starts its own)."""

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from attnprof._safety import fault_point
 from attnprof.aggregate.histogram import HistogramState
 from attnprof.config import ConfigError, otlp_histogram
 from attnprof.exporters.catalog import spec
@@ -373,6 +374,7 @@ def _wrapping_exporter(inner: Any, sink: OtlpSink) -> Any:
             if os.getpid() != self.pid:
                 return MetricExportResult.SUCCESS
             try:
+                fault_point("otlp_export")
                 result = inner.export(sink._with_histograms(metrics_data),
                                       timeout_millis=timeout_millis)
             except Exception as exc:

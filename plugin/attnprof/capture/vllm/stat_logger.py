@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from attnprof._safety import fault_point
 from attnprof.aggregate.histogram import pow2_buckets
 from attnprof.aggregate.requests import RequestAggregates
 from attnprof.capture.vllm import runtime, start
@@ -41,7 +42,6 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
         except ConfigError as err:
             raise SystemExit(f"attnprof: invalid configuration: {err}") from None
         self.enabled = cfg.enabled
-        self.fault = cfg.fault_inject == "stat_logger"
         if not self.enabled:
             return
         start(cfg, otlp)
@@ -71,8 +71,10 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
         if not self.enabled:
             return
         try:
-            if self.fault:
-                raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=stat_logger)")
+            if self.state.errors.is_off("stat_logger"):
+                self.enabled = False  # its breaker tripped: vLLM's own loggers go on alone
+                return
+            fault_point("stat_logger")
             if scheduler_stats is not None:
                 self.requests.set_kv_usage(float(scheduler_stats.kv_cache_usage))
             if iteration_stats is not None:
