@@ -117,3 +117,59 @@ def test_a_failing_source_trips_the_breaker_a_failing_exporter_does_not() -> Non
     for _ in range(3):
         hub.flush()
     assert state.errors.by_place["export_source_worker"] == 3 and state.errors.disabled
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_throttled_rate_recovers_by_elapsed_time_without_sampled_steps() -> None:
+    clock = _Clock()
+    s = StepSampler(0.05, budget=0.01, seed=7, clock=clock)
+    for _ in range(8):  # an overload: every second, attnprof took half the wall time
+        clock.t += 1.0
+        s.charge(0.5)
+    assert s.scale < 1e-3
+    # The load is gone: 20 ms steps, no sampled step charges anything. Within a minute of
+    # steps the rate must be back (before: the next gap, drawn at the throttled rate, ran
+    # for ~1e5 steps with nothing to restore the rate in between).
+    first = None
+    for i in range(3000):
+        clock.t += 0.02
+        if s.tick():
+            first = i
+            break
+    assert first is not None and first < 3000
+    for _ in range(3000):
+        clock.t += 0.02
+        s.tick()
+    assert s.scale == 1.0
+
+
+def test_checkpoints_leave_the_sampling_law_unchanged() -> None:
+    # Gaps capped at 8 steps with redraws: still rate 0.01 in the long run.
+    s = StepSampler(0.01, seed=11, check_every=8)
+    assert _rate(s, 400000) == pytest.approx(0.01, rel=0.06)
+
+
+def test_ranks_with_one_seed_sample_the_same_steps() -> None:
+    ranks = [StepSampler(0.05, seed=None) for _ in range(2)]
+    for r in ranks:
+        r.reseed(1234)  # the server's shared seed, learnt at model build
+    picks = [[i for i in range(20000) if r.tick() or (r.long_prefill(2048) and False)]
+             for r in ranks]
+    assert picks[0] == picks[1] and len(picks[0]) > 500
+
+
+def test_set_rate_switches_immediately_and_rejects_nonsense() -> None:
+    s = StepSampler(0.0, seed=1)
+    assert not any(s.tick() for _ in range(1000))
+    s.set_rate(1.0)
+    assert all(s.tick() for _ in range(100))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            s.set_rate(bad)
