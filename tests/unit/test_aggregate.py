@@ -217,3 +217,88 @@ def test_malformed_liveness_notes_are_counted_not_fatal(tmp_path: Any) -> None:
     notes = runtime.processes_from_run_dir(Config(run_dir=tmp_path))
     assert [(n.role, n.pid, n.alive) for n in notes] == [("worker", os.getpid(), True)]
     assert runtime.STATE.errors.by_place.get("snapshot", 0) - before == 2
+
+
+class _FakeGpu:
+    """CUDA events on a fake stream: work 'completes' when the test says so; a synchronize
+    on any event is counted (it must never happen on the serving path)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.done_until = -1.0
+        self.syncs = 0
+
+    def event(self) -> Any:
+        gpu = self
+
+        class Event:
+            def record(self) -> None:
+                gpu.t += 0.001  # each recorded event is 1 ms of GPU work later
+                self.at = gpu.t
+
+            def query(self) -> bool:
+                return self.at <= gpu.done_until
+
+            def synchronize(self) -> None:
+                gpu.syncs += 1
+
+            def elapsed_time(self, end: Any) -> float:
+                return (end.at - self.at) * 1e3  # ms, like torch
+
+        return Event()
+
+
+def test_gpu_steps_are_timed_by_events_read_late_with_no_sync() -> None:
+    cap = _capture(1.0)
+    gpu = _FakeGpu()
+    cap.event_factory = gpu.event
+    cap.capturing_graph = lambda: False
+    layers = [_Layer(i) for i in range(2)]
+    for lay in layers:
+        cap.wrap_layer(lay)
+    md = SimpleNamespace(num_actual_tokens=2, max_query_len=1, seq_lens=[5, 6])
+
+    def model_forward(runner: Any, input_ids: Any = None) -> None:
+        for lay in layers:
+            lay.impl.forward(lay, 1, 2, 3, None, md)
+
+    hook = step_hook(cap, model_forward)
+    cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    for _ in range(3):
+        hook(cuda, input_ids=[0, 0])
+    # The GPU has not finished anything: nothing is folded, nobody waited.
+    assert cap.aggs.outcomes["sampled"] == 0 and len(cap._pending) == 3 and gpu.syncs == 0
+    gpu.done_until = gpu.t  # all work done
+    hook(cuda, input_ids=[0, 0])  # the next sampled step folds the finished ones
+    assert cap.aggs.outcomes["sampled"] == 3 and len(cap._pending) == 1
+    gpu.done_until = gpu.t
+    snap = cap.snapshot(include_head_stats=False)  # the snapshot folds the rest
+    assert snap.sampler.sampled == 4 and not cap._pending and gpu.syncs == 0
+    prof = cap.aggs.layer_profiles()
+    # Events 1 ms apart: each layer call spans exactly one event interval.
+    assert prof[0].phases["decode"].calls == 4
+    assert abs(prof[0].phases["decode"].time_s - 4 * 0.001) < 1e-9
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_sampling_switch_and_poll_deltas() -> None:
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+
+    cap = _capture(0.0)
+    layers = [_Layer(0)]
+    cap.wrap_layer(layers[0])
+    assert not any(_run_steps(cap, layers, 10))
+    out = cap.set_sampling(rate=1.0, head_stats_rate=0.5)
+    assert out["old"]["sample_rate"] == 0.0 and out["new"] == {"sample_rate": 1.0,
+                                                                "head_stats_rate": 0.5}
+    assert all(_run_steps(cap, layers, 5))
+    with pytest.raises(ValueError):
+        cap.set_sampling(head_stats_rate=2.0)
+    # poll(): the worker snapshot without head statistics, plus a delta that resets.
+    cap.head_stats = HeadStatsAccumulator(1, 2, 4)
+    cap.head_stats.queries[0, 0] = 3.0
+    got = cap.poll()
+    assert got["snapshot"]["head_stats"] is None and got["rank"]["tp_rank"] == 0
+    assert HeadStatsAccumulator.from_bytes(got["head_stats_delta"]).queries[0, 0] == 3.0
+    assert cap.poll()["head_stats_delta"] is None  # nothing new since
+    cap.state.hub.stop(final_flush=False)

@@ -60,11 +60,14 @@ def s(name: str, value: float, **labels: str) -> Sample:
     return Sample(name, _labels(name, **labels), float(value))
 
 
-def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int) -> list[MetricSample]:
+def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
+                   per_layer: bool = True) -> list[MetricSample]:
     """Per-layer attention, step and sampler samples of one worker.
 
     ``aggs`` is an :class:`attnprof.aggregate.layers.WorkerAggregates`, ``sampler`` a
-    :class:`attnprof.contracts.snapshot.SamplerStats`.
+    :class:`attnprof.contracts.snapshot.SamplerStats`. ``per_layer=False`` (tensor-parallel
+    ranks other than 0, which time the very same layers) leaves out the per-layer and
+    per-step series, so sums over processes count each layer once.
     """
     out: list[MetricSample] = []
     with aggs.lock:
@@ -73,6 +76,8 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int) -> li
                 for (idx, phase), a in aggs.agg.items()]
         steps = [(p, v[1], v[2]) for p, v in aggs.steps.items()]
         outcomes = dict(aggs.outcomes)
+    if not per_layer:
+        rows, steps, infos = [], [], []
     by_index = {i.index: i for i in infos}
     for idx, phase, calls, t, flops, nbytes, tokens in rows:
         info = by_index.get(idx)
@@ -91,10 +96,12 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int) -> li
         out.append(s("attnprof_step_time_seconds_total", model_t, model=model, phase=phase))
         out.append(s("attnprof_step_attention_time_seconds_total", attn_t, model=model,
                      phase=phase))
-    for outcome in ("sampled", "sampled_long", "blind"):
-        out.append(s("attnprof_steps_total", outcomes.get(outcome, 0), model=model,
-                     outcome=outcome))
-    out.append(s("attnprof_steps_total", sampler.unsampled, model=model, outcome="unsampled"))
+    if per_layer:  # every TP rank sees every step, too
+        for outcome in ("sampled", "sampled_long", "blind"):
+            out.append(s("attnprof_steps_total", outcomes.get(outcome, 0), model=model,
+                         outcome=outcome))
+        out.append(s("attnprof_steps_total", sampler.unsampled, model=model,
+                     outcome="unsampled"))
     out.append(s("attnprof_self_time_seconds_total", sampler.self_time_s, model=model))
     out.append(s("attnprof_head_stats_queries_total", head_queries, model=model))
     out.append(s("attnprof_sample_rate_ratio", sampler.effective_rate, model=model))
@@ -126,9 +133,15 @@ def request_samples(model: str, req: Any) -> list[MetricSample]:
 
 
 def error_samples(model: str, errors: Mapping[str, int], dropped: Mapping[str, int],
-                  roles: Iterable[str]) -> list[MetricSample]:
+                  roles: Iterable[str], tripped: Iterable[str] = (),
+                  areas: Iterable[str] = ()) -> list[MetricSample]:
+    """Self-observability of one process: errors by place, drops, its roles, and each
+    breaker's state (``areas``: the ones this process runs; ``tripped``: those switched off)."""
+    off = set(tripped)
     out: list[MetricSample] = [s("attnprof_internal_errors_total", n, model=model, place=p)
                                for p, n in list(errors.items())]
+    out += [s("attnprof_capture_disabled", 1.0 if a in off else 0.0, model=model, place=a)
+            for a in sorted(set(areas) | off)]
     out += [s("attnprof_dropped_samples_total", n, model=model, reason=r)
             for r, n in list(dropped.items())]
     out += [s("attnprof_plugin_processes", 1, role=r) for r in sorted(roles)]

@@ -21,8 +21,11 @@ import multiprocessing
 import os
 import sys
 import time
+from collections import deque
+from types import SimpleNamespace
 from typing import Any
 
+from attnprof._safety import fault_point
 from attnprof.aggregate.layers import (
     UNFUSED_BACKENDS,
     BatchShape,
@@ -46,6 +49,8 @@ __all__ = ["Capture", "batch_shape", "install", "layer_info", "step_hook"]
 
 logger = logging.getLogger("attnprof")
 HEAD_STATS_MAX_TOKENS = 32768
+PENDING_STEPS_MAX = 64
+"""Sampled GPU steps whose timing events are not read yet; beyond this the oldest is dropped."""
 
 
 # ----- the vLLM adapter: every read of vLLM objects and argument positions -----
@@ -111,6 +116,23 @@ def batch_shape(md: Any) -> BatchShape:
     return BatchShape(phase, num_tokens, pairs, sum(seq), n, max(seq, default=0), whole)
 
 
+def _to_host(x: Any) -> Any:
+    """A device tensor's copy on the host, queued behind the work that fills it (no sync);
+    it is read only once the step's end event has completed. Host values pass through."""
+    if getattr(x, "is_cuda", False):
+        return x.to("cpu", non_blocking=True)
+    return x
+
+
+def shape_inputs(md: Any) -> Any:
+    """What :func:`batch_shape` reads, captured now (metadata buffers are reused by later
+    steps) without waiting for the GPU."""
+    return SimpleNamespace(num_actual_tokens=int(md.num_actual_tokens),
+                           max_query_len=int(getattr(md, "max_query_len", 1)),
+                           seq_lens=_to_host(md.seq_lens),
+                           query_start_loc=_to_host(getattr(md, "query_start_loc", None)))
+
+
 def _num_tokens(args: Any, kwargs: Any) -> int:
     x = kwargs.get("input_ids")
     if x is None:
@@ -163,6 +185,32 @@ class _Wrapped:
         self.instance_attr = instance_attr
 
 
+def _cuda_event() -> Any:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _capturing_graph() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+class _PendingStep:
+    """A sampled GPU step whose events are read later, once they have completed."""
+
+    __slots__ = ("calls", "end", "hs_time", "outcome", "start")
+
+    def __init__(self, start: Any, end: Any, calls: list[tuple[LayerInfo, Any, Any, Any]],
+                 outcome: str, hs_time: float) -> None:
+        self.start = start
+        self.end = end
+        self.calls = calls
+        self.outcome = outcome
+        self.hs_time = hs_time
+
+
 class Capture:
     def __init__(self, state: State, clock: Any = time.perf_counter) -> None:
         cfg = state.config
@@ -178,7 +226,17 @@ class Capture:
         self.wrapped: list[_Wrapped] = []
         self._calls: list[tuple[LayerInfo, Any, Any, Any]] = []
         self._cuda = False
-        self.fault = cfg.fault_inject
+        # GPU timing: events recorded on sampled steps are read when complete (next sampled
+        # step, snapshot), never by a synchronize() on the serving path.
+        self.event_factory: Any = _cuda_event
+        self.capturing_graph: Any = _capturing_graph
+        self._pending: deque[_PendingStep] = deque()
+        self.seed_shared = cfg.seed is not None
+        # Tensor/pipeline-parallel placement of this worker (read at model build).
+        self.rank: dict[str, int] = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+                                     "dp_rank": 0}
+        self.total_kv_heads: int | None = None
+        self.total_layers: int | None = None
         # Per-head statistics (sparsity advice) on a share of sampled steps.
         self.hs_rate = cfg.head_stats_rate
         self.hs_min_tokens = cfg.head_stats_min_tokens
@@ -188,6 +246,7 @@ class Capture:
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
         self._shapes: dict[int, BatchShape] = {}
+        self._shape_inputs: dict[int, Any] = {}
         self._reports: dict[Any, dict[str, Any]] = {}
         # id(LayerInfo) -> key of its report (names can be empty; the infos live as long as we do)
         self._report_keys: dict[int, Any] = {}
@@ -250,18 +309,43 @@ class Capture:
         return rep
 
     def _learn_model_label(self) -> None:
-        """Workers never see the stat logger: read the served name from vLLM's config."""
+        """Workers never see the stat logger: read the served name from vLLM's config, and
+        this worker's parallel placement. Without ``ATTNPROF_SEED`` the sampler is seeded from
+        the server's instance id, shared by all its ranks, so they sample the same steps."""
         st = self.state
-        if st.config is not None and st.config.model_label:
-            return
         try:
             from vllm.config import get_current_vllm_config
 
-            from attnprof.facts.label import model_label
+            vc = get_current_vllm_config()
+        except Exception:
+            return  # no vLLM config in force (not a vLLM model build): nothing to learn
+        try:
+            if not (st.config is not None and st.config.model_label):
+                from attnprof.facts.label import model_label
 
-            st.model_label = model_label(get_current_vllm_config().model_config)
+                st.model_label = model_label(vc.model_config)
+            if not self.seed_shared and getattr(vc, "instance_id", None):
+                import hashlib
+
+                digest = hashlib.blake2b(str(vc.instance_id).encode(), digest_size=8).digest()
+                self.sampler.reseed(int.from_bytes(digest, "little"))
+                self.seed_shared = True
+            pc = vc.parallel_config
+            self.rank["tp_size"] = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+            self.rank["pp_size"] = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+            self.rank["dp_rank"] = int(getattr(pc, "data_parallel_rank", 0) or 0)
+            mc = vc.model_config
+            self.total_kv_heads = int(mc.get_total_num_kv_heads())
+            self.total_layers = int(getattr(mc.hf_text_config, "num_hidden_layers", 0)) or None
         except Exception as exc:
             self.errors.record("model_label", exc)
+        try:
+            from vllm.distributed import parallel_state as ps
+
+            self.rank["tp_rank"] = int(ps.get_tensor_model_parallel_rank())
+            self.rank["pp_rank"] = int(ps.get_pp_group().rank_in_group)
+        except Exception:
+            pass  # no distributed state (unit tests, a single process): rank 0
 
     def _install_layers(self) -> None:
         for w in self.wrapped:
@@ -280,11 +364,13 @@ class Capture:
         # exceptions pass through untouched.
         md = start = None
         try:
+            fault_point("capture")
             md = args[5] if len(args) > 5 else kwargs.get("attn_metadata")
             if md is not None:  # None = profile/dummy run: not a real step
                 start = self._timer_start()
         except Exception as exc:
             self.errors.record("capture", exc)
+            self.errors.drop("capture_error")
             md = None
         out = orig(*args, **kwargs)
         if md is not None:
@@ -297,22 +383,21 @@ class Capture:
 
     def _timer_start(self) -> Any:
         if self._cuda:
-            import torch
-
-            e0 = torch.cuda.Event(enable_timing=True)
+            e0 = self.event_factory()
             e0.record()
             return e0
         return self.clock()
 
     def _timer_stop(self, info: LayerInfo, md: Any, start: Any, args: Any, kwargs: Any) -> None:
-        if self.fault == "capture":
-            raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=capture)")
+        fault_point("capture")
         if self._cuda:
-            import torch
-
-            e1 = torch.cuda.Event(enable_timing=True)
+            e1 = self.event_factory()
             e1.record()
-            self._calls.append((info, md, start, e1))
+            # The batch's shape is read once its copies have landed, not now (no sync).
+            inputs = self._shape_inputs.get(id(md))
+            if inputs is None:
+                inputs = self._shape_inputs[id(md)] = shape_inputs(md)
+            self._calls.append((info, inputs, start, e1))
         else:
             self._calls.append((info, md, self.clock() - start, None))
         if info.kernel is None:
@@ -400,22 +485,23 @@ class Capture:
 
     def _sampled_step(self, orig: Any, runner: Any, args: Any, kwargs: Any, outcome: str) -> Any:
         t_start = self.clock()
+        ev0 = None
         try:
-            self._calls.clear()
+            self._calls = []  # a new list: a pending GPU step keeps the old one
             self._shapes.clear()
+            self._shape_inputs.clear()
             self._hs_seen.clear()
             self._hs_time = 0.0
             self._hs_step = self.hs_rate > 0 and self.sampler.draw() < self.hs_rate
             self._cuda = _on_cuda(runner)
             if self._cuda:
-                import torch
-
-                if torch.cuda.is_current_stream_capturing():
+                self._resolve_pending()
+                if self.capturing_graph():
                     # vLLM is capturing a CUDA graph: timing events are illegal inside a
                     # capture and would break the host's graph. Not a real step; skip it.
                     self.seen -= 1
                     return orig(runner, *args, **kwargs)
-                ev0 = torch.cuda.Event(enable_timing=True)
+                ev0 = self.event_factory()
                 ev0.record()
             self._install_layers()
         except Exception as exc:
@@ -429,20 +515,25 @@ class Capture:
         finally:
             self._remove_layers()
         t1 = self.clock()
-        sync_wait = 0.0
         try:
-            model_time = t1 - t0 - self._hs_time  # head statistics are ours, not the model's
-            if self._cuda:
-                import torch
-
-                ev1 = torch.cuda.Event(enable_timing=True)
+            # No wrapper fired but attention metadata is set: a full CUDA graph replayed
+            # (Python never ran inside). Decided now: the forward context is this step's.
+            blind = not self._calls and _step_has_metadata()
+            if ev0 is not None:
+                # GPU: record the end and read both events once they have completed (next
+                # sampled step or snapshot). No synchronize(): the forward's CPU/GPU overlap
+                # is the host's, and a wait here would be attnprof's cost, not the model's.
+                ev1 = self.event_factory()
                 ev1.record()
-                tw = self.clock()
-                ev1.synchronize()
-                # Waiting for the GPU to finish the forward is not attnprof's own time.
-                sync_wait = self.clock() - tw
-                model_time = ev0.elapsed_time(ev1) / 1e3
-            self._finish_step(model_time, outcome)
+                if len(self._pending) >= PENDING_STEPS_MAX:
+                    self._pending.popleft()
+                    self.errors.drop("gpu_events_pending")
+                self._pending.append(_PendingStep(ev0, ev1, self._calls, outcome, self._hs_time))
+                if blind:
+                    self._pending[-1].outcome = "blind"
+            else:
+                # head statistics are ours, not the model's
+                self._finish_step(t1 - t0 - self._hs_time, outcome, self._calls, blind)
         except Exception as exc:
             self.errors.record("step_end", exc)
         if self._hs_time:
@@ -451,32 +542,56 @@ class Capture:
             # Attention-free estimate of the prefill's own cost: the step minus our stats.
             self.hs.prefill_time_s += max(0.0, t1 - t0 - self._hs_time)
         try:
-            self.sampler.charge(overhead + self._hs_time + (self.clock() - t1) - sync_wait)
+            self.sampler.charge(overhead + self._hs_time + (self.clock() - t1))
         except Exception as exc:
             self.errors.record("sampler", exc)
         return out
 
-    def _finish_step(self, model_time: float, outcome: str) -> None:
-        if self.fault == "step":
-            self._calls.clear()
-            raise RuntimeError("attnprof fault injection (ATTNPROF_FAULT_INJECT=step)")
-        calls = self._calls
+    def _resolve_pending(self) -> None:
+        """Fold sampled GPU steps whose end event has completed (in order; never waits)."""
+        while self._pending and self._pending[0].end.query():
+            p = self._pending.popleft()
+            try:
+                model_time = p.start.elapsed_time(p.end) / 1e3
+                self._finish_step(model_time, p.outcome, p.calls, p.outcome == "blind")
+            except Exception as exc:
+                self.errors.record("step_end", exc)
+
+    def _finish_step(self, model_time: float, outcome: str,
+                     calls: list[tuple[LayerInfo, Any, Any, Any]], blind: bool) -> None:
+        fault_point("step")
         if not calls:
-            # No attention wrapper fired. With attention metadata set, the step replayed a
-            # full CUDA graph (Python never ran inside): count it as blind, never pretend.
-            # Without metadata it was a warm-up/dummy run: not a serving step at all.
-            if _step_has_metadata():
+            # Blind: a replayed full CUDA graph, counted, never pretended. Otherwise a
+            # warm-up/dummy run: not a serving step at all.
+            if blind:
                 self.aggs.record_step(StepRecord("blind", model_time))
             else:
                 self.seen -= 1
             return
         rec = StepRecord("sampled_long" if outcome == "sampled_long" else "sampled", model_time)
+        shapes: dict[int, BatchShape] = {}
         for info, md, a, b in calls:
             dt = a.elapsed_time(b) / 1e3 if b is not None else float(a)
-            rec.calls.append(LayerCall(info, self._shape(md), dt))
-        calls.clear()
-        self._shapes.clear()
+            shape = shapes.get(id(md))
+            if shape is None:
+                shape = shapes[id(md)] = batch_shape(md)
+            rec.calls.append(LayerCall(info, shape, dt))
         self.aggs.record_step(rec)
+
+    def set_sampling(self, rate: float | None = None,
+                     head_stats_rate: float | None = None) -> dict[str, Any]:
+        """Switch the step sample rate and/or the head-statistics rate at run time (A/B arms
+        inside one server, an operator turning profiling down). Raises ``ValueError`` for a
+        value outside [0, 1]; returns the old and new values."""
+        old = {"sample_rate": self.sampler.base_rate, "head_stats_rate": self.hs_rate}
+        if head_stats_rate is not None and not 0.0 <= float(head_stats_rate) <= 1.0:
+            raise ValueError(f"head-statistics rate {head_stats_rate!r} is not in [0, 1]")
+        if rate is not None:
+            self.sampler.set_rate(float(rate))
+        if head_stats_rate is not None:
+            self.hs_rate = float(head_stats_rate)
+        return {"old": old, "new": {"sample_rate": self.sampler.base_rate,
+                                    "head_stats_rate": self.hs_rate}}
 
     # ----- reading (flusher thread, snapshot RPC) -----
     def sampler_stats(self) -> SamplerStats:
@@ -492,8 +607,10 @@ class Capture:
     def samples(self) -> list[Any]:
         from attnprof.exporters.samples import worker_samples
 
+        # Under tensor parallelism every rank times the same layers: per-layer series come
+        # from TP rank 0 only, or Prometheus' sum over processes would multiply them.
         return worker_samples(self.state.model_label, self.aggs, self.sampler_stats(),
-                              self.hs.queries)
+                              self.hs.queries, per_layer=self.rank["tp_rank"] == 0)
 
     def kernel_map(self) -> list[KernelGroup]:
         """Per group of identical layers: the backend that ran, the kernel variant, and why
@@ -519,6 +636,7 @@ class Capture:
         return out
 
     def snapshot(self, include_head_stats: bool = True) -> WorkerSnapshot:
+        self._resolve_pending()
         self.state.flush()
         hs = HeadStatsCost(**{k: getattr(self.hs, k) for k in
                               ("steps", "requests", "queries", "time_s", "prefill_time_s")})
@@ -532,6 +650,21 @@ class Capture:
             disabled=self.errors.disabled, head_stats_cost=hs,
             head_stats=(self.head_stats.to_dict() if self.head_stats is not None
                         and include_head_stats else None))
+
+    def poll(self) -> dict[str, Any]:
+        """The API server's periodic pull: this worker's snapshot without head statistics,
+        its parallel placement, and the head statistics gathered since the last poll as
+        compact bytes (the worker's accumulator restarts from zero; the API server keeps
+        the merged total). Small and cheap: this runs between model steps."""
+        fault_point("capture")
+        snap = self.snapshot(include_head_stats=False).to_json()
+        delta = None
+        acc = self.head_stats
+        if acc is not None and acc.queries.any():
+            delta = acc.take_bytes()
+        return {"snapshot": snap, "rank": dict(self.rank),
+                "total_kv_heads": self.total_kv_heads, "total_layers": self.total_layers,
+                "head_stats_delta": delta}
 
 
 def step_hook(cap: Capture, orig_fwd: Any) -> Any:
@@ -630,7 +763,25 @@ def install(state: State) -> Capture | None:
                 state.errors.record("snapshot", exc)
                 return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
+        def attnprof_poll(self: Any) -> dict[str, Any]:
+            try:
+                return cap.poll()
+            except Exception as exc:
+                state.errors.record("snapshot", exc)
+                return {"snapshot": {"pid": os.getpid(),
+                                     "error": f"{type(exc).__name__}: {exc}"}}
+
+        def attnprof_set_sampling(self: Any, rate: float | None = None,
+                                  head_stats_rate: float | None = None) -> dict[str, Any]:
+            try:
+                return cap.set_sampling(rate, head_stats_rate)
+            except Exception as exc:
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
         WorkerBase.attnprof_snapshot = attnprof_snapshot
+        WorkerBase.attnprof_poll = attnprof_poll
+        WorkerBase.attnprof_set_sampling = attnprof_set_sampling
+        state.capture = cap
     except Exception as exc:
         state.errors.record("install", exc)
     return cap

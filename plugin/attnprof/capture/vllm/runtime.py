@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnprof._safety import ErrorBook, Once
+from attnprof._safety import ErrorBook, Once, pid_alive, set_faults
 from attnprof.config import Config
 from attnprof.contracts.snapshot import ProcessNote
 
-__all__ = ["STATE", "State", "role_of_process", "start"]
+__all__ = ["STATE", "State", "pid_alive", "role_of_process", "start"]
 
 logger = logging.getLogger("attnprof")
 
@@ -37,6 +37,7 @@ class State:
     roles: set[str] = field(default_factory=set)
     started_at: float = 0.0
     hub: Any = None  # attnprof.exporters.hub.ExportHub, created by start()
+    capture: Any = None  # hooks.Capture in a vLLM worker (the Python API's sampling switch)
     otlp: Any = None  # attnprof.exporters.otlp.OtlpConfig when an OTLP endpoint is set
     requests: Any = None  # aggregate.requests.RequestAggregates in the API server
     advice: dict[str, Any] | None = None  # latest window advice (API server)
@@ -69,7 +70,7 @@ class State:
         from attnprof.exporters.samples import error_samples
 
         return error_samples(self.model_label, self.errors.by_place, self.errors.dropped,
-                             self.roles)
+                             self.roles, self.errors.tripped, _areas(self.roles))
 
     def export_source(self, name: str, fn: Any) -> None:
         """Register a sample source with this process's export loop and make sure it runs."""
@@ -108,6 +109,14 @@ class State:
 
 STATE = State()
 
+# The breakers each role runs (a worker's capture, the API server's routes and loggers).
+_ROLE_AREAS = {"worker": ("capture", "export"), "engine_core": ("capture", "export"),
+               "api_server": ("stat_logger", "endpoint", "advice", "export")}
+
+
+def _areas(roles: set[str]) -> list[str]:
+    return sorted({a for r in roles for a in _ROLE_AREAS.get(r, ("export",))})
+
 
 def config_from_env(check_otlp: bool = False) -> tuple[Config, Any]:
     """attnprof's settings and the OTLP ones (an ``OtlpConfig``, None without an endpoint),
@@ -129,6 +138,7 @@ def start(cfg: Config, install: Callable[[State], Any] | None = None, otlp: Any 
         STATE.config = cfg
         STATE.otlp = otlp
         STATE.errors = ErrorBook(cfg.max_errors)
+        set_faults(cfg.fault_inject)
         STATE.started_at = time.time()
         if cfg.model_label:
             STATE.model_label = cfg.model_label
@@ -179,18 +189,3 @@ def processes_from_run_dir(cfg: Config | None) -> list[ProcessNote]:
         except Exception as exc:
             STATE.errors.record("snapshot", exc)
     return out
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a running process; a zombie (exited, not yet reaped) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True  # no /proc (not Linux): kill(0) said it exists
