@@ -115,6 +115,23 @@ def poll_metrics(base_url: str, check: Any, timeout: float = 6.0) -> str:
         time.sleep(0.2)
 
 
+TINY_API_KEY = "tiny-server-test-key"
+"""The bearer token the shared tiny server's /attnprof/* routes require."""
+
+
+def get_snapshot(base_url: str, head_stats: bool = False, key: str | None = TINY_API_KEY,
+                 timeout: float = 30.0) -> dict[str, Any]:
+    """``GET /attnprof/snapshot`` with the bearer token (``head_stats``: the merged head
+    statistics too)."""
+    import json
+    import urllib.request
+
+    url = base_url + "/attnprof/snapshot" + ("?head_stats=1" if head_stats else "")
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.loads(r.read()))
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,
@@ -123,7 +140,10 @@ def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                              {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
                               "ATTNPROF_HEAD_STATS_RATE": "1.0",
                               "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
-                              "ATTNPROF_OVERHEAD_BUDGET": "1.0"},
+                              "ATTNPROF_OVERHEAD_BUDGET": "1.0",
+                              # Tests read the effect of a request right after it: no cache.
+                              "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0",
+                              "ATTNPROF_API_KEY": TINY_API_KEY},
                              max_model_len=512, kv_bytes=64 << 20) as srv:
         yield srv
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from attnprof.tools.server import http_get, http_post_json
+from tests.conftest import get_snapshot
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
@@ -51,7 +52,7 @@ def test_suggest_window_reads_the_fleet_from_real_prometheus(tiny_server: Any, p
         http_post_json(tiny_server.base_url + "/v1/completions",
                        {"model": "tiny", "prompt": "the model request " * n, "max_tokens": 2,
                         "temperature": 0})
-    snap = json.loads(http_get(tiny_server.base_url + "/attnprof/snapshot"))
+    snap = get_snapshot(tiny_server.base_url)
     total = snap["requests"]["requests"]
     # Wait until Prometheus has scraped every finished request.
     prometheus.wait_for(f"sum(attnprof_request_context_tokens_count) >= {total}")

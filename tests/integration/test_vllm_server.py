@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
 
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.server import http_get, http_post_json
-from tests.conftest import dump, metric_value, poll_metrics
+from tests.conftest import TINY_API_KEY, dump, get_snapshot, metric_value, poll_metrics
 
 pytestmark = pytest.mark.vllm
 
 
-def _snapshot(srv: Any) -> dict[str, Any]:
-    return dict(json.loads(http_get(srv.base_url + "/attnprof/snapshot", timeout=30)))
+def _snapshot(srv: Any, head_stats: bool = False) -> dict[str, Any]:
+    return get_snapshot(srv.base_url, head_stats=head_stats)
 
 
 def _complete(srv: Any, prompt: str | list[int], n: int) -> dict[str, Any]:
@@ -104,7 +105,7 @@ def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) ->
 def test_snapshot_has_no_request_ids_or_text(tiny_server: Any) -> None:
     secret = "zebra quartz"  # not in the tokenizer's training words
     out = _complete(tiny_server, f"the model {secret}", 2)
-    body = http_get(tiny_server.base_url + "/attnprof/snapshot")
+    body = json.dumps(_snapshot(tiny_server, head_stats=True))
     metrics = http_get(tiny_server.base_url + "/metrics")
     assert secret not in body and "zebra" not in metrics
     assert out["id"] not in body and out["id"] not in metrics
@@ -116,8 +117,10 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
     import sys
 
     _complete(tiny_server, "the model request", 3)
+    env = {**os.environ, "ATTNPROF_API_KEY": TINY_API_KEY}
     r = subprocess.run([sys.executable, "-m", "attnprof.cli", "snapshot", "--url",
-                        tiny_server.base_url], capture_output=True, text=True, timeout=60)
+                        tiny_server.base_url], capture_output=True, text=True, timeout=60,
+                       env=env)
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines() if ln.split()[:2] in (["0", "CPU_ATTN"],
                                                                             ["1", "CPU_ATTN"])]
@@ -125,7 +128,7 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
     assert "Context lengths of" in r.stdout and "Attention share" in r.stdout
     j = subprocess.run([sys.executable, "-m", "attnprof.cli", "snapshot", "--json",
                         "--url", tiny_server.base_url], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=60, env=env)
     assert json.loads(j.stdout)["schema_version"] == Snapshot.version_tag()
 
 
@@ -134,7 +137,7 @@ def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server:
 
     before = _snapshot(tiny_server)["workers"][0]["head_stats_cost"]["queries"]
     _complete(tiny_server, " ".join(["cache token layer attention window head"] * 12), 2)
-    snap = _snapshot(tiny_server)
+    snap = _snapshot(tiny_server, head_stats=True)
     cost = snap["workers"][0]["head_stats_cost"]
     assert cost["queries"] > before and cost["time_s"] > 0
     acc = head_stats_from_snapshot(snap)
@@ -195,3 +198,60 @@ def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) 
     assert m is not None and [float(x) for x in m.groups()] == qs
     row = next(ln for ln in render_snapshot(snap).splitlines() if ln.startswith("context"))
     assert [float(x) for x in row.split()[1:4]] == qs
+
+
+def _request(url: str, method: str = "GET", body: Any = None, key: str | None = None
+             ) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_attnprof_routes_want_the_api_key_vllms_own_routes_do_not_here(tiny_server: Any
+                                                                       ) -> None:
+    base = tiny_server.base_url
+    for path, method, body in (("/attnprof/snapshot", "GET", None),
+                               ("/attnprof/sampling", "POST", {"sample_rate": 1.0})):
+        for key in (None, "wrong-key"):
+            code, text = _request(base + path, method, body, key)
+            assert code == 401 and TINY_API_KEY not in text, (path, key, code)
+    code, text = _request(base + "/attnprof/snapshot", key=TINY_API_KEY)
+    assert code == 200 and json.loads(text)["enabled"] is True
+    assert _complete(tiny_server, "the model", 1)["usage"]["completion_tokens"] == 1
+
+
+def test_sampling_rate_switches_at_run_time_in_every_worker(tiny_server: Any) -> None:
+    base = tiny_server.base_url
+
+    def sampled() -> int:
+        return int(_snapshot(tiny_server)["workers"][0]["sampler"]["sampled"])
+
+    try:
+        code, text = _request(base + "/attnprof/sampling", "POST", {"sample_rate": 0.0},
+                              TINY_API_KEY)
+        assert code == 200, text
+        (worker,) = json.loads(text)["workers"]
+        assert worker["old"]["sample_rate"] == 1.0 and worker["new"]["sample_rate"] == 0.0
+        before = sampled()
+        _complete(tiny_server, "the model request", 4)
+        assert sampled() == before  # rate 0: no step sampled
+        code, _ = _request(base + "/attnprof/sampling", "POST", {"sample_rate": 1.0},
+                           TINY_API_KEY)
+        assert code == 200
+        _complete(tiny_server, "the model request", 4)
+        assert sampled() >= before + 4  # rate 1 again: every step
+        code, text = _request(base + "/attnprof/sampling", "POST", {"sample_rate": 7},
+                              TINY_API_KEY)
+        assert code == 400 and "[0, 1]" in text
+    finally:
+        _request(base + "/attnprof/sampling", "POST", {"sample_rate": 1.0}, TINY_API_KEY)

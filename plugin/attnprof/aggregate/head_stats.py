@@ -419,6 +419,76 @@ class HeadStatsAccumulator:
                                                                           dtype=np.float64)
         return acc
 
+    # ------------------------------------------------------------------ deltas (live)
+    def _meta(self) -> dict[str, Any]:
+        return {"schema": _SCHEMA, "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads, "group_size": self.group_size,
+                "sinks_grid": list(self.sinks_grid), "window_grid": list(self.window_grid),
+                "n_last": self.n_last, "n_random": self.n_random, "n_detail": self.n_detail,
+                "mass_gamma": self.mass_gamma,
+                "coverage_loss_edges": list(COVERAGE_LOSS_EDGES)}
+
+    def take_bytes(self) -> bytes:
+        """Everything gathered since the last take, as compact bytes (a compressed ``.npz``
+        of the non-default entries: index + value per field), and restart from zero. A
+        worker sends these small deltas; the API server merges them (:meth:`add_at`)."""
+        import io
+        import json
+
+        arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(self._meta()).encode(),
+                                                        dtype=np.uint8)}
+        for f in (*self._SUM_FIELDS, "cov_min"):
+            a = getattr(self, f)
+            fill = 1.0 if f == "cov_min" else 0.0
+            nz = np.flatnonzero(a != fill)
+            arrays[f + ".i"] = nz.astype(np.uint32 if a.size < 1 << 32 else np.uint64)
+            arrays[f + ".v"] = a.ravel()[nz]
+            a.fill(fill)
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> HeadStatsAccumulator:
+        """The accumulator :meth:`take_bytes` wrote (no pickle: arrays and a JSON header).
+        Raises ``ValueError`` for anything else."""
+        import io
+        import json
+
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+                acc = cls.from_dict({**meta, "arrays": {}})
+                for f in (*cls._SUM_FIELDS, "cov_min"):
+                    flat = getattr(acc, f).reshape(-1)
+                    flat[z[f + ".i"].astype(np.int64)] = z[f + ".v"]
+        except (OSError, KeyError, IndexError, TypeError, ValueError) as err:
+            raise ValueError(f"not a head-statistics delta: {err}") from None
+        return acc
+
+    def add_at(self, other: HeadStatsAccumulator, q_offset: int = 0,
+               count_requests: bool = True) -> HeadStatsAccumulator:
+        """Merge ``other`` (one tensor-parallel rank's heads, or one pipeline stage's layers)
+        into this global accumulator: its query heads go to ``q_offset ..``, its layers to
+        the same global indices. Shapes and grids are checked, never broadcast. Requests are
+        counted once per prompt, so ranks other than the first pass ``count_requests=False``."""
+        if (self.sinks_grid, self.window_grid) != (other.sinks_grid, other.window_grid):
+            raise ValueError("cannot merge head statistics with different grids")
+        hq = other.num_q_heads
+        if other.num_layers > self.num_layers or q_offset < 0 or q_offset + hq > self.num_q_heads:
+            raise ValueError(f"head statistics of {other.num_layers} layers x {hq} heads at "
+                             f"head {q_offset} do not fit {self.num_layers} x "
+                             f"{self.num_q_heads}")
+        lay, heads = slice(0, other.num_layers), slice(q_offset, q_offset + hq)
+        for f in self._SUM_FIELDS:
+            if f == "requests":
+                if count_requests:
+                    self.requests[lay] += other.requests
+                continue
+            getattr(self, f)[lay, heads] += getattr(other, f)
+        self.cov_min[lay, heads] = np.minimum(self.cov_min[lay, heads], other.cov_min)
+        return self
+
     @classmethod
     def for_config(cls, cfg: Any, **kw: Any) -> HeadStatsAccumulator:
         """Shape from a Hugging Face config (dict or object), read by

@@ -14,6 +14,7 @@ from typing import Any
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 
 __all__ = [
+    "advise",
     "advise_snapshot",
     "recommend_from_snapshot",
     "summarize",
@@ -49,6 +50,27 @@ def summarize(rec: dict[str, Any], acc: Any, replay: dict[str, Any] | None = Non
     out = export_summary(rec, replay)
     out.head_stats_requests = None if acc is None else int(acc.requests.max())
     return out
+
+
+def advise(requests: Any, acc: Any, model_path: str | None) -> WindowAdvice | AdviceUnavailable:
+    """Window advice from the API server's own state: its request statistics (a
+    ``RequestStats`` or None) and the head statistics merged from the workers (an accumulator
+    or None). What a live server refreshes, without building a snapshot document first."""
+    from attnprof.analyze.sparsity.inputs import InputError, from_sketch
+    from attnprof.analyze.sparsity.recommend import recommend
+
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return AdviceUnavailable("the model is not a local checkpoint; use `attnprof "
+                                 "suggest-window --model PATH --url ...` instead")
+    sketch = getattr(getattr(requests, "context_tokens", None), "sketch", None)
+    if not isinstance(sketch, dict):
+        return AdviceUnavailable("snapshot: no finished requests recorded yet "
+                                 "(requests.context_tokens.sketch is missing)")
+    try:
+        rec = recommend(from_sketch(sketch, "snapshot"), _arch(str(model_path)), acc)
+    except InputError as err:
+        return AdviceUnavailable(str(err))
+    return summarize(rec, acc)
 
 
 def advise_snapshot(snap: dict[str, Any], model_path: str | None

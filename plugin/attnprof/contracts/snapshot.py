@@ -8,7 +8,9 @@ working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestSta
 ``flash_attn_version`` and ``note``, ``LayerFacts.has_sink`` and ``attn_type`` and
 ``SamplerStats.throttles``, and
 ``KernelGroup.source`` names where the verdicts came from (vLLM itself on this device, or the
-matrix derived from vLLM's code) instead of the platform class.
+matrix derived from vLLM's code) instead of the platform class; 1.4 adds the top-level
+``head_stats`` (merged across tensor/pipeline-parallel ranks by global layer and head),
+``age_s`` and ``truncated`` (the API server serves bounded, cached snapshots).
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 3)
+    VERSION = (1, 4)
 
     time: float
     model: str
@@ -218,3 +220,10 @@ class Snapshot(Document):
     errors: SnapshotErrors = field(default_factory=SnapshotErrors)
     window_advice: WindowAdvice | AdviceUnavailable | None = None
     """Window advice for this traffic, or ``{"error": ...}`` saying what is missing."""
+    head_stats: dict[str, Any] | None = None
+    """Every worker's head statistics merged by global layer and head index (only when asked
+    for: ``/attnprof/snapshot?head_stats=1``); added in snapshot 1.4."""
+    age_s: float | None = None
+    """Age of the workers' data when served from the API server's cache (1.4)."""
+    truncated: str | None = None
+    """Set when something was left out to keep the body bounded, saying what (1.4)."""

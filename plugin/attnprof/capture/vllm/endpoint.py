@@ -1,78 +1,265 @@
-"""vLLM endpoint plugin (API server): ``GET /attnprof/snapshot``.
+"""vLLM endpoint plugin (API server): the ``/attnprof/*`` routes.
 
 Loaded by vLLM only when ``attnprof_http`` is named in ``VLLM_PLUGINS`` (``attnprof serve``
-does that). The worker-side profile comes over ``collective_rpc`` from every worker; the
-window advice is computed in a thread, never on the event loop.
+does that). Every route is a guest on the host's port, so:
+
+- **authenticated like the host:** a bearer token, vLLM's own ``--api-key`` (or
+  ``VLLM_API_KEY``) or ``ATTNPROF_API_KEY`` (:func:`attnprof.config.api_tokens`); vLLM's
+  middleware guards only ``/v1``-style prefixes, so attnprof checks its own routes;
+- **never stalls the engine on demand:** answers come from :class:`LiveView`, a cache
+  refreshed at most every ``ATTNPROF_SNAPSHOT_MAX_AGE_S``, with at most one collective RPC
+  in flight (however many clients), a timeout, and a bounded body. A disabled attnprof
+  answers without any RPC;
+- **nothing large on the event loop:** workers send compact head-statistics deltas
+  (:meth:`HeadStatsAccumulator.take_bytes`), merged here in a thread; rendering and JSON
+  (NaN-safe) happen in a thread too;
+- **fail-open with a visible breaker:** errors are counted under ``endpoint`` / ``advice``;
+  past ``ATTNPROF_MAX_ERRORS`` the route answers 503 and the advice loop stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+import secrets
 import time
 from typing import Any
 
+# FastAPI resolves the handlers' ``Request`` annotation by name in this module's globals
+# (annotations are strings here), so it is imported at module level; this module is loaded
+# only inside vLLM's API server, which has FastAPI.
+from fastapi import Request
+
+from attnprof._safety import fault_point
 from attnprof.capture.vllm import runtime, start
+from attnprof.config import api_tokens
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
+from attnprof.contracts.jsonsafe import dumps
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
-__all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "build_snapshot"]
+__all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "LiveView", "TokenCheck"]
 
+logger = logging.getLogger("attnprof")
 SCHEMA_VERSION = Snapshot.version_tag()
 
 
-async def build_snapshot(engine_client: Any, advice: bool = True) -> Snapshot:
-    st = runtime.STATE
-    workers: list[Any] = []
-    error: str | None = None
-    if engine_client is not None:
-        try:
-            workers = list(await engine_client.collective_rpc("attnprof_snapshot"))
-        except Exception as exc:  # the engine may not be ours to query
-            error = f"{type(exc).__name__}: {exc}"
-    notes = await asyncio.to_thread(runtime.processes_from_run_dir, st.config)
-    parsed: list[WorkerSnapshot] = []
-    for w in workers:
-        if isinstance(w, dict):
+class TokenCheck:
+    """Bearer-token check, as vLLM's ``AuthenticationMiddleware`` does it (sha256 digests
+    compared in constant time). No tokens configured: every request passes."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._digests)
+
+    def ok(self, authorization: str | None) -> bool:
+        if not self._digests:
+            return True
+        scheme, _, param = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        got = hashlib.sha256(param.strip().encode()).digest()
+        match = False
+        for d in self._digests:
+            match |= secrets.compare_digest(got, d)
+        return match
+
+
+async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
+    """``collective_rpc`` on every engine: vLLM's data-parallel client answers
+    ``collective_rpc`` with the first engine's workers only, so ask each engine."""
+    core = getattr(engine_client, "engine_core", None)
+    every = getattr(core, "call_utility_all_async", None)
+    if callable(every):
+        per_engine = await every("collective_rpc", method, None, args, None)
+        return [w for ws in per_engine for w in (ws or [])]
+    return list(await engine_client.collective_rpc(method, args=args))
+
+
+class LiveView:
+    """The API server's view of its workers: their last snapshots, the head statistics
+    merged from their deltas, the window advice, and the rendered bodies, all refreshed by
+    at most one RPC at a time."""
+
+    def __init__(self, engine_client: Any) -> None:
+        self.engine_client = engine_client
+        self.workers: list[WorkerSnapshot] = []
+        self.head_stats: Any = None  # global HeadStatsAccumulator
+        self.advice: WindowAdvice | AdviceUnavailable | None = None
+        self.rpc_error: str | None = None
+        self.refreshed_at = 0.0  # monotonic time of the last completed refresh
+        self.rpcs = 0  # RPCs started (tests and the benchmark read it)
+        self._task: asyncio.Future[None] | None = None
+        self._bodies: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
+
+    # ----- refresh: one RPC in flight at most -----
+    async def refresh(self, timeout: float, advice: bool = True) -> None:
+        """Start a refresh unless one is in flight, and wait for it up to ``timeout``.
+        Raises ``TimeoutError``; the RPC goes on and its answer is still folded in."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._refresh(advice))
+        await asyncio.wait_for(asyncio.shield(self._task), timeout)
+
+    async def _refresh(self, advice: bool) -> None:
+        st = runtime.STATE
+        answers: list[Any] = []
+        error = None
+        if self.engine_client is not None:
+            self.rpcs += 1
             try:
-                parsed.append(WorkerSnapshot.from_json(w))
+                answers = await rpc_all(self.engine_client, "attnprof_poll")
+            except Exception as exc:  # the engine may not be ours to query
+                error = f"{type(exc).__name__}: {exc}"
+        await asyncio.to_thread(self._fold, answers)
+        self.rpc_error = error
+        if advice:
+            await self._advise()
+        self.refreshed_at = time.monotonic()
+        self._bodies.clear()
+        # Workers flushed when they answered; flush here too so /metrics agrees right away.
+        await asyncio.to_thread(st.flush)
+
+    def _fold(self, answers: list[Any]) -> None:
+        """Parse worker answers and merge their head-statistics deltas (thread)."""
+        st = runtime.STATE
+        workers: list[WorkerSnapshot] = []
+        for a in answers:
+            if not isinstance(a, dict):
+                continue
+            try:
+                workers.append(WorkerSnapshot.from_json(a.get("snapshot") or {}))
             except Exception as exc:
-                st.errors.record("snapshot", exc)
-    snap = Snapshot(
-        time=time.time(), model=st.model_label, enabled=st.enabled,
-        processes=notes,
-        roles_here=sorted(st.roles), workers=parsed,
-        requests=st.requests.summary() if st.requests is not None else None,
-        errors=SnapshotErrors(api_server=dict(st.errors.by_place), collective_rpc=error))
-    if advice:
-        snap.window_advice = await _advice(snap)
-    # Workers flushed when they answered; flush here too so /metrics agrees with this
-    # snapshot right away (file writes: off the event loop).
-    await asyncio.to_thread(st.flush)
-    return snap
+                st.errors.record("snapshot_parse", exc)
+            delta = a.get("head_stats_delta")
+            if delta:
+                try:
+                    self._merge_delta(a, delta)
+                except Exception as exc:
+                    st.errors.record("snapshot_parse", exc)
+        self.workers = workers
 
+    def _merge_delta(self, answer: dict[str, Any], delta: bytes) -> None:
+        """Place one rank's delta at its global layers and heads (shape-checked)."""
+        from attnprof.aggregate.head_stats import HeadStatsAccumulator
 
-async def _advice(snap: Snapshot) -> WindowAdvice | AdviceUnavailable:
-    """Recommendation from the snapshot, computed in a thread (never on the event loop)."""
-    st = runtime.STATE
-    try:
-        from attnprof.analyze.window_advice import advise_snapshot
+        part = HeadStatsAccumulator.from_bytes(delta)
+        rank = answer.get("rank") or {}
+        tp_rank, tp_size = int(rank.get("tp_rank", 0)), int(rank.get("tp_size", 1))
+        q_total = part.num_q_heads * tp_size
+        kv_total = int(answer.get("total_kv_heads") or part.num_kv_heads * tp_size)
+        layers = max(part.num_layers, int(answer.get("total_layers") or 0))
+        if q_total % kv_total:
+            raise ValueError(f"{q_total} query heads do not split into {kv_total} KV heads")
+        acc = self.head_stats
+        if acc is None or acc.num_layers < layers:
+            grown = HeadStatsAccumulator(layers, kv_total, q_total // kv_total,
+                                         part.sinks_grid, part.window_grid,
+                                         n_last=part.n_last, n_random=part.n_random,
+                                         n_detail=part.n_detail, mass_gamma=part.mass_gamma)
+            if acc is not None:
+                grown.add_at(acc)
+            acc = self.head_stats = grown
+        # Only the first tensor-parallel rank counts requests: every rank saw each prompt.
+        acc.add_at(part, q_offset=tp_rank * part.num_q_heads, count_requests=tp_rank == 0)
 
-        adv = await asyncio.to_thread(advise_snapshot, snap.to_json(), st.model_path)
-        st.advice = adv.to_json()  # the export loop renders it as gauges
-        return adv
-    except Exception as exc:
-        st.errors.record("window_advice", exc)
-        return AdviceUnavailable(f"{type(exc).__name__}: {exc}")
-
-
-async def _advice_loop(engine_client: Any, interval: float) -> None:
-    """Keep the advice gauges current for Prometheus and alerts."""
-    while True:
-        await asyncio.sleep(interval)
+    async def _advise(self) -> None:
+        st = runtime.STATE
         try:
-            await build_snapshot(engine_client)
+            fault_point("advice")
+            if st.errors.is_off("advice"):
+                self.advice = AdviceUnavailable("window advice disabled after internal errors "
+                                                "(attnprof_capture_disabled{place=\"advice\"})")
+                return
+            from attnprof.analyze.window_advice import advise
+
+            requests = st.requests.summary() if st.requests is not None else None
+            adv = await asyncio.to_thread(advise, requests, self.head_stats, st.model_path)
+            st.advice = adv.to_json()  # the export loop renders it as gauges
+            self.advice = adv
         except Exception as exc:
-            runtime.STATE.errors.record("window_advice", exc)
+            st.errors.record("window_advice", exc)
+            self.advice = AdviceUnavailable(f"{type(exc).__name__}: {exc}")
+
+    # ----- answers -----
+    async def body(self, with_head_stats: bool, max_age: float, timeout: float,
+                   max_bytes: int) -> tuple[bytes, float]:
+        """The snapshot body and its age in seconds, refreshing first when it is older than
+        ``max_age``; on timeout the cached data is served, and says so."""
+        st = runtime.STATE
+        if not st.enabled:
+            snap = Snapshot(time=time.time(), model=st.model_label, enabled=False)
+            return dumps(snap.to_json()).encode(), 0.0
+        timed_out = None
+        if self.refreshed_at == 0.0 or time.monotonic() - self.refreshed_at > max_age:
+            try:
+                await self.refresh(timeout)
+            except TimeoutError:
+                timed_out = (f"TimeoutError: workers did not answer within {timeout:g} s; "
+                             "serving the last answer")
+        age = time.monotonic() - self.refreshed_at if self.refreshed_at else 0.0
+        if timed_out is not None:
+            body = await asyncio.to_thread(self._render, with_head_stats, age, timed_out,
+                                           max_bytes)
+            return body, age
+        # One render per refresh and variant, shared by every client waiting for it.
+        cached = self._bodies.get(with_head_stats)
+        if cached is None or cached[0] != self.refreshed_at:
+            fut = asyncio.ensure_future(asyncio.to_thread(
+                self._render, with_head_stats, age, None, max_bytes))
+            cached = self._bodies[with_head_stats] = (self.refreshed_at, fut)
+        try:
+            return await asyncio.shield(cached[1]), age
+        except Exception:
+            self._bodies.pop(with_head_stats, None)  # a failed render is not cached
+            raise
+
+    def _render(self, with_head_stats: bool, age: float, timed_out: str | None,
+                max_bytes: int) -> bytes:
+        st = runtime.STATE
+        snap = Snapshot(
+            time=time.time(), model=st.model_label, enabled=st.enabled,
+            processes=runtime.processes_from_run_dir(st.config),
+            roles_here=sorted(st.roles), workers=list(self.workers),
+            requests=st.requests.summary() if st.requests is not None else None,
+            errors=SnapshotErrors(api_server=dict(st.errors.by_place),
+                                  collective_rpc=timed_out or self.rpc_error),
+            window_advice=self.advice, age_s=round(age, 3))
+        if with_head_stats and self.head_stats is not None:
+            snap.head_stats = self.head_stats.to_dict()
+        body = dumps(snap.to_json()).encode()
+        if len(body) > max_bytes and snap.head_stats is not None:
+            snap.head_stats = None
+            snap.truncated = (f"head_stats left out: the body would be {len(body)} bytes, "
+                              f"over ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")
+            body = dumps(snap.to_json()).encode()
+        if len(body) > max_bytes:
+            for w in snap.workers:
+                w.layers, w.kernel_map = [], []
+            snap.truncated = (f"per-layer data left out: the body would be over "
+                              f"ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")
+            body = dumps(snap.to_json()).encode()
+        return body
+
+    async def set_sampling(self, rate: float | None, head_stats_rate: float | None,
+                           timeout: float) -> list[Any]:
+        """Switch every worker's sampling (an RPC of its own: tiny, and operator-driven)."""
+        if self.engine_client is None:
+            return []
+        return list(await asyncio.wait_for(
+            rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate),
+            timeout))
+
+
+def _rate(body: dict[str, Any], key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
+        raise ValueError(f"{key} must be a number in [0, 1], got {v!r}")
+    return float(v)
 
 
 class AttnProfEndpoint:
@@ -81,25 +268,102 @@ class AttnProfEndpoint:
 
     def __init__(self) -> None:
         self.engine_client: Any = None
+        self.view = LiveView(None)
+        self.auth = TokenCheck(api_tokens())
         self._task: asyncio.Task[None] | None = None
 
     def attach_router(self, app: Any) -> None:
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
 
         plugin = self
 
+        def refuse(request: Request) -> Any:
+            if plugin.auth.ok(request.headers.get("authorization")):
+                return None
+            return JSONResponse({"error": "attnprof: a bearer token is required (vLLM's "
+                                          "--api-key or ATTNPROF_API_KEY)"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+        def tripped() -> Any:
+            st = runtime.STATE
+            if not st.errors.is_off("endpoint"):
+                return None
+            return JSONResponse({"error": "attnprof: routes disabled after internal errors "
+                                          "(attnprof_capture_disabled{place=\"endpoint\"})"},
+                                status_code=503)
+
         @app.get("/attnprof/snapshot")  # type: ignore[untyped-decorator]
-        async def attnprof_snapshot() -> Any:
-            snap = await build_snapshot(plugin.engine_client)
-            # Serialization of a large snapshot (head statistics) stays off the event loop.
-            body = await asyncio.to_thread(snap.to_json)
-            return JSONResponse(body)
+        async def attnprof_snapshot(request: Request) -> Any:
+            if (denied := refuse(request)) is not None:
+                return denied
+            if (off := tripped()) is not None:
+                return off
+            st = runtime.STATE
+            try:
+                fault_point("endpoint")
+                cfg = st.config
+                want = request.query_params.get("head_stats", "") in ("1", "true", "yes")
+                body, age = await plugin.view.body(
+                    want, cfg.snapshot_max_age_s if cfg else 2.0,
+                    cfg.rpc_timeout_s if cfg else 10.0,
+                    cfg.snapshot_max_bytes if cfg else 16 << 20)
+                return Response(body, media_type="application/json",
+                                headers={"Age": str(int(age)), "Cache-Control": "no-store"})
+            except Exception as exc:
+                st.errors.record("endpoint", exc)
+                return JSONResponse({"error": f"attnprof: internal error (counted): "
+                                              f"{type(exc).__name__}"}, status_code=500)
+
+        @app.post("/attnprof/sampling")  # type: ignore[untyped-decorator]
+        async def attnprof_sampling(request: Request) -> Any:
+            """Switch the step sample rate and/or head-statistics rate in every worker:
+            ``{"sample_rate": 0.05, "head_stats_rate": 0.1}`` (either key may be left out)."""
+            if (denied := refuse(request)) is not None:
+                return denied
+            if (off := tripped()) is not None:
+                return off
+            st = runtime.STATE
+            if not st.enabled:
+                return JSONResponse({"error": "attnprof is disabled (ATTNPROF_ENABLED)"},
+                                    status_code=409)
+            try:
+                raw = await request.json()
+                if not isinstance(raw, dict):
+                    raise ValueError("the body must be a JSON object")
+                rate, hs = _rate(raw, "sample_rate"), _rate(raw, "head_stats_rate")
+            except ValueError as err:
+                return JSONResponse({"error": f"attnprof: {err}"}, status_code=400)
+            try:
+                fault_point("endpoint")
+                timeout = st.config.rpc_timeout_s if st.config else 10.0
+                workers = await plugin.view.set_sampling(rate, hs, timeout)
+                return JSONResponse({"workers": workers})
+            except Exception as exc:
+                st.errors.record("sampling_switch", exc)
+                return JSONResponse({"error": f"attnprof: sampling switch failed: "
+                                              f"{type(exc).__name__}"}, status_code=500)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         self.engine_client = engine_client
+        self.view = LiveView(engine_client)
+        self.auth = TokenCheck(api_tokens(vllm_api_key=getattr(args, "api_key", None)))
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
             start(cfg, otlp)
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
-                    _advice_loop(engine_client, cfg.advice_interval_s))
+                    _advice_loop(self.view, cfg.advice_interval_s, cfg.rpc_timeout_s))
+
+
+async def _advice_loop(view: LiveView, interval: float, timeout: float) -> None:
+    """Keep the advice gauges current for Prometheus and alerts (stops when its breaker
+    trips)."""
+    st = runtime.STATE
+    while not st.errors.is_off("advice"):
+        await asyncio.sleep(interval)
+        try:
+            await view.refresh(timeout)
+        except TimeoutError as exc:  # slow workers are not attnprof's bug: no breaker
+            st.errors.note("window_advice_timeout", exc)
+        except Exception as exc:
+            st.errors.record("window_advice", exc)

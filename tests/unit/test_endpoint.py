@@ -1,0 +1,291 @@
+"""The /attnprof/* routes on a real FastAPI app with a fake engine client: authentication,
+one RPC in flight, the cache, timeouts, bounded bodies, NaN-safe JSON, the sampling switch,
+and head statistics merged from tensor-parallel ranks by global head index."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.capture.vllm import endpoint, runtime
+from attnprof.capture.vllm.endpoint import AttnProfEndpoint, LiveView, TokenCheck
+from attnprof.config import Config, api_tokens
+from attnprof.contracts.snapshot import WorkerSnapshot
+
+KEY = "s3cret-token"
+
+
+class FakeEngine:
+    """``collective_rpc`` as vLLM's async client offers it, answering from a script."""
+
+    def __init__(self, answers: list[dict[str, Any]] | None = None, delay: float = 0.0) -> None:
+        self.answers = answers if answers is not None else [_answer()]
+        self.delay = delay
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def collective_rpc(self, method: str, timeout: float | None = None,
+                             args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+        self.calls.append((method, args))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+            if method == "attnprof_set_sampling":
+                return [{"old": {}, "new": {"sample_rate": args[0]}}]
+            return [dict(a) for a in self.answers]
+        finally:
+            self.in_flight -= 1
+
+
+def _answer(pid: int = 11, delta: bytes | None = None, rank: dict[str, int] | None = None,
+            **extra: Any) -> dict[str, Any]:
+    return {"snapshot": WorkerSnapshot(pid=pid, process="VllmWorker").to_json(),
+            "rank": rank or {"tp_rank": 0, "tp_size": 1}, "head_stats_delta": delta, **extra}
+
+
+@pytest.fixture()
+def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
+    st = runtime.State(config=Config(enabled=True, snapshot_max_age_s=60.0, rpc_timeout_s=1.0,
+                                     advice_interval_s=0.0))
+    st.model_label = "tiny"
+    monkeypatch.setattr(runtime, "STATE", st)
+    yield st
+
+
+def _app(engine: Any, tokens: list[str]) -> Any:
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    plugin = AttnProfEndpoint()
+    plugin.attach_router(app)
+    plugin.view = LiveView(engine)
+    plugin.auth = TokenCheck(tokens)
+    app.state.plugin = plugin
+    return app
+
+
+async def _get(app: Any, path: str, n: int = 1, key: str | None = KEY) -> list[Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as c:
+        return list(await asyncio.gather(*(c.get(path, headers=headers) for _ in range(n))))
+
+
+def test_every_route_wants_the_token_when_one_is_configured(state: runtime.State) -> None:
+    app = _app(FakeEngine(), [KEY])
+
+    async def go() -> None:
+        import httpx
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            for path, method in (("/attnprof/snapshot", "GET"), ("/attnprof/sampling", "POST")):
+                for headers in ({}, {"Authorization": "Bearer wrong"},
+                                {"Authorization": f"Basic {KEY}"}):
+                    r = await c.request(method, path, headers=headers, json={})
+                    assert r.status_code == 401, (path, headers)
+                    assert r.headers["www-authenticate"] == "Bearer"
+                    assert KEY not in r.text
+            ok = await c.get("/attnprof/snapshot", headers={"Authorization": f"Bearer {KEY}"})
+            assert ok.status_code == 200 and ok.json()["model"] == "tiny"
+
+    asyncio.run(go())
+    assert [m for m, _ in app.state.plugin.view.engine_client.calls] == ["attnprof_poll"]
+
+
+def test_tokens_come_from_vllms_api_key_or_attnprof_api_key() -> None:
+    assert api_tokens({}, None) == []
+    assert api_tokens({"VLLM_API_KEY": "v"}, None) == ["v"]
+    assert api_tokens({"VLLM_API_KEY": "v"}, ["a", "b"]) == ["a", "b"]  # the flag wins
+    assert api_tokens({"ATTNPROF_API_KEY": "p"}, "a") == ["a", "p"]
+    check = TokenCheck(api_tokens({"ATTNPROF_API_KEY": "p"}, ["a"]))
+    assert check.ok("Bearer a") and check.ok("bearer p") and not check.ok("Bearer ap")
+    assert not check.ok(None) and TokenCheck([]).ok(None)
+
+
+def test_twenty_concurrent_gets_start_one_rpc_and_later_ones_hit_the_cache(
+        state: runtime.State) -> None:
+    eng = FakeEngine(delay=0.2)
+    app = _app(eng, [KEY])
+    rs = asyncio.run(_get(app, "/attnprof/snapshot", n=20))
+    assert {r.status_code for r in rs} == {200}
+    assert eng.max_in_flight == 1 and len(eng.calls) == 1
+    assert len({r.content for r in rs}) == 1  # all from the one refresh
+    asyncio.run(_get(app, "/attnprof/snapshot", n=5))
+    assert len(eng.calls) == 1  # younger than ATTNPROF_SNAPSHOT_MAX_AGE_S: no RPC
+
+
+def test_a_stale_cache_refreshes_once(state: runtime.State, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
+        enabled=True, snapshot_max_age_s=0.0, rpc_timeout_s=1.0)))
+    eng = FakeEngine()
+    app = _app(eng, [])
+    asyncio.run(_get(app, "/attnprof/snapshot", key=None))
+    asyncio.run(_get(app, "/attnprof/snapshot", key=None))
+    assert len(eng.calls) == 2
+
+
+def test_a_hung_engine_times_out_and_never_gets_a_second_rpc(state: runtime.State) -> None:
+    eng = FakeEngine(delay=5.0)  # far past ATTNPROF_RPC_TIMEOUT_S = 1
+    app = _app(eng, [KEY])
+
+    async def go() -> tuple[Any, Any]:
+        first = (await _get(app, "/attnprof/snapshot"))[0]
+        second = (await _get(app, "/attnprof/snapshot"))[0]
+        return first, second
+
+    first, second = asyncio.run(go())
+    for r in (first, second):
+        assert r.status_code == 200
+        assert "TimeoutError" in r.json()["errors"]["collective_rpc"]
+    assert len(eng.calls) == 1  # the second GET waited on the same RPC
+
+
+def test_disabled_attnprof_answers_without_an_rpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(enabled=False)))
+    eng = FakeEngine()
+    (r,) = asyncio.run(_get(_app(eng, []), "/attnprof/snapshot", key=None))
+    assert r.status_code == 200 and r.json()["enabled"] is False
+    assert eng.calls == []
+
+
+def test_nan_in_any_statistic_is_served_as_null(state: runtime.State) -> None:
+    ws = WorkerSnapshot(pid=3).to_json()
+    ws["sampler"]["self_time_fraction"] = math.nan
+    ws["head_stats_cost"]["time_s"] = math.inf
+    eng = FakeEngine([{"snapshot": ws}])
+    (r,) = asyncio.run(_get(_app(eng, [KEY]), "/attnprof/snapshot"))
+    assert r.status_code == 200
+    body = json.loads(r.text)  # strict JSON: no NaN / Infinity tokens
+    assert "NaN" not in r.text and "Infinity" not in r.text
+    assert body["workers"][0]["sampler"]["self_time_fraction"] is None
+
+
+def _acc_with_data(layers: int, kv: int, group: int, seed: int) -> HeadStatsAccumulator:
+    acc = HeadStatsAccumulator(layers, kv, group, window_grid=(16, 32))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(64, kv * group, 8, generator=g)
+    k = torch.randn(64, kv, 8, generator=g)
+    for lay in range(layers):
+        acc.update(lay, q, k, 8 ** -0.5, q_start=0)
+    return acc
+
+
+def test_tensor_parallel_ranks_merge_by_global_head_index(state: runtime.State) -> None:
+    # 2 layers, 4 KV heads x 2 query heads in all, split over 2 TP ranks (2 KV heads each).
+    r0, r1 = _acc_with_data(2, 2, 2, seed=1), _acc_with_data(2, 2, 2, seed=2)
+    want0, want1 = r0.queries.copy(), r1.sink_sum.copy()
+    ans = [_answer(11, r0.take_bytes(), {"tp_rank": 0, "tp_size": 2}, total_kv_heads=4),
+           _answer(12, r1.take_bytes(), {"tp_rank": 1, "tp_size": 2}, total_kv_heads=4)]
+    app = _app(FakeEngine(ans), [KEY])
+    (r,) = asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
+    merged = HeadStatsAccumulator.from_dict(r.json()["head_stats"])
+    assert (merged.num_layers, merged.num_kv_heads, merged.group_size) == (2, 4, 2)
+    assert np.array_equal(merged.queries[:, :4], want0)
+    assert np.array_equal(merged.sink_sum[:, 4:], want1)  # rank 1's heads at offset 4
+    assert np.array_equal(merged.requests, [1, 1])  # each prompt counted once, not per rank
+    # Without ?head_stats=1 the body stays small.
+    (plain,) = asyncio.run(_get(app, "/attnprof/snapshot"))
+    assert plain.json()["head_stats"] is None and len(plain.content) < len(r.content)
+
+
+def test_a_rank_whose_heads_do_not_fit_is_counted_not_merged(state: runtime.State) -> None:
+    bad = _acc_with_data(2, 2, 2, seed=1).take_bytes()
+    ans = [_answer(11, bad, {"tp_rank": 3, "tp_size": 2}, total_kv_heads=4)]  # offset 12 > 8
+    asyncio.run(_get(_app(FakeEngine(ans), [KEY]), "/attnprof/snapshot?head_stats=1"))
+    assert state.errors.by_place.get("snapshot_parse") == 1
+
+
+def test_deltas_accumulate_across_refreshes(state: runtime.State,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state, "config", Config(enabled=True, snapshot_max_age_s=0.0))
+    acc = _acc_with_data(1, 1, 2, seed=3)
+    d1 = acc.take_bytes()
+    acc2 = _acc_with_data(1, 1, 2, seed=4)
+    d2 = acc2.take_bytes()
+    eng = FakeEngine([_answer(1, d1)])
+    app = _app(eng, [KEY])
+    asyncio.run(_get(app, "/attnprof/snapshot"))
+    eng.answers = [_answer(1, d2)]
+    (r,) = asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
+    merged = HeadStatsAccumulator.from_dict(r.json()["head_stats"])
+    assert merged.requests[0] == 2 and merged.queries.sum() == 2 * 64 * 2
+
+
+def test_data_parallel_engines_are_all_asked(state: runtime.State) -> None:
+    class Core:
+        async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+            assert (method, args[0]) == ("collective_rpc", "attnprof_poll")
+            return [[_answer(21)], [_answer(22)]]
+
+    class Client:
+        engine_core = Core()
+
+    (r,) = asyncio.run(_get(_app(Client(), [KEY]), "/attnprof/snapshot"))
+    assert sorted(w["pid"] for w in r.json()["workers"]) == [21, 22]
+
+
+def test_body_over_the_bound_drops_head_statistics_and_says_so(
+        state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state, "config", Config(enabled=True, snapshot_max_bytes=4096))
+    delta = _acc_with_data(2, 2, 2, seed=1).take_bytes()
+    (r,) = asyncio.run(_get(_app(FakeEngine([_answer(1, delta)]), [KEY]),
+                            "/attnprof/snapshot?head_stats=1"))
+    body = r.json()
+    assert len(r.content) <= 4096 and body["head_stats"] is None
+    assert "ATTNPROF_SNAPSHOT_MAX_BYTES=4096" in body["truncated"]
+
+
+def test_sampling_switch_validates_and_reaches_every_worker(state: runtime.State) -> None:
+    eng = FakeEngine()
+    app = _app(eng, [KEY])
+
+    async def go() -> list[Any]:
+        import httpx
+
+        h = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            return [await c.post("/attnprof/sampling", headers=h, json=b)
+                    for b in ({"sample_rate": 2}, {"sample_rate": "x"}, [1],
+                              {"sample_rate": 0.5, "head_stats_rate": 0.0})]
+
+    bad1, bad2, bad3, ok = asyncio.run(go())
+    assert {bad1.status_code, bad2.status_code, bad3.status_code} == {400}
+    assert ok.status_code == 200 and ok.json()["workers"][0]["new"]["sample_rate"] == 0.5
+    assert eng.calls == [("attnprof_set_sampling", (0.5, 0.0))]
+
+
+def test_tripped_endpoint_breaker_answers_503_without_an_rpc(state: runtime.State) -> None:
+    from attnprof._safety import ErrorBook, set_faults
+
+    state.errors = ErrorBook(max_errors=2)
+    eng = FakeEngine()
+    app = _app(eng, [KEY])
+    set_faults(("endpoint",))
+    try:
+        codes = [r.status_code for r in asyncio.run(_get(app, "/attnprof/snapshot", n=1))
+                 + asyncio.run(_get(app, "/attnprof/snapshot", n=1))
+                 + asyncio.run(_get(app, "/attnprof/snapshot", n=1))]
+    finally:
+        set_faults(())
+    assert codes == [500, 500, 503]
+    assert state.errors.by_place["endpoint"] == 2 and state.errors.is_off("endpoint")
+    assert eng.calls == []  # the fault fired before any RPC; the breaker stops them all
+
+
+def test_endpoint_module_exports_the_contract_tag() -> None:
+    assert endpoint.SCHEMA_VERSION.startswith("attnprof.snapshot/1.")
