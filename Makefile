@@ -42,7 +42,7 @@ test: model
 
 # The fast unit suite: no vLLM, no model (about half a minute).
 unit: setup
-	$(PY) -m pytest tests/unit -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not vllm and not smollm2" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check plugin exporters tests benchmarks

@@ -26,8 +26,10 @@ class MetricSpec:
     unit: str
     """Base unit: seconds, bytes, tokens, ratio, flops, steps, ..."""
     labels: tuple[str, ...] = ()
-    multiprocess_mode: str = "all"
-    """For gauges under PROMETHEUS_MULTIPROC_DIR."""
+    multiprocess_mode: str = "livemostrecent"
+    """For gauges under PROMETHEUS_MULTIPROC_DIR. Always a ``live*`` mode: a dead process's
+    gauge files are removed (:meth:`PrometheusSink.sweep_dead`), so its last values stop
+    counting, where ``max``/``mostrecent`` would keep them for ever."""
 
     @property
     def base_name(self) -> str:
@@ -75,14 +77,14 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_request_tokens_quantile", "gauge",
                "p50/p90/p99 of finished requests' context, prompt and generated tokens, by the "
                "one quantile estimator (the same numbers as the snapshot, CLI and window "
-               "advice).", "tokens", (_M, "quantity", "quantile"), "mostrecent"),
+               "advice).", "tokens", (_M, "quantity", "quantile"), "livemostrecent"),
     MetricSpec("attnprof_kv_cache_usage_ratio", "gauge",
                "KV-cache blocks in use, 0..1 (from vLLM's scheduler stats).", "ratio", (_M,),
-               "mostrecent"),
+               "livemostrecent"),
     # --- per-layer attention capture (worker, sampled steps) ---
     MetricSpec("attnprof_layer_info", "gauge",
                "1 per attention layer: backend, implementation class and whether it is fused.",
-               "info", (_M, "layer", "backend", "impl", "fused"), "max"),
+               "info", (_M, "layer", "backend", "impl", "fused"), "livemax"),
     MetricSpec("attnprof_attention_calls_total", "counter",
                "Attention calls captured on sampled steps.", "calls",
                (_M, "layer", "backend", "phase")),
@@ -103,39 +105,39 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_step_attention_time_seconds_total", "counter",
                "Attention time of sampled steps summed over layers.", "seconds", (_M, "phase")),
     MetricSpec("attnprof_kv_cache_bytes", "gauge",
-               "KV-cache bytes allocated per attention layer.", "bytes", (_M, "layer"), "max"),
+               "KV-cache bytes allocated per attention layer.", "bytes", (_M, "layer"), "livemax"),
     # --- head statistics and window advice (API server, from workers' sampled prefills) ---
     MetricSpec("attnprof_head_stats_queries_total", "counter",
                "Sampled queries folded into the per-head attention statistics.", "queries",
                (_M,)),
     MetricSpec("attnprof_head_sink_mass_ratio", "gauge",
                "Mean attention mass on the first sink tokens, per layer (sampled prefills).",
-               "ratio", (_M, "layer"), "mostrecent"),
+               "ratio", (_M, "layer"), "livemostrecent"),
     MetricSpec("attnprof_head_coverage_ratio", "gauge",
                "Low-quantile coverage C(sinks, window) of the worst KV head, per layer and "
-               "grid window.", "ratio", (_M, "layer", "window"), "mostrecent"),
+               "grid window.", "ratio", (_M, "layer", "window"), "livemostrecent"),
     MetricSpec("attnprof_head_class_heads", "gauge",
                "KV heads per class (sink, streaming, local, retrieval, near_uniform, unknown), "
-               "per layer.", "heads", (_M, "layer", "class"), "mostrecent"),
+               "per layer.", "heads", (_M, "layer", "class"), "livemostrecent"),
     MetricSpec("attnprof_window_recommended_tokens", "gauge",
                "Recommended sliding window for the observed traffic (0: keep full attention).",
-               "tokens", (_M,), "mostrecent"),
+               "tokens", (_M,), "livemostrecent"),
     MetricSpec("attnprof_window_sinks_tokens", "gauge",
-               "Sink tokens kept with the recommended window.", "tokens", (_M,), "mostrecent"),
+               "Sink tokens kept with the recommended window.", "tokens", (_M,), "livemostrecent"),
     MetricSpec("attnprof_window_layers", "gauge",
-               "Layers the recommended window applies to.", "layers", (_M,), "mostrecent"),
+               "Layers the recommended window applies to.", "layers", (_M,), "livemostrecent"),
     MetricSpec("attnprof_window_attention_flop_saving_ratio", "gauge",
                "Attention-FLOP saving of the recommendation, cost-weighted over the traffic.",
-               "ratio", (_M,), "mostrecent"),
+               "ratio", (_M,), "livemostrecent"),
     MetricSpec("attnprof_window_kv_memory_saving_ratio", "gauge",
                "KV-memory saving of the recommendation, cost-weighted over the traffic.",
-               "ratio", (_M,), "mostrecent"),
+               "ratio", (_M,), "livemostrecent"),
     MetricSpec("attnprof_window_exact_request_ratio", "gauge",
                "Share of requests short enough to stay exact under the recommendation.",
-               "ratio", (_M,), "mostrecent"),
+               "ratio", (_M,), "livemostrecent"),
     MetricSpec("attnprof_window_heads_at_risk", "gauge",
                "KV heads whose coverage is below target at the recommended window.", "heads",
-               (_M,), "mostrecent"),
+               (_M,), "livemostrecent"),
     # --- self-observability ---
     MetricSpec("attnprof_steps_total", "counter",
                "Model steps seen by attnprof, by outcome (sampled, sampled_long, unsampled, "
@@ -145,7 +147,7 @@ CATALOG: tuple[MetricSpec, ...] = (
                "attnprof's own time spent on sampled steps.", "seconds", (_M,)),
     MetricSpec("attnprof_sample_rate_ratio", "gauge",
                "Effective step sample rate after the overhead budget.", "ratio", (_M,),
-               "mostrecent"),
+               "livemostrecent"),
     MetricSpec("attnprof_internal_errors_total", "counter",
                "Internal errors, counted and dropped (never raised into vLLM).", "errors",
                (_M, "place")),
@@ -154,6 +156,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_otlp_export_failures_total", "counter",
                "OTLP metric exports that failed (endpoint down, refusing or slow); counted, "
                "never raised.", "errors", ()),
+    MetricSpec("attnprof_capture_disabled", "gauge",
+               "1 where attnprof switched itself off after ATTNPROF_MAX_ERRORS internal errors, "
+               "by place (capture, stat_logger, endpoint, advice, export); 0 while running.",
+               "info", (_M, "place"), "livemax"),
     MetricSpec("attnprof_plugin_processes", "gauge",
                "Processes the attnprof plugin is live in, by role.", "processes", ("role",),
                "livesum"),

@@ -9,19 +9,52 @@ metrics appear on the API server's endpoint. Without it, metrics go to the given
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
+from attnprof._safety import pid_alive
 from attnprof.exporters.catalog import CATALOG, MetricSpec, spec
 from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
 
-__all__ = ["PrometheusSink", "multiprocess_enabled"]
+__all__ = ["PrometheusSink", "multiprocess_enabled", "sweep_dead"]
+
+SWEEP_INTERVAL_S = 5.0
+_LIVE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db$")
 
 
 def multiprocess_enabled() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def sweep_dead(path: str | None = None) -> list[int]:
+    """Drop the live-gauge files of processes that are gone, and return their pids.
+
+    vLLM's worker and engine processes end with ``os._exit``, so no ``atexit`` hook ever
+    marks them dead: without this sweep, ``attnprof_plugin_processes`` would count them for
+    ever and their last gauge values would keep alerts firing. Counters stay (a dead
+    process's work still happened). Any process may sweep; a race only finds a file gone."""
+    from prometheus_client import multiprocess
+
+    path = path or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return []
+    pids = set()
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        m = _LIVE_FILE.search(f)
+        if m:
+            pids.add(int(m.group(1)))
+    dead = sorted(p for p in pids if p != os.getpid() and not pid_alive(p))
+    for pid in dead:
+        try:
+            multiprocess.mark_process_dead(pid, path)
+        except OSError:
+            pass  # another process swept it first
+    return dead
 
 
 class PrometheusSink:
@@ -44,10 +77,15 @@ class PrometheusSink:
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._swept = 0.0
 
     def export(self, samples: Iterable[MetricSample]) -> None:
         if self._pid != os.getpid():
             self._forked()
+        now = time.monotonic()
+        if now - self._swept >= SWEEP_INTERVAL_S and multiprocess_enabled():
+            self._swept = now
+            sweep_dead()
         with self._lock:
             for smp in samples:
                 if isinstance(smp, HistogramSample):
