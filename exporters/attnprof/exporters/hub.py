@@ -20,7 +20,10 @@ from typing import Any, Protocol
 from attnprof._safety import fault_point
 from attnprof.exporters.samples import MetricSample, SampleSource
 
-__all__ = ["ExportHub", "Sink"]
+__all__ = ["ESSENTIAL", "ExportHub", "Sink"]
+
+ESSENTIAL = "process"
+"""The source name of each process's errors, breakers and liveness samples."""
 
 logger = logging.getLogger("attnprof")
 
@@ -34,8 +37,12 @@ class Sink(Protocol):
 class ExportHub:
     def __init__(self, interval: float = 1.0,
                  on_error: Callable[[str, BaseException], None] | None = None,
-                 on_sink_error: Callable[[str, BaseException], None] | None = None) -> None:
+                 on_sink_error: Callable[[str, BaseException], None] | None = None,
+                 degraded: Callable[[], bool] | None = None) -> None:
         self.interval = interval
+        # True once the export loop's own breaker tripped: only the ESSENTIAL source (errors,
+        # breakers, liveness) is still exported, so the switch-off itself stays visible.
+        self.degraded = degraded
         self.on_error = on_error
         self.on_sink_error = on_sink_error or on_error
         self.sources: dict[str, SampleSource] = {}
@@ -82,15 +89,34 @@ class ExportHub:
     def flush(self) -> None:
         """Collect every source once and hand the samples to every sink (never raises)."""
         try:
+            if self.degraded is not None and self.degraded():
+                self._export_essentials()
+                return
             with self._lock:
                 fault_point("flusher")
-                samples = self.collect()
-                for sink in list(self.sinks):
-                    try:
-                        sink.export(samples)
-                    except Exception as exc:
-                        self._sink_error(sink, exc)
+                self._export(self.collect())
         except Exception as exc:  # the loop itself: counted; the thread must not die
+            self._error("flusher", exc)
+            self._export_essentials()
+
+    def _export(self, samples: list[MetricSample]) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.export(samples)
+            except Exception as exc:
+                self._sink_error(sink, exc)
+
+    def _export_essentials(self) -> None:
+        """Only the self-observability source (errors, breakers, liveness): what must stay
+        visible when the rest of the export path fails."""
+        fn = self.sources.get(ESSENTIAL)
+        if fn is None:
+            return
+        try:
+            samples = list(fn())
+            with self._lock:
+                self._export(samples)
+        except Exception as exc:
             self._error("flusher", exc)
 
     def start(self) -> None:

@@ -58,7 +58,8 @@ class State:
 
             # A failing sample source is attnprof's own bug and counts towards the breaker;
             # a failing exporter (collector down) never switches profiling off.
-            hub = ExportHub(on_error=self.errors.record, on_sink_error=self.errors.note)
+            hub = ExportHub(on_error=self.errors.record, on_sink_error=self.errors.note,
+                            degraded=lambda: self.errors.is_off("export"))
             hub.add_sink(PrometheusSink())
             if self.otlp is not None:
                 hub.add_sink(OtlpSink(self.otlp, role=role_of_process(),
