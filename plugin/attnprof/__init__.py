@@ -11,7 +11,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__", "instrument", "profile"]
+__all__ = ["__version__", "instrument", "profile", "set_sampling"]
 
 
 def instrument(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
@@ -28,3 +28,29 @@ def profile(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any)
     from attnprof.capture.transformers import profile as impl
 
     return impl(model, on_call=on_call, **kw)
+
+
+def set_sampling(rate: float | None = None, head_stats_rate: float | None = None,
+                 llm: Any = None) -> list[dict[str, Any]]:
+    """Switch attnprof's step sample rate and/or head-statistics rate at run time, in every
+    vLLM worker: those of ``llm`` (a ``vllm.LLM``, through its ``collective_rpc``), or those
+    living in this process when ``llm`` is None. A live server has the same switch behind
+    its authenticated route, ``POST /attnprof/sampling``. Returns each worker's old and new
+    rates; raises ``ValueError`` for a rate outside [0, 1] and ``RuntimeError`` when no
+    worker with attnprof enabled is reachable."""
+    for name, value in (("rate", rate), ("head_stats_rate", head_stats_rate)):
+        if value is not None and not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    if llm is not None:
+        out = list(llm.collective_rpc("attnprof_set_sampling", args=(rate, head_stats_rate)))
+    else:
+        from attnprof.capture.vllm.runtime import STATE
+
+        if STATE.capture is None:
+            raise RuntimeError("no vLLM worker with attnprof enabled in this process; pass "
+                               "llm= (a vllm.LLM) or use POST /attnprof/sampling")
+        out = [STATE.capture.set_sampling(rate, head_stats_rate)]
+    errors = [w["error"] for w in out if isinstance(w, dict) and "error" in w]
+    if errors:
+        raise RuntimeError(f"attnprof: sampling switch failed in a worker: {errors[0]}")
+    return out

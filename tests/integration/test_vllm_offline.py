@@ -30,6 +30,11 @@ if __name__ == "__main__":
     except Exception as exc:
         res["snapshot"] = None
         res["rpc_error"] = type(exc).__name__
+    if os.environ.get("TEST_SWITCH"):  # the Python API's run-time switch, then more traffic
+        import attnprof
+        res["switch"] = attnprof.set_sampling(0.0, llm=llm)
+        llm.generate(prompts, sp, use_tqdm=False)
+        res["after_switch"] = llm.collective_rpc("attnprof_snapshot", args=(False,))
     print("RESULT " + json.dumps(res))
 """
 
@@ -53,12 +58,18 @@ def test_greedy_outputs_identical_with_plugin_absent_and_rate_one(
     on = _run(tiny_model, {"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "1.0",
                            "ATTNPROF_SEED": "1", "ATTNPROF_HEAD_STATS_RATE": "1.0",
                            "ATTNPROF_HEAD_STATS_MIN_TOKENS": "4",
-                           "ATTNPROF_OVERHEAD_BUDGET": "1.0"})
+                           "ATTNPROF_OVERHEAD_BUDGET": "1.0", "TEST_SWITCH": "1"})
     assert absent["snapshot"] is None  # the method does not exist without the plugin
     (snap,) = on["snapshot"]
     assert snap["sampler"]["sampled"] == snap["sampler"]["seen"] > 0
     assert snap["head_stats_cost"]["queries"] > 0 and snap["head_stats"] is not None
     assert on["tokens"] == absent["tokens"]
+    # attnprof.set_sampling(0.0, llm=llm): the next generate samples nothing.
+    (sw,) = on["switch"]
+    assert sw["old"]["sample_rate"] == 1.0 and sw["new"]["sample_rate"] == 0.0
+    (after,) = on["after_switch"]
+    assert after["sampler"]["sampled"] == snap["sampler"]["sampled"]
+    assert after["sampler"]["seen"] > snap["sampler"]["seen"]
 
 
 def test_rate_zero_captures_nothing(tiny_model: Path) -> None:
