@@ -48,23 +48,33 @@ def check_config() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from attnprof.tools.server import VllmServer
+    from attnprof.tools.server import ServerError, VllmServer, port_error
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port {args.port} is not a TCP port")
     check_config()
     model, served = resolve_or_fail(args.model)
+    # Before vLLM's minute of start-up: a taken port would otherwise end it with a traceback,
+    # or worse, the other server's answers would look like a ready vLLM.
+    problem = port_error(args.host, args.port)
+    if problem:
+        raise CliError(problem)
     extra = [a for a in args.vllm_args if a != "--"] if args.vllm_args else []
     srv = VllmServer(model, port=args.port, host=args.host, served_name=served,
                      extra_args=extra, eager=args.eager)
-    print(f"attnprof: starting vLLM for {model}", file=sys.stderr)
-    srv.start()
 
     def _stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _stop)
+    # SIGTERM and SIGHUP (terminal closed) stop vLLM like Ctrl-C. Installed before start() so
+    # no window leaves the default action; if the wrapper dies anyway (SIGKILL), the
+    # server's watchdog and parent-death signal stop vLLM.
+    stop_signals = [signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+    for sig in stop_signals:
+        signal.signal(sig, _stop)
+    print(f"attnprof: starting vLLM for {model}", file=sys.stderr)
     try:
+        srv.start()
         secs = srv.wait_ready(timeout=900)
         print(f"attnprof: ready in {secs:.0f} s\n"
               f"  API:      {srv.base_url}/v1\n"
@@ -76,5 +86,10 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("attnprof: stopping vLLM", file=sys.stderr)
         return 0
+    except ServerError as err:
+        raise CliError(str(err)) from None
     finally:
+        # A second signal must not cut stop() short (a traceback, the group half-stopped).
+        for sig in [signal.SIGINT, *stop_signals]:
+            signal.signal(sig, signal.SIG_IGN)
         srv.stop()

@@ -3,26 +3,39 @@
 vLLM's ``vllm`` console script is broken in the CPU wheel (it asks for the version of a
 distribution called ``vllm``), so the server runs as
 ``python -m vllm.entrypoints.openai.api_server``.
+
+Lifecycle: vLLM runs in its own session (one process group: API server, EngineCore, workers,
+resource tracker). Killing the API server alone is not enough: measured on vLLM 0.32, EngineCore
+and its worker keep running (re-parented to init) after a SIGKILL of the API server. So the group
+is always signalled as a whole, by :meth:`VllmServer.stop` or, when the owning process dies
+without running it (SIGKILL, OOM killer), by a watchdog process that notices the owner's end of a
+pipe closing. On Linux the API server also gets ``PR_SET_PDEATHSIG`` = SIGTERM (its own shutdown
+takes EngineCore along), a second layer for when the watchdog dies with the owner.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["PLUGIN_NAMES", "ServerError", "VllmServer", "http_get", "http_post_json", "on_cpu"]
+__all__ = ["PLUGIN_NAMES", "ServerError", "VllmServer", "http_get", "http_post_json",
+           "is_our_vllm", "on_cpu", "port_error"]
 
 PLUGIN_NAMES = ("attnprof", "attnprof_stats", "attnprof_http")
 
@@ -60,8 +73,190 @@ def http_post_json(url: str, body: Mapping[str, Any], timeout: float = 600.0) ->
         return json.loads(r.read())
 
 
+def port_error(host: str, port: int) -> str | None:
+    """One line saying why vLLM could not listen on ``host:port``, or None if it can.
+
+    A bind test: SO_REUSEADDR as uvicorn sets it, so a socket in TIME_WAIT is no conflict but a
+    listener is, including one on the wildcard address."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        return f"cannot resolve host {host!r}: {err.strerror}"
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    return (f"port {port} on {host} is already in use (another server is "
+                            f"listening there); stop it or pick another --port")
+                return f"cannot listen on {host}:{port}: {err.strerror}"
+    return None
+
+
+def _proc_stat(pid: str) -> list[str] | None:
+    """Fields of /proc/PID/stat after ``comm`` (state, ppid, pgrp, ...), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()  # comm may hold spaces and parentheses
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _proc_stat(d)
+            if st is not None and int(st[2]) == pgid:
+                out.append(int(d))
+    return out
+
+
+def _listener_in_group(port: int, pgid: int) -> bool | None:
+    """Whether a process of group ``pgid`` holds a socket listening on ``port`` (any
+    address); None where /proc cannot tell (not Linux)."""
+    inodes: set[str] = set()
+    seen = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for row in rows:
+            col = row.split()
+            # local_address is HEXIP:HEXPORT, st 0A is LISTEN, col 9 the socket inode.
+            if len(col) > 9 and col[3] == "0A" and int(col[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{col[9]}]")
+    if not seen:
+        return None
+    for pid in _group_pids(pgid) if inodes else []:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return True
+    return False
+
+
+def is_our_vllm(base_url: str, model_id: str | None, pgid: int | None,
+                timeout: float = 2.0, api_key: str | None = None) -> bool:
+    """True only if the server at ``base_url`` is the vLLM we started: the port's listener
+    belongs to process group ``pgid`` (Linux), ``/health`` answers and ``/v1/models`` lists
+    ``model_id`` (any model if None). Any HTTP server answering 200 on the port is not enough:
+    one that got there first would otherwise be taken for vLLM."""
+    port = urllib.parse.urlsplit(base_url).port
+    owned = _listener_in_group(port, pgid) if pgid is not None and port is not None else None
+    if owned is False:
+        return False
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        http_get(base_url + "/health", timeout=timeout)
+        req = urllib.request.Request(base_url + "/v1/models", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            models = json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        # vLLM's --api-key guards /v1 and we may not know the key: the listener's owner decides.
+        return owned is True and err.code in (401, 403)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return False
+    return model_id is None or any(isinstance(m, dict) and m.get("id") == model_id
+                                   for m in data)
+
+
+# Runs in the vLLM child before exec: parent death -> SIGTERM, so the API server shuts down
+# (taking EngineCore along) even if the owner and the watchdog die together. The getppid check
+# closes the race where the owner died before prctl ran.
+_LAUNCH = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+# Outlives its owner (own session, so terminal and group signals miss it). stdin is the read
+# end of a pipe only the owner writes to: EOF means the owner is gone (or stop() ran). Then it
+# SIGTERMs the vLLM group, SIGKILLs what is left after the grace time and removes the run
+# directory. It exits by itself once the group is gone. Zombies count as gone: they run no
+# code and hold no port, and orphans are reaped by init, not by us.
+_WATCHDOG = """\
+import os, select, shutil, signal, sys, time
+pgid, grace, tmp = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+
+class Stop(Exception):
+    pass
+
+def on_signal(signum, frame):
+    raise Stop
+
+def alive():
+    if not os.path.isdir('/proc/self'):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for d in os.listdir('/proc'):
+        try:
+            with open('/proc/%s/stat' % d) as f:
+                st = f.read()
+        except OSError:
+            continue
+        col = st[st.rfind(')') + 2:].split()
+        if int(col[2]) == pgid and col[0] not in 'ZX':
+            return True
+    return False
+
+def kill(sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, on_signal)
+try:
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+        if select.select([0], [], [], 1.0)[0] and not os.read(0, 64):
+            break
+except Stop:
+    pass
+if alive():
+    kill(signal.SIGTERM)
+    end = time.monotonic() + grace
+    while alive() and time.monotonic() < end:
+        time.sleep(0.1)
+    if alive():
+        kill(signal.SIGKILL)
+shutil.rmtree(tmp, ignore_errors=True)
+"""
+
+
 class VllmServer:
-    """One vLLM API server process group with attnprof enabled."""
+    """One vLLM API server process group with attnprof enabled. No vLLM process outlives the
+    owner: :meth:`stop`, or the watchdog if the owner dies without calling it."""
+
+    #: seconds the watchdog waits after SIGTERM before it SIGKILLs the group
+    kill_grace_s: float = 10.0
 
     def __init__(
         self,
@@ -88,6 +283,8 @@ class VllmServer:
         self._tmp: Path | None = None
         self._log_file: IO[Any] | None = None
         self.log_path: Path | None = None
+        self.watchdog: subprocess.Popen[bytes] | None = None
+        self._watch_fd: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -142,11 +339,56 @@ class VllmServer:
             out = self._log_file
         elif self.log is not None:
             out = self.log
+        cmd = self.command()
+        # PDEATHSIG fires when the *thread* that forked exits, so only from the main thread
+        # (a worker thread starting a server must not take it down when the thread ends).
+        if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
+            cmd = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *cmd]
         # A new session makes every vLLM child (EngineCore, workers) one process group,
-        # so stop() can signal them all.
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=out,
+        # so stop() and the watchdog can signal them all.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out,
                                      stderr=subprocess.STDOUT if out is not None else None,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        assert self.proc is not None and self._tmp is not None
+        read_fd, self._watch_fd = os.pipe()  # both non-inheritable: vLLM holds neither end
+        try:
+            self.watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(self.proc.pid), str(self.kill_grace_s),
+                 str(self._tmp)],
+                stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        finally:
+            os.close(read_fd)
+
+    def _stop_watchdog(self) -> None:
+        if self._watch_fd is not None:
+            os.close(self._watch_fd)  # EOF: the watchdog finds the group gone and exits
+            self._watch_fd = None
+        if self.watchdog is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.watchdog.wait(5)
+            self.watchdog = None
+
+    @property
+    def model_id(self) -> str | None:
+        """The name /v1/models lists for this server; None when extra args choose it."""
+        if self.served_name:
+            return self.served_name
+        return None if _has_flag(self.extra_args, "--served-model-name") else self.model
+
+    @property
+    def api_key(self) -> str | None:
+        """The key vLLM requires on /v1 (``--api-key`` or VLLM_API_KEY), if any."""
+        args = self.extra_args
+        for i, a in enumerate(args):
+            if a.startswith("--api-key="):
+                return a.split("=", 1)[1]
+            if a == "--api-key" and i + 1 < len(args):
+                return args[i + 1]
+        return self.user_env.get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
     def wait_ready(self, timeout: float = 300.0) -> float:
         t0 = time.monotonic()
@@ -157,11 +399,8 @@ class VllmServer:
                 raise ServerError(f"vLLM exited with code {rc} before it was ready"
                                   + (f"; last log lines:\n{self.log_tail()}" if self.log_path
                                      else ""))
-            try:
-                http_get(self.base_url + "/health", timeout=2)
+            if is_our_vllm(self.base_url, self.model_id, self.proc.pid, api_key=self.api_key):
                 return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
             if time.monotonic() - t0 > timeout:
                 raise ServerError(f"vLLM was not ready after {timeout:.0f} s"
                                   + (f"; last log lines:\n{self.log_tail()}" if self.log_path
@@ -188,6 +427,7 @@ class VllmServer:
             # Children may outlive the API server; the group goes with it.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        self._stop_watchdog()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
