@@ -60,8 +60,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots.",
     ),
     EnvVar(
-        "ATTNPROF_SEED", "int", "(random)",
-        "Seed of the sampler; set it for deterministic runs and tests.",
+        "ATTNPROF_SEED", "int", "(the server's instance id)",
+        "Seed of the sampler; set it for deterministic runs and tests. Unset, all processes "
+        "of one vLLM server share a seed from its instance id, so tensor-parallel ranks "
+        "sample the same steps.",
     ),
     EnvVar(
         "ATTNPROF_MAX_ERRORS", "int >= 1", "100",
