@@ -35,7 +35,7 @@ from attnprof._safety import fault_point
 from attnprof.capture.vllm import runtime, start
 from attnprof.config import api_tokens
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
-from attnprof.contracts.jsonsafe import dumps
+from attnprof.contracts.jsonsafe import dumps, dumps_yielding
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
 __all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "LiveView", "TokenCheck"]
@@ -229,7 +229,8 @@ class LiveView:
             window_advice=self.advice, age_s=round(age, 3))
         if with_head_stats and self.head_stats is not None:
             snap.head_stats = self.head_stats.to_dict()
-        body = dumps(snap.to_json()).encode()
+        # Megabytes of head statistics: encoded in pieces so the event loop keeps the GIL.
+        body = dumps_yielding(snap.to_json()).encode()
         if len(body) > max_bytes and snap.head_stats is not None:
             snap.head_stats = None
             snap.truncated = (f"head_stats left out: the body would be {len(body)} bytes, "
