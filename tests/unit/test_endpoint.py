@@ -289,3 +289,13 @@ def test_tripped_endpoint_breaker_answers_503_without_an_rpc(state: runtime.Stat
 
 def test_endpoint_module_exports_the_contract_tag() -> None:
     assert endpoint.SCHEMA_VERSION.startswith("attnprof.snapshot/1.")
+
+
+def test_piecewise_json_is_the_same_document_and_nan_safe() -> None:
+    from attnprof.contracts.jsonsafe import dumps, dumps_yielding
+
+    doc = {"a": [1, 2.5, math.nan] * 3000, "b": {"c": [{"x": math.inf}, [1, 2]], "d": "s"},
+           "e": [], "f": (1, 2)}
+    text = dumps_yielding(doc, chunk=1000)
+    assert json.loads(text) == json.loads(dumps(doc))
+    assert "NaN" not in text and "Infinity" not in text
