@@ -282,6 +282,10 @@ def test_damaged_model_manifest(tmp_path: Path, manifest: str) -> None:
     (["demo", "--doc-lengths", "1e30"], "--doc-lengths"),
 ])
 def test_absurd_flags_fail_fast(args: list[str], needle: str) -> None:
+    # A model that is not there: the flag must be refused first (before the model is read,
+    # vLLM started or a replay run), and a regression fails on the model, not after minutes.
+    if args[0] in ("validate-window", "demo", "suggest-window"):
+        args = [*args, "--model", "/nonexistent-attnprof-model"]
     _assert_clean(_cli(*args), needle)
 
 

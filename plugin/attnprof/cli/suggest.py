@@ -239,16 +239,10 @@ def _run(args: argparse.Namespace) -> int:
     check_thresholds(args.tau, args.quantile, args.min_exact)
     if args.api_key is not None and args.url is None:
         raise CliError("--api-key goes with --url (the attnprof server)")
-    if args.prometheus_range is not None or args.prometheus_model is not None:
-        if args.prometheus is None:
-            raise CliError("--prometheus-range and --prometheus-model go with --prometheus")
-        from attnprof.analyze.sparsity.inputs import InputError
-        from attnprof.tools.prometheus_query import query_url
-
-        try:  # bad flags fail before the model is read
-            query_url(args.prometheus, args.prometheus_model, args.prometheus_range)
-        except InputError as err:
-            raise CliError(str(err)) from None
+    if (args.prometheus_range is not None or args.prometheus_model is not None) \
+            and args.prometheus is None:
+        raise CliError("--prometheus-range and --prometheus-model go with --prometheus")
+    _check_source(args)
     if args.stats_out is not None:
         check_out_file(args.stats_out, "--stats-out")
     arch = load_arch(args.model)
@@ -288,6 +282,22 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(render(out), end="")
     return 0
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    """The --url / --prometheus flags, before the model is read."""
+    from attnprof.analyze.sparsity.inputs import InputError
+    from attnprof.tools import http
+    from attnprof.tools.prometheus_query import query_url
+
+    try:
+        if args.prometheus is not None:
+            query_url(args.prometheus, args.prometheus_model, args.prometheus_range)
+        if args.url is not None:
+            http.check_url(args.url)
+            http.resolve_api_key(args.api_key)
+    except (InputError, http.HttpError) as err:
+        raise CliError(str(err)) from None
 
 
 def check_thresholds(tau: float, quantile: float, min_exact: float) -> None:

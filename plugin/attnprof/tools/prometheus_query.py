@@ -41,7 +41,7 @@ def query_url(url: str, model: str | None = None, range_: str | None = None,
         raise InputError(f"{metric!r} is not a metric name")
     selector = "{model=" + _label_value(model, "--prometheus-model") + "}" if model else ""
     series = f"{metric}_bucket{selector}"
-    inner = f"increase({series}[{parse_duration(range_)}])" if range_ else series
+    inner = f"increase({series}[{parse_duration(range_)}])" if range_ is not None else series
     query = f"sum by (le) ({inner})"
     return url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
 
