@@ -1,0 +1,119 @@
+"""Soak and bounds, short: 100k synthetic finished requests and model steps through the
+request aggregates (the stat logger's record path) and the real capture step hook, with
+exports, worker polls and snapshots on the way; memory after a warm-up must not grow with
+the run (``benchmarks/soak.py`` runs the 1M version and the live one).
+
+Memory is read two ways: anonymous RSS (a leak of big objects or buffers) and the
+interpreter's allocated blocks (a leak of one small object per request or step, which RSS
+rounds away). Both bounds are proved able to fail by a run with a planted leak.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _soak() -> Any:
+    spec = importlib.util.spec_from_file_location("attnprof_bench_soak",
+                                                  ROOT / "benchmarks" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _violations(r: dict[str, Any]) -> list[str]:
+    """What breaks the bounds: the benchmark's 5 MB per million (with room for the noise of
+    a short run) in anonymous RSS, and a small allowance of Python blocks (gc and the export
+    thread's timing move it by hundreds; a leak of one object per request or sampled step
+    moves it by thousands)."""
+    n = max(r["measured_steps"], r["measured_requests"])
+    out = []
+    if r["rss_growth_bytes"] > (512 << 10) + 5 * n:
+        out.append(f"anonymous RSS grew {r['rss_growth_bytes']} bytes over {n}")
+    if r["blocks_growth"] > 2000 + n // 50:
+        out.append(f"allocated blocks grew {r['blocks_growth']} over {n}")
+    return out
+
+
+def _run(n: int, head_stats_rate: float) -> dict[str, Any]:
+    return dict(_soak().synthetic_soak(n, n, warmup=10_000, real_stat_logger=False,
+                                       head_stats_rate=head_stats_rate, poll_every=10_000,
+                                       hub_interval=0.5))
+
+
+def test_100k_requests_and_steps_keep_memory_flat() -> None:
+    r = _run(100_000, head_stats_rate=0.02)
+    assert _violations(r) == [], json.dumps(r["checkpoints"])
+    # Every structure that could grow with traffic ended the same size a short run has.
+    sizes = r["sizes"]
+    assert sizes["quantile_exact_values"] == 0  # past 2048 values: the sketch answers
+    assert 0 < sizes["quantile_sketch_buckets"] <= 3 * 850  # ~810 buckets cover 1..10^7
+    assert sizes["layer_phase_aggregates"] <= 4 * 3  # layers x phases
+    assert sizes["pending_gpu_steps"] <= 64
+    assert sizes["kernel_reports"] == 1
+    assert sizes["worker_series"] < 200 and sizes["api_server_series"] < 400
+    # The bookkeeping agrees with what was driven, and nothing failed inside attnprof.
+    assert r["requests_consistent"] and r["sampler"]["seen"] == 110_000
+    # Known: sampled GPU steps still pending when an export reads ``seen - outcomes`` are
+    # exported as unsampled, and a counter cannot go back down: at most the pending bound.
+    assert 0 <= r["steps_total_excess"] <= 64
+    assert r["sampler"]["sampled"] > 0 and r["sampler"]["sampled_long"] > 0
+    assert r["head_stats_queries"] > 0 and r["polls"] >= 10
+    assert r["errors"] == {"worker": {}, "api_server": {}}
+    assert r["dropped"] == {"worker": {}, "api_server": {}}
+
+
+@pytest.mark.parametrize("leak", ["per_request", "per_sampled_step"])
+def test_the_bounds_catch_a_planted_leak(monkeypatch: pytest.MonkeyPatch, leak: str) -> None:
+    """The same run with one object kept per request (or per sampled step) must fail."""
+    from attnprof.aggregate.layers import WorkerAggregates
+    from attnprof.aggregate.requests import RequestAggregates
+
+    kept: list[Any] = []
+    if leak == "per_request":
+        observe = RequestAggregates.observe
+
+        def leaky_observe(self: Any, prompt: int, generated: int) -> None:
+            kept.append((prompt, generated))
+            observe(self, prompt, generated)
+
+        monkeypatch.setattr(RequestAggregates, "observe", leaky_observe)
+    else:
+        record_step = WorkerAggregates.record_step
+
+        def leaky_record_step(self: Any, step: Any) -> None:
+            kept.append(step)
+            record_step(self, step)
+
+        monkeypatch.setattr(WorkerAggregates, "record_step", leaky_record_step)
+    r = _run(30_000, head_stats_rate=0.0)
+    assert kept
+    assert _violations(r), f"a leak of {len(kept)} objects went unnoticed"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_stat_logger_100k_in_a_fresh_process(tmp_path: Path) -> None:
+    """The benchmark itself, with vLLM's stat-logger base class and attnprof's start-up (a
+    fresh interpreter: the stat logger sets up process-wide state)."""
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--mode",
+                        "synthetic", "--requests", "100000", "--steps", "100000",
+                        "--warmup", "20000", "--head-stats-rate", "0.02", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.exists(), r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["config"]["real_stat_logger"]
+    assert _violations(res) == [], json.dumps(res["checkpoints"])
+    assert res["requests_consistent"] and 0 <= res["steps_total_excess"] <= 64
+    assert res["errors"] == {"worker": {}, "api_server": {}}
