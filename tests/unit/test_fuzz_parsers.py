@@ -182,6 +182,7 @@ def test_snapshot_document(data: Any) -> None:
     from attnprof.cli.snapshot import parse_snapshot
 
     _expect(lambda: parse_snapshot(data, "x"), CliError)
+    _expect(lambda: parse_snapshot(data, "x", complete=True), CliError)
 
 
 def _real_head_stats() -> dict[str, Any]:
@@ -416,7 +417,6 @@ def test_argv_never_starts_work(argv: list[str], command: str, flag: str,
     everything parsed - the command gets as far as its first expensive step, which is
     stubbed out here to raise a marker instead of loading a model or a server."""
     import attnprof.cli as cli
-    import attnprof.cli._common as common
 
     class Reached(Exception):
         pass
@@ -424,9 +424,9 @@ def test_argv_never_starts_work(argv: list[str], command: str, flag: str,
     def stop(*_a: Any, **_k: Any) -> Any:
         raise Reached
 
-    monkeypatch.setattr(common, "resolve_model", stop)
+    cli.build_parser()  # imports every subcommand first: they bind resolve_model at import
     for mod in ("profile", "suggest", "validate", "demo"):
-        monkeypatch.setattr(f"attnprof.cli.{mod}.resolve_model", stop, raising=False)
+        monkeypatch.setattr(f"attnprof.cli.{mod}.resolve_model", stop)
     monkeypatch.setattr("attnprof.cli.serve.check_config", stop)
     monkeypatch.setattr("attnprof.tools.http.get", stop)
     monkeypatch.setattr("attnprof.cli.suggest.load_arch", stop)

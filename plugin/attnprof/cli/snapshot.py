@@ -28,11 +28,17 @@ def add_api_key_flag(p: argparse.ArgumentParser) -> None:
                         "default $ATTNPROF_API_KEY, then $VLLM_API_KEY)")
 
 
-def parse_snapshot(data: Any, source: str) -> dict[str, Any]:
-    """``data`` if it is an ``attnprof.snapshot`` document of this major version with every
-    required field of the right type; :class:`CliError` (one line) otherwise."""
+def parse_snapshot(data: Any, source: str, *, complete: bool = False) -> dict[str, Any]:
+    """``data`` if it is an ``attnprof.snapshot`` document of this major version;
+    :class:`CliError` (one line) otherwise. ``complete``: every required field must be there
+    with the right type too (what the table needs); without it the body is left to its
+    readers, which take what they need with defaults (suggest-window: the sketch and head
+    statistics)."""
     try:
-        Snapshot.from_json(data)
+        if complete:
+            Snapshot.from_json(data)
+        else:
+            Snapshot.check_version(data)
     except ContractError as err:
         raise CliError(f"{source} did not return an attnprof snapshot: {err}") from None
     out: dict[str, Any] = data
@@ -41,7 +47,7 @@ def parse_snapshot(data: Any, source: str) -> dict[str, Any]:
 
 def fetch_snapshot(url: str, timeout: float = 30.0, api_key: str | None = None
                    ) -> dict[str, Any]:
-    """The server's snapshot (checked against the contract); :class:`CliError` (one line)
+    """The server's snapshot (its kind and major version checked); :class:`CliError` (one line)
     for an unreachable server, a refused or missing API key, an answer that is not HTTP,
     cut short, not JSON or not a snapshot. ``api_key``: ``--api-key``; None reads
     ``$ATTNPROF_API_KEY`` then ``$VLLM_API_KEY``."""
@@ -66,6 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap, indent=2))
         return 0
+    parse_snapshot(snap, args.url, complete=True)  # a missing field: one line, not KeyError
     try:
         text = render_snapshot(snap)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
