@@ -64,9 +64,10 @@ def test_100k_requests_and_steps_keep_memory_flat() -> None:
     assert sizes["worker_series"] < 200 and sizes["api_server_series"] < 400
     # The bookkeeping agrees with what was driven, and nothing failed inside attnprof.
     assert r["requests_consistent"] and r["sampler"]["seen"] == 110_000
-    # Known: sampled GPU steps still pending when an export reads ``seen - outcomes`` are
-    # exported as unsampled, and a counter cannot go back down: at most the pending bound.
-    assert 0 <= r["steps_total_excess"] <= 64
+    # Exported outcomes never overshoot the steps seen (a counter cannot come back down):
+    # sampled GPU steps still waiting for their events are left out until folded, at most
+    # the pending bound.
+    assert -64 <= r["steps_total_excess"] <= 0
     assert r["sampler"]["sampled"] > 0 and r["sampler"]["sampled_long"] > 0
     assert r["head_stats_queries"] > 0 and r["polls"] >= 10
     assert r["errors"] == {"worker": {}, "api_server": {}}
@@ -115,5 +116,5 @@ def test_real_stat_logger_100k_in_a_fresh_process(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["config"]["real_stat_logger"]
     assert _violations(res) == [], json.dumps(res["checkpoints"])
-    assert res["requests_consistent"] and 0 <= res["steps_total_excess"] <= 64
+    assert res["requests_consistent"] and -64 <= res["steps_total_excess"] <= 0
     assert res["errors"] == {"worker": {}, "api_server": {}}

@@ -464,8 +464,8 @@ class HeadStatsAccumulator:
                 for f in (*cls._SUM_FIELDS, "cov_min"):
                     flat = getattr(acc, f).reshape(-1)
                     flat[z[f + ".i"].astype(np.int64)] = z[f + ".v"]
-        except (OSError, KeyError, IndexError, TypeError, ValueError) as err:
-            raise ValueError(f"not a head-statistics delta: {err}") from None
+        except (OSError, EOFError, KeyError, IndexError, TypeError, ValueError) as err:
+            raise ValueError(f"not a head-statistics delta: {err!r}") from None
         return acc
 
     def add_at(self, other: HeadStatsAccumulator, q_offset: int = 0,

@@ -231,6 +231,7 @@ class Capture:
         self.event_factory: Any = _cuda_event
         self.capturing_graph: Any = _capturing_graph
         self._pending: deque[_PendingStep] = deque()
+        self._in_step = 0  # 1 while a sampled step runs (read by the export thread)
         self.seed_shared = cfg.seed is not None
         # Tensor/pipeline-parallel placement of this worker (read at model build).
         self.rank: dict[str, int] = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
@@ -484,6 +485,13 @@ class Capture:
         return "sampled_long"
 
     def _sampled_step(self, orig: Any, runner: Any, args: Any, kwargs: Any, outcome: str) -> Any:
+        self._in_step = 1
+        try:
+            return self._run_sampled(orig, runner, args, kwargs, outcome)
+        finally:
+            self._in_step = 0
+
+    def _run_sampled(self, orig: Any, runner: Any, args: Any, kwargs: Any, outcome: str) -> Any:
         t_start = self.clock()
         ev0 = None
         try:
@@ -600,7 +608,10 @@ class Capture:
         seen = self.seen
         return SamplerStats(
             seen=seen, sampled=o["sampled"], sampled_long=o["sampled_long"], blind=o["blind"],
-            unsampled=max(0, seen - sum(o.values())), base_rate=s.base_rate,
+            # A step in progress or a GPU step waiting for its events is not unsampled: counting
+            # it so would overshoot, and an exported counter cannot come back down.
+            unsampled=max(0, seen - sum(o.values()) - len(self._pending) - self._in_step),
+            base_rate=s.base_rate,
             effective_rate=s.rate, budget=s.budget, self_time_s=s.self_time,
             self_time_fraction=s.self_time_fraction(), throttles=s.throttles)
 

@@ -1,0 +1,73 @@
+"""Tensor parallelism on vLLM-CPU (two ranks, one core each): both ranks sample the same
+steps without ATTNPROF_SEED (a seed shared through vLLM's instance id), each answers with its
+own placement, and the API server's merge puts each rank's heads at their global index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_py
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
+              kv_cache_memory_bytes=32 << 20, seed=0, tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    prompts = ["the model request server " * 12,
+               "cache token layer attention window head latency " * 8]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)
+    polls = llm.collective_rpc("attnprof_poll")
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.capture.vllm.endpoint import LiveView
+    view = LiveView(None)
+    parts, part_requests = [], []
+    for p in polls:
+        part = HeadStatsAccumulator.from_bytes(p["head_stats_delta"])
+        parts.append(part.queries.tolist())
+        part_requests.append(part.requests.tolist())
+        view._merge_delta(p, p["head_stats_delta"])
+    acc = view.head_stats
+    print("RESULT " + json.dumps({
+        "ranks": [p["rank"] for p in polls], "parts": parts, "part_requests": part_requests,
+        "sampler": [p["snapshot"]["sampler"] for p in polls],
+        "merged": {"shape": [acc.num_layers, acc.num_kv_heads, acc.group_size],
+                   "queries": acc.queries.tolist(), "requests": acc.requests.tolist()}}))
+"""
+
+
+def test_two_tp_ranks_sample_alike_and_merge_by_global_head(tiny_model: Path) -> None:
+    r = run_py(_SCRIPT.replace("sys.argv[1]", repr(str(tiny_model))),
+               env={"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "0.3",
+                    "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_HEAD_STATS_MIN_TOKENS": "8",
+                    "ATTNPROF_OVERHEAD_BUDGET": "1.0",
+                    # every prefill (>= 20 tokens) sampled, so both ranks fold the prompts
+                    "ATTNPROF_LONG_PREFILL_RATE": "1.0", "ATTNPROF_LONG_PREFILL_TOKENS": "20",
+                    # two CPU workers on a one-NUMA-node machine: one core each
+                    "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    res: dict[str, Any] = json.loads(line[0][len("RESULT "):])
+    assert [(x["tp_rank"], x["tp_size"]) for x in res["ranks"]] == [(0, 2), (1, 2)]
+    s0, s1 = res["sampler"]
+    # No ATTNPROF_SEED, rate 0.3: the same steps sampled on both ranks, and not all of them.
+    assert s0["seen"] == s1["seen"] and 0 < s0["sampled"] == s1["sampled"] < s0["seen"]
+    assert s0["sampled_long"] == s1["sampled_long"]
+    # The tiny Llama has 4 query / 2 KV heads: 2 / 1 per rank, placed at 0-1 and 2-3.
+    assert res["merged"]["shape"] == [2, 2, 2]
+    q = res["merged"]["queries"]
+    p0, p1 = res["parts"]
+    for layer in range(2):
+        assert q[layer][:2] == p0[layer] and q[layer][2:] == p1[layer]
+        assert min(q[layer]) > 0
+    # Each prompt counted once, not once per rank.
+    r0, r1 = res["part_requests"]
+    assert r0 == r1 and min(r0) > 0 and res["merged"]["requests"] == r0
