@@ -438,8 +438,8 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
                     "effective_rate": ss.effective_rate, "throttles": ss.throttles},
         "steps_total_metric": steps_metric,
         "steps_total_consistent": sum(v or 0 for v in steps_metric.values()) == ss.seen == total,
-        # unsampled = seen - recorded outcomes: sampled GPU steps whose events are still
-        # pending read as unsampled, and the Prometheus counter cannot take that back.
+        # Outcomes exported vs steps seen: never above 0 (a counter cannot come back down);
+        # sampled GPU steps still waiting for their events count once folded.
         "steps_total_excess": sum(v or 0 for v in steps_metric.values()) - ss.seen,
         "requests_counted": recorder.requests.requests,
         "requests_metric": req_metric,
