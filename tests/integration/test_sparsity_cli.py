@@ -154,7 +154,9 @@ class _Endpoints(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urllib.parse.urlparse(self.path)
         if url.path == "/attnprof/snapshot":
-            body = self.snapshot
+            body = dict(self.snapshot)
+            if "head_stats=1" not in url.query:  # as the real route: only when asked for
+                body["head_stats"] = None
         elif url.path == "/api/v1/query":
             self.queries.append(urllib.parse.parse_qs(url.query)["query"][0])
             body = {"status": "success", "data": {"resultType": "vector", "result": [
@@ -192,7 +194,8 @@ def test_suggest_from_live_snapshot_and_prometheus(tiny_model: Path,
         acc.update(layer, torch.randn(300, 4, 64), torch.randn(300, 2, 64), 0.125)
     _Endpoints.snapshot = {"schema_version": "attnprof.snapshot/1",
                            "requests": {"context_tokens": {"sketch": sk.to_dict()}},
-                           "workers": [{"head_stats": acc.to_dict()}, {"head_stats": None}]}
+                           "head_stats": acc.to_dict(),  # merged by the API server (1.4)
+                           "workers": [{"head_stats": None}]}
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endpoints)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{srv.server_address[1]}"

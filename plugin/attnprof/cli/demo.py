@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         if failed:
             raise CliError(f"{len(failed)} of {len(results)} demo requests failed: "
                            f"{failed[0].error}")
-        snap = fetch_snapshot(srv.base_url)
+        snap = fetch_snapshot(srv.base_url, head_stats=True)
         try:
             metrics = http.get(srv.base_url + "/metrics").decode("utf-8", "replace")
         except http.HttpError as err:
@@ -181,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
                             replay=not args.no_replay)
     report["window_advice"] = advice.to_json()
     # Head statistics are large and already summarized in window_advice.
+    report["snapshot"].pop("head_stats", None)  # megabytes; the advice summarizes them
     for w in report["snapshot"].get("workers") or []:
         w.pop("head_stats", None)
     report["timing"]["total_s"] = round(time.monotonic() - t_start, 1)

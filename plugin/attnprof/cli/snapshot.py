@@ -45,15 +45,16 @@ def parse_snapshot(data: Any, source: str, *, complete: bool = False) -> dict[st
     return out
 
 
-def fetch_snapshot(url: str, timeout: float = 30.0, api_key: str | None = None
-                   ) -> dict[str, Any]:
+def fetch_snapshot(url: str, timeout: float = 30.0, api_key: str | None = None,
+                   head_stats: bool = False) -> dict[str, Any]:
     """The server's snapshot (its kind and major version checked); :class:`CliError` (one line)
     for an unreachable server, a refused or missing API key, an answer that is not HTTP,
     cut short, not JSON or not a snapshot. ``api_key``: ``--api-key``; None reads
-    ``$ATTNPROF_API_KEY`` then ``$VLLM_API_KEY``."""
+    ``$ATTNPROF_API_KEY`` then ``$VLLM_API_KEY``. ``head_stats``: also the merged head
+    statistics (``?head_stats=1``; megabytes for a large model, so only when needed)."""
     from attnprof.tools import http
 
-    full = url.rstrip("/") + "/attnprof/snapshot"
+    full = url.rstrip("/") + "/attnprof/snapshot" + ("?head_stats=1" if head_stats else "")
     try:
         http.check_url(url)
         key = http.resolve_api_key(api_key)

@@ -174,7 +174,7 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
         if args.url is not None:
             from attnprof.cli.snapshot import fetch_snapshot
 
-            snap = fetch_snapshot(args.url, api_key=args.api_key)
+            snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=True)
             dist = from_snapshot(snap, source=args.url)
             return check_lengths(dist, source), head_stats_from_snapshot(snap)
         from attnprof.tools.prometheus_query import query_prometheus
