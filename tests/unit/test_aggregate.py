@@ -302,3 +302,25 @@ def test_sampling_switch_and_poll_deltas() -> None:
     assert HeadStatsAccumulator.from_bytes(got["head_stats_delta"]).queries[0, 0] == 3.0
     assert cap.poll()["head_stats_delta"] is None  # nothing new since
     cap.state.hub.stop(final_flush=False)
+
+
+def test_tp_ranks_other_than_zero_leave_per_layer_series_to_rank_zero() -> None:
+    names: dict[int, set[str]] = {}
+    for rank in (0, 1):
+        cap = _capture(1.0)
+        cap.rank["tp_rank"] = rank
+        layers = [_Layer(0)]
+        cap.wrap_layer(layers[0])
+        _run_steps(cap, layers, 3)
+        names[rank] = {smp.name for smp in cap.samples()}
+        cap.state.hub.stop(final_flush=False)
+    per_layer = {"attnprof_attention_calls_total", "attnprof_attention_time_seconds_total",
+                 "attnprof_step_time_seconds_total", "attnprof_steps_total",
+                 "attnprof_layer_info"}
+    assert per_layer <= names[0] and not per_layer & names[1]
+    # What each process costs is its own: self time and the sample rate come from every rank.
+    assert {"attnprof_self_time_seconds_total", "attnprof_sample_rate_ratio"} <= names[1]
+    # Each rank holds its own share of the KV cache, so every rank reports it (livesum).
+    from attnprof.exporters.catalog import spec
+
+    assert spec("attnprof_kv_cache_bytes").multiprocess_mode == "livesum"

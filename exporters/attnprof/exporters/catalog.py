@@ -105,7 +105,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_step_attention_time_seconds_total", "counter",
                "Attention time of sampled steps summed over layers.", "seconds", (_M, "phase")),
     MetricSpec("attnprof_kv_cache_bytes", "gauge",
-               "KV-cache bytes allocated per attention layer.", "bytes", (_M, "layer"), "livemax"),
+               "KV-cache bytes allocated per attention layer.", "bytes", (_M, "layer"), "livesum"),
     # --- head statistics and window advice (API server, from workers' sampled prefills) ---
     MetricSpec("attnprof_head_stats_queries_total", "counter",
                "Sampled queries folded into the per-head attention statistics.", "queries",

@@ -77,7 +77,7 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
         steps = [(p, v[1], v[2]) for p, v in aggs.steps.items()]
         outcomes = dict(aggs.outcomes)
     if not per_layer:
-        rows, steps, infos = [], [], []
+        rows, steps = [], []
     by_index = {i.index: i for i in infos}
     for idx, phase, calls, t, flops, nbytes, tokens in rows:
         info = by_index.get(idx)
@@ -106,8 +106,10 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
     out.append(s("attnprof_head_stats_queries_total", head_queries, model=model))
     out.append(s("attnprof_sample_rate_ratio", sampler.effective_rate, model=model))
     for info in infos:
-        out.append(s("attnprof_layer_info", 1, model=model, layer=str(info.index),
-                     backend=info.backend, impl=info.impl, fused=str(info.fused).lower()))
+        if per_layer:
+            out.append(s("attnprof_layer_info", 1, model=model, layer=str(info.index),
+                         backend=info.backend, impl=info.impl, fused=str(info.fused).lower()))
+        # Every rank holds its own share of each layer's KV cache: summed (livesum).
         if info.kv_cache_bytes:
             out.append(s("attnprof_kv_cache_bytes", info.kv_cache_bytes, model=model,
                          layer=str(info.index)))
