@@ -62,8 +62,12 @@ bench: model
 	$(PY) benchmarks/microbench.py
 	$(PY) benchmarks/head_stats.py
 	$(PY) benchmarks/overhead.py
+	@# overhead.py rewrites docs/overhead.md; the soak section comes back from its results
+	@# (the soaks themselves: benchmarks/soak.py --mode synthetic|live, ~10 min each).
+	$(PY) benchmarks/soak.py --markdown-only
 	$(PY) benchmarks/otlp_export.py
 	$(PY) benchmarks/otlp_faults.py
+	$(PY) benchmarks/serving_safety.py
 
 clean-venv:
 	rm -rf $(VENV)

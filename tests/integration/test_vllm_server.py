@@ -130,6 +130,13 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
                         "--url", tiny_server.base_url], capture_output=True, text=True,
                        timeout=60, env=env)
     assert json.loads(j.stdout)["schema_version"] == Snapshot.version_tag()
+    assert json.loads(j.stdout)["head_stats"] is None  # megabytes: only when asked for
+    _complete(tiny_server, " ".join(["cache token layer attention window head"] * 12), 2)
+    h = subprocess.run([sys.executable, "-m", "attnprof.cli", "snapshot", "--json",
+                        "--head-stats", "--url", tiny_server.base_url], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert h.returncode == 0, h.stderr
+    assert json.loads(h.stdout)["head_stats"]["schema"] == "attnprof.head_stats/1"
 
 
 def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server: Any) -> None:

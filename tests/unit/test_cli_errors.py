@@ -385,3 +385,15 @@ def test_usage_errors_are_one_line(args: list[str]) -> None:
 def test_env_does_not_print_the_api_key() -> None:
     r = _cli("env", env={"ATTNPROF_API_KEY": "s3cret-key"})
     assert "s3cret-key" not in r.stdout + r.stderr
+
+
+def test_demo_with_its_port_taken_is_one_line_before_any_work(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _cli("demo", "--port", str(port), "--out", str(tmp_path / "demo.json"))
+    _one_line_error(r, f"port {port}", "already in use")
+    assert not (tmp_path / "demo.json").exists()

@@ -93,12 +93,15 @@ def _run(args: argparse.Namespace) -> int:
     from attnprof.cli.snapshot import fetch_snapshot
     from attnprof.exporters.terminal import render_snapshot
     from attnprof.tools import http, models
-    from attnprof.tools.server import ServerError, VllmServer
+    from attnprof.tools.server import ServerError, VllmServer, port_error
     from attnprof.tools.traffic import build_mix, run_traffic
 
     doc_lengths = check_args(args)
     check_config()
     ensure_writable_dir(args.out.parent)
+    problem = port_error("127.0.0.1", args.port)
+    if problem:  # before the model and vLLM's minute of start-up, not a traceback after
+        raise CliError(problem)
     t_start = time.monotonic()
     if args.model == models.DEFAULT_MODEL:
         try:

@@ -19,6 +19,9 @@ def add_parser(sub: Any) -> None:
                    help="server base URL (default http://127.0.0.1:8000)")
     add_api_key_flag(p)
     p.add_argument("--json", action="store_true", help="print the raw versioned JSON")
+    p.add_argument("--head-stats", action="store_true",
+                   help="with --json: include the merged per-head attention statistics "
+                        "(megabytes for a large model; what suggest-window --url reads)")
     p.set_defaults(func=_run)
 
 
@@ -69,7 +72,7 @@ def fetch_snapshot(url: str, timeout: float = 30.0, api_key: str | None = None,
 def _run(args: argparse.Namespace) -> int:
     from attnprof.exporters.terminal import render_snapshot
 
-    snap = fetch_snapshot(args.url, api_key=args.api_key)
+    snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=args.head_stats)
     if args.json:
         print(json.dumps(snap, indent=2))
         return 0
