@@ -238,3 +238,15 @@ def prometheus(tiny_server: object, tmp_path_factory: pytest.TempPathFactory
         yield prom
     finally:
         prom.stop()
+
+
+def load_benchmark(name: str) -> Any:
+    """A script of ``benchmarks/`` imported as a module (they are scripts, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"attnprof_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

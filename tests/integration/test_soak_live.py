@@ -6,9 +6,7 @@ asserted: 40 s on a shared 2-core machine cannot tell a slope from noise."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,16 +15,10 @@ from tests.conftest import TINY_API_KEY
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def _soak() -> Any:
-    spec = importlib.util.spec_from_file_location("attnprof_bench_soak",
-                                                  ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.conftest import load_benchmark
+
+    return load_benchmark("soak")
 
 
 def test_short_live_soak_counters_agree_and_no_errors(tiny_server: Any) -> None:

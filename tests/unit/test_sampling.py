@@ -119,16 +119,8 @@ def test_a_failing_source_trips_the_breaker_a_failing_exporter_does_not() -> Non
     assert state.errors.by_place["export_source_worker"] == 3 and state.errors.disabled
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_throttled_rate_recovers_by_elapsed_time_without_sampled_steps() -> None:
-    clock = _Clock()
+    clock = FakeClock()
     s = StepSampler(0.05, budget=0.01, seed=7, clock=clock)
     for _ in range(8):  # an overload: every second, attnprof took half the wall time
         clock.t += 1.0

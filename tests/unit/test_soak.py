@@ -10,7 +10,6 @@ rounds away). Both bounds are proved able to fail by a run with a planted leak.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,12 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _soak() -> Any:
-    spec = importlib.util.spec_from_file_location("attnprof_bench_soak",
-                                                  ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.conftest import load_benchmark
+
+    return load_benchmark("soak")
 
 
 def _violations(r: dict[str, Any]) -> list[str]:
