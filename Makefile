@@ -67,7 +67,8 @@ bench: model
 	$(PY) benchmarks/soak.py --markdown-only
 	$(PY) benchmarks/otlp_export.py
 	$(PY) benchmarks/otlp_faults.py
-	$(PY) benchmarks/serving_safety.py
+	$(PY) benchmarks/serving_safety.py --only gets --only synthetic --only calibration
+	$(PY) benchmarks/serving_safety.py --only refresh
 
 clean-venv:
 	rm -rf $(VENV)

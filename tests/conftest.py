@@ -143,6 +143,8 @@ def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                               "ATTNPROF_OVERHEAD_BUDGET": "1.0",
                               # Tests read the effect of a request right after it: no cache.
                               "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0",
+                              # ... and fresh window advice on every snapshot (no loop).
+                              "ATTNPROF_ADVICE_INTERVAL_S": "0",
                               "ATTNPROF_API_KEY": TINY_API_KEY},
                              max_model_len=512, kv_bytes=64 << 20) as srv:
         yield srv

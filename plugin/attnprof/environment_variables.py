@@ -57,7 +57,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ATTNPROF_ADVICE_INTERVAL_S", "float in [0, 86400]", "60",
         "Seconds between refreshes of the window-advice metrics in the API server (head "
-        "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots.",
+        "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots. "
+        "Otherwise snapshots serve the loop's latest advice, so polling the route never "
+        "recomputes it.",
     ),
     EnvVar(
         "ATTNPROF_SEED", "int", "(the server's instance id)",

@@ -104,7 +104,6 @@ class LiveView:
         await asyncio.wait_for(asyncio.shield(self._task), timeout)
 
     async def _refresh(self, advice: bool) -> None:
-        st = runtime.STATE
         answers: list[Any] = []
         error = None
         if self.engine_client is not None:
@@ -119,8 +118,6 @@ class LiveView:
             await self._advise()
         self.refreshed_at = time.monotonic()
         self._bodies.clear()
-        # Workers flushed when they answered; flush here too so /metrics agrees right away.
-        await asyncio.to_thread(st.flush)
 
     def _fold(self, answers: list[Any]) -> None:
         """Parse worker answers and merge their head-statistics deltas (thread)."""
@@ -194,8 +191,12 @@ class LiveView:
             return dumps(snap.to_json()).encode(), 0.0
         timed_out = None
         if self.refreshed_at == 0.0 or time.monotonic() - self.refreshed_at > max_age:
+            # The window advice is the advice loop's job (ATTNPROF_ADVICE_INTERVAL_S): a GET
+            # recomputes it only without that loop, or before its first round.
+            cfg = st.config
+            advise = self.advice is None or cfg is None or cfg.advice_interval_s <= 0
             try:
-                await self.refresh(timeout)
+                await self.refresh(timeout, advice=advise)
             except TimeoutError:
                 timed_out = (f"TimeoutError: workers did not answer within {timeout:g} s; "
                              "serving the last answer")

@@ -646,9 +646,10 @@ class Capture:
                 flash_attn_version=rep.get("flash_attn_version"), note=rep.get("note")))
         return out
 
-    def snapshot(self, include_head_stats: bool = True) -> WorkerSnapshot:
+    def snapshot(self, include_head_stats: bool = True, flush: bool = True) -> WorkerSnapshot:
         self._resolve_pending()
-        self.state.flush()
+        if flush:
+            self.state.flush()
         hs = HeadStatsCost(**{k: getattr(self.hs, k) for k in
                               ("steps", "requests", "queries", "time_s", "prefill_time_s")})
         hs.fraction_of_prefill = (hs.time_s / hs.prefill_time_s if hs.prefill_time_s > 0
@@ -668,7 +669,9 @@ class Capture:
         compact bytes (the worker's accumulator restarts from zero; the API server keeps
         the merged total). Small and cheap: this runs between model steps."""
         fault_point("capture")
-        snap = self.snapshot(include_head_stats=False).to_json()
+        # No export flush here: the export thread flushes every second, and a flush (file
+        # writes) would lengthen the pause the engine takes for this poll.
+        snap = self.snapshot(include_head_stats=False, flush=False).to_json()
         delta = None
         acc = self.head_stats
         if acc is not None and acc.queries.any():
