@@ -299,3 +299,17 @@ def test_piecewise_json_is_the_same_document_and_nan_safe() -> None:
     text = dumps_yielding(doc, chunk=1000)
     assert json.loads(text) == json.loads(dumps(doc))
     assert "NaN" not in text and "Infinity" not in text
+
+
+def test_a_truncated_answer_leaves_the_cached_workers_whole(state: runtime.State) -> None:
+    from attnprof.contracts.snapshot import KernelGroup
+
+    view = LiveView(None)
+    ws = WorkerSnapshot(pid=5, kernel_map=[KernelGroup(layers=list(range(3000)), backend="X",
+                                                       kernel="k" * 50, fused=True)])
+    view.workers = [ws]
+    small = json.loads(view._render(False, 0.0, None, max_bytes=4096))
+    assert "per-layer data left out" in small["truncated"]
+    assert small["workers"][0]["kernel_map"] == []
+    full = json.loads(view._render(False, 0.0, None, max_bytes=1 << 20))
+    assert full["truncated"] is None and len(full["workers"][0]["kernel_map"]) == 1

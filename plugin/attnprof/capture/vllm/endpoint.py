@@ -20,9 +20,11 @@ does that). Every route is a guest on the host's port, so:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -94,6 +96,8 @@ class LiveView:
         self.rpcs = 0  # RPCs started (tests and the benchmark read it)
         self._task: asyncio.Future[None] | None = None
         self._bodies: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
+        # Merges (refresh thread) and renders of ?head_stats=1 (another thread) may overlap.
+        self._hs_lock = threading.Lock()
 
     # ----- refresh: one RPC in flight at most -----
     async def refresh(self, timeout: float, advice: bool = True) -> None:
@@ -133,7 +137,8 @@ class LiveView:
             delta = a.get("head_stats_delta")
             if delta:
                 try:
-                    self._merge_delta(a, delta)
+                    with self._hs_lock:
+                        self._merge_delta(a, delta)
                 except Exception as exc:
                     st.errors.record("snapshot_parse", exc)
         self.workers = workers
@@ -229,7 +234,8 @@ class LiveView:
                                   collective_rpc=timed_out or self.rpc_error),
             window_advice=self.advice, age_s=round(age, 3))
         if with_head_stats and self.head_stats is not None:
-            snap.head_stats = self.head_stats.to_dict()
+            with self._hs_lock:  # not while a refresh merges into it
+                snap.head_stats = self.head_stats.to_dict()
         # Megabytes of head statistics: encoded in pieces so the event loop keeps the GIL.
         body = dumps_yielding(snap.to_json()).encode()
         if len(body) > max_bytes and snap.head_stats is not None:
@@ -238,8 +244,9 @@ class LiveView:
                               f"over ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")
             body = dumps(snap.to_json()).encode()
         if len(body) > max_bytes:
-            for w in snap.workers:
-                w.layers, w.kernel_map = [], []
+            # Copies: the cached worker snapshots serve later (smaller) answers too.
+            snap.workers = [dataclasses.replace(w, layers=[], kernel_map=[])
+                            for w in snap.workers]
             snap.truncated = (f"per-layer data left out: the body would be over "
                               f"ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")
             body = dumps(snap.to_json()).encode()
