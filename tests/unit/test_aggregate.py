@@ -213,10 +213,10 @@ def test_malformed_liveness_notes_are_counted_not_fatal(tmp_path: Any) -> None:
     (tmp_path / "api_server-2.json").write_text("[1]")  # not an object
     (tmp_path / "worker-3.json").write_text('{"role": "work')  # still being written
     (tmp_path / "worker-4.json").write_text('{"role": "worker", "pid": "x"}')  # wrong type
-    before = runtime.STATE.errors.by_place.get("snapshot", 0)
+    before = runtime.STATE.errors.by_place.get("snapshot_parse", 0)
     notes = runtime.processes_from_run_dir(Config(run_dir=tmp_path))
     assert [(n.role, n.pid, n.alive) for n in notes] == [("worker", os.getpid(), True)]
-    assert runtime.STATE.errors.by_place.get("snapshot", 0) - before == 2
+    assert runtime.STATE.errors.by_place.get("snapshot_parse", 0) - before == 2
 
 
 class _FakeGpu:

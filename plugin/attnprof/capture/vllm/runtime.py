@@ -188,5 +188,5 @@ def processes_from_run_dir(cfg: Config | None) -> list[ProcessNote]:
             out.append(ProcessNote.from_json(
                 {**raw, "alive": isinstance(pid, int) and pid_alive(pid)}))
         except Exception as exc:
-            STATE.errors.record("snapshot", exc)
+            STATE.errors.record("snapshot_parse", exc)  # API server: the endpoint's area
     return out
