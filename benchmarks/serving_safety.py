@@ -4,7 +4,7 @@
    ``GET /attnprof/snapshot`` as fast as they can, against none (arms alternate in rounds).
 2. ``refresh``: the largest inter-token gap of a stream during which the head statistics and
    window advice are refreshed (``?head_stats=1``, cache expired), against none; plus the
-   same pieces for a synthetic 80-layer, 8B-shaped accumulator, old path vs new: what blocks
+   same pieces for a synthetic 80-layer, 70B-shaped accumulator, old path vs new: what blocks
    the engine (the worker's answer) and what blocks the API server's event loop.
 3. ``calibration``: at sample rate 1 with head statistics on every prefill, the self-time
    fraction attnprof reports against the throughput loss measured A/B. Arms (rate 1 / rate
@@ -182,7 +182,8 @@ def bench_refresh(base: str, prompt: str, long_prompts: list[str], rounds: int,
 
 def bench_synthetic(layers: int = 80, kv: int = 8, group: int = 8, prompts: int = 40
                     ) -> dict[str, Any]:
-    """An 8B-shaped accumulator (80 layers x 64 query heads): the engine-blocking worker
+    """A 70B-shaped accumulator (80 layers x 64 query heads, 8 KV heads): the engine-blocking
+    worker
     answer and the API server's event-loop time, old path (full to_dict + json.dumps on the
     loop) vs new (compact delta; merge, render and JSON in a thread)."""
     import torch
@@ -385,7 +386,8 @@ def write_markdown(res: dict[str, Any]) -> None:
     sy = res.get("synthetic_80_layers")
     if sy:
         o, n = sy["old"], sy["new"]
-        lines += ["## Synthetic 80-layer accumulator (8B-shaped: 80 layers x 64 query heads)", "",
+        lines += ["## Synthetic 80-layer accumulator (70B-shaped: 80 layers x 64 query heads, 8 KV "
+                  "heads)", "",
                   "| | old path (full `to_dict` + `json.dumps`) | new path (delta) |",
                   "|---|---|---|",
                   f"| engine blocked by the worker's answer | {_ms(o['engine_blocked_s'])} | "

@@ -69,8 +69,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "ATTNPROF_MAX_ERRORS", "int >= 1", "100",
-        "After this many internal errors in one process attnprof stops capturing there "
-        "(errors are always counted, never raised into vLLM).",
+        "After this many internal errors in one area of one process (capture, stat_logger, "
+        "endpoint, advice, export) that area switches itself off there, shown by "
+        "attnprof_capture_disabled{place} (errors are always counted, never raised into vLLM).",
     ),
     EnvVar(
         "ATTNPROF_HOME", "path", "~/.cache/attnprof",

@@ -313,3 +313,35 @@ def test_a_truncated_answer_leaves_the_cached_workers_whole(state: runtime.State
     assert small["workers"][0]["kernel_map"] == []
     full = json.loads(view._render(False, 0.0, None, max_bytes=1 << 20))
     assert full["truncated"] is None and len(full["workers"][0]["kernel_map"]) == 1
+
+
+def test_plain_gets_leave_the_head_statistics_on_the_workers(
+        state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnprof.contracts.advice import AdviceUnavailable
+
+    # With the advice loop running, a plain GET neither recomputes advice nor pulls the
+    # (large) head-statistics deltas; ?head_stats=1 does pull them.
+    monkeypatch.setattr(state, "config", Config(enabled=True, snapshot_max_age_s=0.0,
+                                                advice_interval_s=60.0))
+    eng = FakeEngine()
+    app = _app(eng, [KEY])
+    app.state.plugin.view.advice = AdviceUnavailable("from the loop")
+    asyncio.run(_get(app, "/attnprof/snapshot"))
+    asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
+    assert eng.calls == [("attnprof_poll", (False,)), ("attnprof_poll", (True,))]
+
+
+def test_the_sampling_switch_is_refused_when_no_key_is_configured(state: runtime.State) -> None:
+    eng = FakeEngine()
+    app = _app(eng, [])  # vLLM without --api-key, no ATTNPROF_API_KEY
+
+    async def go() -> Any:
+        import httpx
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            return await c.post("/attnprof/sampling", json={"sample_rate": 1.0})
+
+    r = asyncio.run(go())
+    assert r.status_code == 403 and "API key" in r.json()["error"]
+    assert eng.calls == []

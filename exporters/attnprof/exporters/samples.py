@@ -61,14 +61,17 @@ def s(name: str, value: float, **labels: str) -> Sample:
 
 
 def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
-                   per_layer: bool = True) -> list[MetricSample]:
+                   per_layer: bool = True, per_step: bool | None = None) -> list[MetricSample]:
     """Per-layer attention, step and sampler samples of one worker.
 
     ``aggs`` is an :class:`attnprof.aggregate.layers.WorkerAggregates`, ``sampler`` a
     :class:`attnprof.contracts.snapshot.SamplerStats`. ``per_layer=False`` (tensor-parallel
-    ranks other than 0, which time the very same layers) leaves out the per-layer and
-    per-step series, so sums over processes count each layer once.
+    ranks other than 0, which time the very same layers) leaves out the per-layer series
+    and the head-statistics queries; ``per_step=False`` (default: ``per_layer``; also
+    pipeline stages after the first, which see every step too) the per-step series, so
+    sums over processes count each layer and step once.
     """
+    per_step = per_layer if per_step is None else per_step
     out: list[MetricSample] = []
     with aggs.lock:
         infos = list(aggs.layers.values())
@@ -77,7 +80,9 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
         steps = [(p, v[1], v[2]) for p, v in aggs.steps.items()]
         outcomes = dict(aggs.outcomes)
     if not per_layer:
-        rows, steps = [], []
+        rows = []
+    if not per_step:
+        steps = []
     by_index = {i.index: i for i in infos}
     for idx, phase, calls, t, flops, nbytes, tokens in rows:
         info = by_index.get(idx)
@@ -96,14 +101,15 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
         out.append(s("attnprof_step_time_seconds_total", model_t, model=model, phase=phase))
         out.append(s("attnprof_step_attention_time_seconds_total", attn_t, model=model,
                      phase=phase))
-    if per_layer:  # every TP rank sees every step, too
+    if per_step:  # every TP rank and PP stage sees every step
         for outcome in ("sampled", "sampled_long", "blind"):
             out.append(s("attnprof_steps_total", outcomes.get(outcome, 0), model=model,
                          outcome=outcome))
         out.append(s("attnprof_steps_total", sampler.unsampled, model=model,
                      outcome="unsampled"))
     out.append(s("attnprof_self_time_seconds_total", sampler.self_time_s, model=model))
-    out.append(s("attnprof_head_stats_queries_total", head_queries, model=model))
+    if per_layer:  # TP ranks fold the same queries (their own heads of them)
+        out.append(s("attnprof_head_stats_queries_total", head_queries, model=model))
     out.append(s("attnprof_sample_rate_ratio", sampler.effective_rate, model=model))
     for info in infos:
         if per_layer:

@@ -106,12 +106,12 @@ class StepSampler:
         self.countdown = self._gap()
 
     def set_rate(self, rate: float) -> None:
-        """Switch the base rate at run time (benchmarks' A/B arms, an operator's route):
-        the budget's throttle starts afresh and the next gap is drawn at the new rate."""
+        """Switch the base rate at run time (benchmarks' A/B arms, an operator's route); the
+        next gap is drawn at the new rate. The budget's throttle stays: a switch cannot
+        lift the overhead ceiling, only the rate under it."""
         if not 0.0 <= rate <= 1.0 or rate != rate:
             raise ValueError(f"sample rate {rate!r} is not in [0, 1]")
         self.base_rate = rate
-        self.scale = 1.0
         self.countdown = self._gap()
 
     def draw(self) -> float:

@@ -74,6 +74,17 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """``collective_rpc`` on every engine: vLLM's data-parallel client answers
     ``collective_rpc`` with the first engine's workers only, so ask each engine."""
     core = getattr(engine_client, "engine_core", None)
+    engines = getattr(core, "core_engines", None)
+    one = getattr(core, "_call_utility_async", None)
+    if engines and callable(one):
+        # One engine failing must not lose the others' answers (their deltas are taken).
+        got = await asyncio.gather(*(one("collective_rpc", method, None, args, None,
+                                         engine=e) for e in engines),
+                                   return_exceptions=True)
+        ok = [g for g in got if not isinstance(g, BaseException)]
+        if not ok and got:
+            raise got[0] if isinstance(got[0], Exception) else RuntimeError(str(got[0]))
+        return [w for ws in ok for w in (ws or [])]
     every = getattr(core, "call_utility_all_async", None)
     if callable(every):
         per_engine = await every("collective_rpc", method, None, args, None)
@@ -95,25 +106,41 @@ class LiveView:
         self.refreshed_at = 0.0  # monotonic time of the last completed refresh
         self.rpcs = 0  # RPCs started (tests and the benchmark read it)
         self._task: asyncio.Future[None] | None = None
+        self._task_kind = (False, False)  # (advice, head statistics) of the task in flight
+        self._render_slots = asyncio.Semaphore(2)  # renders after a timeout are not shared
         self._bodies: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
         # Merges (refresh thread) and renders of ?head_stats=1 (another thread) may overlap.
         self._hs_lock = threading.Lock()
 
     # ----- refresh: one RPC in flight at most -----
-    async def refresh(self, timeout: float, advice: bool = True) -> None:
+    async def refresh(self, timeout: float, advice: bool = True,
+                      head_stats: bool | None = None) -> None:
         """Start a refresh unless one is in flight, and wait for it up to ``timeout``.
-        Raises ``TimeoutError``; the RPC goes on and its answer is still folded in."""
+        Raises ``TimeoutError``; the RPC goes on and its answer is still folded in.
+        ``head_stats`` (default: ``advice``): also pull the workers' head-statistics deltas,
+        the one large part of a poll, only when the advice or a ``?head_stats=1`` needs them.
+        A task in flight that does less than asked is waited for, then one more starts."""
+        want = (advice, advice if head_stats is None else head_stats)
+        deadline = time.monotonic() + timeout
+        task = self._task
+        if task is not None and not task.done():
+            if (self._task_kind[0] or not want[0]) and (self._task_kind[1] or not want[1]):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+                return
+            await asyncio.wait_for(asyncio.shield(task), timeout)
         if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._refresh(advice))
-        await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            self._task_kind = want
+            self._task = asyncio.ensure_future(self._refresh(*want))
+        await asyncio.wait_for(asyncio.shield(self._task),
+                               max(0.0, deadline - time.monotonic()))
 
-    async def _refresh(self, advice: bool) -> None:
+    async def _refresh(self, advice: bool, head_stats: bool = True) -> None:
         answers: list[Any] = []
         error = None
         if self.engine_client is not None:
             self.rpcs += 1
             try:
-                answers = await rpc_all(self.engine_client, "attnprof_poll")
+                answers = await rpc_all(self.engine_client, "attnprof_poll", head_stats)
             except Exception as exc:  # the engine may not be ours to query
                 error = f"{type(exc).__name__}: {exc}"
         await asyncio.to_thread(self._fold, answers)
@@ -201,14 +228,16 @@ class LiveView:
             cfg = st.config
             advise = self.advice is None or cfg is None or cfg.advice_interval_s <= 0
             try:
-                await self.refresh(timeout, advice=advise)
+                await self.refresh(timeout, advice=advise,
+                                   head_stats=advise or with_head_stats)
             except TimeoutError:
                 timed_out = (f"TimeoutError: workers did not answer within {timeout:g} s; "
                              "serving the last answer")
         age = time.monotonic() - self.refreshed_at if self.refreshed_at else 0.0
         if timed_out is not None:
-            body = await asyncio.to_thread(self._render, with_head_stats, age, timed_out,
-                                           max_bytes)
+            async with self._render_slots:  # a hung engine must not pile up renders
+                body = await asyncio.to_thread(self._render, with_head_stats, age, timed_out,
+                                               max_bytes)
             return body, age
         # One render per refresh and variant, shared by every client waiting for it.
         cached = self._bodies.get(with_head_stats)
@@ -329,6 +358,12 @@ class AttnProfEndpoint:
             ``{"sample_rate": 0.05, "head_stats_rate": 0.1}`` (either key may be left out)."""
             if (denied := refuse(request)) is not None:
                 return denied
+            if not plugin.auth.required:
+                # The one route that raises attnprof's cost: never open to anyone who can
+                # reach the port, even where vLLM's own routes are.
+                return JSONResponse({"error": "attnprof: the sampling switch needs an API key "
+                                              "(vLLM's --api-key or ATTNPROF_API_KEY)"},
+                                    status_code=403)
             if (off := tripped()) is not None:
                 return off
             st = runtime.STATE

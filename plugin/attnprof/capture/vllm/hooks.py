@@ -428,15 +428,15 @@ class Capture:
 
         Runs after the layer's timer stopped; its time is charged to attnprof's budget.
         """
-        shape = self._shape(md)
-        # Bounded: the statistics allocate O(prompt) scratch mid-forward, outside vLLM's
-        # memory profile, so very long prompts are left out.
-        todo = [(a, n) for a, n in shape.whole_prompts
-                if self.hs_min_tokens <= n <= HEAD_STATS_MAX_TOKENS]
-        if not todo or len(args) < 3:
-            return
-        t0 = self.clock()
+        t0 = self.clock()  # the shape read may wait for the device: ours too
         try:
+            shape = self._shape(md)
+            # Bounded: the statistics allocate O(prompt) scratch mid-forward, outside vLLM's
+            # memory profile, so very long prompts are left out.
+            todo = [(a, n) for a, n in shape.whole_prompts
+                    if self.hs_min_tokens <= n <= HEAD_STATS_MAX_TOKENS]
+            if not todo or len(args) < 3:
+                return
             acc = self.head_stats
             if acc is None:
                 from attnprof.aggregate.head_stats import HeadStatsAccumulator
@@ -502,19 +502,23 @@ class Capture:
             self._hs_time = 0.0
             self._hs_step = self.hs_rate > 0 and self.sampler.draw() < self.hs_rate
             self._cuda = _on_cuda(runner)
+            capturing = False
             if self._cuda:
                 self._resolve_pending()
-                if self.capturing_graph():
-                    # vLLM is capturing a CUDA graph: timing events are illegal inside a
-                    # capture and would break the host's graph. Not a real step; skip it.
-                    self.seen -= 1
-                    return orig(runner, *args, **kwargs)
-                ev0 = self.event_factory()
-                ev0.record()
-            self._install_layers()
+                # vLLM is capturing a CUDA graph: timing events are illegal inside a
+                # capture and would break the host's graph. Not a real step; skip it.
+                capturing = bool(self.capturing_graph())
+                if not capturing:
+                    ev0 = self.event_factory()
+                    ev0.record()
+            if not capturing:
+                self._install_layers()
         except Exception as exc:
             self.errors.record("step_begin", exc)
             self._remove_layers()
+            return orig(runner, *args, **kwargs)
+        if capturing:  # outside the guard: the host's own exception passes through, once
+            self.seen -= 1
             return orig(runner, *args, **kwargs)
         overhead = self.clock() - t_start
         t0 = self.clock()
@@ -558,12 +562,17 @@ class Capture:
     def _resolve_pending(self) -> None:
         """Fold sampled GPU steps whose end event has completed (in order; never waits)."""
         while self._pending and self._pending[0].end.query():
-            p = self._pending.popleft()
+            p = self._pending[0]
             try:
-                model_time = p.start.elapsed_time(p.end) / 1e3
+                # Head statistics ran inside the step's events: they are ours, not the model's.
+                model_time = max(0.0, p.start.elapsed_time(p.end) / 1e3 - p.hs_time)
                 self._finish_step(model_time, p.outcome, p.calls, p.outcome == "blind")
             except Exception as exc:
                 self.errors.record("step_end", exc)
+            finally:
+                # Removed only once its outcome is recorded: an export in between must not
+                # see the step as neither pending nor recorded (it would read "unsampled").
+                self._pending.popleft()
 
     def _finish_step(self, model_time: float, outcome: str,
                      calls: list[tuple[LayerInfo, Any, Any, Any]], blind: bool) -> None:
@@ -620,8 +629,10 @@ class Capture:
 
         # Under tensor parallelism every rank times the same layers: per-layer series come
         # from TP rank 0 only, or Prometheus' sum over processes would multiply them.
+        first_tp = self.rank["tp_rank"] == 0
         return worker_samples(self.state.model_label, self.aggs, self.sampler_stats(),
-                              self.hs.queries, per_layer=self.rank["tp_rank"] == 0)
+                              self.hs.queries, per_layer=first_tp,
+                              per_step=first_tp and self.rank["pp_rank"] == 0)
 
     def kernel_map(self) -> list[KernelGroup]:
         """Per group of identical layers: the backend that ran, the kernel variant, and why
@@ -663,7 +674,7 @@ class Capture:
             head_stats=(self.head_stats.to_dict() if self.head_stats is not None
                         and include_head_stats else None))
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self, with_head_stats: bool = True) -> dict[str, Any]:
         """The API server's periodic pull: this worker's snapshot without head statistics,
         its parallel placement, and the head statistics gathered since the last poll as
         compact bytes (the worker's accumulator restarts from zero; the API server keeps
@@ -674,7 +685,7 @@ class Capture:
         snap = self.snapshot(include_head_stats=False, flush=False).to_json()
         delta = None
         acc = self.head_stats
-        if acc is not None and acc.queries.any():
+        if with_head_stats and acc is not None and acc.queries.any():
             delta = acc.take_bytes()
         return {"snapshot": snap, "rank": dict(self.rank),
                 "total_kv_heads": self.total_kv_heads, "total_layers": self.total_layers,
@@ -689,18 +700,25 @@ def step_hook(cap: Capture, orig_fwd: Any) -> Any:
 
     @functools.wraps(orig_fwd)
     def _model_forward(runner: Any, *args: Any, **kwargs: Any) -> Any:
-        # The unsampled fast path, inlined: count, decrement, compare, and with the
+        # The unsampled fast path, inlined: decrement, compare, count, and with the
         # long-prefill stratum on, one look at the step's token count. The draw, the
         # stratum's own coin and all timing are in ``slow``.
-        cap.seen += 1
+        # The step is counted once it is done, after its outcome is recorded, so an export
+        # in between never reads it as unsampled (outcome counters cannot come back down).
         sampler.countdown -= 1
         if sampler.countdown > 0:
             if not long_on:
-                return orig_fwd(runner, *args, **kwargs)
+                out = orig_fwd(runner, *args, **kwargs)
+                cap.seen += 1
+                return out
             x = kwargs.get("input_ids")
             if x is not None and x.shape[0] < long_tokens:
-                return orig_fwd(runner, *args, **kwargs)
-        return slow(orig_fwd, runner, args, kwargs)
+                out = orig_fwd(runner, *args, **kwargs)
+                cap.seen += 1
+                return out
+        out = slow(orig_fwd, runner, args, kwargs)
+        cap.seen += 1
+        return out
 
     return _model_forward
 
@@ -777,9 +795,9 @@ def install(state: State) -> Capture | None:
                 state.errors.record("snapshot", exc)
                 return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
-        def attnprof_poll(self: Any) -> dict[str, Any]:
+        def attnprof_poll(self: Any, with_head_stats: bool = True) -> dict[str, Any]:
             try:
-                return cap.poll()
+                return cap.poll(with_head_stats)
             except Exception as exc:
                 state.errors.record("snapshot", exc)
                 return {"snapshot": {"pid": os.getpid(),
