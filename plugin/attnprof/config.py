@@ -150,7 +150,7 @@ class Config:
     """The API server answers snapshots from a cache at most this old."""
     rpc_timeout_s: float = 10.0
     """Longest wait for the workers' answer to a snapshot RPC (one in flight at most)."""
-    snapshot_max_bytes: int = 16 << 20
+    snapshot_max_bytes: int = 64 << 20
     """Largest snapshot body served; beyond it head statistics are left out."""
     otlp_histogram: str = "explicit"
     """OTLP histogram encoding: ``explicit`` (same buckets as Prometheus) or ``exponential``."""
@@ -176,7 +176,7 @@ class Config:
             fault_inject=_faults(env),
             snapshot_max_age_s=_float(env, "ATTNPROF_SNAPSHOT_MAX_AGE_S", 2.0, 0.0, 3600.0),
             rpc_timeout_s=_float(env, "ATTNPROF_RPC_TIMEOUT_S", 10.0, 0.0, 600.0, lo_open=True),
-            snapshot_max_bytes=_int(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", 16 << 20, 4096)
-            or (16 << 20),
+            snapshot_max_bytes=_int(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", 64 << 20, 4096)
+            or (64 << 20),
             otlp_histogram=otlp_histogram(env),
         )

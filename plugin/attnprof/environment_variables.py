@@ -110,9 +110,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         "snapshot is served with its age (the RPC itself is never started twice).",
     ),
     EnvVar(
-        "ATTNPROF_SNAPSHOT_MAX_BYTES", "int >= 4096", "16777216",
+        "ATTNPROF_SNAPSHOT_MAX_BYTES", "int >= 4096", "67108864",
         "Largest /attnprof/snapshot body; a larger one is served without head statistics "
-        "and says so (`truncated`).",
+        "and says so (`truncated`; suggest-window --url then stops with one line). Head "
+        "statistics of an 80-layer, 64-head model are about 17 MB.",
     ),
     EnvVar(
         "ATTNPROF_OTLP_HISTOGRAM", "explicit or exponential", "explicit",

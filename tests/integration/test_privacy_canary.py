@@ -71,6 +71,8 @@ class Canary:
     words: tuple[str, ...]
     id_seqs: dict[str, list[int]] = field(default_factory=dict)
     request_ids: list[str] = field(default_factory=list)
+    secrets: tuple[str, ...] = ()
+    """Strings that must never appear at all (the API key: SECURITY.md says never echoed)."""
 
 
 def int_runs(text: str) -> Iterator[str]:
@@ -85,6 +87,7 @@ def leaks(text: str, canary: Canary) -> list[str]:
     found = []
     low = text.lower()
     found += [f"canary word {w!r}" for w in canary.words if w.lower() in low]
+    found += ["the API key" for k in canary.secrets if k and k in text]
     for rid in canary.request_ids:
         for part in {rid, rid.split("-", 1)[-1]}:
             if len(part) >= 8 and part in text:
@@ -141,6 +144,11 @@ def otlp_texts(requests: Iterable[Any]) -> tuple[list[str], str]:
 
 
 # ----------------------------------------------------------------------------- no server
+
+
+def test_scanner_catches_the_api_key() -> None:
+    assert leaks("Authorization: Bearer s3cr3t-k3y", Canary((), secrets=("s3cr3t-k3y",)))
+    assert leaks("no key here", Canary((), secrets=("s3cr3t-k3y",))) == []
 
 
 def test_scanner_catches_injected_leaks() -> None:
@@ -273,7 +281,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     srv, rx, files = canary_server
     base = srv.base_url
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    canary = Canary(CANARY_WORDS)
+    canary = Canary(CANARY_WORDS, secrets=(TINY_API_KEY,))
     for w in CANARY_WORDS:
         for text in (w, " " + w):  # mid-prompt words carry the byte-level space
             canary.id_seqs[repr(text)] = tok(text, add_special_tokens=False)["input_ids"]

@@ -287,7 +287,8 @@ def test_owner_sigkill_watchdog_ends_the_whole_group(ignore_term: bool) -> None:
     owner.kill()
     owner.wait()
     took = _wait_gone(procs, None, 10.0)
-    assert took < (3.0 if ignore_term else 2.0), took  # grace 1 s + polling
+    # grace 1 s + polling; generous: a loaded 2-core CI machine schedules late
+    assert took < (8.0 if ignore_term else 6.0), took
     assert not tmp.exists()  # the run directory (metrics files) goes too
 
 

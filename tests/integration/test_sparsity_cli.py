@@ -218,3 +218,29 @@ def test_suggest_from_live_snapshot_and_prometheus(tiny_model: Path,
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_suggest_url_refuses_a_snapshot_whose_head_statistics_were_left_out(
+        tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+
+    from attnprof.aggregate.quantiles import QuantileSketch
+
+    sk = QuantileSketch()
+    for x in (50, 400):
+        sk.add(x)
+    _Endpoints.snapshot = {"schema_version": "attnprof.snapshot/1.4",
+                           "requests": {"context_tokens": {"sketch": sk.to_dict()}},
+                           "head_stats": None, "workers": [],
+                           "truncated": "head_stats left out: the body would be 70000000 "
+                                        "bytes, over ATTNPROF_SNAPSHOT_MAX_BYTES=67108864"}
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endpoints)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rc, out, err = run(["suggest-window", "--url", f"http://127.0.0.1:"
+                            f"{srv.server_address[1]}", "--model", str(tiny_model)], capsys)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert rc == 2 and out == ""
+    assert "ATTNPROF_SNAPSHOT_MAX_BYTES" in err and len(err.strip().splitlines()) == 1

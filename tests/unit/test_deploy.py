@@ -530,8 +530,11 @@ def test_sidecar_style_install_is_discovered_through_pythonpath(tmp_path: Path) 
     --target DIR`; a Python that only has DIR on PYTHONPATH finds vLLM's entry points and
     imports the plugin. A wrong hash installs nothing. Then the same for compose.yaml."""
     wheels = tmp_path / "wheels"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                        str(wheels), str(REPO)], capture_output=True, text=True, timeout=300)
+    # No build isolation: the environment's setuptools (a dependency of torch and vLLM)
+    # builds the wheel, so the test does not fetch setuptools from the index each run.
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(wheels), str(REPO)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = wheels.glob("attnprof-*.whl")
     h = subprocess.run([sys.executable, "-m", "pip", "hash", str(wheel)], capture_output=True,

@@ -28,13 +28,14 @@ def _soak() -> Any:
 
 
 def _violations(r: dict[str, Any]) -> list[str]:
-    """What breaks the bounds: the benchmark's 5 MB per million (with room for the noise of
-    a short run) in anonymous RSS, and a small allowance of Python blocks (gc and the export
-    thread's timing move it by hundreds; a leak of one object per request or sampled step
-    moves it by thousands)."""
+    """What breaks the bounds: the benchmark's 5 MB per million in anonymous RSS, with 3 MiB
+    of room for a short run inside a long pytest process (allocator arenas, an idle vLLM
+    server's fixtures), and a small allowance of Python blocks, the sharper gate here (gc and
+    the export thread's timing move it by hundreds; a leak of one object per request or
+    sampled step moves it by thousands)."""
     n = max(r["measured_steps"], r["measured_requests"])
     out = []
-    if r["rss_growth_bytes"] > (512 << 10) + 5 * n:
+    if r["rss_growth_bytes"] > (3 << 20) + 5 * n:
         out.append(f"anonymous RSS grew {r['rss_growth_bytes']} bytes over {n}")
     if r["blocks_growth"] > 2000 + n // 50:
         out.append(f"allocated blocks grew {r['blocks_growth']} over {n}")

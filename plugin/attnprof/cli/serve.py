@@ -72,6 +72,9 @@ def _run(args: argparse.Namespace) -> int:
     stop_signals = [signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
     for sig in stop_signals:
         signal.signal(sig, _stop)
+    # Ctrl-C too, explicitly: a wrapper started from a background job inherits SIGINT as
+    # ignored, and Python then installs no KeyboardInterrupt handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"attnprof: starting vLLM for {model}", file=sys.stderr)
     try:
         srv.start()

@@ -175,6 +175,11 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
             from attnprof.cli.snapshot import fetch_snapshot
 
             snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=True)
+            if snap.get("head_stats") is None and snap.get("truncated"):
+                # Never a silent recommendation without the statistics it is asked to use.
+                raise CliError(f"{args.url}: the server left the head statistics out "
+                               f"({snap['truncated']}); raise ATTNPROF_SNAPSHOT_MAX_BYTES on "
+                               "the server")
             dist = from_snapshot(snap, source=args.url)
             return check_lengths(dist, source), head_stats_from_snapshot(snap)
         from attnprof.tools.prometheus_query import query_prometheus

@@ -344,7 +344,7 @@ class AttnProfEndpoint:
                 body, age = await plugin.view.body(
                     want, cfg.snapshot_max_age_s if cfg else 2.0,
                     cfg.rpc_timeout_s if cfg else 10.0,
-                    cfg.snapshot_max_bytes if cfg else 16 << 20)
+                    cfg.snapshot_max_bytes if cfg else 64 << 20)
                 return Response(body, media_type="application/json",
                                 headers={"Age": str(int(age)), "Cache-Control": "no-store"})
             except Exception as exc:
