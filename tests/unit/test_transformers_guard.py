@@ -280,3 +280,24 @@ def test_at_most_one_device_sync_per_timed_call(monkeypatch: pytest.MonkeyPatch)
     assert not prof.errors
     assert prof.activation_map()[0]["calls"] == 3
     assert all(r.elapsed_s >= 0 for r in prof.records)
+
+
+def test_eager_without_a_findable_eager_function_is_left_unwrapped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A modeling file without ``eager_attention_forward`` (remote code, a class imported from
+    elsewhere): attnprof leaves eager attention as it is, counted, instead of installing a
+    wrapper that would raise into the model."""
+    import sys
+
+    m = tiny("eager")
+    batch = padded_batch()
+    owner = sys.modules[type(m.model.layers[0].self_attn).__module__]
+    with torch.no_grad():
+        ref = m(**batch).logits
+        monkeypatch.delattr(owner, "eager_attention_forward")
+        with attnprof.profile(m) as prof:
+            assert m.config._attn_implementation == "eager"  # not swapped
+    assert prof.error_count == 1 and "eager_attention_forward" in prof.errors[0]
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(ref, m(**batch).logits)

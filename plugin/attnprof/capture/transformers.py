@@ -285,9 +285,16 @@ class Profile:
                 self._layer_of[id(mod)] = int(m.group(1))
         n = next(_counter)
         keys: dict[str, str] = {}
+        eager_missing = self._eager_missing()
         for cfg in _configs(self.model):
             base = cfg._attn_implementation_internal or "eager"
             if isinstance(base, dict) or str(base).startswith(_KEY_PREFIX):
+                continue
+            if base == "eager" and eager_missing:
+                # Eager lives in each modeling file; where it cannot be found, leaving the
+                # model as it is beats a wrapper that would have nothing to call.
+                self._error("install", f"{eager_missing} has no eager_attention_forward in "
+                                       "its modeling module; eager attention left unwrapped")
                 continue
             key = keys.get(base)
             if key is None:
@@ -300,6 +307,19 @@ class Profile:
             cfg._attn_implementation_internal = key
         self._installed = True
         return self
+
+    def _eager_missing(self) -> str | None:
+        """The first attention module class whose modeling file has no
+        ``eager_attention_forward`` (None when every one has it)."""
+        for mod in self.model.modules():
+            name = type(mod).__name__
+            if not name.endswith("Attention"):
+                continue
+            owner = sys.modules.get(type(mod).__module__)
+            uses_interface = hasattr(owner, "ALL_ATTENTION_FUNCTIONS")
+            if uses_interface and getattr(owner, "eager_attention_forward", None) is None:
+                return name
+        return None
 
     def uninstrument(self) -> None:
         """Restore the model's attention implementation and drop the private registry keys."""

@@ -288,7 +288,8 @@ class VllmServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 literal
+        return f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
