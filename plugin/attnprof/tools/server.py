@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -156,10 +157,11 @@ def is_our_vllm(base_url: str, model_id: str | None, pgid: int | None,
     owned = _listener_in_group(port, pgid) if pgid is not None and port is not None else None
     if owned is False:
         return False
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         http_get(base_url + "/health", timeout=timeout)
-        req = urllib.request.Request(base_url + "/v1/models", headers=headers)
+        req = urllib.request.Request(base_url + "/v1/models")
+        if api_key:  # never forwarded on a redirect to another host
+            req.add_unredirected_header("Authorization", f"Bearer {api_key}")
         with urllib.request.urlopen(req, timeout=timeout) as r:
             models = json.loads(r.read())
     except urllib.error.HTTPError as err:
@@ -355,6 +357,20 @@ class VllmServer:
     def _start_watchdog(self) -> None:
         assert self.proc is not None and self._tmp is not None
         read_fd, self._watch_fd = os.pipe()  # both non-inheritable: vLLM holds neither end
+        # A fork of this process (multiprocessing) must not keep the write end open, or the
+        # watchdog would never see EOF when this process dies while the fork lives on.
+        ref = weakref.ref(self)
+
+        def _close_in_child() -> None:
+            srv = ref()
+            if srv is not None and srv._watch_fd is not None:
+                try:
+                    os.close(srv._watch_fd)
+                except OSError:
+                    pass
+                srv._watch_fd = None
+
+        os.register_at_fork(after_in_child=_close_in_child)
         try:
             self.watchdog = subprocess.Popen(
                 [sys.executable, "-c", _WATCHDOG, str(self.proc.pid), str(self.kill_grace_s),
