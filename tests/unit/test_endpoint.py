@@ -345,3 +345,18 @@ def test_the_sampling_switch_is_refused_when_no_key_is_configured(state: runtime
     r = asyncio.run(go())
     assert r.status_code == 403 and "API key" in r.json()["error"]
     assert eng.calls == []
+
+
+def test_only_the_first_of_several_api_servers_takes_head_statistics(
+        state: runtime.State) -> None:
+    class Core:
+        client_index = 1  # vLLM's second API server
+
+    eng = FakeEngine()
+    eng.engine_core = Core()  # type: ignore[attr-defined]
+    app = _app(eng, [KEY])
+    (r,) = asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
+    body = r.json()
+    assert eng.calls == [("attnprof_poll", (False,))]  # deltas stay for API server 0
+    assert body["head_stats"] is None and "first API server" in body["truncated"]
+    assert "first API server" in body["window_advice"]["error"]

@@ -99,6 +99,10 @@ class LiveView:
 
     def __init__(self, engine_client: Any) -> None:
         self.engine_client = engine_client
+        # With several API servers (vLLM's --api-server-count), each would take a disjoint
+        # share of the workers' deltas: only the first keeps the head statistics and advice.
+        index = getattr(getattr(engine_client, "engine_core", None), "client_index", 0)
+        self.keeps_head_stats = not isinstance(index, int) or index == 0
         self.workers: list[WorkerSnapshot] = []
         self.head_stats: Any = None  # global HeadStatsAccumulator
         self.advice: WindowAdvice | AdviceUnavailable | None = None
@@ -140,7 +144,8 @@ class LiveView:
         if self.engine_client is not None:
             self.rpcs += 1
             try:
-                answers = await rpc_all(self.engine_client, "attnprof_poll", head_stats)
+                answers = await rpc_all(self.engine_client, "attnprof_poll",
+                                        head_stats and self.keeps_head_stats)
             except Exception as exc:  # the engine may not be ours to query
                 error = f"{type(exc).__name__}: {exc}"
         await asyncio.to_thread(self._fold, answers)
@@ -198,6 +203,10 @@ class LiveView:
         st = runtime.STATE
         try:
             fault_point("advice")
+            if not self.keeps_head_stats:
+                self.advice = AdviceUnavailable("the window advice is kept by vLLM's first API "
+                                                "server (this server runs several)")
+                return
             if st.errors.is_off("advice"):
                 self.advice = AdviceUnavailable("window advice disabled after internal errors "
                                                 "(attnprof_capture_disabled{place=\"advice\"})")
@@ -262,6 +271,9 @@ class LiveView:
             errors=SnapshotErrors(api_server=dict(st.errors.by_place),
                                   collective_rpc=timed_out or self.rpc_error),
             window_advice=self.advice, age_s=round(age, 3))
+        if with_head_stats and not self.keeps_head_stats:
+            snap.truncated = ("head_stats left out: they are kept by vLLM's first API server "
+                              "(this server runs several); ask that one")
         if with_head_stats and self.head_stats is not None:
             with self._hs_lock:  # not while a refresh merges into it
                 snap.head_stats = self.head_stats.to_dict()
