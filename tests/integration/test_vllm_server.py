@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import pytest
@@ -57,7 +58,11 @@ def test_request_is_served_and_every_layer_is_captured(tiny_server: Any) -> None
     steps = worker["steps"]
     assert 0 < steps["decode"]["attention_share"] < 1
     assert worker["sampler"]["sampled"] > 0 and worker["errors"] == {}
-    metrics = http_get(tiny_server.base_url + "/metrics")
+    # Workers export every second (the snapshot's poll does not flush them: it would lengthen
+    # the engine's pause), so /metrics may lag the snapshot by up to that interval.
+    metrics = poll_metrics(tiny_server.base_url, lambda t: all(metric_value(
+        t, "attnprof_attention_time_seconds_total", layer=lay, backend="CPU_ATTN")
+        for lay in ("0", "1")))
     for lay in ("0", "1"):
         t = metric_value(metrics, "attnprof_attention_time_seconds_total", layer=lay,
                          backend="CPU_ATTN")
@@ -75,7 +80,16 @@ def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) ->
                " ".join(["latency throughput engineer traffic"] * 20)]
     gen = [3, 5, 7]
     n_prompt = [len(tok(p)["input_ids"]) for p in prompts]
+    # Earlier tests' last requests reach /metrics within the export interval (1 s): read the
+    # baseline once it has stopped moving.
     before = http_get(tiny_server.base_url + "/metrics")
+    for _ in range(20):
+        time.sleep(1.2)
+        again = http_get(tiny_server.base_url + "/metrics")
+        if metric_value(again, "attnprof_request_context_tokens_count", model="tiny") == \
+                metric_value(before, "attnprof_request_context_tokens_count", model="tiny"):
+            break
+        before = again
     c0 = metric_value(before, "attnprof_request_context_tokens_count", model="tiny") or 0.0
     s0 = metric_value(before, "attnprof_request_context_tokens_sum", model="tiny") or 0.0
     p0 = metric_value(before, "attnprof_request_prompt_tokens_sum", model="tiny") or 0.0

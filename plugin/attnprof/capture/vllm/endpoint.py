@@ -154,6 +154,9 @@ class LiveView:
             await self._advise()
         self.refreshed_at = time.monotonic()
         self._bodies.clear()
+        # This process's exporters too (a thread, off the engine's path), so the request
+        # metrics on /metrics agree with the snapshot right away; workers flush every second.
+        await asyncio.to_thread(runtime.STATE.flush)
 
     def _fold(self, answers: list[Any]) -> None:
         """Parse worker answers and merge their head-statistics deltas (thread)."""
