@@ -37,7 +37,7 @@ _AREA_OF = {
     "stat_logger": "stat_logger", "stat_logger_init": "stat_logger",
     "export_source_requests": "stat_logger",
     "endpoint": "endpoint", "snapshot_parse": "endpoint", "sampling_switch": "endpoint",
-    "window_advice": "advice", "advice": "advice", "export_source_advice": "advice",
+    "window_advice": "advice",
     "export": "export", "flusher": "export", "run_dir": "export",
     "export_source_process": "export",
 }

@@ -152,8 +152,12 @@ def test_ranks_with_one_seed_sample_the_same_steps() -> None:
     ranks = [StepSampler(0.05, seed=None) for _ in range(2)]
     for r in ranks:
         r.reseed(1234)  # the server's shared seed, learnt at model build
-    picks = [[i for i in range(20000) if r.tick() or (r.long_prefill(2048) and False)]
-             for r in ranks]
+    picks: list[list[int]] = [[], []]
+    for i in range(20000):
+        for r, got in zip(ranks, picks, strict=True):
+            r.long_prefill(2048)  # the stratum's coin comes from the same stream, in step
+            if r.tick():
+                got.append(i)
     assert picks[0] == picks[1] and len(picks[0]) > 500
 
 

@@ -128,10 +128,11 @@ class LiveView:
         deadline = time.monotonic() + timeout
         task = self._task
         if task is not None and not task.done():
-            if (self._task_kind[0] or not want[0]) and (self._task_kind[1] or not want[1]):
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-                return
+            covers = all(have or not need for have, need in zip(self._task_kind, want,
+                                                                strict=True))
             await asyncio.wait_for(asyncio.shield(task), timeout)
+            if covers:
+                return
         if self._task is None or self._task.done():
             self._task_kind = want
             self._task = asyncio.ensure_future(self._refresh(*want))

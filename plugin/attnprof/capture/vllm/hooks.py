@@ -540,9 +540,8 @@ class Capture:
                 if len(self._pending) >= PENDING_STEPS_MAX:
                     self._pending.popleft()
                     self.errors.drop("gpu_events_pending")
-                self._pending.append(_PendingStep(ev0, ev1, self._calls, outcome, self._hs_time))
-                if blind:
-                    self._pending[-1].outcome = "blind"
+                self._pending.append(_PendingStep(ev0, ev1, self._calls,
+                                                  "blind" if blind else outcome, self._hs_time))
             else:
                 # head statistics are ours, not the model's
                 self._finish_step(t1 - t0 - self._hs_time, outcome, self._calls, blind)
