@@ -1,6 +1,7 @@
-"""A loopback OTLP metrics receiver for tests: http/protobuf and gRPC, decoded with the
-official protobuf messages. Modes: ``normal``, ``refusing`` (HTTP 503 / gRPC UNAVAILABLE),
-``slow`` (sleep ``delay`` seconds, then answer normally)."""
+"""A loopback OTLP receiver for tests: metrics and traces, http/protobuf (``/v1/metrics``,
+``/v1/traces``) and gRPC (MetricsService, TraceService), decoded with the official protobuf
+messages. Modes: ``normal``, ``refusing`` (HTTP 503 / gRPC UNAVAILABLE), ``slow`` (sleep
+``delay`` seconds, then answer normally)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as pb
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as pbg
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpbg
 
 from tests.conftest import free_port as free_port  # re-exported: the OTLP tests and benchmarks
 
@@ -23,6 +26,7 @@ class OtlpReceiver:
         assert protocol in ("http/protobuf", "grpc") and mode in ("normal", "refusing", "slow")
         self.protocol, self.mode, self.delay = protocol, mode, delay
         self.requests: list[pb.ExportMetricsServiceRequest] = []
+        self.trace_requests: list[tpb.ExportTraceServiceRequest] = []
         self.headers: list[dict[str, str]] = []
         self.hits = 0
         self._lock = threading.Lock()
@@ -47,6 +51,41 @@ class OtlpReceiver:
             self.requests.append(req)
             self.headers.append(headers)
         return True
+
+    def _handle_traces(self, body: bytes | tpb.ExportTraceServiceRequest) -> bool:
+        """Store a trace export; False when refusing."""
+        if self.mode == "refusing":
+            return False
+        req = body if isinstance(body, tpb.ExportTraceServiceRequest) else \
+            tpb.ExportTraceServiceRequest.FromString(body)
+        with self._lock:
+            self.trace_requests.append(req)
+        return True
+
+    def spans(self) -> list[tuple[dict[str, Any], Any]]:
+        """Every span received so far, with its resource's attributes."""
+        out = []
+        with self._lock:
+            reqs = list(self.trace_requests)
+        for req in reqs:
+            for rs in req.resource_spans:
+                res = {a.key: getattr(a.value, a.value.WhichOneof("value") or "string_value")
+                       for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    out.extend((res, sp) for sp in ss.spans)
+        return out
+
+    def wait_for_spans(self, check: Any, timeout: float = 10.0) -> list[tuple[dict[str, Any],
+                                                                              Any]]:
+        """The spans once ``check(spans)`` holds (AssertionError after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.spans()
+            if check(got):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(got)} spans received; the check still fails")
+            time.sleep(0.05)
 
     @property
     def endpoint(self) -> str:
@@ -92,16 +131,20 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path != "/v1/metrics":
+                if self.path == "/v1/traces":
+                    ok = receiver._handle_traces(body)
+                    out = tpb.ExportTraceServiceResponse().SerializeToString()
+                elif self.path == "/v1/metrics":
+                    ok = receiver._handle(body, {k.lower(): v for k, v in self.headers.items()})
+                    out = pb.ExportMetricsServiceResponse().SerializeToString()
+                else:
                     self.send_response(404)
                     self.end_headers()
                     return
-                ok = receiver._handle(body, {k.lower(): v for k, v in self.headers.items()})
                 if not ok:
                     self.send_response(503)
                     self.end_headers()
                     return
-                out = pb.ExportMetricsServiceResponse().SerializeToString()
                 try:
                     self.send_response(200)
                     self.send_header("Content-Type", "application/x-protobuf")
@@ -138,9 +181,16 @@ class OtlpReceiver:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "refusing")
                 return pb.ExportMetricsServiceResponse()
 
+        class TraceServicer(tpbg.TraceServiceServicer):  # type: ignore[misc]
+            def Export(self, request: Any, context: Any) -> Any:
+                if not receiver._handle_traces(request):
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "refusing")
+                return tpb.ExportTraceServiceResponse()
+
         self._grpc = grpc.server(futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="otlp-receiver-grpc"))
         pbg.add_MetricsServiceServicer_to_server(Servicer(), self._grpc)
+        tpbg.add_TraceServiceServicer_to_server(TraceServicer(), self._grpc)
         self.port = self._grpc.add_insecure_port("127.0.0.1:0")
         self._grpc.start()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["OTLP_HISTOGRAMS", "Config", "ConfigError", "api_tokens", "default_home",
-           "otlp_histogram"]
+           "otlp_histogram", "otlp_spans"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -94,6 +94,11 @@ def otlp_histogram(env: Mapping[str, str]) -> str:
     return _choice(env, "ATTNPROF_OTLP_HISTOGRAM", OTLP_HISTOGRAMS) or "explicit"
 
 
+def otlp_spans(env: Mapping[str, str]) -> bool:
+    """``ATTNPROF_OTLP_SPANS``: send sampled steps as OpenTelemetry spans (off by default)."""
+    return _bool(env, "ATTNPROF_OTLP_SPANS", False)
+
+
 def default_home(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     raw = env.get("ATTNPROF_HOME")
@@ -154,6 +159,8 @@ class Config:
     """Largest snapshot body served; beyond it head statistics are left out."""
     otlp_histogram: str = "explicit"
     """OTLP histogram encoding: ``explicit`` (same buckets as Prometheus) or ``exponential``."""
+    otlp_spans: bool = False
+    """Send every sampled step (with per-layer child spans) as OTLP spans."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -179,4 +186,5 @@ class Config:
             snapshot_max_bytes=_int(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", 64 << 20, 4096)
             or (64 << 20),
             otlp_histogram=otlp_histogram(env),
+            otlp_spans=otlp_spans(env),
         )

@@ -123,6 +123,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "two (other bounds stay explicit, with one warning); the request histograms then use "
         "power-of-two bounds, on /metrics too.",
     ),
+    EnvVar(
+        "ATTNPROF_OTLP_SPANS", "bool", "0",
+        "Send every sampled step as an OpenTelemetry span (per-layer attention as child spans: "
+        "backend, kernel, phase, tokens, sequence lengths; never prompt text, token ids or "
+        "request ids) to the metrics' OTLP endpoint (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT). "
+        "Built after the fact on each worker's export thread, never on the serving path. "
+        "Needs an OTLP endpoint; set without one, start-up fails with one line.",
+    ),
 )
 
 

@@ -42,7 +42,7 @@ from urllib.parse import unquote, urlparse
 
 from attnprof._safety import fault_point
 from attnprof.aggregate.histogram import HistogramState
-from attnprof.config import ConfigError, otlp_histogram
+from attnprof.config import ConfigError, otlp_histogram, otlp_spans
 from attnprof.exporters.catalog import spec
 from attnprof.exporters.samples import HistogramSample, MetricSample
 
@@ -52,6 +52,7 @@ __all__ = [
     "OtlpConfig",
     "OtlpExportError",
     "OtlpSink",
+    "OtlpSpanSink",
     "attributes",
     "exponential_buckets",
     "otlp_config_from_env",
@@ -97,6 +98,11 @@ class OtlpConfig:
     """Parsed ``OTEL_RESOURCE_ATTRIBUTES``."""
     histogram: str = "explicit"
     """``explicit`` or ``exponential`` (``ATTNPROF_OTLP_HISTOGRAM``)."""
+    spans: bool = False
+    """Send sampled steps as spans (``ATTNPROF_OTLP_SPANS``)."""
+    traces_endpoint: str = ""
+    """Where spans go: http/protobuf a full URL incl. ``/v1/traces``; grpc ``host:port`` URL."""
+    traces_protocol: str = "http/protobuf"
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -157,8 +163,13 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
 
     Raises :class:`ConfigError` (one line naming the variable) for a bad value.
     """
+    spans = otlp_spans(env)
     ep = _first(env, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
     if ep is None:
+        if spans:
+            raise ConfigError("ATTNPROF_OTLP_SPANS=1 needs an OTLP endpoint "
+                              "(OTEL_EXPORTER_OTLP_ENDPOINT or "
+                              "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT)")
         return None
     ep_var, raw_ep = ep
     proto = _first(env, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -193,9 +204,43 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
     else:
         _require("opentelemetry.exporter.otlp.proto.http", ep_var,
                  "opentelemetry-exporter-otlp-proto-http")
+    traces_endpoint, traces_protocol = "", protocol
+    if spans:
+        traces_endpoint, traces_protocol = _traces_endpoint(env, ep_var, raw_ep, protocol)
+        _require("opentelemetry.sdk.trace", "ATTNPROF_OTLP_SPANS", "opentelemetry-sdk")
     return OtlpConfig(endpoint=endpoint, protocol=protocol, headers=headers,
                       interval_s=interval / 1000, timeout_s=timeout / 1000,
-                      service_name=service, resource_attributes=res, histogram=histogram)
+                      service_name=service, resource_attributes=res, histogram=histogram,
+                      spans=spans, traces_endpoint=traces_endpoint,
+                      traces_protocol=traces_protocol)
+
+
+def _traces_endpoint(env: Mapping[str, str], ep_var: str, raw_ep: str,
+                     protocol: str) -> tuple[str, str]:
+    """Where spans go: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (and ``..._PROTOCOL``) when set,
+    else the metrics' collector (its ``/v1/metrics`` path swapped for ``/v1/traces``)."""
+    proto = _first(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    if proto and proto[1] not in PROTOCOLS:
+        raise ConfigError(f"{proto[0]}={env[proto[0]]!r} must be one of {', '.join(PROTOCOLS)}")
+    tproto = proto[1] if proto else protocol
+    own = _first(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if own is not None:
+        try:
+            url = urlparse(own[1])
+            _ = url.port
+        except ValueError:
+            raise ConfigError(f"{own[0]}={own[1]!r} is not a valid URL") from None
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError(f"{own[0]}={own[1]!r} needs a scheme and host, e.g. "
+                              "http://collector:4318/v1/traces")
+        return own[1], tproto
+    if tproto == "grpc":
+        url = urlparse(raw_ep)
+        return f"{url.scheme}://{url.netloc}", tproto
+    base = raw_ep.rstrip("/")
+    if ep_var == "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT":
+        base = base.removesuffix("/v1/metrics")
+    return base + "/v1/traces", tproto
 
 
 # ----------------------------------------------------------------------------- naming
@@ -681,5 +726,174 @@ class OtlpSink:
         if self.on_error is not None:
             try:
                 self.on_error("export_otlp", exc)
+            except Exception:
+                pass
+
+
+# ----------------------------------------------------------------------------- spans
+
+SPAN_STEP = "attnprof.step"
+SPAN_ATTENTION = "attnprof.attention"
+
+
+def step_span_attributes(step: Any, model: str) -> dict[str, Any]:
+    """A step span's attributes (the live trace's step args): shapes and rates only."""
+    return {"gen_ai.request.model": model, "attnprof.phase": step.phase,
+            "attnprof.outcome": step.outcome, "attnprof.tokens": step.tokens,
+            "attnprof.num_requests": step.num_reqs, "attnprof.max_seq_len": step.max_seq_len,
+            "attnprof.mean_seq_len": float(step.mean_seq_len),
+            "attnprof.effective_sample_rate": float(step.effective_rate),
+            "attnprof.layers": len(step.layers)}
+
+
+def layer_span_attributes(r: Any) -> dict[str, Any]:
+    """A layer's attention span attributes (the live trace's layer args)."""
+    return {"attnprof.layer": r.layer, "attnprof.backend": r.backend,
+            "attnprof.kernel": r.kernel, "attnprof.phase": r.phase,
+            "attnprof.tokens": r.tokens, "attnprof.num_requests": r.num_reqs,
+            "attnprof.max_seq_len": r.max_seq_len,
+            "attnprof.mean_seq_len": float(r.mean_seq_len)}
+
+
+def _make_span_exporter(config: OtlpConfig) -> Any:
+    headers = dict(config.headers) or None
+    if config.traces_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        return GrpcSpanExporter(endpoint=config.traces_endpoint,
+                                insecure=urlparse(config.traces_endpoint).scheme == "http",
+                                headers=headers, timeout=config.timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
+
+    return HttpSpanExporter(endpoint=config.traces_endpoint, headers=headers,
+                            timeout=config.timeout_s)
+
+
+class OtlpSpanSink:
+    """Export-hub sink sending sampled steps as OTLP spans (``ATTNPROF_OTLP_SPANS=1``).
+
+    The hub's thread calls :meth:`export` once a second: it drains ``take()`` (the worker's
+    queue of :class:`~attnprof.aggregate.trace.StepTrace`) and builds, after the fact with
+    their recorded start/end nanoseconds, one span per step and one child span per layer's
+    attention call; the SDK's BatchSpanProcessor sends them from its own thread. Nothing here
+    runs on the serving path; nothing raises (failures go to ``on_error``, never the host).
+    """
+
+    name = "otlp_spans"
+
+    def __init__(self, config: OtlpConfig, role: str, take: Callable[[], list[Any]],
+                 model: Callable[[], str] = lambda: "unknown",
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        self.config = config
+        self.role = role
+        self.take = take
+        self.model = model
+        self.on_error = on_error
+        self.spans = 0
+        """Spans handed to the SDK in this process."""
+        self._pid = os.getpid()
+        self._provider: Any = None
+        self._tracer: Any = None
+        self._closed = False
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            sink = ref()
+            if sink is not None and sink._pid == os.getpid():
+                sink.shutdown()
+
+        atexit.register(at_exit)
+
+    def export(self, samples: Iterable[MetricSample] = ()) -> None:
+        """Send the queued steps as spans (the metric samples are not this sink's). A flush
+        from the main thread (a snapshot RPC between a worker's steps) leaves them queued for
+        the export thread: building spans is never the engine's wait."""
+        if threading.current_thread() is threading.main_thread():
+            return
+        self._drain()
+
+    def _drain(self) -> None:
+        try:
+            if self._closed:
+                return
+            steps = self.take()
+            if not steps:
+                return
+            if self._provider is None or self._pid != os.getpid():
+                self._build()
+            model = self.model()
+            for step in steps:
+                self._emit(step, model)
+        except Exception as exc:
+            self._report(exc)
+
+    def _build(self) -> None:
+        import concurrent.futures.thread  # noqa: F401  (fork-hook order, see OtlpSink._build)
+
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+        self._pid = os.getpid()
+        resource = Resource(resource_attributes(self.config, self.role, str(uuid.uuid4())))
+        # ALWAYS_ON: attnprof's own sampler already chose these steps.
+        provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
+        provider.add_span_processor(BatchSpanProcessor(
+            _make_span_exporter(self.config),
+            export_timeout_millis=int(1000 * self.config.timeout_s)))
+        self._provider = provider
+        self._tracer = provider.get_tracer(SCOPE, _version("attnprof"))
+
+    def _emit(self, step: Any, model: str) -> None:
+        from opentelemetry import trace
+
+        end = step.start_ns + max(0, step.dur_ns)
+        span = self._tracer.start_span(SPAN_STEP, start_time=step.start_ns,
+                                       attributes=step_span_attributes(step, model))
+        ctx = trace.set_span_in_context(span)
+        for r in step.layers:
+            c0 = min(step.start_ns + r.offset_ns, end)
+            child = self._tracer.start_span(SPAN_ATTENTION, context=ctx, start_time=c0,
+                                            attributes=layer_span_attributes(r))
+            child.end(end_time=min(end, c0 + max(0, r.dur_ns)))
+            self.spans += 1
+        span.end(end_time=end)
+        self.spans += 1
+
+    def force_flush(self, timeout_s: float | None = None) -> bool:
+        """Send what the SDK holds now; True when it did."""
+        if self._provider is None or self._pid != os.getpid():
+            return False
+        try:
+            wait = timeout_s if timeout_s is not None else self.config.timeout_s
+            return bool(self._provider.force_flush(int(1000 * wait)))
+        except Exception as exc:
+            self._report(exc)
+            return False
+
+    def shutdown(self) -> None:
+        """Send what is queued and stop the SDK's thread (bounded by the export timeout)."""
+        if self._closed:
+            return
+        try:
+            self._drain()  # at exit: what is still queued goes out too
+        finally:
+            self._closed = True
+        if self._provider is None or self._pid != os.getpid():
+            return
+        try:
+            self._provider.shutdown()
+        except Exception as exc:
+            self._report(exc)
+
+    def _report(self, exc: BaseException) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error("export_otlp_spans", exc)
             except Exception:
                 pass

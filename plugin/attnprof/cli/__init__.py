@@ -19,8 +19,8 @@ from attnprof.cli._common import CliError
 __all__ = ["CliError", "main"]
 
 # Module names under attnprof.cli, in --help order.
-SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "env", "profile", "compat", "suggest",
-               "validate")
+SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "trace", "env", "profile", "compat",
+               "suggest", "validate")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -40,7 +41,7 @@ from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.jsonsafe import dumps, dumps_yielding
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
-__all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "LiveView", "TokenCheck"]
+__all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "LiveTrace", "LiveView", "TokenCheck"]
 
 logger = logging.getLogger("attnprof")
 SCHEMA_VERSION = Snapshot.version_tag()
@@ -307,6 +308,161 @@ class LiveView:
             timeout))
 
 
+TRACE_DEFAULT_STEPS = 8
+TRACE_DEFAULT_TIMEOUT_S = 30.0
+TRACE_MAX_TIMEOUT_S = 300.0
+TRACE_POLL_S = 0.2
+"""How often the trace route asks the workers how many steps they have (a tiny RPC)."""
+
+
+class TraceBusy(RuntimeError):
+    """A live trace is already being recorded by this API server (the route answers 409)."""
+
+
+def trace_params(query: Any) -> tuple[int, float]:
+    """``steps`` (1..1000, default 8) and ``timeout`` seconds ((0, 300], default 30) from the
+    query string; ``ValueError`` with a one-line message otherwise."""
+    from attnprof.aggregate.trace import MAX_STEPS
+
+    raw = query.get("steps")
+    try:
+        steps = TRACE_DEFAULT_STEPS if raw is None else int(raw)
+    except ValueError:
+        raise ValueError(f"steps must be an integer in [1, {MAX_STEPS}], got {raw!r}") from None
+    if not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be an integer in [1, {MAX_STEPS}], got {raw!r}")
+    raw_t = query.get("timeout")
+    try:
+        timeout = TRACE_DEFAULT_TIMEOUT_S if raw_t is None else float(raw_t)
+    except ValueError:
+        timeout = -1.0
+    if not 0.0 < timeout <= TRACE_MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be seconds in (0, {TRACE_MAX_TIMEOUT_S:g}], "
+                         f"got {raw_t!r}")
+    return steps, timeout
+
+
+class LiveTrace:
+    """``GET /attnprof/trace``: arm every worker, wait (asyncio sleeps, never blocking the
+    loop) until each has recorded the next N sampled steps or the timeout passes, take the
+    records, render them as a Chrome/Perfetto trace in a thread. One trace at a time per API
+    server: a second request while one records gets :class:`TraceBusy` (409)."""
+
+    def __init__(self, engine_client: Any) -> None:
+        self.engine_client = engine_client
+        self._busy = False
+        self.served = 0
+
+    async def record(self, steps: int, timeout: float, rpc_timeout: float,
+                     max_bytes: int) -> bytes:
+        """The trace body (JSON bytes). Raises :class:`TraceBusy`, ``TimeoutError`` (a worker
+        RPC did not answer within ``rpc_timeout``), or the RPC's own error."""
+        if self._busy:
+            raise TraceBusy("a trace is already being recorded")
+        self._busy = True
+        try:
+            return await self._record(steps, timeout, rpc_timeout, max_bytes)
+        finally:
+            self._busy = False
+
+    async def _rpc(self, rpc_timeout: float, *args: Any) -> list[dict[str, Any]]:
+        if self.engine_client is None:
+            return []
+        got = await asyncio.wait_for(rpc_all(self.engine_client, "attnprof_trace", *args),
+                                     rpc_timeout)
+        return [a for a in got if isinstance(a, dict)]
+
+    async def _record(self, steps: int, timeout: float, rpc_timeout: float,
+                      max_bytes: int) -> bytes:
+        st = runtime.STATE
+        trace_id = secrets.token_hex(8)
+        kv: list[tuple[int, float]] = []
+        t_start = time.monotonic()
+        self._kv_sample(kv)
+        # Workers stop recording by themselves a little after our deadline.
+        armed = await self._rpc(rpc_timeout, "arm", trace_id, steps, timeout + rpc_timeout)
+        pids = {a.get("pid") for a in armed if a.get("armed")}
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        while pids:
+            await asyncio.sleep(TRACE_POLL_S)
+            self._kv_sample(kv)
+            counts = await self._rpc(rpc_timeout, "count", trace_id)
+            # -1: another API server armed a trace since (ours lost those workers).
+            if all(c.get("steps", 0) >= steps or c.get("steps", 0) < 0 for c in counts
+                   if c.get("pid") in pids):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+        taken = await self._rpc(rpc_timeout, "take", trace_id) if pids else []
+        self._kv_sample(kv)
+        meta = {"model": st.model_label, "requested_steps": steps, "timed_out": timed_out,
+                "timeout_s": timeout, "wall_s": round(time.monotonic() - t_start, 3),
+                "workers_armed": len(pids),
+                "errors": [a["error"] for a in (*armed, *taken) if a.get("error")]}
+        body = await asyncio.to_thread(_render_trace, taken, kv, meta, max_bytes)
+        self.served += 1
+        return body
+
+    @staticmethod
+    def _kv_sample(out: list[tuple[int, float]]) -> None:
+        # The stat logger's latest scheduler KV usage, as of now (API server only).
+        req = runtime.STATE.requests
+        usage = getattr(req, "kv_cache_usage", None) if req is not None else None
+        if isinstance(usage, (int, float)):
+            out.append((time.time_ns(), float(usage)))
+
+
+def _render_trace(taken: list[dict[str, Any]], kv: list[tuple[int, float]],
+                  meta: dict[str, Any], max_bytes: int) -> bytes:
+    """Workers' records -> trace JSON bytes (thread). Over ``max_bytes``, the later steps of
+    each worker are left out (``otherData.attnprof.truncated`` says so)."""
+    from attnprof.aggregate.trace import StepTrace
+    from attnprof.exporters.chrome_trace import TraceProcess, render_steps
+
+    st = runtime.STATE
+    procs: list[TraceProcess] = []
+    per_worker: dict[str, int] = {}
+    truncated: str | None = None
+    for i, a in enumerate(sorted(taken, key=lambda a: (a.get("rank") or {}).get("tp_rank", 0))):
+        steps = []
+        for raw in a.get("steps") or []:
+            try:
+                steps.append(StepTrace.from_json(raw))
+            except (KeyError, TypeError, ValueError) as exc:
+                st.errors.record("snapshot_parse", exc)
+        r = a.get("rank") or {}
+        pid = int(a.get("pid") or 0)
+        name = (f"{a.get('process') or 'vLLM worker'} (tp {r.get('tp_rank', 0)}/"
+                f"{r.get('tp_size', 1)}, pp {r.get('pp_rank', 0)}, dp {r.get('dp_rank', 0)})")
+        procs.append(TraceProcess(pid, name, steps, sort_index=i + 1))
+        per_worker[str(pid)] = len(steps)
+        if a.get("truncated"):
+            truncated = "a worker reached its bound on layer ranges"
+    api = os.getpid()
+    procs.append(TraceProcess(api, "vLLM API server", [], thread_name="scheduler",
+                              sort_index=0))
+    counters = [(api, "KV cache usage", t, {"usage": u}) for t, u in kv]
+    keep = None
+    while True:
+        if keep is not None:
+            for p in procs:
+                p.steps = p.steps[:keep]
+        doc = render_steps(procs, counters, {"attnprof": {
+            **meta, "kind": "attnprof.trace", "steps_per_worker": per_worker,
+            "complete": bool(per_worker) and all(n >= meta["requested_steps"]
+                                                 for n in per_worker.values()),
+            "truncated": truncated}})
+        body = dumps_yielding(doc).encode()
+        most = max((len(p.steps) for p in procs), default=0)
+        if len(body) <= max_bytes or most <= 1:
+            return body
+        keep = max(1, int(most * max_bytes / len(body) * 0.9))
+        truncated = (f"steps after the first {keep} per worker left out: the body would be "
+                     f"over ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")
+
+
 def _rate(body: dict[str, Any], key: str) -> float | None:
     v = body.get(key)
     if v is None:
@@ -323,6 +479,7 @@ class AttnProfEndpoint:
     def __init__(self) -> None:
         self.engine_client: Any = None
         self.view = LiveView(None)
+        self.trace = LiveTrace(None)
         self.auth = TokenCheck(api_tokens())
         self._task: asyncio.Task[None] | None = None
 
@@ -368,6 +525,44 @@ class AttnProfEndpoint:
                 return JSONResponse({"error": f"attnprof: internal error (counted): "
                                               f"{type(exc).__name__}"}, status_code=500)
 
+        @app.get("/attnprof/trace")  # type: ignore[untyped-decorator]
+        async def attnprof_trace(request: Request) -> Any:
+            """The next ``steps`` sampled steps of every worker as a Chrome/Perfetto trace,
+            waiting at most ``timeout`` seconds (``?steps=8&timeout=30``)."""
+            if (denied := refuse(request)) is not None:
+                return denied
+            if (off := tripped()) is not None:
+                return off
+            try:
+                steps, timeout = trace_params(request.query_params)
+            except ValueError as err:
+                return JSONResponse({"error": f"attnprof: {err}"}, status_code=400)
+            st = runtime.STATE
+            if not st.enabled:
+                return JSONResponse({"traceEvents": [], "otherData": {"attnprof": {
+                    "kind": "attnprof.trace", "enabled": False, "model": st.model_label}}})
+            cfg = st.config
+            try:
+                fault_point("endpoint")
+                body = await plugin.trace.record(
+                    steps, timeout, cfg.rpc_timeout_s if cfg else 10.0,
+                    cfg.snapshot_max_bytes if cfg else 64 << 20)
+                return Response(body, media_type="application/json",
+                                headers={"Cache-Control": "no-store"})
+            except TraceBusy:
+                return JSONResponse({"error": "attnprof: a trace is already being recorded "
+                                              "on this server; retry when it is done"},
+                                    status_code=409)
+            except TimeoutError as exc:  # slow workers are not attnprof's bug: no breaker
+                st.errors.note("trace_timeout", exc)
+                return JSONResponse({"error": "attnprof: the workers did not answer the trace "
+                                              "RPC within ATTNPROF_RPC_TIMEOUT_S"},
+                                    status_code=504)
+            except Exception as exc:
+                st.errors.record("endpoint", exc)
+                return JSONResponse({"error": f"attnprof: internal error (counted): "
+                                              f"{type(exc).__name__}"}, status_code=500)
+
         @app.post("/attnprof/sampling")  # type: ignore[untyped-decorator]
         async def attnprof_sampling(request: Request) -> Any:
             """Switch the step sample rate and/or head-statistics rate in every worker:
@@ -406,6 +601,7 @@ class AttnProfEndpoint:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         self.engine_client = engine_client
         self.view = LiveView(engine_client)
+        self.trace = LiveTrace(engine_client)
         self.auth = TokenCheck(api_tokens(vllm_api_key=getattr(args, "api_key", None)))
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:

@@ -37,6 +37,7 @@ from attnprof.aggregate.layers import (
     layer_index,
 )
 from attnprof.aggregate.sampler import StepSampler
+from attnprof.aggregate.trace import LayerRange, StepTrace, TraceBuffer
 from attnprof.capture.vllm.runtime import State
 from attnprof.contracts.snapshot import (
     HeadStatsCost,
@@ -200,15 +201,16 @@ def _capturing_graph() -> bool:
 class _PendingStep:
     """A sampled GPU step whose events are read later, once they have completed."""
 
-    __slots__ = ("calls", "end", "hs_time", "outcome", "start")
+    __slots__ = ("calls", "end", "hs_time", "outcome", "start", "wall_ns")
 
     def __init__(self, start: Any, end: Any, calls: list[tuple[LayerInfo, Any, Any, Any]],
-                 outcome: str, hs_time: float) -> None:
+                 outcome: str, hs_time: float, wall_ns: int = 0) -> None:
         self.start = start
         self.end = end
         self.calls = calls
         self.outcome = outcome
         self.hs_time = hs_time
+        self.wall_ns = wall_ns  # host wall clock at the start event; 0: not traced
 
 
 class Capture:
@@ -253,6 +255,10 @@ class Capture:
         self._report_keys: dict[int, Any] = {}
         # vLLM's own selector inputs for the layer being built (see install()).
         self.selector_seen: Any = None
+        # Step records for a live trace (armed by the API server) or OTLP spans; nothing is
+        # built while neither wants them.
+        self.trace = TraceBuffer(spans=bool(cfg.otlp_spans and state.otlp is not None))
+        self._spans_started = False
 
     # ----- layer registration (model build time) -----
     def wrap_layer(self, layer: Any, selector: Any = None) -> None:
@@ -283,6 +289,23 @@ class Capture:
         impl._attnprof_wrapped = True
         self.state.add_role("worker")
         self.state.export_source("worker", self.samples)
+        if self.trace.spans and not self._spans_started:
+            self._start_spans()
+
+    def _start_spans(self) -> None:
+        """Add the OTLP span sink to this worker's export loop (its thread builds the spans)."""
+        self._spans_started = True
+        try:
+            from attnprof.exporters.otlp import OtlpSpanSink
+
+            hub = self.state.get_hub()
+            hub.add_sink(OtlpSpanSink(self.state.otlp, role="worker", take=self.trace.take_spans,
+                                      model=lambda: self.state.model_label,
+                                      on_error=self.errors.note))
+            hub.start()
+        except Exception as exc:
+            self.errors.record("export", exc)
+            self.trace.spans = False
 
     def _backend_report(self, info: LayerInfo, selector: Any = None,
                         impl: Any = None) -> dict[str, Any]:
@@ -400,7 +423,8 @@ class Capture:
                 inputs = self._shape_inputs[id(md)] = shape_inputs(md)
             self._calls.append((info, inputs, start, e1))
         else:
-            self._calls.append((info, md, self.clock() - start, None))
+            # Start and end clock readings: the duration, and the offset a trace places it at.
+            self._calls.append((info, md, start, self.clock()))
         if info.kernel is None:
             info.kernel = _kernel_variant(info, args[0] if args else None)
         if not info.kv_cache_bytes:
@@ -494,7 +518,10 @@ class Capture:
     def _run_sampled(self, orig: Any, runner: Any, args: Any, kwargs: Any, outcome: str) -> Any:
         t_start = self.clock()
         ev0 = None
+        wall = 0
         try:
+            if self.trace.wanted:
+                wall = time.time_ns()
             self._calls = []  # a new list: a pending GPU step keeps the old one
             self._shapes.clear()
             self._shape_inputs.clear()
@@ -541,10 +568,12 @@ class Capture:
                     self._pending.popleft()
                     self.errors.drop("gpu_events_pending")
                 self._pending.append(_PendingStep(ev0, ev1, self._calls,
-                                                  "blind" if blind else outcome, self._hs_time))
+                                                  "blind" if blind else outcome, self._hs_time,
+                                                  wall))
             else:
                 # head statistics are ours, not the model's
-                self._finish_step(t1 - t0 - self._hs_time, outcome, self._calls, blind)
+                self._finish_step(t1 - t0 - self._hs_time, outcome, self._calls, blind,
+                                  (wall, t0, t1) if wall else None)
         except Exception as exc:
             self.errors.record("step_end", exc)
         if self._hs_time:
@@ -565,7 +594,8 @@ class Capture:
             try:
                 # Head statistics ran inside the step's events: they are ours, not the model's.
                 model_time = max(0.0, p.start.elapsed_time(p.end) / 1e3 - p.hs_time)
-                self._finish_step(model_time, p.outcome, p.calls, p.outcome == "blind")
+                self._finish_step(model_time, p.outcome, p.calls, p.outcome == "blind",
+                                  (p.wall_ns, p.start, p.end) if p.wall_ns else None)
             except Exception as exc:
                 self.errors.record("step_end", exc)
             finally:
@@ -574,7 +604,10 @@ class Capture:
                 self._pending.popleft()
 
     def _finish_step(self, model_time: float, outcome: str,
-                     calls: list[tuple[LayerInfo, Any, Any, Any]], blind: bool) -> None:
+                     calls: list[tuple[LayerInfo, Any, Any, Any]], blind: bool,
+                     trace: tuple[int, Any, Any] | None = None) -> None:
+        """Fold one sampled step. ``trace``: (wall start ns, step start, step end) as clock
+        readings (CPU) or events (GPU) when the step is to be recorded for a trace/spans."""
         fault_point("step")
         if not calls:
             # Blind: a replayed full CUDA graph, counted, never pretended. Otherwise a
@@ -587,12 +620,58 @@ class Capture:
         rec = StepRecord("sampled_long" if outcome == "sampled_long" else "sampled", model_time)
         shapes: dict[int, BatchShape] = {}
         for info, md, a, b in calls:
-            dt = a.elapsed_time(b) / 1e3 if b is not None else float(a)
+            # GPU: the call's two events; CPU: its start and end clock readings.
+            dt = a.elapsed_time(b) / 1e3 if hasattr(a, "elapsed_time") else b - a
             shape = shapes.get(id(md))
             if shape is None:
                 shape = shapes[id(md)] = batch_shape(md)
             rec.calls.append(LayerCall(info, shape, dt))
         self.aggs.record_step(rec)
+        if trace is not None:
+            try:
+                self.trace.add(self._step_trace(rec, calls, *trace))
+            except Exception as exc:  # a trace is ours: the step's aggregates already count
+                self.errors.record("trace", exc)
+
+    def _step_trace(self, rec: StepRecord, calls: list[tuple[LayerInfo, Any, Any, Any]],
+                    wall_ns: int, t0: Any, t1: Any) -> StepTrace:
+        """The step's trace record: wall start, duration and each call's offset from the step
+        start (CPU: clock readings; GPU: ``elapsed_time`` from the step's start event, read
+        now that the end event has completed, so no wait)."""
+        gpu = hasattr(t0, "elapsed_time")
+        dur = t0.elapsed_time(t1) * 1e6 if gpu else (t1 - t0) * 1e9
+        ranges = []
+        for (info, _md, a, _b), call in zip(calls, rec.calls, strict=True):
+            sh = call.shape
+            off = t0.elapsed_time(a) * 1e6 if gpu else (a - t0) * 1e9
+            ranges.append(LayerRange(
+                info.index, info.backend, info.kernel or info.impl, int(off),
+                int(call.time_s * 1e9), sh.phase, sh.num_tokens, sh.num_reqs, sh.max_seq_len,
+                sh.kv_tokens / sh.num_reqs if sh.num_reqs else 0.0))
+        first = rec.calls[0].shape
+        return StepTrace(wall_ns, int(dur), first.phase, rec.outcome, self.sampler.rate,
+                         first.num_tokens, first.num_reqs, first.max_seq_len,
+                         first.kv_tokens / first.num_reqs if first.num_reqs else 0.0, ranges)
+
+    def trace_arm(self, steps: int, timeout_s: float, trace_id: str = "") -> dict[str, Any]:
+        """Record the next ``steps`` sampled steps for a live trace (RPC, between steps);
+        returns this worker's identity. Recording stops by itself after ``timeout_s``."""
+        self.trace.arm(steps, timeout_s, trace_id)
+        return {"pid": os.getpid(), "process": multiprocessing.current_process().name,
+                "rank": dict(self.rank), "armed": True}
+
+    def trace_count(self, trace_id: str = "") -> dict[str, Any]:
+        """Steps recorded so far for the armed trace (tiny: the API server polls it)."""
+        self._resolve_pending()  # GPU steps whose events completed are recorded now
+        return {"pid": os.getpid(), "steps": self.trace.count(trace_id)}
+
+    def trace_take(self, trace_id: str = "") -> dict[str, Any]:
+        """The recorded steps (compact JSON) and this worker's identity; disarms."""
+        self._resolve_pending()
+        steps, truncated = self.trace.take(trace_id)
+        return {"pid": os.getpid(), "process": multiprocessing.current_process().name,
+                "rank": dict(self.rank), "truncated": truncated,
+                "steps": [s.to_json() for s in steps]}
 
     def set_sampling(self, rate: float | None = None,
                      head_stats_rate: float | None = None) -> dict[str, Any]:
@@ -809,7 +888,24 @@ def install(state: State) -> Capture | None:
             except Exception as exc:
                 return {"error": f"{type(exc).__name__}: {exc}"}
 
+        def attnprof_trace(self: Any, op: str, trace_id: str = "", steps: int = 0,
+                           timeout_s: float = 0.0) -> dict[str, Any]:
+            """One RPC for the live trace: ``arm``, ``count`` or ``take``."""
+            try:
+                fault_point("capture")
+                if op == "arm":
+                    return cap.trace_arm(steps, timeout_s, trace_id)
+                if op == "count":
+                    return cap.trace_count(trace_id)
+                if op == "take":
+                    return cap.trace_take(trace_id)
+                return {"pid": os.getpid(), "error": f"unknown trace op {op!r}"}
+            except Exception as exc:
+                state.errors.record("trace", exc)
+                return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
+
         WorkerBase.attnprof_snapshot = attnprof_snapshot
+        WorkerBase.attnprof_trace = attnprof_trace
         WorkerBase.attnprof_poll = attnprof_poll
         WorkerBase.attnprof_set_sampling = attnprof_set_sampling
         state.capture = cap

@@ -1,0 +1,198 @@
+"""Chrome/Perfetto JSON traces of sampled steps: the one writer of ``trace.json``.
+
+Used by the live trace (``GET /attnprof/trace``, ``attnprof trace``) and by the offline
+``attnprof profile``. The format's rules this writer keeps (and ``check_trace`` verifies):
+
+* one process track per process: a ``"M"`` ``process_name`` event (and ``thread_name`` for
+  each thread that has ranges), ``pid`` the real process id;
+* ``"X"`` complete events properly nested per (pid, tid): a layer's attention range lies
+  inside its step's range (clamped in integer nanoseconds before conversion, so rounding can
+  never make a child poke out), and step ranges of one track never overlap;
+* ``"C"`` counter events carry only numeric ``args`` (one series per key);
+* timestamps are microseconds from the trace's earliest event (``otherData.origin_unix_ns``
+  says when that was): small numbers keep nanosecond precision in a JSON double.
+
+Args hold shapes and timings only (backend, kernel, phase, tokens, sequence lengths, request
+count): a step record has no prompt text, token ids or request ids to leak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnprof.aggregate.trace import StepTrace
+
+__all__ = ["ChromeTrace", "TraceProcess", "check_trace", "render_steps"]
+
+STEP_TID = 1
+"""The thread track of a process's model steps."""
+
+
+@dataclass
+class TraceProcess:
+    """One process's steps (a vLLM worker, or the offline profile's own process)."""
+
+    pid: int
+    name: str
+    steps: list[StepTrace] = field(default_factory=list)
+    thread_name: str = "model steps"
+    sort_index: int = 0
+
+
+class ChromeTrace:
+    """Collects events with nanosecond times; :meth:`to_json` returns the trace document."""
+
+    def __init__(self) -> None:
+        self._meta: list[dict[str, Any]] = []
+        self._timed: list[tuple[int, dict[str, Any], int]] = []  # (start ns, event, dur ns)
+        self._names: set[tuple[int, int | None]] = set()
+
+    def process(self, pid: int, name: str, sort_index: int = 0) -> None:
+        """Name a process track (once per pid)."""
+        if (pid, None) in self._names:
+            return
+        self._names.add((pid, None))
+        self._meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                           "args": {"name": name}})
+        self._meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                           "args": {"sort_index": sort_index}})
+
+    def thread(self, pid: int, tid: int, name: str) -> None:
+        """Name a thread track (once per pid/tid)."""
+        if (pid, tid) in self._names:
+            return
+        self._names.add((pid, tid))
+        self._meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                           "args": {"name": name}})
+
+    def complete(self, pid: int, tid: int, name: str, start_ns: int, dur_ns: int,
+                 cat: str, args: dict[str, Any]) -> None:
+        """A range ("X" event); nesting is the caller's (see :func:`render_steps`)."""
+        self._timed.append((int(start_ns), {"ph": "X", "name": name, "cat": cat, "pid": pid,
+                                            "tid": tid, "args": args}, max(0, int(dur_ns))))
+
+    def counter(self, pid: int, name: str, t_ns: int, values: dict[str, float]) -> None:
+        """A counter sample ("C" event): one series per key, numeric values only."""
+        self._timed.append((int(t_ns), {"ph": "C", "name": name, "pid": pid, "tid": 0,
+                                        "args": {k: float(v) for k, v in values.items()}}, -1))
+
+    def to_json(self, other: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The trace document (``traceEvents``, ``displayTimeUnit``, ``otherData``); events
+        sorted by time, parents before the children that start with them."""
+        origin = min((t for t, _, _ in self._timed), default=0)
+        events = list(self._meta)
+        for t, ev, dur in sorted(self._timed, key=lambda x: (x[0], -x[2])):
+            ev = dict(ev)
+            ev["ts"] = (t - origin) / 1000
+            if dur >= 0:
+                ev["dur"] = dur / 1000
+            events.append(ev)
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"origin_unix_ns": origin, **(other or {})}}
+
+
+def _step_args(s: StepTrace) -> dict[str, Any]:
+    return {"phase": s.phase, "outcome": s.outcome, "tokens": s.tokens,
+            "num_requests": s.num_reqs, "max_seq_len": s.max_seq_len,
+            "mean_seq_len": round(s.mean_seq_len, 2), "effective_sample_rate": s.effective_rate,
+            "layers": len(s.layers)}
+
+
+def render_steps(processes: Iterable[TraceProcess],
+                 counters: Iterable[tuple[int, str, int, dict[str, float]]] = (),
+                 other: dict[str, Any] | None = None, sample_rate_counter: bool = True
+                 ) -> dict[str, Any]:
+    """A trace document of step records: per process a track with each step's range and its
+    layers' attention ranges nested inside, an ``effective sample rate`` counter per step
+    (``sample_rate_counter``), and the given extra ``counters`` (pid, name, Unix ns, values;
+    e.g. KV-cache usage). Never raises for well-typed records; never reads anything else."""
+    tr = ChromeTrace()
+    for proc in processes:
+        tr.process(proc.pid, proc.name, proc.sort_index)
+        tr.thread(proc.pid, STEP_TID, proc.thread_name)
+        last_end = None
+        for s in sorted(proc.steps, key=lambda x: x.start_ns):
+            start = s.start_ns if last_end is None else max(s.start_ns, last_end)
+            end = max(start, s.start_ns + s.dur_ns)
+            last_end = end
+            tr.complete(proc.pid, STEP_TID, s.label or f"step ({s.phase})", start, end - start,
+                        "step", _step_args(s))
+            if sample_rate_counter:
+                tr.counter(proc.pid, "effective sample rate", start,
+                           {"rate": s.effective_rate})
+            child_end = start
+            for r in sorted(s.layers, key=lambda x: x.offset_ns):
+                # Clamp into the step and after the previous layer (same track, no overlap).
+                c0 = min(max(s.start_ns + r.offset_ns, child_end), end)
+                c1 = min(max(c0, s.start_ns + r.offset_ns + r.dur_ns), end)
+                child_end = c1
+                tr.complete(proc.pid, STEP_TID, f"attn::L{r.layer}::{r.backend}", c0, c1 - c0,
+                            "attention",
+                            {"layer": r.layer, "backend": r.backend, "kernel": r.kernel,
+                             "phase": r.phase, "tokens": r.tokens, "num_requests": r.num_reqs,
+                             "max_seq_len": r.max_seq_len,
+                             "mean_seq_len": round(r.mean_seq_len, 2)})
+    for pid, name, t_ns, values in counters:
+        tr.process(pid, f"process {pid}")  # a counter's track needs a name too (no-op if named)
+        tr.counter(pid, name, t_ns, values)
+    return tr.to_json(other)
+
+
+def check_trace(doc: Any) -> list[str]:
+    """Every way ``doc`` breaks the format's rules as this writer promises them (empty: none):
+    the document shape, metadata names for every pid (and tid with ranges), numeric counter
+    args, non-negative durations, and proper nesting of "X" events per (pid, tid)."""
+    problems: list[str] = []
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        return ["not a JSON object with a traceEvents list"]
+    named_p: set[Any] = set()
+    named_t: set[tuple[Any, Any]] = set()
+    tracks: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    pids: set[Any] = set()
+    eps = 1e-6  # microseconds: JSON doubles of ns/1000
+    for i, ev in enumerate(doc["traceEvents"]):
+        ph = ev.get("ph") if isinstance(ev, dict) else None
+        if ph == "M":
+            if ev.get("name") == "process_name" and isinstance(ev.get("args", {}).get("name"),
+                                                               str):
+                named_p.add(ev.get("pid"))
+            elif ev.get("name") == "thread_name":
+                named_t.add((ev.get("pid"), ev.get("tid")))
+            continue
+        if ph not in ("X", "C"):
+            problems.append(f"event {i}: phase {ph!r} (this writer emits M, X and C)")
+            continue
+        if not isinstance(ev.get("ts"), (int, float)) or not isinstance(ev.get("name"), str):
+            problems.append(f"event {i}: missing ts or name")
+            continue
+        pids.add(ev.get("pid"))
+        if ph == "C":
+            args = ev.get("args")
+            if not isinstance(args, dict) or not args or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool)
+                    for v in args.values()):
+                problems.append(f"event {i}: counter {ev['name']!r} args are not all numbers")
+            continue
+        dur = ev.get("dur")
+        if not isinstance(dur, (int, float)) or dur < 0:
+            problems.append(f"event {i}: X event without a non-negative dur")
+            continue
+        tracks.setdefault((ev.get("pid"), ev.get("tid")), []).append(
+            (float(ev["ts"]), float(ev["ts"]) + float(dur), ev["name"]))
+    for pid in pids - named_p:
+        problems.append(f"pid {pid}: no process_name metadata event")
+    for (pid, tid), spans in tracks.items():
+        if (pid, tid) not in named_t:
+            problems.append(f"pid {pid} tid {tid}: no thread_name metadata event")
+        stack: list[tuple[float, float, str]] = []
+        for s0, s1, name in sorted(spans, key=lambda x: (x[0], -(x[1] - x[0]))):
+            while stack and s0 >= stack[-1][1] - eps:
+                stack.pop()
+            if stack and s1 > stack[-1][1] + eps:
+                problems.append(f"pid {pid} tid {tid}: {name!r} [{s0}, {s1}] overlaps "
+                                f"{stack[-1][2]!r} [{stack[-1][0]}, {stack[-1][1]}] without "
+                                "nesting inside it")
+            stack.append((s0, s1, name))
+    return problems

@@ -1,0 +1,182 @@
+"""Per-step trace records of sampled steps, kept only while someone asked for them.
+
+Capture hands a :class:`StepTrace` (the step's wall start, duration, phase, outcome,
+effective sample rate and one :class:`LayerRange` per timed attention call) to a
+:class:`TraceBuffer`, but only when :attr:`TraceBuffer.wanted` is true: a live trace was
+armed (``GET /attnprof/trace``) and is not full or expired yet, or OpenTelemetry spans are on.
+Unarmed, nothing is built and nothing is kept.
+
+Bounded: an armed trace holds at most ``MAX_STEPS`` steps and ``MAX_RANGES`` layer ranges; the
+span queue at most ``SPAN_QUEUE_MAX`` steps (the oldest are dropped and counted). Records carry
+shapes and timings only: never prompt text, token ids or request ids.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer"]
+
+MAX_STEPS = 1000
+"""Most steps one live trace may ask for (the route refuses more)."""
+MAX_RANGES = 200_000
+"""Most layer ranges one worker keeps for one trace (an 80-layer model: 2500 steps)."""
+SPAN_QUEUE_MAX = 256
+"""Sampled steps waiting for the span exporter; beyond this the oldest is dropped."""
+
+
+@dataclass(slots=True)
+class LayerRange:
+    """One attention call inside a step: offset from the step's start and duration (ns),
+    with the batch facts its attention metadata gave."""
+
+    layer: int
+    backend: str
+    kernel: str
+    offset_ns: int
+    dur_ns: int
+    phase: str
+    tokens: int
+    num_reqs: int
+    max_seq_len: int
+    mean_seq_len: float
+
+    def to_json(self) -> list[Any]:
+        # Positional: thousands of these cross the RPC per trace.
+        return [self.layer, self.backend, self.kernel, self.offset_ns, self.dur_ns, self.phase,
+                self.tokens, self.num_reqs, self.max_seq_len, self.mean_seq_len]
+
+    @classmethod
+    def from_json(cls, raw: list[Any]) -> LayerRange:
+        (layer, backend, kernel, off, dur, phase, tokens, reqs, mx, mean) = raw
+        return cls(int(layer), str(backend), str(kernel), int(off), int(dur), str(phase),
+                   int(tokens), int(reqs), int(mx), float(mean))
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """One sampled step: wall-clock start (Unix ns), duration (ns) and its layer ranges."""
+
+    start_ns: int
+    dur_ns: int
+    phase: str
+    outcome: str
+    effective_rate: float
+    tokens: int = 0
+    num_reqs: int = 0
+    max_seq_len: int = 0
+    mean_seq_len: float = 0.0
+    layers: list[LayerRange] = field(default_factory=list)
+    label: str = ""
+    """Range name; empty: ``step (<phase>)``."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start_ns": self.start_ns, "dur_ns": self.dur_ns, "phase": self.phase,
+                "outcome": self.outcome, "effective_rate": self.effective_rate,
+                "tokens": self.tokens, "num_reqs": self.num_reqs,
+                "max_seq_len": self.max_seq_len, "mean_seq_len": self.mean_seq_len,
+                "label": self.label, "layers": [r.to_json() for r in self.layers]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StepTrace:
+        """Parse one record; raises ``KeyError``/``TypeError``/``ValueError`` when malformed."""
+        return cls(int(raw["start_ns"]), int(raw["dur_ns"]), str(raw["phase"]),
+                   str(raw["outcome"]), float(raw["effective_rate"]), int(raw["tokens"]),
+                   int(raw["num_reqs"]), int(raw["max_seq_len"]), float(raw["mean_seq_len"]),
+                   [LayerRange.from_json(r) for r in raw["layers"]], str(raw.get("label", "")))
+
+
+class TraceBuffer:
+    """Where a worker keeps step records: an armed live trace, and the span queue.
+
+    ``wanted`` is read on sampled steps only (one attribute and, while armed, one clock
+    read). ``arm``/``take`` run between steps (collective RPC); ``take_spans`` runs on the
+    export thread; all three hold ``lock`` briefly. Never raises on ``add``'s inputs beyond
+    what capture already guards.
+    """
+
+    def __init__(self, spans: bool = False, clock: Any = time.monotonic) -> None:
+        self.spans = spans
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.target = 0
+        self.deadline = 0.0
+        self.steps: list[StepTrace] = []
+        self.ranges = 0
+        self.trace_id = ""
+        self.span_queue: deque[StepTrace] = deque()
+        self.span_dropped = 0
+        self.truncated = False
+        self._armed = False
+
+    @property
+    def wanted(self) -> bool:
+        """True when the next sampled step should be recorded (armed and not full, or spans)."""
+        if self.spans:
+            return True
+        if not self._armed:
+            return False
+        if self.clock() > self.deadline:
+            self._armed = False  # nobody came back for it: stop recording
+            return False
+        return True
+
+    def arm(self, steps: int, timeout_s: float, trace_id: str = "") -> None:
+        """Start a live trace of the next ``steps`` sampled steps (older records dropped);
+        recording stops by itself after ``timeout_s`` even if nobody takes the records."""
+        with self.lock:
+            self.target = max(1, min(int(steps), MAX_STEPS))
+            self.deadline = self.clock() + max(0.0, float(timeout_s))
+            self.steps = []
+            self.ranges = 0
+            self.trace_id = trace_id
+            self.truncated = False
+            self._armed = True
+
+    def add(self, step: StepTrace) -> None:
+        """Keep one step for the armed trace and/or the span queue."""
+        with self.lock:
+            if self._armed:
+                if self.ranges + len(step.layers) > MAX_RANGES:
+                    self.truncated = True
+                    self._armed = False
+                else:
+                    self.steps.append(step)
+                    self.ranges += len(step.layers)
+                    if len(self.steps) >= self.target:
+                        self._armed = False  # full: nothing more is recorded
+            if self.spans:
+                if len(self.span_queue) >= SPAN_QUEUE_MAX:
+                    self.span_queue.popleft()
+                    self.span_dropped += 1
+                self.span_queue.append(step)
+
+    def count(self, trace_id: str = "") -> int:
+        """Steps recorded so far for the armed trace (-1: another trace armed since)."""
+        with self.lock:
+            if trace_id and trace_id != self.trace_id:
+                return -1
+            return len(self.steps)
+
+    def take(self, trace_id: str = "") -> tuple[list[StepTrace], bool]:
+        """The recorded steps and whether recording was cut short; disarms and forgets them.
+        A ``trace_id`` that is not the armed one gets nothing (another trace replaced it)."""
+        with self.lock:
+            if trace_id and trace_id != self.trace_id:
+                return [], False
+            out, truncated = self.steps, self.truncated
+            self.steps, self.ranges, self.target = [], 0, 0
+            self._armed = False
+            self.trace_id = ""
+            return out, truncated
+
+    def take_spans(self) -> list[StepTrace]:
+        """Every step waiting for the span exporter (export thread)."""
+        with self.lock:
+            out = list(self.span_queue)
+            self.span_queue.clear()
+            return out
