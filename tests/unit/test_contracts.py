@@ -251,7 +251,7 @@ def test_legacy_profile_json_reads_and_rewrites_valid() -> None:
     assert rep.oom_prediction.validation is not None
     assert rep.oom_prediction.validation.skipped == "disabled (--no-validate)"
     doc = json.loads(json.dumps(rep.to_json()))
-    assert doc["schema_version"] == "attnprof.profile/1.1"
+    assert doc["schema_version"] == "attnprof.profile/1.2"
     _validate(doc, "profile.schema.json")
     _validate(LEGACY_PROFILE, "profile.schema.json")  # old files still validate
     assert ProfileReport.from_json(doc) == rep

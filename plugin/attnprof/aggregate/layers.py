@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -108,9 +109,13 @@ def attention_bytes(info: LayerInfo, shape: BatchShape) -> int:
             + info.kv_element_bytes * shape.kv_tokens * info.num_kv_heads * d)
 
 
+RECENT_CALLS = 64
+"""Per (layer, phase): the last calls' seconds kept for ``attnprof diff``'s test."""
+
+
 class _Agg:
-    __slots__ = ("bytes", "calls", "flops", "kv_tokens", "max_seq_len", "requests", "time_s",
-                 "tokens")
+    __slots__ = ("bytes", "calls", "flops", "kv_tokens", "max_seq_len", "recent", "requests",
+                 "time_s", "tokens")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -121,6 +126,7 @@ class _Agg:
         self.kv_tokens = 0
         self.requests = 0
         self.max_seq_len = 0
+        self.recent: deque[float] = deque(maxlen=RECENT_CALLS)
 
 
 class WorkerAggregates:
@@ -158,6 +164,7 @@ class WorkerAggregates:
                     a = self.agg[key] = _Agg()
                 a.calls += 1
                 a.time_s += call.time_s
+                a.recent.append(call.time_s)
                 a.tokens += shape.num_tokens
                 a.kv_tokens += shape.kv_tokens
                 a.requests += shape.num_reqs
@@ -173,7 +180,8 @@ class WorkerAggregates:
         with self.lock:
             infos = sorted(self.layers.values(), key=lambda i: i.index)
             aggs = {k: (a.calls, a.time_s, a.tokens, a.flops, a.bytes, a.requests,
-                        a.kv_tokens, a.max_seq_len) for k, a in self.agg.items()}
+                        a.kv_tokens, a.max_seq_len, list(a.recent))
+                    for k, a in self.agg.items()}
         out = []
         for info in infos:
             phases: dict[str, PhaseStats] = {}
@@ -181,12 +189,13 @@ class WorkerAggregates:
                 v = aggs.get((info.index, phase))
                 if v is None:
                     continue
-                calls, t, tokens, flops, nbytes, reqs, kv, mx = v
+                calls, t, tokens, flops, nbytes, reqs, kv, mx, recent = v
                 phases[phase] = PhaseStats(
                     calls=calls, time_s=t, mean_time_s=t / calls if calls else 0.0,
                     tokens=tokens, flops=flops, bytes=nbytes,
                     mean_batch_requests=reqs / calls if calls else 0.0,
-                    mean_seq_len=kv / reqs if reqs else 0.0, max_seq_len=mx)
+                    mean_seq_len=kv / reqs if reqs else 0.0, max_seq_len=mx,
+                    recent_time_s=recent)
             facts = {name: getattr(info, name) for name in _FACT_FIELDS}
             out.append(LayerProfile(**facts, phases=phases))
         return out

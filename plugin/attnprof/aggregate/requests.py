@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
 from attnprof.aggregate.quantiles import QuantileEstimator
-from attnprof.contracts.snapshot import QuantileSummary
+from attnprof.contracts.snapshot import ContextHistogram, QuantileSummary
 from attnprof.contracts.snapshot import RequestStats as RequestStatsDoc
 
 __all__ = ["QUANTITIES", "RequestAggregates"]
@@ -59,9 +59,12 @@ class RequestAggregates:
         """Quantiles of each quantity; ``with_state`` adds the context estimator's mergeable
         state (snapshots need it for fleet merges; the once-a-second export does not)."""
         with self.lock:
+            ctx = self.histograms["context"].state()
             return RequestStatsDoc(
                 requests=self.requests, max_model_len=self.max_model_len,
                 context_tokens=_summary(self.quantiles["context"], with_state),
                 prompt_tokens=_summary(self.quantiles["prompt"], False),
                 generation_tokens=_summary(self.quantiles["generation"], False),
-                kv_cache_usage=self.kv_cache_usage)
+                kv_cache_usage=self.kv_cache_usage,
+                context_histogram=ContextHistogram(bounds=list(ctx.bounds),
+                                                   counts=list(ctx.counts)))

@@ -3,7 +3,9 @@ per-layer time and memory, scaling fits, an OOM prediction and advice. Sizes in 
 in seconds.
 
 Version 1.1 writes ``schema_version: "attnprof.profile/1.1"``; files from before it carry the
-integer ``1`` and read as 1.0 (same fields). Deep leaves that vary by path or by torch
+integer ``1`` and read as 1.0 (same fields). 1.2 adds ``provenance`` (what ``attnprof diff``
+reports as "what changed") and each layer's per-call times (``timing.samples_s_by_seq_len``,
+what its statistical test runs on). Deep leaves that vary by path or by torch
 version (SDPA arguments, shape-class tags) stay free-form objects.
 """
 
@@ -14,6 +16,7 @@ from typing import Any, Literal
 
 from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.base import Document, NonNegative, Record
+from attnprof.contracts.provenance import Provenance
 
 __all__ = [
     "ActivationRow",
@@ -122,6 +125,8 @@ class LayerTiming(Record):
     calls: int
     total_s: float
     median_s_by_seq_len: dict[str, float]
+    samples_s_by_seq_len: dict[str, list[float]] = field(default_factory=dict)
+    """Every timed call's seconds, by sequence length (1.2)."""
 
 
 @dataclass
@@ -288,7 +293,7 @@ class ProfileReport(Document):
     """Output of ``attnprof profile MODEL``."""
 
     KIND = "attnprof.profile"
-    VERSION = (1, 1)
+    VERSION = (1, 2)
     LEGACY_TAGS = {1: "attnprof.profile/1.0"}
 
     model: ProfileModel
@@ -305,4 +310,6 @@ class ProfileReport(Document):
     """Sliding-window suggestion for the traffic given with --lengths (null without)."""
     outputs: dict[str, str] = field(default_factory=dict)
     """The files written next to it (profile, trace, plot)."""
+    provenance: Provenance | None = None
+    """Versions, hardware, model hashes, git revision, command line, time (1.2)."""
 

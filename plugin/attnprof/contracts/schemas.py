@@ -12,6 +12,7 @@ from typing import Any
 
 from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.base import Document, Record, json_schema
+from attnprof.contracts.diff import DiffReport
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.snapshot import LayerProfile, RequestStats, Snapshot
 
@@ -23,6 +24,7 @@ DOCUMENTS: dict[str, tuple[type[Record], type[Document] | None]] = {
     "request_stats.schema.json": (RequestStats, Snapshot),
     "window_advice.schema.json": (WindowAdvice, None),
     "profile.schema.json": (ProfileReport, None),
+    "diff.schema.json": (DiffReport, None),
 }
 """File name -> (type, the document it is part of when it has no version of its own)."""
 

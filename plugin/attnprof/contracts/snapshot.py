@@ -10,7 +10,11 @@ working; 1.1 adds ``WorkerSnapshot.schema_version``-free typing and ``RequestSta
 ``KernelGroup.source`` names where the verdicts came from (vLLM itself on this device, or the
 matrix derived from vLLM's code) instead of the platform class; 1.4 adds the top-level
 ``head_stats`` (merged across tensor/pipeline-parallel ranks by global layer and head),
-``age_s`` and ``truncated`` (the API server serves bounded, cached snapshots).
+``age_s`` and ``truncated`` (the API server serves bounded, cached snapshots); 1.5 adds
+``provenance``, ``window`` (set by ``attnprof record``: the aggregates cover that window
+only), ``PhaseStats.recent_time_s`` (the last calls' seconds, what ``attnprof diff`` tests)
+and ``RequestStats.context_histogram`` (bucket counts: subtractable over a window, and the
+distribution ``attnprof diff`` measures a shift on).
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ from typing import Any
 
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.base import Document, Record
+from attnprof.contracts.provenance import Provenance
 
 __all__ = [
+    "ContextHistogram",
     "KernelGroup",
     "LayerFacts",
     "LayerProfile",
     "PhaseStats",
     "ProcessNote",
     "QuantileSummary",
+    "RecordWindow",
     "RequestStats",
     "SamplerStats",
     "Snapshot",
@@ -50,6 +57,8 @@ class PhaseStats(Record):
     mean_batch_requests: float = 0.0
     mean_seq_len: float = 0.0
     max_seq_len: int = 0
+    recent_time_s: list[float] = field(default_factory=list)
+    """The last sampled calls' seconds, oldest first (at most 64; added in 1.5)."""
 
 
 @dataclass
@@ -186,6 +195,28 @@ class RequestStats(Record):
     prompt_tokens: QuantileSummary
     generation_tokens: QuantileSummary
     kv_cache_usage: float | None = None
+    context_histogram: ContextHistogram | None = None
+    """Context lengths of finished requests as bucket counts (1.5)."""
+
+
+@dataclass
+class ContextHistogram(Record):
+    """Cumulative-free bucket counts: ``counts[i]`` requests had a context length
+    <= ``bounds[i]`` and > ``bounds[i-1]``; the last count is above the last bound."""
+
+    bounds: list[float]
+    counts: list[int]
+
+
+@dataclass
+class RecordWindow(Record):
+    """What ``attnprof record`` measured: the server's aggregates between two snapshots."""
+
+    start: float
+    end: float
+    duration_s: float
+    requests: int = 0
+    note: str = ""
 
 
 @dataclass
@@ -208,7 +239,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 4)
+    VERSION = (1, 5)
 
     time: float
     model: str
@@ -227,3 +258,7 @@ class Snapshot(Document):
     """Age of the workers' data when served from the API server's cache (1.4)."""
     truncated: str | None = None
     """Set when something was left out to keep the body bounded, saying what (1.4)."""
+    provenance: Provenance | None = None
+    """Versions, hardware, model hashes, git revision, command line, time (1.5)."""
+    window: RecordWindow | None = None
+    """Set by ``attnprof record``: counters cover this window only (1.5)."""

@@ -275,7 +275,8 @@ class LiveView:
             requests=st.requests.summary() if st.requests is not None else None,
             errors=SnapshotErrors(api_server=dict(st.errors.by_place),
                                   collective_rpc=timed_out or self.rpc_error),
-            window_advice=self.advice, age_s=round(age, 3))
+            window_advice=self.advice, age_s=round(age, 3),
+            provenance=_provenance(st.model_label, st.model_path))
         if with_head_stats and not self.keeps_head_stats:
             snap.truncated = ("head_stats left out: they are kept by vLLM's first API server "
                               "(this server runs several); ask that one")
@@ -470,6 +471,23 @@ def _rate(body: dict[str, Any], key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
         raise ValueError(f"{key} must be a number in [0, 1], got {v!r}")
     return float(v)
+
+
+_PROVENANCE: dict[tuple[str, str | None], Any] = {}
+
+
+def _provenance(label: str, path: str | None) -> Any:
+    """This server's provenance, taken once per model (git, config and header hashes: a few
+    ms, in the render thread, never on the event loop); None if it cannot be taken."""
+    key = (label, path)
+    if key not in _PROVENANCE:
+        try:
+            from attnprof.tools.provenance import collect
+
+            _PROVENANCE[key] = collect(label, path)
+        except Exception:  # provenance is a nicety: never a reason to fail a snapshot
+            _PROVENANCE[key] = None
+    return _PROVENANCE[key]
 
 
 class AttnProfEndpoint:

@@ -1,0 +1,118 @@
+"""Renderers of an ``attnprof diff`` report: Markdown for a pull-request comment and a plain
+terminal view. Both lead with the verdict and the regressions, then what else changed,
+then what changed in versions, hardware, model and source (with ``git log``).
+"""
+
+from __future__ import annotations
+
+from attnprof.contracts.diff import DiffReport, Finding
+
+__all__ = ["render_markdown", "render_text"]
+
+_MAX_INFO = 12
+_MAX_LOG = 20
+
+
+def _side(rep: DiffReport, which: str) -> str:
+    s = rep.base if which == "base" else rep.new
+    rev = f" @ {s.git_revision[:10]}{'+dirty' if s.git_dirty else ''}" if s.git_revision else ""
+    when = f", {s.time_iso}" if s.time_iso else ""
+    win = f", {s.window_s:g} s window" if s.window_s else ""
+    return f"`{s.file}` ({s.model}{rev}{when}{win})"
+
+
+def _verdict(rep: DiffReport) -> str:
+    reg = [f for f in rep.findings if f.severity == "regression"]
+    if reg:
+        return f"REGRESSION: {len(reg)} finding{'s' if len(reg) != 1 else ''} over threshold"
+    return "no regression"
+
+
+def _interesting(rep: DiffReport) -> tuple[list[Finding], list[Finding], list[Finding]]:
+    reg = [f for f in rep.findings if f.severity == "regression"]
+    imp = [f for f in rep.findings if f.severity == "improvement"]
+    # Per-layer times that are not findings would be 30 lines of noise: only the total.
+    info = [f for f in rep.findings if f.severity == "info" and f.kind != "layer_time"]
+    return reg, imp, info
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _thresholds(rep: DiffReport) -> str:
+    parts = []
+    for k, v in rep.thresholds.items():
+        if v is None:
+            parts.append(f"{k}=off")
+        elif k == "kernel":
+            parts.append("kernel=on")
+        elif k == "context-shift":
+            parts.append(f"{k}={v:g}")
+        else:
+            parts.append(f"{k}={v * 100:g}%")
+    return ",".join(parts)
+
+
+def render_markdown(rep: DiffReport) -> str:
+    """A pull-request comment: verdict, regressions (with layers and reasons), improvements,
+    other changes, what changed in provenance, and the thresholds used."""
+    reg, imp, info = _interesting(rep)
+    lines = [f"### attnprof diff: {_verdict(rep)}", "",
+             f"- base: {_side(rep, 'base')}", f"- new: {_side(rep, 'new')}", ""]
+    if reg:
+        lines += ["#### Regressions", "", "| check | finding |", "|---|---|"]
+        lines += [f"| {f.threshold or f.kind} | {_md_escape(f.title)} |" for f in reg]
+        lines.append("")
+    if imp:
+        lines += ["#### Improvements", ""]
+        lines += [f"- {_md_escape(f.title)}" for f in imp]
+        lines.append("")
+    if info:
+        lines += ["<details><summary>Other comparisons (within thresholds)</summary>", ""]
+        lines += [f"- {_md_escape(f.title)}" for f in info[:_MAX_INFO]]
+        if len(info) > _MAX_INFO:
+            lines.append(f"- ... and {len(info) - _MAX_INFO} more (see --json)")
+        lines += ["", "</details>", ""]
+    if rep.changes or rep.git_log:
+        lines += ["#### What changed", ""]
+        for c in rep.changes:
+            lines.append(f"- **{c.field}**: `{_md_escape(str(c.base))}` -> "
+                         f"`{_md_escape(str(c.new))}`")
+        if rep.git_log:
+            lines += ["", "```", *rep.git_log[:_MAX_LOG]]
+            if len(rep.git_log) > _MAX_LOG:
+                lines.append(f"... {len(rep.git_log) - _MAX_LOG} more commits")
+            lines.append("```")
+        lines.append("")
+    for note in rep.notes:
+        lines.append(f"> {_md_escape(note)}")
+    if rep.notes:
+        lines.append("")
+    lines.append(f"<sub>attnprof diff --fail-on {_thresholds(rep)}</sub>")
+    return "\n".join(lines) + "\n"
+
+
+def render_text(rep: DiffReport) -> str:
+    """The terminal view: the same content as the Markdown, as plain lines."""
+    reg, imp, info = _interesting(rep)
+    out = [f"attnprof diff: {_verdict(rep)}",
+           f"  base: {_side(rep, 'base').replace('`', '')}",
+           f"  new:  {_side(rep, 'new').replace('`', '')}", ""]
+    for title, items in (("Regressions", reg), ("Improvements", imp), ("Other", info)):
+        if not items:
+            continue
+        out.append(f"{title}:")
+        mark = {"Regressions": "  ✗ ", "Improvements": "  ✓ ", "Other": "  · "}[title]
+        out += [mark + f.title for f in items[:_MAX_INFO if title == "Other" else None]]
+        out.append("")
+    if rep.changes:
+        out.append("What changed:")
+        out += [f"  {c.field}: {c.base} -> {c.new}" for c in rep.changes]
+        out.append("")
+    if rep.git_log:
+        out.append("Commits:")
+        out += ["  " + x for x in rep.git_log[:_MAX_LOG]]
+        out.append("")
+    out += [f"note: {n}" for n in rep.notes]
+    return "\n".join(out).rstrip() + "\n"

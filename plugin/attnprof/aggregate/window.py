@@ -1,0 +1,149 @@
+"""A window of a live server: the difference of two of its snapshots (``attnprof record``).
+
+Counters (calls, time, tokens, steps, sampler and error counts, request histograms) are
+subtracted; what cannot be subtracted is taken from the end snapshot and said so in
+``window.note``: maxima, the last calls' times (``recent_time_s``, at most 64 per layer
+and phase, so mostly inside a busy window), rates, window advice. A worker that restarted
+in between (another pid) counts from its start.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from attnprof.contracts.snapshot import (
+    ContextHistogram,
+    LayerProfile,
+    PhaseStats,
+    QuantileSummary,
+    RecordWindow,
+    RequestStats,
+    Snapshot,
+    StepPhaseStats,
+    WorkerSnapshot,
+)
+
+__all__ = ["window_between"]
+
+_SAMPLER_COUNTS = ("seen", "sampled", "sampled_long", "blind", "unsampled", "throttles")
+
+
+def _phase(a: PhaseStats | None, b: PhaseStats) -> PhaseStats:
+    if a is None:
+        return b
+    calls = max(0, b.calls - a.calls)
+    reqs_b, reqs_a = b.mean_batch_requests * b.calls, a.mean_batch_requests * a.calls
+    reqs = max(0.0, reqs_b - reqs_a)
+    kv = max(0.0, b.mean_seq_len * reqs_b - a.mean_seq_len * reqs_a)
+    t = max(0.0, b.time_s - a.time_s)
+    return PhaseStats(calls=calls, time_s=t, mean_time_s=t / calls if calls else 0.0,
+                      tokens=max(0, b.tokens - a.tokens), flops=max(0, b.flops - a.flops),
+                      bytes=max(0, b.bytes - a.bytes),
+                      mean_batch_requests=reqs / calls if calls else 0.0,
+                      mean_seq_len=kv / reqs if reqs else 0.0, max_seq_len=b.max_seq_len,
+                      recent_time_s=list(b.recent_time_s) if calls else [])
+
+
+def _layer(a: LayerProfile | None, b: LayerProfile) -> LayerProfile:
+    out = copy.copy(b)
+    prev = a.phases if a is not None else {}
+    phases = {p: _phase(prev.get(p), st) for p, st in b.phases.items()}
+    out.phases = {p: st for p, st in phases.items() if st.calls}
+    return out
+
+
+def _worker(a: WorkerSnapshot | None, b: WorkerSnapshot) -> WorkerSnapshot:
+    if a is None:
+        return b
+    out = copy.copy(b)
+    before = {lay.index: lay for lay in a.layers}
+    out.layers = [_layer(before.get(lay.index), lay) for lay in b.layers]
+    steps = {}
+    for p, st in b.steps.items():
+        sa = a.steps.get(p)
+        n = st.steps - (sa.steps if sa else 0)
+        if n <= 0:
+            continue
+        mt = max(0.0, st.model_time_s - (sa.model_time_s if sa else 0.0))
+        at = max(0.0, st.attention_time_s - (sa.attention_time_s if sa else 0.0))
+        steps[p] = StepPhaseStats(steps=n, model_time_s=mt, attention_time_s=at,
+                                  attention_share=at / mt if mt > 0 else None)
+    out.steps = steps
+    s = dataclasses.replace(b.sampler)
+    for k in _SAMPLER_COUNTS:
+        setattr(s, k, max(0, getattr(b.sampler, k) - getattr(a.sampler, k)))
+    s.self_time_s = max(0.0, b.sampler.self_time_s - a.sampler.self_time_s)
+    out.sampler = s
+    out.errors = {k: v - a.errors.get(k, 0) for k, v in b.errors.items()
+                  if v - a.errors.get(k, 0) > 0}
+    out.dropped = {k: v - a.dropped.get(k, 0) for k, v in b.dropped.items()
+                   if v - a.dropped.get(k, 0) > 0}
+    hc = dataclasses.replace(b.head_stats_cost)
+    for k in ("steps", "requests", "queries"):
+        setattr(hc, k, max(0, getattr(b.head_stats_cost, k) - getattr(a.head_stats_cost, k)))
+    for k in ("time_s", "prefill_time_s"):
+        setattr(hc, k, max(0.0, getattr(b.head_stats_cost, k) - getattr(a.head_stats_cost, k)))
+    hc.fraction_of_prefill = hc.time_s / hc.prefill_time_s if hc.prefill_time_s > 0 else None
+    out.head_stats_cost = hc
+    out.head_stats = None
+    return out
+
+
+def _quantiles(bounds: list[float], counts: list[int]) -> QuantileSummary:
+    """p50/p90/p99 of a histogram as bucket upper bounds (not exact: ``exact`` False)."""
+    total = sum(counts)
+    out = QuantileSummary(count=total, exact=False)
+    if total <= 0:
+        return out
+
+    def q(p: float) -> float:
+        acc = 0
+        for i, c in enumerate(counts):
+            acc += c
+            if acc >= p * total:
+                return bounds[i] if i < len(bounds) else bounds[-1]
+        return bounds[-1]
+
+    out.p50, out.p90, out.p99 = q(0.5), q(0.9), q(0.99)
+    return out
+
+
+def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestStats | None,
+                                                                        int]:
+    if b is None:
+        return None, 0
+    if a is None:
+        return b, b.requests
+    n = max(0, b.requests - a.requests)
+    out = dataclasses.replace(b, requests=n)
+    ha, hb = a.context_histogram, b.context_histogram
+    if ha is not None and hb is not None and ha.bounds == hb.bounds \
+            and len(ha.counts) == len(hb.counts):
+        counts = [max(0, y - x) for x, y in zip(ha.counts, hb.counts, strict=True)]
+        out.context_histogram = ContextHistogram(bounds=list(hb.bounds), counts=counts)
+        out.context_tokens = _quantiles(list(hb.bounds), counts)
+    return out, n
+
+
+def window_between(start: Snapshot, end: Snapshot) -> Snapshot:
+    """``end`` with its counters reduced to what happened after ``start`` (see the module
+    docstring for what is taken from ``end`` as is); ``window`` says which."""
+    out = copy.copy(end)
+    before = {(w.pid, w.process): w for w in start.workers}
+    out.workers = [_worker(before.get((w.pid, w.process)), w) for w in end.workers]
+    restarted = sum(1 for w in end.workers if (w.pid, w.process) not in before)
+    out.requests, n = _requests(start.requests, end.requests)
+    out.head_stats = None
+    notes = ["maxima, rates, recent call times, prompt/generation quantiles and window "
+             "advice are the end snapshot's"]
+    if out.requests is not None and out.requests.context_histogram is not None \
+            and start.requests is not None:
+        notes.append("context quantiles are bucket bounds of the window's histogram")
+    if restarted:
+        notes.append(f"{restarted} worker(s) started inside the window: counted from their "
+                     f"start")
+    out.window = RecordWindow(start=start.time, end=end.time,
+                              duration_s=round(max(0.0, end.time - start.time), 3),
+                              requests=n, note="; ".join(notes))
+    return out

