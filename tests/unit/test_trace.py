@@ -382,3 +382,41 @@ def test_span_sink_sends_steps_with_layer_children(protocol: str) -> None:
     assert not any("prompt" in a or "token_id" in a or "request_id" in a for a in attrs)
     res = spans[0][0]
     assert res["attnprof.process.role"] == "worker"
+
+
+# ----- the offline profile's trace: the same writer over the transformers capture -----
+def test_profile_trace_nests_each_layer_call_inside_its_forward(tmp_path: Any) -> None:
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnprof.capture.transformers import instrument
+    from attnprof.tools.profile_run import _Forward, write_trace
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")).eval()
+    prof = instrument(model, max_records=None)
+    forwards = []
+    for L in (8, 16):
+        f0, s0 = len(prof.records), time.perf_counter_ns()
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 64, (1, L)))
+        forwards.append(_Forward(f"forward L={L}", s0, time.perf_counter_ns(), f0,
+                                 len(prof.records)))
+    prof.uninstrument()
+    out = tmp_path / "trace.json"
+    write_trace(out, prof.records, forwards, "tiny")
+    doc = json.loads(out.read_text())
+    assert check_trace(doc) == []
+    tracks = _x_by_track(doc)
+    (events,) = tracks.values()
+    fwd = [e for e in events if e["cat"] == "step"]
+    assert [e["name"] for e in fwd] == ["forward L=8", "forward L=16"]
+    for f in fwd:
+        kids = [e for e in events if e["cat"] == "attention" and f["ts"] <= e["ts"]
+                and e["ts"] + e["dur"] <= f["ts"] + f["dur"]]
+        assert [k["name"] for k in kids] == [f"attn::L{i}::sdpa" for i in range(3)]
+        assert kids[0]["args"]["max_seq_len"] == int(f["name"].split("=")[1])

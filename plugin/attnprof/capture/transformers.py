@@ -113,6 +113,8 @@ class CallRecord:
     kernel: str
     fused: bool
     tags: dict[str, Any] = field(default_factory=dict)
+    start_ns: int = 0
+    """``time.perf_counter_ns()`` just before the call's clock started (places it in a trace)."""
 
 
 @dataclass
@@ -227,6 +229,7 @@ class _Pending:
     entry: KernelEntry | None
     spy: Any
     clock: _HostClock | _CudaClock
+    start_ns: int = 0
 
 
 class Profile:
@@ -435,8 +438,9 @@ class Profile:
         stack.enter_context(torch.profiler.record_function(f"attn::L{layer}::{base}"))
         if spy is not None:
             stack.enter_context(spy)
-        # Last, so that the timed region is the call itself.
-        return _Pending(layer, ckey, entry, spy, _clock(torch, query))
+        # Last, so that the timed region is the call itself (its start read just before).
+        start_ns = time.perf_counter_ns()
+        return _Pending(layer, ckey, entry, spy, _clock(torch, query), start_ns)
 
     def _finish(self, p: _Pending, stack: ExitStack, base: str, module: Any, query: Any,
                 key: Any, value: Any, mask: Any, kwargs: dict[str, Any], out: Any) -> None:
@@ -465,7 +469,7 @@ class Profile:
                 entry.time_s += dt
                 if self.keep_records:
                     self.records.append(self._record(p.layer, base, query, key, value, mask,
-                                                     kwargs, dt, entry))
+                                                     kwargs, dt, entry, p.start_ns))
                     self.records_total += 1
             except Exception as exc:  # bookkeeping must never break the model
                 self._error("record", exc)
@@ -527,7 +531,8 @@ class Profile:
         return KernelEntry(kernel=base, fused=True, reasons=[], sdpa_args=None, ops=[], **common)
 
     def _record(self, layer: int, base: str, q: Any, k: Any, v: Any, mask: Any,
-                kwargs: dict[str, Any], dt: float, entry: KernelEntry) -> CallRecord:
+                kwargs: dict[str, Any], dt: float, entry: KernelEntry,
+                start_ns: int = 0) -> CallRecord:
         sw = kwargs.get("sliding_window")
         return CallRecord(
             layer_idx=layer, impl=base, phase="prefill" if int(q.shape[-2]) > 1 else "decode",
@@ -537,7 +542,7 @@ class Profile:
             dtype=str(q.dtype).removeprefix("torch."),
             sliding_window=int(sw) if isinstance(sw, int) and sw > 0 else None,
             dropout=float(kwargs.get("dropout", 0.0) or 0.0), elapsed_s=dt,
-            kernel=entry.kernel, fused=entry.fused, tags=dict(self._tags))
+            kernel=entry.kernel, fused=entry.fused, tags=dict(self._tags), start_ns=start_ns)
 
     # ----- results -----
     def activation_map(self) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from attnprof.contracts.profile import (
 )
 from attnprof.facts.shape import AttentionShape
 
-__all__ = ["ProfileOptions", "environment", "run_profile"]
+__all__ = ["ProfileOptions", "environment", "run_profile", "write_trace"]
 
 TRACE_PREFIX = "attn::"
 
@@ -186,8 +186,9 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                                do_sample=False, pad_token_id=0)
         say("shape classes")
 
-        # 2) Model runs per length: one memory-profiled run (its trace is kept for the
-        #    smallest length), then timed runs.
+        # 2) Model runs per length: one memory-profiled run, then timed runs; each forward
+        #    is a range of trace.json with its layers' attention calls inside.
+        forwards: list[_Forward] = []
         per_len: dict[int, dict[str, Any]] = {}
         layer_time: dict[int, dict[int, list[float]]] = {}
         layer_peak: dict[int, dict[int, int]] = {}
@@ -195,13 +196,14 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
             ids = _ids(shape["vocab_size"], B, L, seed=L)
             with prof.tag(padded=False, seq_len=L, run="memory"), \
                     memory.memory_profile() as tp:
+                f0, s0 = len(prof.records), time.perf_counter_ns()
                 out = _forward(model, ids)
+                forwards.append(_Forward(f"forward L={L} (memory profile)", s0,
+                                         time.perf_counter_ns(), f0, len(prof.records)))
             total_peak, ranges = memory.peak_in_ranges(tp, TRACE_PREFIX)
             kv_real = memory.cache_bytes(out.past_key_values) if getattr(
                 out, "past_key_values", None) is not None else None
             del out
-            if opts.trace_path is not None and min(opts.seq_lens) == L:
-                tp.export_chrome_trace(str(opts.trace_path))
             for name, peaks in ranges.items():
                 layer = int(name.split("::")[1].removeprefix("L"))
                 layer_peak.setdefault(layer, {})[L] = max(peaks)
@@ -209,9 +211,12 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
             times = []
             for r in range(opts.repeats):
                 with prof.tag(padded=False, seq_len=L, run=f"time{r}"):
+                    f0, s0 = len(prof.records), time.perf_counter_ns()
                     t0 = time.perf_counter()
                     _forward(model, ids)
                     times.append(time.perf_counter() - t0)
+                    forwards.append(_Forward(f"forward L={L} (time{r})", s0,
+                                             time.perf_counter_ns(), f0, len(prof.records)))
             attn_by_run: dict[str, float] = {}
             for rec in prof.records[n0:]:
                 layer_time.setdefault(rec.layer_idx, {}).setdefault(L, []).append(rec.elapsed_s)
@@ -225,6 +230,8 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 "kv_cache_bytes_analytic": _kv_total(shape, dtype, B, L),
             }
             say(f"model L={L}")
+        if opts.trace_path is not None:
+            write_trace(opts.trace_path, prof.records, forwards, opts.model_name)
 
         # 3) Per-path micro-benchmarks with this model's layer shape.
         bench: dict[str, dict[str, Any]] = {"time_s": {}, "peak_bytes": {}, "analytic_bytes": {},
@@ -290,6 +297,47 @@ def _available_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """One timed model forward: its label, perf_counter_ns bounds and its records' slice."""
+
+    label: str
+    start_ns: int
+    end_ns: int
+    first: int
+    end: int
+
+
+def write_trace(path: Path, records: Any, forwards: list[_Forward], model_name: str) -> None:
+    """Write trace.json through the live trace's writer: one range per forward, each
+    attention call a nested range (the transformers capture's own records). Never reads
+    token ids: records hold shapes and times only."""
+    from attnprof.aggregate.trace import LayerRange, StepTrace
+    from attnprof.contracts.jsonsafe import dumps
+    from attnprof.exporters.chrome_trace import TraceProcess, render_steps
+
+    wall = time.time_ns() - time.perf_counter_ns()  # perf_counter -> Unix time
+    steps = []
+    for f in forwards:
+        ranges = [LayerRange(r.layer_idx, r.impl, r.kernel, r.start_ns - f.start_ns,
+                             int(r.elapsed_s * 1e9), r.phase, r.batch * r.q_len, r.batch,
+                             r.kv_len, float(r.kv_len))
+                  for r in records[f.first:f.end] if r.start_ns]
+        calls = records[f.first:f.end]
+        phase = calls[0].phase if calls else "prefill"
+        steps.append(StepTrace(
+            f.start_ns + wall, f.end_ns - f.start_ns, phase, "sampled", 1.0,
+            calls[0].batch * calls[0].q_len if calls else 0, calls[0].batch if calls else 0,
+            calls[0].kv_len if calls else 0, float(calls[0].kv_len) if calls else 0.0,
+            ranges, label=f.label))
+    doc = render_steps([TraceProcess(os.getpid(), f"attnprof profile {model_name}", steps,
+                                     thread_name="model forwards")],
+                       other={"attnprof": {"kind": "attnprof.profile_trace",
+                                           "model": model_name}},
+                       sample_rate_counter=False)
+    path.write_text(dumps(doc))
 
 
 def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
