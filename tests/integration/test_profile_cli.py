@@ -19,10 +19,12 @@ SCHEMA = REPO / "docs" / "schema" / "profile.schema.json"
 
 def validate_outputs(out: Path) -> dict[str, Any]:
     """Every file `attnprof profile` writes: the JSON against the schema, the trace as a
-    Chrome trace with the attention ranges, the plot as a PNG."""
+    Chrome trace with the attention ranges, the plot and the activation map as PNG (and SVG)
+    whose cells are coloured by the profile's own activation map."""
     import jsonschema
 
-    assert sorted(p.name for p in out.iterdir()) == ["profile.json", "scaling.png", "trace.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "activation_map.png", "activation_map.svg", "profile.json", "scaling.png", "trace.json"]
     schema = json.loads(SCHEMA.read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     prof = json.loads((out / "profile.json").read_text())
@@ -32,7 +34,60 @@ def validate_outputs(out: Path) -> dict[str, Any]:
     for layer in prof["layers"]:
         assert f"attn::L{layer['layer']}::{layer['backend']}" in names
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {k: v for k, v in prof["outputs"].items() if k != "tensorboard"} == {
+        "profile": "profile.json", "trace": "trace.json", "plot": "scaling.png",
+        "activation_map": "activation_map.png", "activation_map_svg": "activation_map.svg"}
+    check_activation_map(out, prof)
     return dict(prof)
+
+
+def check_activation_map(out: Path, prof: dict[str, Any]) -> None:
+    """The SVG's cell rects have the colour of the kernel/fused state the profile recorded for
+    that layer and shape class, and the PNG is that same picture."""
+    import re
+
+    from attnprof.contracts.profile import ProfileReport
+    from attnprof.exporters import activation_map as am
+
+    grid = am.grid_from_profile(ProfileReport.from_json(prof))
+    assert len(grid.layers) == prof["model"]["num_layers"]
+    colors = am.cell_color(grid)
+    fills = {(int(m[1]), int(m[2])): m[3] for m in re.finditer(
+        r'<g id="cell-(\d+)-(\d+)">\s*<path [^>]*style="fill: (#[0-9a-f]{6})',
+        (out / "activation_map.svg").read_text())}
+    want = {}
+    for r in prof["activation_map"]:
+        j = next(j for j, c in enumerate(grid.columns) if (c.phase, c.mask, c.length_bucket)
+                 == (r["phase"], r["mask"], r["length_bucket"]))
+        want[(r["layer_idx"], j)] = colors[(r["kernel"], r["fused"])]
+    assert {k: fills[k] for k in want} == want
+    assert (out / "activation_map.png").read_bytes() == am.render(grid, "png")
+
+
+def check_tensorboard(logdir: Path, prof: dict[str, Any]) -> None:
+    """The profile's event file, read back by TensorBoard's reader: per-layer times against
+    the profile's medians, fused fraction and attention share against its rows, the map."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (event_file,) = logdir.iterdir()  # one file, moved in whole (no temp dir left)
+    assert prof["outputs"]["tensorboard"] == str(event_file.resolve())
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0,
+                                                        "tensors": 0})
+    acc.Reload()
+    got = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+    for lay in prof["layers"]:
+        tag = f"attention/layer_{lay['layer']:02d}/time_ms/prefill"
+        assert got[tag] == {int(k): pytest.approx(v * 1e3, rel=1e-6) for k, v in
+                            lay["timing"]["median_s_by_seq_len"].items()}, tag
+    rows = [r for r in prof["activation_map"] if r["calls"]]
+    assert got["attention/fused_fraction"] == {0: pytest.approx(
+        sum(r["calls"] for r in rows if r["fused"]) / sum(r["calls"] for r in rows))}
+    assert got["attention/share/prefill"] == {
+        r["seq_len"]: pytest.approx(r["attention_s"] / r["forward_s"], rel=1e-6)
+        for r in prof["scaling"]["by_seq_len"]}
+    assert set(acc.Tags()["images"]) == {"activation_map", "scaling"}
+    text = acc.Tensors("kernel_map")[0].tensor_proto.string_val[0].decode()
+    assert all(f"{r['kernel']}" in text for r in rows)
 
 
 def tiny_checkpoint(tmp: Path, impl: str) -> Path:
@@ -52,11 +107,13 @@ def test_profile_tiny_eager_model_gives_unfused_map_and_advice(tmp_path: Path,
                                                                capsys: Any) -> None:
     ckpt = tiny_checkpoint(tmp_path / "ckpt", "eager")
     out = tmp_path / "out"
+    tb = tmp_path / "tb" / "run1"
     rc = main(["profile", str(ckpt), "--seq-lens", "32,64,128", "--memory-budget", "64MiB",
                "--out", str(out), "--repeats", "1", "--no-validate",
-               "--attn-implementation", "eager"])
+               "--attn-implementation", "eager", "--tensorboard", str(tb)])
     assert rc == 0
     prof = validate_outputs(out)
+    check_tensorboard(tb, prof)
     assert prof["model"]["attn_implementation"] == "eager"
     assert all(not lay["fused"] and lay["kernels"] == ["eager"] for lay in prof["layers"])
     assert [lay["sliding_window"] for lay in prof["layers"]] == [None, 16]

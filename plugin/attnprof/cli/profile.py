@@ -4,8 +4,10 @@ prediction and advice for a Hugging Face checkpoint (or the embedded ``smollm2``
 Writes, only when the whole run succeeded: ``profile.json`` (an ``attnprof.profile``
 document, :class:`attnprof.contracts.profile.ProfileReport`; schema in
 docs/schema/profile.schema.json), ``trace.json`` (Chrome/Perfetto trace with the
-``attn::L{layer}::{backend}`` ranges) and ``scaling.png``. ``--show FILE`` prints the summary
-of a profile.json written before.
+``attn::L{layer}::{backend}`` ranges), ``scaling.png`` and the kernel activation map as
+``activation_map.png`` / ``activation_map.svg``; with ``--tensorboard DIR`` also one
+TensorBoard event file in DIR. ``--show FILE`` prints the summary of a profile.json written
+before.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ def add_parser(sub: Any) -> None:
                         "window_advice; without it the advice is traffic-only")
     p.add_argument("--validate-max-seconds", type=float, default=120.0,
                    help="run the validation only if its forward is predicted under this")
+    p.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
+                   help="also write a TensorBoard event file in DIR: per-layer time, fused "
+                        "fraction, attention share, window savings, the kernel map and plots")
     p.set_defaults(func=_run)
 
 
@@ -131,8 +136,27 @@ def show_profile(path: Path) -> str:
                        f"{str(err)[:100]})".replace("\n", " ")) from None
 
 
+def _write_events(logdir: Path, result: ProfileReport, kernel_map: str,
+                  images: dict[str, bytes]) -> Path:
+    """The profile's TensorBoard event file, written aside and moved into ``logdir`` whole
+    (TensorBoard may be watching the directory)."""
+    from attnprof.exporters.tensorboard import write_profile_events
+
+    logdir = ensure_writable_dir(logdir)
+    with tempfile.TemporaryDirectory(prefix=".attnprof-", dir=logdir) as tmp:
+        try:
+            path = write_profile_events(Path(tmp), result, kernel_map, images, time.time())
+            final = logdir / path.name
+            path.replace(final)
+        except OSError as err:
+            raise CliError(f"cannot write to --tensorboard {str(logdir)!r}: "
+                           f"{err.strerror}") from None
+    return final
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze import scaling
+    from attnprof.exporters import activation_map as amap
 
     if args.show is not None:
         if args.model is not None:
@@ -158,6 +182,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a file; --out names a directory")
     require_module("matplotlib", "attnprof profile (scaling.png)", "report")
+    if args.tensorboard is not None:
+        from attnprof.cli.tensorboard import check_logdir
+
+        check_logdir(args.tensorboard, "--tensorboard")
+        require_module("tensorboard", "attnprof profile --tensorboard", "tensorboard")
     require_module("tqdm", "attnprof profile", "torch")
     model_dir = resolve_model(args.model)
     advice_inputs = _advice_inputs(args, model_dir)
@@ -195,10 +224,20 @@ def _run(args: argparse.Namespace) -> int:
             result.window_advice = export_summary(recommend(dist, arch, stats))
         result.run.wall_s = round(time.monotonic() - t0, 1)
         png = _plot(result)
+        grid = amap.grid_from_profile(result)
+        map_png, map_svg = amap.render(grid, "png"), amap.render(grid, "svg")
         trace = trace_tmp.read_bytes() if trace_tmp.exists() else b'{"traceEvents": []}'
+    outputs = {"profile": "profile.json", "trace": "trace.json", "plot": "scaling.png",
+               "activation_map": "activation_map.png", "activation_map_svg": "activation_map.svg"}
+    if args.tensorboard is not None:
+        events = _write_events(args.tensorboard, result, amap.markdown(grid),
+                               {"activation_map": map_png, "scaling": png})
+        outputs["tensorboard"] = str(events.resolve())
     write_atomic(out_dir / "trace.json", trace)
     write_atomic(out_dir / "scaling.png", png)
-    result.outputs = {"profile": "profile.json", "trace": "trace.json", "plot": "scaling.png"}
+    write_atomic(out_dir / "activation_map.png", map_png)
+    write_atomic(out_dir / "activation_map.svg", map_svg)
+    result.outputs = outputs
     write_atomic(out_dir / "profile.json",
                  json.dumps(result.to_json(), indent=2, default=str) + "\n")
     print(summary(result, out_dir))
@@ -276,7 +315,11 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
              if gain is not None and gain.speedup is not None else "")
         lines.append(f"  - [{a.reason}] {a.change}{g}")
     wall = "?" if res.run.wall_s is None else res.run.wall_s
-    lines += ["", f"wrote {out_dir}/profile.json, trace.json, scaling.png ({wall} s)"]
+    files = [v for k, v in res.outputs.items() if k != "tensorboard"] or [
+        "profile.json", "trace.json", "scaling.png"]
+    lines += ["", f"wrote {out_dir}/{', '.join(files)} ({wall} s)"]
+    if "tensorboard" in res.outputs:
+        lines.append(f"TensorBoard events: {res.outputs['tensorboard']}")
     if res.window_advice is not None:
         lines.append(f"Window advice: {res.window_advice.summary}")
     return "\n".join(lines)

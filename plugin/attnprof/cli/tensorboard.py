@@ -1,0 +1,173 @@
+"""``attnprof tensorboard --url URL --logdir DIR``: poll a live server's snapshot and write
+TensorBoard event files (scalars, the kernel map as text, the activation-map image) until
+``--count`` snapshots, ``--duration`` or Ctrl-C; the files are flushed after every poll."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import CliError, int_in_range, require_module
+from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
+from attnprof.contracts.base import ContractError
+from attnprof.contracts.snapshot import Snapshot
+
+__all__ = ["add_parser", "check_logdir", "parse_seconds"]
+
+_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
+MAX_SECONDS = 7 * 86400.0
+"""Longest --interval / --duration (a week): anything longer is a typo."""
+
+
+def parse_seconds(text: str, flag: str) -> float:
+    """``10s``, ``500ms``, ``2m``, ``1h``, ``1.5`` (seconds) -> seconds; :class:`CliError`
+    (one line) for anything else, zero or more than :data:`MAX_SECONDS`."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|)\s*", text, flags=re.ASCII)
+    if not m:
+        raise CliError(f"{flag} {text[:30]!r} is not a duration (e.g. 10s, 500ms, 2m)")
+    secs = float(m.group(1)) * _SECONDS[m.group(2)]
+    if not 0 < secs <= MAX_SECONDS or not math.isfinite(secs):
+        raise CliError(f"{flag} must be more than 0 and at most {MAX_SECONDS:.0f} s, "
+                       f"got {text[:30]!r}")
+    return secs
+
+
+def check_logdir(path: Path, flag: str) -> Path:
+    """Refuse a TensorBoard log directory that cannot be written (a file, a directory that
+    cannot be created or written) before any work starts. It tries for real (``os.access``
+    says yes to root on a read-only file system) and removes what the try created."""
+    if path.exists() and not path.is_dir():
+        raise CliError(f"{flag} {str(path)!r} is a file; {flag} names a directory")
+    created = []
+    p = path
+    while not p.exists() and p != p.parent:
+        created.append(p)
+        p = p.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise CliError(f"{flag} {str(path)!r} cannot be written: {err.strerror}") from None
+    finally:
+        for d in created:  # deepest first; only directories this check made, still empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return path
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("tensorboard", help="write a live server's attention profile as "
+                                           "TensorBoard event files, polling its snapshot")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server base URL (default http://127.0.0.1:8000)")
+    add_api_key_flag(p)
+    p.add_argument("--logdir", type=Path, required=True,
+                   help="TensorBoard log directory (created; one new event file per run)")
+    p.add_argument("--interval", default="10s",
+                   help="time between snapshots (default 10s; 500ms, 2m, ...)")
+    p.add_argument("--count", type=int, default=None,
+                   help="stop after this many snapshots (default: until Ctrl-C)")
+    p.add_argument("--duration", default=None,
+                   help="stop after this long (e.g. 10m; default: until Ctrl-C)")
+    p.set_defaults(func=_run)
+
+
+def _snapshot(url: str, api_key: str | None) -> Snapshot:
+    data = fetch_snapshot(url, api_key=api_key)
+    try:
+        return Snapshot.from_json(data)
+    except ContractError as err:
+        raise CliError(f"{url} returned an incomplete snapshot: {err}") from None
+
+
+class _Logger:
+    """The event file and what was last written to it (the map is re-drawn only on change)."""
+
+    def __init__(self, logdir: Path) -> None:
+        from attnprof.exporters.tensorboard import EventWriter
+
+        self.writer = EventWriter(logdir)
+        self.written = 0
+        self._last_map: str | None = None
+
+    def write(self, snap: Snapshot) -> None:
+        from attnprof.exporters import activation_map as amap
+        from attnprof.exporters import tensorboard as tb
+
+        step = self.written
+        self.writer.add_scalars(tb.snapshot_scalars(snap, step), snap.time)
+        grid = amap.grid_from_snapshot(snap)
+        text = amap.markdown(grid)
+        if text != self._last_map:
+            self.writer.add_text(tb.TEXT_KERNEL_MAP, text, step, snap.time)
+            self.writer.add_image(tb.IMAGE_ACTIVATION_MAP, amap.render(grid), step, snap.time)
+            self._last_map = text
+        self.writer.flush()
+        self.written += 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    interval = parse_seconds(args.interval, "--interval")
+    duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
+    if args.count is not None:
+        int_in_range(args.count, "--count", 1, 10**9)
+    check_logdir(args.logdir, "--logdir")
+    require_module("tensorboard", "attnprof tensorboard", "tensorboard")
+    require_module("matplotlib", "attnprof tensorboard (the activation-map image)", "report")
+    # The first snapshot before anything is created: a wrong URL or key leaves no file.
+    first = _snapshot(args.url, args.api_key)
+
+    def _stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM stops like Ctrl-C (files flushed, exit 0); SIGINT explicitly, since a
+    # background job inherits it ignored.
+    old = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, _stop),
+                                                (signal.SIGINT, signal.default_int_handler))}
+    log: _Logger | None = None
+    t0 = time.monotonic()
+    try:
+        args.logdir.mkdir(parents=True, exist_ok=True)
+        log = _Logger(args.logdir)
+        snap: Snapshot | None = first
+        tick = 0
+        while True:
+            if snap is not None:
+                log.write(snap)
+            if args.count is not None and log.written >= args.count:
+                break
+            # The next tick still ahead (a slow poll skips ticks rather than bunching them).
+            tick = max(tick + 1, math.floor((time.monotonic() - t0) / interval) + 1)
+            wake = t0 + tick * interval
+            if duration is not None and wake - t0 > duration:
+                break
+            time.sleep(max(0.0, wake - time.monotonic()))
+            try:
+                snap = _snapshot(args.url, args.api_key)
+            except CliError as err:  # a restart or a blip: say so, keep polling
+                print(f"attnprof: warning: snapshot {tick} skipped: {err}", file=sys.stderr)
+                snap = None
+    except KeyboardInterrupt:
+        pass
+    except OSError as err:
+        raise CliError(f"cannot write to --logdir {str(args.logdir)!r}: {err.strerror}") \
+            from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if log is not None:
+            log.writer.close()
+    where = log.writer.path if log is not None else args.logdir
+    n = log.written if log is not None else 0
+    print(f"attnprof tensorboard: {n} snapshot{'s' if n != 1 else ''} written to {where}",
+          file=sys.stderr)
+    return 0
