@@ -1,5 +1,6 @@
 """OTLP from a real vLLM server with attnprof inside, to a loopback receiver that decodes the
-official OTLP protobufs: the same counters as the same server's /metrics, exactly."""
+official OTLP protobufs: the same counters as the same server's /metrics, exactly, and (with
+ATTNPROF_OTLP_SPANS=1) one span per sampled step with its layers' attention as children."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def otlp_server(request: pytest.FixtureRequest, tiny_model: Path,
              "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": request.param,
              "OTEL_METRIC_EXPORT_INTERVAL": "500",
              "OTEL_SERVICE_NAME": "attnprof-test",
-             "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=ci"},
+             "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=ci",
+             "ATTNPROF_OTLP_SPANS": "1"},
             max_model_len=256, kv_bytes=32 << 20) as srv:
         yield srv, rx
 
@@ -126,3 +128,47 @@ def test_otlp_counters_equal_metrics_exactly(otlp_server: tuple[VllmServer, Otlp
     # GenAI attribute names: the model label travels as gen_ai.request.model.
     _name, attrs = _to_otel(calls[0])
     assert ("gen_ai.request.model", "tiny") in attrs
+
+
+def test_sampled_steps_arrive_as_spans_with_layer_children(
+        otlp_server: tuple[VllmServer, OtlpReceiver]) -> None:
+    srv, rx = otlp_server
+    canary = "giraffecanary"
+    http_post_json(srv.base_url + "/v1/completions",
+                   {"model": "tiny", "prompt": f"{canary} spans please " * 3, "max_tokens": 4,
+                    "ignore_eos": True, "temperature": 0.0})
+
+    def complete(spans: list[tuple[dict[str, Any], Any]]) -> bool:
+        steps = [sp for _, sp in spans if sp.name == "attnprof.step"]
+        kids = [sp for _, sp in spans if sp.name == "attnprof.attention"]
+        return len(steps) >= 4 and all(
+            sum(k.parent_span_id == s.span_id for k in kids) == 2 for s in steps)
+
+    spans = rx.wait_for_spans(complete, timeout=30)
+    steps = [sp for _, sp in spans if sp.name == "attnprof.step"]
+    by_parent: dict[bytes, list[Any]] = {}
+    for _, sp in spans:
+        if sp.name == "attnprof.attention":
+            by_parent.setdefault(sp.parent_span_id, []).append(sp)
+    for st in steps:
+        kids = by_parent[st.span_id]
+        assert sorted(_attrs(k)["attnprof.layer"] for k in kids) == [0, 1]
+        for k in kids:
+            assert k.trace_id == st.trace_id
+            assert st.start_time_unix_nano <= k.start_time_unix_nano
+            assert k.end_time_unix_nano <= st.end_time_unix_nano
+            assert _attrs(k)["attnprof.backend"] == "CPU_ATTN"
+        a = _attrs(st)
+        assert a["attnprof.phase"] in ("prefill", "decode", "mixed")
+        assert a["attnprof.tokens"] > 0 and a["attnprof.effective_sample_rate"] == 1.0
+        assert a["gen_ai.request.model"] == "tiny"
+    roles = {res.get("attnprof.process.role") for res, _ in spans}
+    assert roles == {"worker"}  # steps happen in workers only
+    for _, sp in spans:  # shapes and times only: nothing of the request itself
+        for key, value in _attrs(sp).items():
+            assert not any(w in key for w in ("prompt", "token_id", "request_id")), key
+            assert canary not in str(value)
+
+
+def _attrs(span: Any) -> dict[str, Any]:
+    return {a.key: _any(a.value) for a in span.attributes}

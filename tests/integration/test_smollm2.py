@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
         assert len(worker["layers"]) == 30
         assert {lay["backend"] for lay in worker["layers"]} == {"CPU_ATTN"}
         assert snap["requests"]["requests"] == 1
+        _check_live_trace(base, tmp_path)
         children = _descendants(proc.pid)
         assert len(children) >= 3  # API server, EngineCore, worker (+ helpers)
         printed = (tmp_path / "serve.log").read_text()
@@ -103,6 +105,45 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
     time.sleep(1)
     left = [pid for pid in children if pid_alive(pid)]
     assert left == [], "vLLM processes survived Ctrl-C"
+
+
+def _check_live_trace(base: str, tmp_path: Path, steps: int = 5) -> None:
+    """`attnprof trace` under concurrent traffic (at the default sample rate): N sampled
+    steps, each with the 30 layers' attention ranges nested inside it."""
+    from attnprof.exporters.chrome_trace import check_trace
+
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            http_post_json(base + "/v1/completions", {
+                "model": "smollm2", "prompt": "Count slowly from one to fifty:",
+                "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}, timeout=120)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    out = tmp_path / "trace.json"
+    try:
+        r = _cli("trace", "--url", base, "--steps", str(steps), "--timeout", "120",
+                 "--out", str(out), timeout=200)
+    finally:
+        stop.set()
+        thread.join(150)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert check_trace(doc) == []
+    info = doc["otherData"]["attnprof"]
+    assert info["complete"], info
+    x = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    step_ranges = [e for e in x if e["cat"] == "step"]
+    assert len(step_ranges) == steps
+    for st in step_ranges:
+        inside = [e for e in x if e["cat"] == "attention" and e["pid"] == st["pid"]
+                  and e["tid"] == st["tid"] and st["ts"] <= e["ts"]
+                  and e["ts"] + e["dur"] <= st["ts"] + st["dur"]]
+        assert sorted(e["args"]["layer"] for e in inside) == list(range(30))
+        assert {e["args"]["backend"] for e in inside} == {"CPU_ATTN"}
+    assert "Count slowly" not in out.read_text()
 
 
 def _descendants(root: int) -> list[int]:
