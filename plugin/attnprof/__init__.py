@@ -11,7 +11,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__", "instrument", "profile", "set_sampling"]
+__all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot"]
 
 
 def instrument(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
@@ -54,3 +54,25 @@ def set_sampling(rate: float | None = None, head_stats_rate: float | None = None
     if errors:
         raise RuntimeError(f"attnprof: sampling switch failed in a worker: {errors[0]}")
     return out
+
+
+def snapshot(llm: Any) -> dict[str, Any]:
+    """The attnprof snapshot document (``attnprof.snapshot``, with provenance) of an offline
+    ``vllm.LLM``'s workers, as a live server's ``GET /attnprof/snapshot`` would serve it: save
+    it with ``json.dump`` and compare two with ``attnprof diff``. Raises ``RuntimeError``
+    when the workers do not answer (attnprof not enabled in them)."""
+    import time
+
+    from attnprof.contracts.snapshot import Snapshot, WorkerSnapshot
+    from attnprof.tools.provenance import collect
+
+    try:
+        workers = [WorkerSnapshot.from_json(w) for w in
+                   llm.collective_rpc("attnprof_snapshot", args=(False,))]
+    except Exception as exc:
+        raise RuntimeError(f"attnprof: the LLM's workers did not answer "
+                           f"({type(exc).__name__}); is attnprof enabled in them?") from exc
+    mc = llm.llm_engine.model_config
+    label = str(getattr(mc, "served_model_name", None) or mc.model)
+    return Snapshot(time=time.time(), model=label, enabled=True, workers=workers,
+                    provenance=collect(label, mc.model)).to_json()

@@ -341,12 +341,17 @@ def _fused_findings(b: _Side, n: _Side, limit: float | None) -> list[Finding]:
     return out
 
 
-def _share_findings(b: _Side, n: _Side, limit: float | None) -> list[Finding]:
+def _share_findings(b: _Side, n: _Side, limit: float | None,
+                    slower: bool | None) -> list[Finding]:
+    """Attention share per phase. A share is one number per side, with no spread of its own:
+    a rise counts as a regression only when the time test also found attention slower
+    relative to the rest of the model (``slower``; None: no per-call times to test)."""
     out = []
     for phase in sorted(set(b.shares) & set(n.shares)):
         sb, sn = b.shares[phase], n.shares[phase]
         d = sn - sb
-        sev = "regression" if limit is not None and d > limit else "info"
+        sev = ("regression" if limit is not None and d > limit and slower is not False
+               else "info")
         out.append(Finding(kind="attention_share", severity=_sev(sev),
                            title=f"attention share of {phase}: {sb:.0%} -> {sn:.0%}",
                            base=round(sb, 4), new=round(sn, 4), change=round(d, 4),
@@ -569,8 +574,11 @@ def compare(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot, *,
     findings, knotes = _kernel_findings(b, n, th.get("kernel") is not None)
     notes += knotes
     findings += _fused_findings(b, n, th.get("fused-drop"))
-    findings += _share_findings(b, n, th.get("share"))
     tf, tnotes = _time_findings(b, n, th.get("time"))
+    total = next((f for f in tf if f.kind == "attention_time"), None)
+    slower = None if total is None else bool(
+        total.evidence["p_value"] < ALPHA and total.evidence["ci_low"] > 1.0)
+    findings += _share_findings(b, n, th.get("share"), slower)
     findings += tf
     notes += tnotes
     findings += _memory_findings(b, n, th)

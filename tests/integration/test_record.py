@@ -1,0 +1,86 @@
+"""``attnprof record`` against a real vLLM server: the file holds what happened inside the
+window only, carries the server's provenance, diffs against itself with exit 0; bad input
+is one line and exit 2 before any waiting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnprof.tools.server import http_post_json
+from tests.conftest import TINY_API_KEY, get_snapshot
+
+pytestmark = pytest.mark.vllm
+
+ATTNPROF = [sys.executable, "-m", "attnprof.cli"]
+
+
+def _complete(srv: Any, n: int) -> None:
+    body = {"model": "tiny", "prompt": "cache token layer attention window head", "max_tokens": n,
+            "min_tokens": n, "ignore_eos": True, "temperature": 0.0}
+    http_post_json(srv.base_url + "/v1/completions", body, timeout=120)
+
+
+def test_record_holds_the_window_only_and_diffs_clean_against_itself(
+        tiny_server: Any, tmp_path: Path) -> None:
+    _complete(tiny_server, 4)  # traffic before the window: must not count
+    before = get_snapshot(tiny_server.base_url)
+    out = tmp_path / "rec" / "snap.json"
+    proc = subprocess.Popen([*ATTNPROF, "record", "--url", tiny_server.base_url,
+                             "--api-key", TINY_API_KEY, "--duration", "6s", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    sent = 5
+    threads = [threading.Thread(target=_complete, args=(tiny_server, 6)) for _ in range(sent)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert f"wrote {out}" in stdout
+    rec = json.loads(out.read_text())
+    assert rec["schema_version"] == "attnprof.snapshot/1.5"
+    w = rec["window"]
+    assert 5.5 <= w["duration_s"] <= 30 and w["requests"] == sent, w
+    assert rec["requests"]["requests"] == sent
+    assert sum(rec["requests"]["context_histogram"]["counts"]) == sent
+    # Cumulative counters before the window are gone: sampled steps and layer calls are the
+    # window's (5 requests x (1 prefill-ish + 5 decode) steps, batched: fewer, never more
+    # than the server's whole count).
+    after = get_snapshot(tiny_server.base_url)
+    worker = rec["workers"][0]
+    sampled = worker["sampler"]["sampled"]
+    grown = (after["workers"][0]["sampler"]["sampled"]
+             - before["workers"][0]["sampler"]["sampled"])
+    assert before["workers"][0]["sampler"]["sampled"] > 0
+    assert 0 < sampled <= min(sent * 6, grown)
+    calls = sum(st["calls"] for lay in worker["layers"] for st in lay["phases"].values())
+    assert calls == sampled * len(worker["layers"])
+    prov = rec["provenance"]
+    assert prov["vllm"] and prov["model"]["config_sha256"]
+    assert TINY_API_KEY not in out.read_text()
+    r = subprocess.run([*ATTNPROF, "diff", str(out), str(out)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_record_bad_input_fails_before_waiting(tiny_server: Any, tmp_path: Path) -> None:
+    out = tmp_path / "never.json"
+    for args, words in (
+            (["--url", "http://127.0.0.1:9", "--duration", "60s"], "127.0.0.1:9"),
+            (["--url", tiny_server.base_url, "--duration", "soon"], "not a duration"),
+            (["--url", tiny_server.base_url, "--api-key", "wrong", "--duration", "60s"], "401"),
+            (["--url", tiny_server.base_url, "--duration", "0s"], "more than 0")):
+        t0 = time.monotonic()
+        r = subprocess.run([*ATTNPROF, "record", *args, "--out", str(out)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+        assert time.monotonic() - t0 < 30 and not out.exists()

@@ -1,0 +1,279 @@
+"""attnprof diff's pieces without a model: the two-sample statistics, thresholds, the
+comparison of typed snapshots, the record window, provenance and the renderers."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from attnprof.aggregate.window import window_between
+from attnprof.analyze.diff import Incomparable, compare, format_layers, parse_fail_on
+from attnprof.analyze.twosample import distribution_distance, mann_whitney, ratio_test
+from attnprof.contracts.diff import DiffReport
+from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
+from attnprof.contracts.snapshot import (
+    ContextHistogram,
+    LayerProfile,
+    PhaseStats,
+    QuantileSummary,
+    RequestStats,
+    SamplerStats,
+    Snapshot,
+    StepPhaseStats,
+    WorkerSnapshot,
+)
+from attnprof.exporters.diff_report import render_markdown, render_text
+from attnprof.tools.provenance import git_log, model_identity, redact_argv
+
+
+# ----- statistics -----
+def test_mann_whitney_matches_a_hand_computed_case() -> None:
+    # b entirely above a (n=5 each): U_b = 25; normal approximation with continuity
+    # correction: z = (25 - 12.5 - 0.5) / sqrt(5*5*11/12) = 2.5067 -> p = 0.01219.
+    u, p = mann_whitney([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    assert u == 25
+    assert p == pytest.approx(0.01219, abs=2e-4)
+    u, p = mann_whitney([1, 2, 3], [1, 2, 3])
+    assert p == 1.0
+    assert mann_whitney([], [1.0]) == (0.0, 1.0)
+
+
+def test_ratio_test_recovers_the_ratio_and_its_interval_covers_it() -> None:
+    rng = random.Random(7)
+    covered = 0
+    for trial in range(60):
+        base = [rng.lognormvariate(0, 0.2) for _ in range(40)]
+        new = [1.3 * rng.lognormvariate(0, 0.2) for _ in range(40)]
+        t = ratio_test(base, new, resamples=400, seed=trial)
+        assert t is not None
+        covered += t.low <= 1.3 <= t.high
+    # A 95% percentile interval: most trials cover the true ratio (loose bound, 60 trials).
+    assert covered >= 48
+    t = ratio_test([1.0] * 10, [2.0] * 10)
+    assert t is not None and t.ratio == 2.0 and t.p_value < 1e-3
+    assert ratio_test([], [1.0]) is None
+
+
+def test_distribution_distance_is_zero_for_equal_and_one_octave_for_a_doubling() -> None:
+    bounds = [128, 256, 512, 1024]
+    assert distribution_distance(bounds, [0, 5, 5, 0, 0], [0, 10, 10, 0, 0]) == (0.0, 0.0)
+    ks, w1 = distribution_distance(bounds, [0, 10, 0, 0, 0], [0, 0, 10, 0, 0]) or (0, 0)
+    assert ks == 1.0 and w1 == pytest.approx(1.0)
+    assert distribution_distance(bounds, [0] * 5, [1] * 5) is None
+    assert distribution_distance(bounds, [1, 2], [1, 2]) is None
+
+
+def test_fail_on_parses_percentages_off_and_refuses_unknown_keys() -> None:
+    th = parse_fail_on("fused-drop=5%,time=0.2,oom=off,kernel=on,context-shift=0.3")
+    assert th["fused-drop"] == pytest.approx(0.05) and th["time"] == 0.2
+    assert th["oom"] is None and th["kernel"] == 1.0 and th["context-shift"] == 0.3
+    for bad, word in (("speed=5%", "unknown check"), ("time", "needs a value"),
+                      ("time=fast", "not a number"), ("time=-1", "between 0 and 1000"),
+                      ("time=nan", "between")):
+        with pytest.raises(ValueError, match=word):
+            parse_fail_on(bad)
+
+
+def test_format_layers_groups_consecutive_runs() -> None:
+    assert format_layers([12, 13, 14, 15, 16]) == "layers 12-16"
+    assert format_layers([3]) == "layer 3"
+    assert format_layers([5, 0, 1, 2, 9]) == "layers 0-2, 5, 9"
+
+
+# ----- comparing snapshots -----
+def _prov(config: str = "c1", rev: str = "a" * 40, dtype_tag: str = "x") -> Provenance:
+    return Provenance(attnprof="0.1", python="3.11", torch="2.13", transformers=None,
+                      vllm="0.32", hardware=Hardware(type="cpu", cpu_isa="AVX512"),
+                      model=ModelIdentity(name="m", config_sha256=config),
+                      command=["vllm", "serve", dtype_tag])
+
+
+def _layer(i: int, kernel: str, dtype: str, times: list[float], calls: int = 100,
+           fused: bool = True) -> LayerProfile:
+    return LayerProfile(
+        name=f"model.layers.{i}.self_attn.attn", index=i, backend="CPU_ATTN", impl="CPUAttn",
+        num_heads=4, num_kv_heads=2, head_size=64, head_size_v=64, sliding_window=None,
+        dtype=dtype, kv_cache_dtype="auto", fused=fused, kv_cache_bytes=1 << 20,
+        kernel=kernel,
+        phases={"decode": PhaseStats(calls=calls, time_s=sum(times) * calls / len(times),
+                                     recent_time_s=times)})
+
+
+def _snap(kernel: str = "k[amx]", dtype: str = "bfloat16", slow: float = 1.0,
+          config: str = "c1", seed: int = 0, hist: list[int] | None = None,
+          layers: int = 4, t: float = 100.0) -> Snapshot:
+    rng = random.Random(seed)
+    lays = [_layer(i, kernel, dtype, [slow * 1e-4 * rng.uniform(0.9, 1.1) for _ in range(64)])
+            for i in range(layers)]
+    w = WorkerSnapshot(pid=10, process="w0", layers=lays,
+                       steps={"decode": StepPhaseStats(steps=100, model_time_s=1.0,
+                                                       attention_time_s=0.04 * slow,
+                                                       attention_share=0.04 * slow)},
+                       sampler=SamplerStats(seen=100, sampled=100))
+    bounds = [128.0, 256.0, 512.0]
+    req = RequestStats(requests=sum(hist or [0]), max_model_len=512,
+                       context_tokens=QuantileSummary(), prompt_tokens=QuantileSummary(),
+                       generation_tokens=QuantileSummary(),
+                       context_histogram=ContextHistogram(bounds=bounds,
+                                                          counts=hist or [0, 0, 0, 0]))
+    return Snapshot(time=t, model="m", enabled=True, workers=[w], requests=req,
+                    provenance=_prov(config, dtype_tag=dtype))
+
+
+def _diff(a: Snapshot, b: Snapshot, **kw: object) -> DiffReport:
+    return compare(a, b, base_name="a.json", new_name="b.json", **kw)  # type: ignore[arg-type]
+
+
+def test_a_snapshot_kernel_downgrade_names_the_layers_and_the_input_that_changed() -> None:
+    rep = _diff(_snap(), _snap(kernel="k[vec]", dtype="float32", seed=1))
+    kern = [f for f in rep.findings if f.kind == "kernel"]
+    assert len(kern) == 1 and kern[0].severity == "regression"
+    assert kern[0].title == "layers 0-3: k[amx] -> k[vec]: dtype bfloat16 -> float32"
+    assert rep.regression
+    assert any(c.field == "command" for c in rep.changes)
+    md = render_markdown(rep)
+    assert "| kernel | layers 0-3: k[amx] -> k[vec]: dtype bfloat16 -> float32 |" in md
+    assert md.startswith("### attnprof diff: REGRESSION")
+    # The reverse is an improvement, not a regression.
+    back = _diff(_snap(kernel="k[vec]", dtype="float32"), _snap())
+    assert not back.regression
+    assert [f.severity for f in back.findings if f.kind == "kernel"] == ["improvement"]
+
+
+def test_noise_alone_is_not_a_regression_and_a_real_slowdown_is() -> None:
+    for seed in range(10):
+        rep = _diff(_snap(seed=seed), _snap(seed=seed + 100))
+        assert not rep.regression, render_text(rep)
+    slow = _diff(_snap(), _snap(slow=1.5, seed=3))
+    reg = [f for f in slow.findings if f.severity == "regression"]
+    assert {f.kind for f in reg} >= {"attention_time", "layer_time"}
+    total = next(f for f in reg if f.kind == "attention_time")
+    assert total.evidence["ci_low"] > 1.1 and total.evidence["p_value"] < 0.01
+    assert 1.3 < total.evidence["ratio"] < 1.7
+    # --fail-on time=off: the slowdown stays a reported finding, not a failure.
+    off = _diff(_snap(), _snap(slow=1.5, seed=3),
+                thresholds={"time": None, "share": None})
+    assert not off.regression
+
+
+def test_a_busy_machine_slowing_everything_does_not_trip_the_time_check() -> None:
+    base, new = _snap(), _snap(slow=2.0, seed=5)
+    # Everything, not only attention, took twice as long in NEW.
+    new.workers[0].steps["decode"].model_time_s *= 2.0
+    rep = _diff(base, new)
+    assert not any(f.severity == "regression" and f.kind.endswith("time")
+                   for f in rep.findings), render_text(rep)
+    assert any("2.00x as long" in n for n in rep.notes)
+
+
+def test_two_models_are_incomparable_unless_allowed() -> None:
+    with pytest.raises(Incomparable, match="different models"):
+        _diff(_snap(), _snap(config="c2"))
+    rep = _diff(_snap(), _snap(config="c2"), allow_model_change=True)
+    assert any("different models" in n for n in rep.notes)
+    assert any(c.field == "model.config_sha256" for c in rep.changes)
+
+
+def test_context_shift_is_measured_and_fails_only_when_asked() -> None:
+    a, b = _snap(hist=[10, 0, 0, 0]), _snap(hist=[0, 0, 10, 0], seed=1)
+    rep = _diff(a, b)
+    f = next(x for x in rep.findings if x.kind == "context_shift")
+    assert f.evidence["ks"] == 1.0 and f.evidence["wasserstein_octaves"] == pytest.approx(2.0)
+    assert f.severity == "info"
+    assert _diff(a, b, thresholds={"context-shift": 0.5}).regression
+
+
+def test_report_round_trips_through_its_contract() -> None:
+    rep = _diff(_snap(), _snap(kernel="k[vec]", dtype="float32", seed=1))
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert doc["schema_version"] == "attnprof.diff/1.0"
+    assert DiffReport.from_json(doc) == rep
+
+
+# ----- record windows -----
+def test_a_record_window_holds_only_what_happened_inside_it() -> None:
+    start = _snap(hist=[3, 1, 0, 0], t=100.0)
+    end = _snap(hist=[5, 4, 1, 0], t=160.0)
+    for lay in end.workers[0].layers:
+        lay.phases["decode"].calls = 250
+        lay.phases["decode"].time_s = 0.05
+    for lay in start.workers[0].layers:
+        lay.phases["decode"].time_s = 0.02
+    end.workers[0].steps["decode"] = StepPhaseStats(steps=250, model_time_s=2.5,
+                                                    attention_time_s=0.2,
+                                                    attention_share=0.08)
+    end.workers[0].sampler = SamplerStats(seen=300, sampled=250)
+    w = window_between(start, end)
+    assert w.window is not None and w.window.duration_s == 60.0
+    assert w.window.requests == 6 and w.requests is not None and w.requests.requests == 6
+    assert w.requests.context_histogram is not None
+    assert w.requests.context_histogram.counts == [2, 3, 1, 0]
+    ph = w.workers[0].layers[0].phases["decode"]
+    assert ph.calls == 150 and ph.time_s == pytest.approx(0.03)
+    assert ph.mean_time_s == pytest.approx(0.0002)
+    st = w.workers[0].steps["decode"]
+    assert st.steps == 150 and st.model_time_s == pytest.approx(1.5)
+    assert st.attention_share == pytest.approx((0.2 - 0.04) / 1.5)
+    assert w.workers[0].sampler.sampled == 150 and w.workers[0].sampler.seen == 200
+    # A worker that restarted (another pid) counts from its own start.
+    end.workers[0].pid = 11
+    assert window_between(start, end).workers[0].layers[0].phases["decode"].calls == 250
+
+
+# ----- provenance -----
+def test_secrets_on_the_command_line_are_redacted() -> None:
+    argv = ["vllm", "serve", "m", "--api-key", "S3CRET", "--hf-token=T0K", "--port", "8000",
+            "--url", "http://user:pw@host:9090/x", "--Authorization", "Bearer x"]
+    out = redact_argv(argv)
+    joined = " ".join(out)
+    for secret in ("S3CRET", "T0K", "pw@", "Bearer x"):
+        assert secret not in joined
+    assert out[:3] == ["vllm", "serve", "m"] and "8000" in out
+
+
+def test_model_identity_hashes_follow_the_config_and_the_tensor_layout(tmp_path: Path
+                                                                       ) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"b": 1, "a": 2}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    one = model_identity("m", d)
+    assert one.weights_source == "safetensors-headers" and one.config_sha256
+    (d / "config.json").write_text(json.dumps({"a": 2, "b": 1}))  # same content, reordered
+    assert model_identity("m", d).config_sha256 == one.config_sha256
+    (d / "config.json").write_text(json.dumps({"a": 3, "b": 1}))
+    assert model_identity("m", d).config_sha256 != one.config_sha256
+    header2 = header.replace(b"[2]", b"[3]")
+    (d / "model.safetensors").write_bytes(len(header2).to_bytes(8, "little") + header2)
+    assert model_identity("m", d).weights_sha256 != one.weights_sha256
+    assert model_identity("m", tmp_path / "missing").config_sha256 is None
+
+
+def test_git_log_lists_the_commits_between_two_revisions(tmp_path: Path) -> None:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    revs = []
+    for i in range(3):
+        (tmp_path / "f").write_text(str(i))
+        git("add", "f")
+        git("commit", "-q", "-m", f"change {i}")
+        revs.append(git("rev-parse", "HEAD"))
+    log = git_log(revs[0], revs[2], [tmp_path])
+    assert log is not None and [x.split(" ", 1)[1] for x in log] == ["change 2", "change 1"]
+    assert git_log(revs[0], "f" * 40, [tmp_path]) is None
+    assert git_log("HEAD; rm -rf /", revs[2], [tmp_path]) is None
+
+
+def test_renderers_lead_with_the_verdict() -> None:
+    same = _diff(_snap(), _snap())
+    assert render_text(same).startswith("attnprof diff: no regression")
+    assert render_markdown(same).startswith("### attnprof diff: no regression")
