@@ -420,3 +420,23 @@ def test_profile_trace_nests_each_layer_call_inside_its_forward(tmp_path: Any) -
                 and e["ts"] + e["dur"] <= f["ts"] + f["dur"]]
         assert [k["name"] for k in kids] == [f"attn::L{i}::sdpa" for i in range(3)]
         assert kids[0]["args"]["max_seq_len"] == int(f["name"].split("=")[1])
+
+
+def test_a_refusing_collector_is_counted_never_raised() -> None:
+    from attnprof.exporters.otlp import OtlpSpanSink, otlp_config_from_env
+    from tests.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver(mode="refusing") as rx:
+        cfg = otlp_config_from_env({"ATTNPROF_OTLP_SPANS": "1",
+                                    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": rx.endpoint,
+                                    "OTEL_METRIC_EXPORT_TIMEOUT": "1000"})
+        assert cfg is not None
+        errors: list[str] = []
+        sink = OtlpSpanSink(cfg, "worker", take=lambda: [_step(1_000_000, layers=2)],
+                            on_error=lambda place, exc: errors.append(place))
+        t = threading.Thread(target=sink.export, args=([],))
+        t.start()
+        t.join()
+        assert not sink.force_flush(5.0) or sink.failures >= 1
+        sink.shutdown()
+    assert sink.failures >= 1 and set(errors) == {"export_otlp_spans"}

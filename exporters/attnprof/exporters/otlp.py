@@ -795,6 +795,8 @@ class OtlpSpanSink:
         self.on_error = on_error
         self.spans = 0
         """Spans handed to the SDK in this process."""
+        self.failures = 0
+        """Span batches the collector did not take."""
         self._pid = os.getpid()
         self._provider: Any = None
         self._tracer: Any = None
@@ -844,10 +846,37 @@ class OtlpSpanSink:
         # ALWAYS_ON: attnprof's own sampler already chose these steps.
         provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
         provider.add_span_processor(BatchSpanProcessor(
-            _make_span_exporter(self.config),
+            self._counting(_make_span_exporter(self.config)),
             export_timeout_millis=int(1000 * self.config.timeout_s)))
         self._provider = provider
         self._tracer = provider.get_tracer(SCOPE, _version("attnprof"))
+
+    def _counting(self, inner: Any) -> Any:
+        """The SDK's exporter, with each failed batch reported (counted, never raised)."""
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+        sink = self
+
+        class _Exporter(SpanExporter):  # type: ignore[misc]
+            def export(self, spans: Any) -> Any:
+                try:
+                    result = inner.export(spans)
+                except Exception as exc:
+                    sink._report(exc)
+                    return SpanExportResult.FAILURE
+                if result != SpanExportResult.SUCCESS:
+                    sink.failures += 1
+                    sink._report(OtlpExportError(
+                        f"OTLP span export to {sink.config.traces_endpoint} failed"))
+                return result
+
+            def shutdown(self) -> None:
+                inner.shutdown()
+
+            def force_flush(self, timeout_millis: int = 30000) -> bool:
+                return bool(inner.force_flush(timeout_millis))
+
+        return _Exporter()
 
     def _emit(self, step: Any, model: str) -> None:
         from opentelemetry import trace
@@ -892,6 +921,8 @@ class OtlpSpanSink:
             self._report(exc)
 
     def _report(self, exc: BaseException) -> None:
+        if isinstance(exc, Exception) and not isinstance(exc, OtlpExportError):
+            self.failures += 1
         if self.on_error is not None:
             try:
                 self.on_error("export_otlp_spans", exc)

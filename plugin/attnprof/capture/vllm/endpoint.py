@@ -385,8 +385,12 @@ class LiveTrace:
         pids = {a.get("pid") for a in armed if a.get("armed")}
         deadline = time.monotonic() + timeout
         timed_out = False
+        poll = TRACE_POLL_S / 8
         while pids:
-            await asyncio.sleep(TRACE_POLL_S)
+            # Short first waits (a busy server fills N steps in tens of ms), then every
+            # TRACE_POLL_S: a handful of tiny RPCs per trace.
+            await asyncio.sleep(poll)
+            poll = min(TRACE_POLL_S, 2 * poll)
             self._kv_sample(kv)
             counts = await self._rpc(rpc_timeout, "count", trace_id)
             # -1: another API server armed a trace since (ours lost those workers).
