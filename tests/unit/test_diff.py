@@ -154,6 +154,9 @@ def test_noise_alone_is_not_a_regression_and_a_real_slowdown_is() -> None:
     total = next(f for f in reg if f.kind == "attention_time")
     assert total.evidence["ci_low"] > 1.1 and total.evidence["p_value"] < 0.01
     assert 1.3 < total.evidence["ratio"] < 1.7
+    # The Markdown says it once for the layers, not once per layer.
+    md = render_markdown(slow)
+    assert md.count("attention time +") == 1 and "| time | layers 0-3: attention time +" in md
     # --fail-on time=off: the slowdown stays a reported finding, not a failure.
     off = _diff(_snap(), _snap(slow=1.5, seed=3),
                 thresholds={"time": None, "share": None})

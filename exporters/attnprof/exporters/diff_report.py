@@ -28,9 +28,29 @@ def _verdict(rep: DiffReport) -> str:
     return "no regression"
 
 
+def _collapse(items: list[Finding]) -> list[Finding]:
+    """Per-layer time findings of one verdict, more than three of them, as one line naming
+    the layers and the range of changes (the JSON keeps each)."""
+    per = [f for f in items if f.kind == "layer_time"]
+    if len(per) <= 3:
+        return items
+    from attnprof.analyze.diff import format_layers
+
+    lo = min(f.change or 0.0 for f in per)
+    hi = max(f.change or 0.0 for f in per)
+    layers = sorted(x for f in per for x in f.layers)
+    one = Finding(kind="layer_time", severity=per[0].severity, threshold=per[0].threshold,
+                  layers=layers,
+                  title=(f"{format_layers(layers)}: attention time {lo:+.0%} to {hi:+.0%} per "
+                         f"layer (each p < 0.01; see --json for intervals)"))
+    first = items.index(per[0])
+    rest = [f for f in items if f.kind != "layer_time"]
+    return [*rest[:first], one, *rest[first:]]
+
+
 def _interesting(rep: DiffReport) -> tuple[list[Finding], list[Finding], list[Finding]]:
-    reg = [f for f in rep.findings if f.severity == "regression"]
-    imp = [f for f in rep.findings if f.severity == "improvement"]
+    reg = _collapse([f for f in rep.findings if f.severity == "regression"])
+    imp = _collapse([f for f in rep.findings if f.severity == "improvement"])
     # Per-layer times that are not findings would be 30 lines of noise: only the total.
     info = [f for f in rep.findings if f.severity == "info" and f.kind != "layer_time"]
     return reg, imp, info

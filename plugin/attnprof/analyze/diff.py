@@ -411,8 +411,14 @@ def _time_findings(b: _Side, n: _Side, limit: float | None) -> tuple[list[Findin
                                  relative))
     t = ratio_test(all_b, all_n, seed=10_000)
     if t is not None:
+        raw_all: tuple[list[float], list[float]] = ([], [])
+        for layer in sorted(set(b.times) & set(n.times)):
+            xb, xn = _normalised(b, n, layer, False)
+            raw_all[0].extend(xb)
+            raw_all[1].extend(xn)
+        raw = ratio_test(*raw_all, resamples=0) if relative else None
         out.insert(0, _time_finding("attention_time", "attention time (all layers)", [],
-                                    t, limit, None, relative))
+                                    t, limit, raw, relative))
     notes = []
     if speed is not None and abs(speed - 1) > 0.10:
         notes.append(f"the rest of the model ran {speed:.2f}x as long in NEW as in BASE "
@@ -427,6 +433,8 @@ def _time_finding(kind: str, what: str, layers: list[int], t: Any, limit: float 
     faster = t.p_value < ALPHA and t.high < 1 - (limit or 0.10)
     sev = "regression" if slower else "improvement" if faster else "info"
     rel = " relative to the rest of the model" if relative else ""
+    if relative and raw is not None and kind == "attention_time":
+        rel += f" (raw {raw.ratio - 1:+.0%})"
     ev = {"ratio": round(t.ratio, 4), "ci_low": round(t.low, 4), "ci_high": round(t.high, 4),
           "p_value": t.p_value, "n_base": t.n_base, "n_new": t.n_new, "relative": relative,
           "test": "Mann-Whitney U; bootstrap 95% CI of the ratio of medians"}

@@ -96,6 +96,10 @@ def add_parser(sub: Any) -> None:
                    help="output directory (default attnprof-out/profile)")
     p.add_argument("--attn-implementation", default=None,
                    help="override the model's attention implementation (sdpa, eager, ...)")
+    p.add_argument("--train", action="store_true",
+                   help="profile in training mode (dropout active), as fine-tuning runs it")
+    p.add_argument("--attention-dropout", type=float, default=None, metavar="P",
+                   help="override the config's attention dropout (in [0, 1); acts with --train)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per length (default 2)")
     p.add_argument("--paths", default="flash_cpu,math,eager",
                    help="attention paths to micro-benchmark (default flash_cpu,math,eager)")
@@ -179,6 +183,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
         raise CliError(f"--attn-implementation {args.attn_implementation!r}: use sdpa, eager "
                        f"or flex_attention")
+    if args.attention_dropout is not None and not 0.0 <= args.attention_dropout < 1.0:
+        raise CliError(f"--attention-dropout must be in [0, 1), got {args.attention_dropout}")
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a file; --out names a directory")
     require_module("matplotlib", "attnprof profile (scaling.png)", "report")
@@ -209,7 +215,8 @@ def _run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, memory_budget=budget,
             attn_implementation=args.attn_implementation, repeats=args.repeats, paths=paths,
             validate=not args.no_validate, validate_max_seconds=args.validate_max_seconds,
-            trace_path=trace_tmp, progress=step)
+            trace_path=trace_tmp, progress=step, train=args.train,
+            attention_dropout=args.attention_dropout)
         try:
             result = run_profile(opts)
         except (OSError, ValueError) as err:

@@ -34,6 +34,7 @@ from attnprof.contracts.profile import (
     Scaling,
 )
 from attnprof.facts.shape import AttentionShape
+from attnprof.tools import provenance
 
 __all__ = ["ProfileOptions", "environment", "run_profile", "write_trace"]
 
@@ -53,6 +54,12 @@ class ProfileOptions:
     validate: bool = True
     validate_max_seconds: float = 120.0
     trace_path: Path | None = None
+    train: bool = False
+    """Profile in training mode (dropout active), as a fine-tuning job runs attention."""
+    attention_dropout: float | None = None
+    """Override the config's attention dropout (only matters with ``train``)."""
+    argv: list[str] | None = None
+    """The command line recorded in the provenance (default: this process's)."""
     progress: Callable[[str], None] = field(default=lambda _m: None)
 
 
@@ -110,11 +117,14 @@ def _load(opts: ProfileOptions) -> Any:
     kw: dict[str, Any] = {"dtype": torch.float32}
     if opts.attn_implementation:
         kw["attn_implementation"] = opts.attn_implementation
+    if opts.attention_dropout is not None:
+        kw["attention_dropout"] = opts.attention_dropout
     try:
         model = AutoModelForCausalLM.from_pretrained(opts.model_dir, **kw)
     except ValueError:  # encoder-only checkpoints
         model = AutoModel.from_pretrained(opts.model_dir, **kw)
-    model.eval()
+    # Training mode turns attention dropout on (and SDPA off its fused CPU kernel).
+    model.train(opts.train)
     return model, cfg
 
 
@@ -288,15 +298,8 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         oom_prediction=OomPrediction.from_json(oom),
         advice=[BackendAdvice.from_json(x) for x in adv],
         errors=list(prof.errors),
+        provenance=provenance.collect(opts.model_name, opts.model_dir, argv=opts.argv),
     )
-
-
-def _available_bytes() -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass(frozen=True)
@@ -340,6 +343,14 @@ def write_trace(path: Path, records: Any, forwards: list[_Forward], model_name: 
     path.write_text(dumps(doc))
 
 
+def _available_bytes() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
     """KV-cache bytes after a length-L prefill: a windowed layer keeps min(L, window)."""
     per = int(memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"],
@@ -380,7 +391,9 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
                 for r in amap if r["layer_idx"] == i],
             "timing": {"calls": lay["calls"], "total_s": lay["time_s"],
                        "median_s_by_seq_len": {str(L): statistics.median(v) for L, v in
-                                               sorted(layer_time.get(i, {}).items())}},
+                                               sorted(layer_time.get(i, {}).items())},
+                       "samples_s_by_seq_len": {str(L): list(v) for L, v in
+                                                sorted(layer_time.get(i, {}).items())}},
             "memory": {"kv_cache_bytes_per_token": kv["per_layer"],
                        "kv_cache_bytes_per_token_per_kv_head": kv["per_kv_head"],
                        "kv_cache_bytes_per_token_per_query_head": kv["per_query_head"],
