@@ -440,3 +440,20 @@ def test_a_refusing_collector_is_counted_never_raised() -> None:
         assert not sink.force_flush(5.0) or sink.failures >= 1
         sink.shutdown()
     assert sink.failures >= 1 and set(errors) == {"export_otlp_spans"}
+
+
+def test_an_engine_failing_the_rpc_is_reported_not_a_breaker(state: runtime.State) -> None:
+    class Broken:
+        async def collective_rpc(self, method: str, timeout: float | None = None,
+                                 args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+            raise RuntimeError("engine core died")
+
+    app = _app(Broken(), [KEY])
+    (r,) = asyncio.run(_gets(app, "/attnprof/trace?steps=2"))
+    assert r.status_code == 200
+    doc = r.json()
+    info = doc["otherData"]["attnprof"]
+    assert info["workers_armed"] == 0 and not info["complete"]
+    assert info["errors"] == ["RuntimeError: engine core died"]
+    assert check_trace(doc) == []
+    assert state.errors.by_place.get("trace_rpc") == 1 and "endpoint" not in state.errors.by_place

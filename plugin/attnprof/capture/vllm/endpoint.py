@@ -367,10 +367,19 @@ class LiveTrace:
             self._busy = False
 
     async def _rpc(self, rpc_timeout: float, *args: Any) -> list[dict[str, Any]]:
+        """Every worker's answer to one trace op. An engine that fails the RPC (dead, not
+        ours) is the host's state, not attnprof's bug: counted without tripping a breaker,
+        and the trace goes on with the answers there are. ``TimeoutError`` passes (504)."""
         if self.engine_client is None:
             return []
-        got = await asyncio.wait_for(rpc_all(self.engine_client, "attnprof_trace", *args),
-                                     rpc_timeout)
+        try:
+            got = await asyncio.wait_for(rpc_all(self.engine_client, "attnprof_trace", *args),
+                                         rpc_timeout)
+        except TimeoutError:
+            raise
+        except Exception as exc:
+            runtime.STATE.errors.note("trace_rpc", exc)
+            return [{"error": f"{type(exc).__name__}: {exc}"}]
         return [a for a in got if isinstance(a, dict)]
 
     async def _record(self, steps: int, timeout: float, rpc_timeout: float,
@@ -430,7 +439,9 @@ def _render_trace(taken: list[dict[str, Any]], kv: list[tuple[int, float]],
     procs: list[TraceProcess] = []
     per_worker: dict[str, int] = {}
     truncated: str | None = None
-    for i, a in enumerate(sorted(taken, key=lambda a: (a.get("rank") or {}).get("tp_rank", 0))):
+    answers = [a for a in taken if "error" not in a]  # errors are listed in meta
+    for i, a in enumerate(sorted(answers, key=lambda a: (a.get("rank") or {}).get("tp_rank",
+                                                                                 0))):
         steps = []
         for raw in a.get("steps") or []:
             try:
