@@ -267,8 +267,9 @@ def test_tensorboard_cli_stops_after_duration(snap_server: SnapshotServer, tmp_p
     assert sorted(scalars(accumulator(tmp_path))["context/p50"]) == [0, 1, 2]
 
 
-def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: SnapshotServer, tmp_path: Path
-                                               ) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: SnapshotServer, tmp_path: Path,
+                                               sig: int) -> None:
     env = {**os.environ, "ATTNPROF_API_KEY": "k3y"}
     proc = subprocess.Popen([sys.executable, "-m", "attnprof.cli", "tensorboard", "--url",
                              snap_server.url, "--logdir", str(tmp_path), "--interval",
@@ -277,7 +278,7 @@ def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: SnapshotServer, tmp_
     deadline = time.monotonic() + 60
     while len(snap_server.served) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "snapshots written to" in err
