@@ -354,7 +354,8 @@ def layout(grid: Grid) -> Layout:
     nrows, ncols = max(1, len(grid.layers)), max(1, len(grid.columns))
     legend_h = 0.35 + 0.17 * _legend_lines(grid)
     width = LEFT + ncols * CELL_W + RIGHT
-    width = max(width, 6.0)  # room for the title and the legend's reason messages
+    # Room for the title (~0.55 em per character) and the legend's reason messages.
+    width = max(width, 6.0, 0.4 + len(grid.title) * 0.55 * (FONT + 2.5) / 72)
     grid_h = nrows * CELL_H
     height = TITLE_H + HEADER_H + grid_h + legend_h
     ax_w = ncols * CELL_W
