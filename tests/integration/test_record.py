@@ -65,7 +65,9 @@ def test_record_holds_the_window_only_and_diffs_clean_against_itself(
     calls = sum(st["calls"] for lay in worker["layers"] for st in lay["phases"].values())
     assert calls == sampled * len(worker["layers"])
     prov = rec["provenance"]
-    assert prov["vllm"] and prov["model"]["config_sha256"]
+    assert prov["vllm"] and prov["torch"] and prov["model"]["config_sha256"]
+    assert prov["hardware"]["type"] == "cpu" and prov["hardware"]["cpu_isa"]
+    assert prov["model"]["weights_source"] == "safetensors-headers" and prov["command"]
     assert TINY_API_KEY not in out.read_text()
     r = subprocess.run([*ATTNPROF, "diff", str(out), str(out)], capture_output=True,
                        text=True, timeout=120)

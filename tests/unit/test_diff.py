@@ -181,6 +181,16 @@ def test_two_models_are_incomparable_unless_allowed() -> None:
     assert any(c.field == "model.config_sha256" for c in rep.changes)
 
 
+def test_a_file_without_provenance_compares_by_label_and_attention_shape() -> None:
+    old = _snap()
+    old.provenance = None  # a snapshot from before 1.5
+    assert not _diff(old, _snap(seed=1)).regression
+    other = _snap(seed=1)
+    other.model = "another"
+    with pytest.raises(Incomparable):
+        _diff(old, other)
+
+
 def test_context_shift_is_measured_and_fails_only_when_asked() -> None:
     a, b = _snap(hist=[10, 0, 0, 0]), _snap(hist=[0, 0, 10, 0], seed=1)
     rep = _diff(a, b)

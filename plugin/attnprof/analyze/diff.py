@@ -135,6 +135,7 @@ class _Side:
     kind: str
     model: str
     model_key: tuple[Any, ...]
+    """What identifies the model when a side has no config hash (older files)."""
     provenance: Provenance | None
     cells: dict[tuple[Any, ...], _Cell] = field(default_factory=dict)
     calls: list[tuple[bool, int, float]] = field(default_factory=list)
@@ -156,8 +157,7 @@ class _Side:
 def _profile_side(rep: ProfileReport, name: str, raw: Mapping[str, Any]) -> _Side:
     m = rep.model
     prov = rep.provenance
-    key = (prov.model.config_sha256,) if prov is not None and prov.model.config_sha256 else (
-        m.name, m.architecture, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim)
+    key = (m.architecture, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim)
     s = _Side(kind="attnprof.profile", model=m.name, model_key=key, provenance=prov)
     for r in rep.activation_map:
         args = r.sdpa_args or {}
@@ -190,9 +190,10 @@ def _profile_side(rep: ProfileReport, name: str, raw: Mapping[str, Any]) -> _Sid
 
 def _snapshot_side(snap: Snapshot, name: str, raw: Mapping[str, Any]) -> _Side:
     prov = snap.provenance
-    key = (prov.model.config_sha256,) if prov is not None and prov.model.config_sha256 \
-        else (snap.model,)
-    s = _Side(kind="attnprof.snapshot", model=snap.model, model_key=key, provenance=prov)
+    shapes = sorted({(lay.index, lay.num_heads, lay.num_kv_heads, lay.head_size)
+                     for w in snap.workers for lay in w.layers})
+    s = _Side(kind="attnprof.snapshot", model=snap.model, model_key=(snap.model, *shapes),
+              provenance=prov)
     seen: set[int] = set()
     kv = 0
     for w in snap.workers:
@@ -403,7 +404,7 @@ def _time_findings(b: _Side, n: _Side, limit: float | None) -> tuple[list[Findin
         xb, xn = _normalised(b, n, layer, relative)
         all_b += xb
         all_n += xn
-        t = ratio_test(xb, xn, seed=layer)
+        t = ratio_test(xb, xn, seed=layer, resamples=1000)
         if t is None:
             continue
         raw = ratio_test(*_normalised(b, n, layer, False), resamples=0) if relative else t
@@ -573,7 +574,10 @@ def compare(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot, *,
     b = side_of(base, base_name, base_raw or {})
     n = side_of(new, new_name, new_raw or {})
     notes: list[str] = []
-    if b.model_key != n.model_key:
+    hb = b.provenance.model.config_sha256 if b.provenance is not None else None
+    hn = n.provenance.model.config_sha256 if n.provenance is not None else None
+    # The config hash when both sides have one; else the attention shape (and label).
+    if (hb != hn) if hb and hn else (b.model_key != n.model_key):
         if not allow_model_change:
             raise Incomparable(f"{base_name} ({b.model}) and {new_name} ({n.model}) are "
                                f"different models (config differs); pass "
