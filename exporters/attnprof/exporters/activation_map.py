@@ -327,13 +327,12 @@ FONT = 7.0
 
 @dataclass(frozen=True)
 class Layout:
-    """Where things land: figure size in inches, the cell area in figure fractions
-    (left, bottom, width, height), and the legend's height."""
+    """Where things land: figure size in inches and the cell area in figure fractions
+    (left, bottom, width, height)."""
 
     width_in: float
     height_in: float
     axes: tuple[float, float, float, float]
-    legend_h_in: float
     nrows: int
     ncols: int
 
@@ -361,7 +360,7 @@ def layout(grid: Grid) -> Layout:
     ax_w = ncols * CELL_W
     return Layout(width_in=width, height_in=height,
                   axes=(LEFT / width, legend_h / height, ax_w / width, grid_h / height),
-                  legend_h_in=legend_h, nrows=nrows, ncols=ncols)
+                  nrows=nrows, ncols=ncols)
 
 
 def _text_color(hex_color: str) -> str:
@@ -461,9 +460,4 @@ def render(grid: Grid, fmt: Literal["png", "svg"] = "png",
         with rc_context({"svg.fonttype": "none", "svg.hashsalt": "attnprof"}):
             FigureCanvasSVG(fig).print_svg(buf, metadata={"Date": None})
     return buf.getvalue()
-
-
-def render_both(grid: Grid, palette: Palette = DEFAULT_PALETTE) -> tuple[bytes, bytes]:
-    """(PNG, SVG) of ``grid``."""
-    return render(grid, "png", palette), render(grid, "svg", palette)
 

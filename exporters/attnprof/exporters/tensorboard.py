@@ -196,8 +196,12 @@ class EventWriter:
         self._tensor, self._shape, self._types = tensor_pb2, tensor_shape_pb2, types_pb2
         self._text_meta = text_metadata.create_summary_metadata(display_name=None,
                                                                 description=None)
+        before = set(logdir.glob("*tfevents*")) if logdir.is_dir() else set()
         self._w = EventFileWriter(str(logdir), max_queue_size=64, flush_secs=flush_secs)
-        self.path = Path(self._w._file_name)
+        # The writer's file name is private; if a version renames it, the new file is it.
+        name = getattr(self._w, "_file_name", None)
+        self.path = Path(name) if isinstance(name, str) else max(
+            set(logdir.glob("*tfevents*")) - before, key=lambda p: p.stat().st_mtime)
         """The event file this writer fills."""
 
     def _add(self, value: Any, step: int, wall_time: float) -> None:
