@@ -137,6 +137,21 @@ def test_profile_without_window_advice_writes_no_context_or_window_tags(tmp_path
     assert "attention/fused_fraction" in tags
 
 
+def test_attention_share_sums_the_workers_time() -> None:
+    """Pipeline stages each time their own layers: the share is the ratio of the sums."""
+    from attnprof.exporters.tensorboard import snapshot_scalars
+
+    doc = live_snapshot()
+    doc["workers"][0]["steps"] = {"prefill": {"steps": 2, "model_time_s": 1.0,
+                                              "attention_time_s": 0.5,
+                                              "attention_share": 0.5}}
+    doc["workers"][1]["steps"] = {"prefill": {"steps": 2, "model_time_s": 3.0,
+                                              "attention_time_s": 0.5,
+                                              "attention_share": 1 / 6}}
+    got = {s.tag: s.value for s in snapshot_scalars(Snapshot.from_json(doc), 4)}
+    assert got["attention/share/prefill"] == pytest.approx(0.25)
+
+
 def test_layer_tags_sort_in_layer_order() -> None:
     from attnprof.exporters.tensorboard import layer_tag
 
@@ -158,9 +173,9 @@ def _snapshot_doc(n: int) -> dict[str, Any]:
             st["time_s"] = st["mean_time_s"] * st["calls"]
     if n >= 2:
         w["layers"][2]["fused"] = False
-    w["steps"] = {"prefill": {"steps": 3, "model_time_s": 1.0, "attention_time_s": 0.1 * n,
+    w["steps"] = {"prefill": {"steps": 3, "model_time_s": 2.0, "attention_time_s": 0.2 * n,
                               "attention_share": 0.1 * n},
-                  "decode": {"steps": 9, "model_time_s": 2.0, "attention_time_s": 0.2,
+                  "decode": {"steps": 0, "model_time_s": 0.0, "attention_time_s": 0.0,
                              "attention_share": None}}
     w["sampler"] = {"seen": 10, "sampled": 5, "effective_rate": 0.5,
                     "self_time_fraction": 0.01}

@@ -144,12 +144,16 @@ def snapshot_scalars(snap: Snapshot, step: int = 0) -> list[Scalar]:
         out.append(Scalar("attention/fused_fraction", frac, step))
     if tfrac is not None:
         out.append(Scalar("attention/fused_time_fraction", tfrac, step))
-    shares: dict[str, float] = {}
+    # Ratio of sums over workers: pipeline stages each time only their own layers (tensor-
+    # parallel ranks time the same step, so the ratio is theirs). attnprof diff does the same.
+    model_t: dict[str, float] = {}
+    attn_t: dict[str, float] = {}
     for w in snap.workers:
         for phase, sp in w.steps.items():
-            if sp.attention_share is not None:
-                shares.setdefault(phase, sp.attention_share)
-    out += [Scalar(f"attention/share/{p}", v, step) for p, v in shares.items()]
+            model_t[phase] = model_t.get(phase, 0.0) + sp.model_time_s
+            attn_t[phase] = attn_t.get(phase, 0.0) + sp.attention_time_s
+    out += [Scalar(f"attention/share/{p}", attn_t[p] / t, step) for p, t in model_t.items()
+            if t > 0]
     req = snap.requests
     if req is not None and req.context_tokens.count > 0:
         q = req.context_tokens
