@@ -44,6 +44,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -221,6 +222,8 @@ def canary_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
              "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": rx.endpoint,
              "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
              "OTEL_METRIC_EXPORT_INTERVAL": "500",
+             # Spans of sampled steps too (to the same receiver's /v1/traces).
+             "ATTNPROF_OTLP_SPANS": "1",
              "OTEL_SERVICE_NAME": "attnprof-canary"},
             max_model_len=512, kv_bytes=64 << 20) as srv:
         yield srv, rx, files
@@ -351,6 +354,38 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         time.sleep(0.5)
     outputs["OTLP (attributes, names, units)"] = "\n".join(flat)
     outputs["OTLP (requests as JSON)"] = as_json
+    from google.protobuf.json_format import MessageToJson
+
+    rx.wait_for_spans(lambda got: len(got) > 0, timeout=20)
+    outputs["OTLP spans (as JSON)"] = "\n".join(MessageToJson(r) for r in rx.trace_requests)
+    # A live trace, a record window and their diff, taken while canary traffic flows.
+    work = tmp_path_factory.mktemp("canary-trace")
+
+    done = threading.Event()
+
+    def more_traffic() -> None:  # until the trace and the record are taken (the CLI starts
+        while not done.is_set():  # in a second: traffic must still flow once armed)
+            for prompt in prompts[:2]:
+                _post(base + "/v1/completions", {**sent[0], "prompt": prompt, "echo": False})
+
+    mover = threading.Thread(target=more_traffic)
+    mover.start()
+    try:
+        tr = _cli("trace", "--url", base, "--steps", "2", "--timeout", "60", "--out",
+                  str(work / "trace.json"), timeout=120)
+        rec = _cli("record", "--url", base, "--duration", "2s", "--out",
+                   str(work / "rec.json"), timeout=120)
+    finally:
+        done.set()
+        mover.join()
+    assert tr.returncode == 0 and rec.returncode == 0, tr.stderr[-2000:] + rec.stderr[-2000:]
+    dif = _cli("diff", str(work / "rec.json"), str(work / "rec.json"), "--json", timeout=120)
+    assert dif.returncode == 0, dif.stderr[-2000:]
+    outputs["attnprof trace (stdout, stderr)"] = tr.stdout + tr.stderr
+    outputs["attnprof record / diff (stdout, stderr)"] = (rec.stdout + rec.stderr + dif.stdout
+                                                           + dif.stderr)
+    for name, text in _read_tree(work).items():
+        outputs[f"attnprof trace/record: {name}"] = text
     # The CLI against the live server (the key from $ATTNPROF_API_KEY, never on argv).
     cli = _cli("snapshot", "--url", base, "--json", timeout=120)
     assert cli.returncode == 0, cli.stderr[-2000:]
@@ -411,6 +446,11 @@ def test_canaries_were_sent_and_exports_are_not_empty(exports: Exports) -> None:
     assert json.loads(out["attnprof snapshot --json"])["requests"]["context_tokens"]["count"] >= 3
     assert "attnprof.request.context" in out["OTLP (attributes, names, units)"]
     assert "gen_ai.request.model" in out["OTLP (attributes, names, units)"]
+    assert "attnprof.step" in out["OTLP spans (as JSON)"]
+    trace = json.loads(out["attnprof trace/record: trace.json"])
+    assert sum(1 for e in trace["traceEvents"] if e.get("ph") == "X") >= 2 * 3
+    rec = json.loads(out["attnprof trace/record: rec.json"])
+    assert rec["window"] and rec["provenance"]["model"]["config_sha256"]
     prof = json.loads(out["attnprof profile: profile.json"])
     assert prof["layers"] and prof["window_advice"], sorted(prof)
     assert json.loads(out["attnprof profile: trace.json"])["traceEvents"]
