@@ -67,8 +67,8 @@ def test_only_exporters_import_export_libraries() -> None:
     for mod, path in _modules().items():
         if mod.startswith("attnprof.exporters"):
             continue
-        bad = {m for m in _imports(path) if m.split(".")[0] in ("prometheus_client",
-                                                                   "opentelemetry")}
+        bad = {m for m in _imports(path) if m.split(".")[0] in (
+            "prometheus_client", "opentelemetry", "tensorboard", "matplotlib")}
         assert not bad, f"{mod} imports {sorted(bad)}: that belongs in exporters/"
 
 

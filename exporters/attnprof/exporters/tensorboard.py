@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnprof.analyze.headline import first_layers, fused_fractions, kernel_rows, step_shares
 from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.profile import ProfileReport
-from attnprof.contracts.snapshot import LayerProfile, Snapshot
+from attnprof.contracts.snapshot import Snapshot
 
 __all__ = [
     "EventWriter",
@@ -90,11 +91,7 @@ def profile_scalars(report: ProfileReport) -> list[Scalar]:
     for lay in report.layers:
         for length, sec in lay.timing.median_s_by_seq_len.items():
             out.append(Scalar(layer_tag(lay.layer, n, "prefill"), sec * 1e3, int(length)))
-    rows = [r for r in report.activation_map if r.calls > 0]
-    calls = sum(r.calls for r in rows)
-    secs = sum(r.time_s for r in rows)
-    frac = _ratio(sum(r.calls for r in rows if r.fused), calls)
-    tfrac = _ratio(sum(r.time_s for r in rows if r.fused), secs)
+    frac, tfrac = fused_fractions(kernel_rows(report))
     if frac is not None:
         out.append(Scalar("attention/fused_fraction", frac))
     if tfrac is not None:
@@ -112,48 +109,21 @@ def profile_scalars(report: ProfileReport) -> list[Scalar]:
     return _finite(out)
 
 
-def _first_layers(snap: Snapshot) -> list[LayerProfile]:
-    """Each layer once, from the first worker holding it (tensor-parallel rank 0), as the
-    Prometheus exporter reads per-layer series."""
-    seen: dict[int, LayerProfile] = {}
-    for w in snap.workers:
-        for lay in w.layers:
-            seen.setdefault(lay.index, lay)
-    return [seen[i] for i in sorted(seen)]
-
-
 def snapshot_scalars(snap: Snapshot, step: int = 0) -> list[Scalar]:
     """Every scalar of one live snapshot at ``step`` (module docstring for the tags)."""
     out: list[Scalar] = []
-    layers = _first_layers(snap)
+    layers = first_layers(snap)
     n = max((lay.index + 1 for lay in layers), default=0)
-    calls = fused_calls = 0
-    secs = fused_secs = 0.0
     for lay in layers:
         for phase, st in lay.phases.items():
-            if st.calls <= 0:
-                continue
-            out.append(Scalar(layer_tag(lay.index, n, phase), st.mean_time_s * 1e3, step))
-            calls += st.calls
-            secs += st.time_s
-            if lay.fused:
-                fused_calls += st.calls
-                fused_secs += st.time_s
-    frac, tfrac = _ratio(fused_calls, calls), _ratio(fused_secs, secs)
+            if st.calls > 0:
+                out.append(Scalar(layer_tag(lay.index, n, phase), st.mean_time_s * 1e3, step))
+    frac, tfrac = fused_fractions(kernel_rows(snap))
     if frac is not None:
         out.append(Scalar("attention/fused_fraction", frac, step))
     if tfrac is not None:
         out.append(Scalar("attention/fused_time_fraction", tfrac, step))
-    # Ratio of sums over workers: pipeline stages each time only their own layers (tensor-
-    # parallel ranks time the same step, so the ratio is theirs). attnprof diff does the same.
-    model_t: dict[str, float] = {}
-    attn_t: dict[str, float] = {}
-    for w in snap.workers:
-        for phase, sp in w.steps.items():
-            model_t[phase] = model_t.get(phase, 0.0) + sp.model_time_s
-            attn_t[phase] = attn_t.get(phase, 0.0) + sp.attention_time_s
-    out += [Scalar(f"attention/share/{p}", attn_t[p] / t, step) for p, t in model_t.items()
-            if t > 0]
+    out += [Scalar(f"attention/share/{p}", v, step) for p, v in step_shares(snap).items()]
     req = snap.requests
     if req is not None and req.context_tokens.count > 0:
         q = req.context_tokens

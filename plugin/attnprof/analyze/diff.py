@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from attnprof.analyze.headline import first_layers, fused_fractions, kernel_rows, step_shares
 from attnprof.analyze.twosample import distribution_distance, ratio_test
 from attnprof.contracts.diff import Change, DiffReport, DiffSide, Finding, Severity
 from attnprof.contracts.profile import ProfileReport
@@ -167,12 +168,11 @@ def _profile_side(rep: ProfileReport, name: str, raw: Mapping[str, Any]) -> _Sid
                 inputs[k] = args[k]
         cls = (r.layer_idx, r.phase, r.length_bucket, bool(r.tags.get("padded", False)))
         s.cells[cls] = _Cell(r.kernel, r.fused, [x.code for x in r.reasons], inputs)
-        s.calls.append((r.fused, r.calls, r.time_s))
+    s.calls = kernel_rows(rep)
+    s.shares = step_shares(rep)
     for row in rep.scaling.by_seq_len:
-        if row.forward_s > 0:
-            s.shares[f"prefill L={row.seq_len}"] = row.attention_s / row.forward_s
-            if row.forward_s > row.attention_s:
-                s.other[f"L={row.seq_len}"] = row.forward_s - row.attention_s
+        if row.forward_s > row.attention_s:
+            s.other[f"L={row.seq_len}"] = row.forward_s - row.attention_s
         s.memory[f"peak at L={row.seq_len}"] = float(row.peak_total_bytes)
     for lay in rep.layers:
         t = lay.timing
@@ -194,38 +194,30 @@ def _snapshot_side(snap: Snapshot, name: str, raw: Mapping[str, Any]) -> _Side:
                      for w in snap.workers for lay in w.layers})
     s = _Side(kind="attnprof.snapshot", model=snap.model, model_key=(snap.model, *shapes),
               provenance=prov)
-    seen: set[int] = set()
     kv = 0
-    for w in snap.workers:
-        for lay in w.layers:
-            if lay.index in seen:  # tensor-parallel ranks repeat the layer: first one counts
-                continue
-            seen.add(lay.index)
-            kv += lay.kv_cache_bytes
-            kernel = lay.kernel or lay.backend
-            inputs = {"backend": lay.backend, "impl": lay.impl, "dtype": lay.dtype,
-                      "kv_cache_dtype": lay.kv_cache_dtype, "head_size": lay.head_size,
-                      "sliding_window": lay.sliding_window, "attn_type": lay.attn_type,
-                      "has_sink": lay.has_sink}
-            for phase, st in lay.phases.items():
-                s.cells[(lay.index, phase)] = _Cell(kernel, lay.fused, [], inputs)
-                s.calls.append((lay.fused, st.calls, st.time_s))
-                if st.recent_time_s:
-                    s.times.setdefault(lay.index, {})[phase] = list(st.recent_time_s)
-            if not lay.phases:
-                s.cells[(lay.index, "any")] = _Cell(kernel, lay.fused, [], inputs)
+    for lay in first_layers(snap):
+        kv += lay.kv_cache_bytes
+        kernel = lay.kernel or lay.backend
+        inputs = {"backend": lay.backend, "impl": lay.impl, "dtype": lay.dtype,
+                  "kv_cache_dtype": lay.kv_cache_dtype, "head_size": lay.head_size,
+                  "sliding_window": lay.sliding_window, "attn_type": lay.attn_type,
+                  "has_sink": lay.has_sink}
+        for phase, st in lay.phases.items():
+            s.cells[(lay.index, phase)] = _Cell(kernel, lay.fused, [], inputs)
+            if st.recent_time_s:
+                s.times.setdefault(lay.index, {})[phase] = list(st.recent_time_s)
+        if not lay.phases:
+            s.cells[(lay.index, "any")] = _Cell(kernel, lay.fused, [], inputs)
     s.kv_bytes = kv or None
-    model_t: dict[str, float] = {}
-    attn_t: dict[str, float] = {}
-    steps: dict[str, int] = {}
+    s.calls = kernel_rows(snap)
+    s.shares = step_shares(snap)
+    other: dict[str, list[float]] = {}
     for w in snap.workers:
         for phase, step in w.steps.items():
-            model_t[phase] = model_t.get(phase, 0.0) + step.model_time_s
-            attn_t[phase] = attn_t.get(phase, 0.0) + step.attention_time_s
-            steps[phase] = steps.get(phase, 0) + step.steps
-    s.shares = {p: attn_t[p] / t for p, t in model_t.items() if t > 0}
-    s.other = {p: (model_t[p] - attn_t[p]) / steps[p] for p in model_t
-               if steps.get(p) and model_t[p] > attn_t[p]}
+            o = other.setdefault(phase, [0.0, 0.0])
+            o[0] += step.model_time_s - step.attention_time_s
+            o[1] += step.steps
+    s.other = {p: t / n for p, (t, n) in other.items() if n > 0 and t > 0}
     if snap.window_advice is not None and hasattr(snap.window_advice, "summary"):
         s.window = snap.window_advice.to_json()
     req = snap.requests
@@ -318,18 +310,12 @@ def _kernel_findings(b: _Side, n: _Side, on: bool) -> tuple[list[Finding], list[
     return out, notes
 
 
-def _fraction(calls: list[tuple[bool, int, float]], by_time: bool) -> float | None:
-    tot = sum(t if by_time else c for _, c, t in calls)
-    if tot <= 0:
-        return None
-    return sum((t if by_time else c) for f, c, t in calls if f) / tot
-
-
 def _fused_findings(b: _Side, n: _Side, limit: float | None) -> list[Finding]:
     out = []
-    for by_time, kind, what in ((False, "fused_fraction_calls", "calls"),
-                                (True, "fused_fraction_time", "attention time")):
-        fb, fn = _fraction(b.calls, by_time), _fraction(n.calls, by_time)
+    base, new = fused_fractions(b.calls), fused_fractions(n.calls)
+    for i, kind, what in ((0, "fused_fraction_calls", "calls"),
+                          (1, "fused_fraction_time", "attention time")):
+        fb, fn = base[i], new[i]
         if fb is None or fn is None:
             continue
         d = fn - fb

@@ -34,6 +34,7 @@ from attnprof.cli._common import (
 )
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.profile import ProfileReport
+from attnprof.exporters.scaling_plot import scaling_png
 
 __all__ = ["add_parser", "parse_bytes", "parse_seq_lens", "read_profile", "show_profile"]
 
@@ -230,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
             dist, arch, stats = advice_inputs
             result.window_advice = export_summary(recommend(dist, arch, stats))
         result.run.wall_s = round(time.monotonic() - t0, 1)
-        png = _plot(result)
+        png = scaling_png(result)
         grid = amap.grid_from_profile(result)
         map_png, map_svg = amap.render(grid, "png"), amap.render(grid, "svg")
         trace = trace_tmp.read_bytes() if trace_tmp.exists() else b'{"traceEvents": []}'
@@ -330,67 +331,3 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
     if res.window_advice is not None:
         lines.append(f"Window advice: {res.window_advice.summary}")
     return "\n".join(lines)
-
-
-def _plot(res: ProfileReport) -> bytes:
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from attnprof.analyze.scaling import eval_poly2
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"flash_cpu": "tab:green", "math": "tab:red", "eager": "tab:orange"}
-    for path, e in res.scaling.paths.items():
-        xs = [int(k) for k in e.time_s]
-        if not xs:
-            continue
-        c = colors.get(path)
-        ax_t.plot(xs, [v * 1e3 for v in e.time_s.values()], "o", color=c, label=path)
-        ax_m.plot(xs, [v / 2**20 for v in e.peak_bytes.values()], "o", color=c,
-                  label=f"{path} (one call)")
-        if e.time_fit is not None and e.memory_fit is not None:
-            tf, mf = e.time_fit.to_json(), e.memory_fit.to_json()
-            grid = _grid(xs)
-            ax_t.plot(grid, [eval_poly2(tf, x) * 1e3 for x in grid], "-", color=c, alpha=0.6)
-            ax_m.plot(grid, [eval_poly2(mf, x) / 2**20 for x in grid], "-", color=c,
-                      alpha=0.6)
-    rows = res.scaling.by_seq_len
-    xs = [r.seq_len for r in rows]
-    ax_m.plot(xs, [r.peak_total_bytes / 2**20 for r in rows], "s-", color="tab:blue",
-              label="whole model forward")
-    o = res.oom_prediction
-    ax_m.axhline(o.memory_budget_bytes / 2**20, color="black", ls="--", lw=1,
-                 label=f"budget {o.memory_budget_bytes / 2**30:.2f} GiB")
-    fit = res.scaling.fits.get("model_peak_total_bytes")
-    if fit is not None and o.max_seq_len and o.max_seq_len <= 64 * max(xs):
-        # Extrapolate the fitted model peak out to the predicted OOM length.
-        f = fit.to_json()
-        grid = _grid([min(xs), int(o.max_seq_len * 1.3)])
-        ax_m.plot(grid, [eval_poly2(f, x) / 2**20 for x in grid], "--", color="tab:blue",
-                  lw=1, label="model fit (extrapolated)")
-        ax_m.axvline(o.max_seq_len, color="black", ls=":", lw=1,
-                     label=f"predicted OOM at L={o.max_seq_len}")
-    ax_t.set(xlabel="sequence length", ylabel="ms per attention call", title="Attention time",
-             xscale="log", yscale="log")
-    ax_m.set(xlabel="sequence length", ylabel="MiB (peak)", title="Memory vs length",
-             xscale="log", yscale="log")
-    for ax in (ax_t, ax_m):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    m = res.model
-    fig.suptitle(f"{m.name} ({m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, "
-                 f"{m.dtype}, batch {res.run.batch_size})", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def _grid(xs: list[int]) -> list[float]:
-    lo, hi = min(xs), max(xs)
-    return [lo * (hi / lo) ** (i / 40) for i in range(41)] if hi > lo else [lo]

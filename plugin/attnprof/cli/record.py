@@ -5,34 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, ensure_writable_dir, write_atomic
+from attnprof.cli._common import CliError, ensure_writable_dir, parse_seconds, write_atomic
 from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
 
-__all__ = ["add_parser", "parse_duration"]
-
-MAX_DURATION_S = 7 * 24 * 3600.0
-_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
-
-
-def parse_duration(text: str, flag: str = "--duration") -> float:
-    """``60s``, ``5m``, ``1.5h``, ``250ms``, ``90`` -> seconds; :class:`CliError` (one line)
-    for anything else, zero, or more than a week."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower(), flags=re.ASCII)
-    if not m or m.group(2) not in _UNITS:
-        raise CliError(f"{flag} {text[:30]!r} is not a duration (e.g. 60s, 5m, 1h)")
-    value = float(m.group(1)) * _UNITS[m.group(2)]
-    if not 0 < value <= MAX_DURATION_S:
-        raise CliError(f"{flag} must be more than 0 and at most 7 days, got {text[:30]!r}")
-    return value
-
+__all__ = ["add_parser"]
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("record", help="save a live server's aggregates over a window "
@@ -58,7 +41,7 @@ def _snapshot(url: str, key: str | None) -> Snapshot:
 def _run(args: argparse.Namespace) -> int:
     from attnprof.aggregate.window import window_between
 
-    duration = parse_duration(args.duration)
+    duration = parse_seconds(args.duration, "--duration")
     if args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a directory; give a file name")
     ensure_writable_dir(args.out.parent if str(args.out.parent) else Path("."))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import re
 import signal
 import sys
 import tempfile
@@ -15,30 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, int_in_range, require_module
+from attnprof.cli._common import CliError, int_in_range, parse_seconds, require_module
 from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
 
-__all__ = ["add_parser", "check_logdir", "parse_seconds"]
-
-_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
-MAX_SECONDS = 7 * 86400.0
-"""Longest --interval / --duration (a week): anything longer is a typo."""
-
-
-def parse_seconds(text: str, flag: str) -> float:
-    """``10s``, ``500ms``, ``2m``, ``1h``, ``1.5`` (seconds) -> seconds; :class:`CliError`
-    (one line) for anything else, zero or more than :data:`MAX_SECONDS`."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|)\s*", text, flags=re.ASCII)
-    if not m:
-        raise CliError(f"{flag} {text[:30]!r} is not a duration (e.g. 10s, 500ms, 2m)")
-    secs = float(m.group(1)) * _SECONDS[m.group(2)]
-    if not 0 < secs <= MAX_SECONDS or not math.isfinite(secs):
-        raise CliError(f"{flag} must be more than 0 and at most {MAX_SECONDS:.0f} s, "
-                       f"got {text[:30]!r}")
-    return secs
-
+__all__ = ["add_parser", "check_logdir"]
 
 def check_logdir(path: Path, flag: str) -> Path:
     """Refuse a TensorBoard log directory that cannot be written (a file, a directory that
