@@ -49,6 +49,7 @@ def test_train_mode_with_dropout_is_a_regression_naming_layers_and_reason(
     assert ("| kernel | layers 0-1: flash_cpu -> math (fallback): dropout_p 0 -> 0.1; "
             "fallback reason: dropout |") in md
     assert "| fused-drop | fused fraction of calls: 100% -> 0% |" in md
+    assert "- **run.train**: `False` -> `True`" in md
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["schema_version"] == "attnprof.diff/1.0" and doc["regression"] is True
     kern = [f for f in doc["findings"] if f["kind"] == "kernel"]
@@ -60,6 +61,7 @@ def test_sdpa_to_eager_is_a_regression_naming_layers_and_reason(
     rc, md, _ = _diff(capsys, profiles["base"], profiles["eager"], "--markdown")
     assert rc == 1, md
     assert "layers 0-1: flash_cpu -> eager (fallback): attn_implementation sdpa -> eager" in md
+    assert "- **model.attn_implementation**: `sdpa` -> `eager`" in md
     # Eager holds the score matrix: the OOM length the profile predicts drops too.
     assert "predicted max sequence length" in md
     # Thresholds from the command line: kernel and fused checks off leave the memory one.

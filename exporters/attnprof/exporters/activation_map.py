@@ -202,8 +202,12 @@ def _row_cell(r: ActivationRow) -> Cell:
 def grid_from_profile(report: ProfileReport) -> Grid:
     """The grid of an ``attnprof profile`` result (its ``activation_map``)."""
     m = report.model
+    mode = ""
+    if report.run.train:
+        p = report.run.attention_dropout
+        mode = ", training mode" + ("" if p is None else f", attention dropout {p:g}")
     title = (f"{m.name}: attention kernels by layer and shape class "
-             f"(attn_implementation={m.attn_implementation}, {m.dtype})")
+             f"(attn_implementation={m.attn_implementation}, {m.dtype}{mode})")
     return grid_from_rows(report.activation_map, title, m.num_layers)
 
 

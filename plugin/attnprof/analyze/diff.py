@@ -542,6 +542,29 @@ def _changes(b: Provenance | None, n: Provenance | None) -> list[Change]:
     return out
 
 
+_RUN_FIELDS = ("seq_lens", "batch_size", "repeats", "train", "attention_dropout")
+
+
+def _run_changes(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot
+                 ) -> list[Change]:
+    """How the two profiles were run, where it differs (attn_implementation, training mode,
+    lengths): often the whole story of a kernel change."""
+    if not isinstance(base, ProfileReport) or not isinstance(new, ProfileReport):
+        return []
+    out = []
+    if base.model.attn_implementation != new.model.attn_implementation:
+        out.append(Change(field="model.attn_implementation",
+                          base=base.model.attn_implementation,
+                          new=new.model.attn_implementation))
+    if base.model.dtype != new.model.dtype:
+        out.append(Change(field="model.dtype", base=base.model.dtype, new=new.model.dtype))
+    for k in _RUN_FIELDS:
+        vb, vn = getattr(base.run, k), getattr(new.run, k)
+        if vb != vn:
+            out.append(Change(field=f"run.{k}", base=vb, new=vn))
+    return out
+
+
 def compare(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot, *,
             base_name: str = "BASE", new_name: str = "NEW",
             base_raw: Mapping[str, Any] | None = None, new_raw: Mapping[str, Any] | None = None,
@@ -591,4 +614,5 @@ def compare(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot, *,
     return DiffReport(base=b.side, new=n.side,
                       regression=any(f.severity == "regression" for f in findings),
                       thresholds=th, findings=findings,
-                      changes=_changes(b.provenance, n.provenance), notes=notes)
+                      changes=_run_changes(base, new) + _changes(b.provenance, n.provenance),
+                      notes=notes)

@@ -99,6 +99,10 @@ class RunInfo(Record):
     """Attention paths micro-benchmarked (flash_cpu, math, eager)."""
     inputs: str = ""
     wall_s: float | None = None
+    train: bool = False
+    """Profiled in training mode (dropout active; ``--train``, 1.2)."""
+    attention_dropout: float | None = None
+    """The attention dropout override (``--attention-dropout``, 1.2)."""
 
 
 @dataclass
