@@ -22,7 +22,7 @@ def _side(rep: DiffReport, which: str) -> str:
 
 
 def _verdict(rep: DiffReport) -> str:
-    reg = [f for f in rep.findings if f.severity == "regression"]
+    reg = _collapse([f for f in rep.findings if f.severity == "regression"])
     if reg:
         return f"REGRESSION: {len(reg)} finding{'s' if len(reg) != 1 else ''} over threshold"
     return "no regression"
