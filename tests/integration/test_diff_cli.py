@@ -109,6 +109,11 @@ def test_bad_or_incomparable_input_is_one_line_and_exit_2(
         assert not out.exists()
     rc, _, err = _diff(capsys, profiles["base"], profiles["base"], "--fail-on", "speed=1%")
     assert rc == 2 and "unknown check 'speed'" in err
+    # Both outputs are checked before anything is written: no Markdown without its JSON.
+    (tmp_path / "plain").write_text("a file, not a directory")
+    rc, _, err = _diff(capsys, profiles["base"], profiles["train"], "--write-markdown", out,
+                       "--write-json", tmp_path / "plain" / "d.json")
+    assert rc == 2 and "--write-json" in err and not out.exists()
 
 
 def test_two_models_need_allow_model_change(profiles: dict[str, Path], tmp_path: Path,

@@ -71,9 +71,12 @@ def test_fail_on_parses_percentages_off_and_refuses_unknown_keys() -> None:
     th = parse_fail_on("fused-drop=5%,time=0.2,oom=off,kernel=on,context-shift=0.3")
     assert th["fused-drop"] == pytest.approx(0.05) and th["time"] == 0.2
     assert th["oom"] is None and th["kernel"] == 1.0 and th["context-shift"] == 0.3
+    assert parse_fail_on("kernel=off")["kernel"] is None
+    assert parse_fail_on("kernel=0")["kernel"] is None  # 0 reads as off, not "on at 0"
     for bad, word in (("speed=5%", "unknown check"), ("time", "needs a value"),
                       ("time=fast", "not a number"), ("time=-1", "between 0 and 1000"),
-                      ("time=nan", "between")):
+                      ("time=nan", "between"), ("time=10", "ambiguous: write time=10%"),
+                      ("kernel=5%", "kernel=on or kernel=off")):
         with pytest.raises(ValueError, match=word):
             parse_fail_on(bad)
 
@@ -200,6 +203,27 @@ def test_context_shift_is_measured_and_fails_only_when_asked() -> None:
     assert _diff(a, b, thresholds={"context-shift": 0.5}).regression
 
 
+def test_a_histogram_without_buckets_is_not_compared_and_does_not_crash() -> None:
+    a, b = _snap(hist=[5]), _snap(hist=[5], seed=1)
+    for s in (a, b):
+        assert s.requests is not None and s.requests.context_histogram is not None
+        s.requests.context_histogram.bounds = []
+    rep = _diff(a, b)
+    assert not any(f.kind == "context_shift" for f in rep.findings)
+
+
+def test_too_few_calls_per_layer_are_said_not_silently_passed() -> None:
+    a, b = _snap(), _snap(slow=3.0, seed=1)
+    for s in (a, b):
+        for lay in s.workers[0].layers:
+            lay.phases["decode"].recent_time_s = lay.phases["decode"].recent_time_s[:4]
+    rep = _diff(a, b)
+    assert any("fewer than 6 calls per side" in n for n in rep.notes)
+    # Per forward, the four layers' calls sum into 4 totals per side: not enough either.
+    assert not any(f.kind == "layer_time" and f.severity == "regression"
+                   for f in rep.findings)
+
+
 def test_report_round_trips_through_its_contract() -> None:
     rep = _diff(_snap(), _snap(kernel="k[vec]", dtype="float32", seed=1))
     doc = json.loads(json.dumps(rep.to_json()))
@@ -232,20 +256,40 @@ def test_a_record_window_holds_only_what_happened_inside_it() -> None:
     assert st.steps == 150 and st.model_time_s == pytest.approx(1.5)
     assert st.attention_share == pytest.approx((0.2 - 0.04) / 1.5)
     assert w.workers[0].sampler.sampled == 150 and w.workers[0].sampler.seen == 200
-    # A worker that restarted (another pid) counts from its own start.
+    # Only the window's own calls are kept for the time test (the ring holds 64).
+    assert len(ph.recent_time_s) == 64
+    end.workers[0].layers[0].phases["decode"].calls = 103
+    assert len(window_between(start, end).workers[0].layers[0].phases["decode"]
+               .recent_time_s) == 3
+    end.workers[0].layers[0].phases["decode"].calls = 250
+    # A worker that restarted (another pid, or the same pid with counters that went down)
+    # counts from its own start; so does an API server whose request count went down.
     end.workers[0].pid = 11
     assert window_between(start, end).workers[0].layers[0].phases["decode"].calls == 250
+    end.workers[0].pid = 10
+    end.workers[0].sampler = SamplerStats(seen=40, sampled=40)
+    again = window_between(start, end)
+    assert again.workers[0].layers[0].phases["decode"].calls == 250
+    assert again.window is not None and "1 worker(s) started" in again.window.note
+    end.requests = _snap(hist=[1, 0, 0, 0]).requests
+    assert window_between(start, end).requests.requests == 1  # type: ignore[union-attr]
 
 
 # ----- provenance -----
 def test_secrets_on_the_command_line_are_redacted() -> None:
     argv = ["vllm", "serve", "m", "--api-key", "S3CRET", "--hf-token=T0K", "--port", "8000",
-            "--url", "http://user:pw@host:9090/x", "--Authorization", "Bearer x"]
+            "--url", "http://user:pw@host:9090/x", "--Authorization", "Bearer x",
+            "--otlp", "http://h/v1?api_key=Q1&b=2", "OPENAI_API_KEY=sk-9",
+            "--max-num-batched-tokens", "8192", "--skip-tokenizer-init", "Qwen/Qwen3-8B",
+            "--tokenizer", "tok/x"]
     out = redact_argv(argv)
     joined = " ".join(out)
-    for secret in ("S3CRET", "T0K", "pw@", "Bearer x"):
+    for secret in ("S3CRET", "T0K", "pw@", "Bearer x", "Q1", "sk-9"):
         assert secret not in joined
-    assert out[:3] == ["vllm", "serve", "m"] and "8000" in out
+    # Settings that merely contain "token" stay: they are what a diff should show.
+    for kept in ("8192", "Qwen/Qwen3-8B", "tok/x", "b=2", "8000"):
+        assert kept in joined, kept
+    assert out[:3] == ["vllm", "serve", "m"]
 
 
 def test_model_identity_hashes_follow_the_config_and_the_tensor_layout(tmp_path: Path

@@ -2,9 +2,10 @@
 
 Counters (calls, time, tokens, steps, sampler and error counts, request histograms) are
 subtracted; what cannot be subtracted is taken from the end snapshot and said so in
-``window.note``: maxima, the last calls' times (``recent_time_s``, at most 64 per layer
-and phase, so mostly inside a busy window), rates, window advice. A worker that restarted
-in between (another pid) counts from its start.
+``window.note``: maxima, rates, window advice. The last calls' times (``recent_time_s``)
+keep only the window's own calls (at most 64 per layer and phase). A worker that restarted
+in between (another pid, or a counter that went down) counts from its start; so does the
+API server's request count.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from attnprof.contracts.snapshot import (
     WorkerSnapshot,
 )
 
-__all__ = ["window_between"]
+__all__ = ["restarted", "window_between"]
 
 _SAMPLER_COUNTS = ("seen", "sampled", "sampled_long", "blind", "unsampled", "throttles")
 
@@ -42,7 +43,8 @@ def _phase(a: PhaseStats | None, b: PhaseStats) -> PhaseStats:
                       bytes=max(0, b.bytes - a.bytes),
                       mean_batch_requests=reqs / calls if calls else 0.0,
                       mean_seq_len=kv / reqs if reqs else 0.0, max_seq_len=b.max_seq_len,
-                      recent_time_s=list(b.recent_time_s) if calls else [])
+                      # Only the window's own calls: the ring also holds earlier ones.
+                      recent_time_s=list(b.recent_time_s[-calls:]) if calls else [])
 
 
 def _layer(a: LayerProfile | None, b: LayerProfile) -> LayerProfile:
@@ -53,8 +55,15 @@ def _layer(a: LayerProfile | None, b: LayerProfile) -> LayerProfile:
     return out
 
 
+def restarted(a: WorkerSnapshot | None, b: WorkerSnapshot) -> bool:
+    """No earlier read of this worker, or a counter went down (the same pid reused by a new
+    process, or its aggregates reset): its counts start inside the window."""
+    return a is None or b.sampler.seen < a.sampler.seen or any(
+        b.steps.get(p) is None or b.steps[p].steps < st.steps for p, st in a.steps.items())
+
+
 def _worker(a: WorkerSnapshot | None, b: WorkerSnapshot) -> WorkerSnapshot:
-    if a is None:
+    if a is None or restarted(a, b):
         return b
     out = copy.copy(b)
     before = {lay.index: lay for lay in a.layers}
@@ -113,9 +122,9 @@ def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestSt
                                                                         int]:
     if b is None:
         return None, 0
-    if a is None:
+    if a is None or b.requests < a.requests:  # the API server restarted in the window
         return b, b.requests
-    n = max(0, b.requests - a.requests)
+    n = b.requests - a.requests
     out = dataclasses.replace(b, requests=n)
     ha, hb = a.context_histogram, b.context_histogram
     if ha is not None and hb is not None and ha.bounds == hb.bounds \
@@ -132,17 +141,25 @@ def window_between(start: Snapshot, end: Snapshot) -> Snapshot:
     out = copy.copy(end)
     before = {(w.pid, w.process): w for w in start.workers}
     out.workers = [_worker(before.get((w.pid, w.process)), w) for w in end.workers]
-    restarted = sum(1 for w in end.workers if (w.pid, w.process) not in before)
+    n_restarted = sum(1 for w in end.workers
+                      if restarted(before.get((w.pid, w.process)), w))
     out.requests, n = _requests(start.requests, end.requests)
     out.head_stats = None
-    notes = ["maxima, rates, recent call times, prompt/generation quantiles and window "
-             "advice are the end snapshot's"]
+    notes = ["maxima, rates, prompt/generation quantiles and window advice are the end "
+             "snapshot's"]
     if out.requests is not None and out.requests.context_histogram is not None \
             and start.requests is not None:
         notes.append("context quantiles are bucket bounds of the window's histogram")
-    if restarted:
-        notes.append(f"{restarted} worker(s) started inside the window: counted from their "
-                     f"start")
+    if n_restarted:
+        notes.append(f"{n_restarted} worker(s) started inside the window: counted from "
+                     f"their start")
+    if end.requests is not None and start.requests is not None \
+            and end.requests.requests < start.requests.requests:
+        notes.append("the API server restarted inside the window: requests counted from its "
+                     "start")
+    if any(0 < len(st.recent_time_s) < 6 for w in out.workers for lay in w.layers
+           for st in lay.phases.values()):
+        notes.append("few calls in the window: per-layer time tests have little to go on")
     out.window = RecordWindow(start=start.time, end=end.time,
                               duration_s=round(max(0.0, end.time - start.time), 3),
                               requests=n, note="; ".join(notes))

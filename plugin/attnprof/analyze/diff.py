@@ -52,6 +52,8 @@ advice's attention-FLOP saving down by more than this (absolute). None: never fa
 
 ALPHA = 0.01
 """Significance level of the per-layer time test (Mann-Whitney)."""
+MIN_SAMPLES = 6
+"""Fewest samples per side with which Mann-Whitney's p can go below ALPHA (n=5: 0.012)."""
 
 _KERNEL_RANK = (
     (re.compile(r"\[amx\]"), 3), (re.compile(r"\[(vec|vec16|neon|vsx|vxe)\]"), 2),
@@ -86,9 +88,14 @@ def parse_fail_on(text: str | None) -> dict[str, float | None]:
         if raw in ("off", "none", "never"):
             out[key] = None
             continue
-        if key == "kernel" and raw in ("on", "yes", "true"):
-            out[key] = 1.0
-            continue
+        if key == "kernel":
+            if raw in ("on", "yes", "true", "1"):
+                out[key] = 1.0
+                continue
+            if raw in ("0", "no", "false"):
+                out[key] = None
+                continue
+            raise ValueError(f"--fail-on: kernel={raw[:20]!r}: use kernel=on or kernel=off")
         pct = raw.endswith("%")
         try:
             value = float(raw.removesuffix("%"))
@@ -99,6 +106,10 @@ def parse_fail_on(text: str | None) -> dict[str, float | None]:
             value /= 100
         if not math.isfinite(value) or value < 0 or value > 1000:
             raise ValueError(f"--fail-on: {key}={raw[:20]!r} must be between 0 and 1000")
+        if not pct and value > 1:
+            # time=10 would silently mean 1000%: a missing % sign, not a threshold.
+            raise ValueError(f"--fail-on: {key}={raw[:20]!r} is ambiguous: write "
+                             f"{key}={value:g}% (or a fraction such as {key}=0.1)")
         out[key] = value
     return out
 
@@ -384,40 +395,74 @@ def _time_findings(b: _Side, n: _Side, limit: float | None) -> tuple[list[Findin
     speed = _machine_speed(b, n)
     relative = speed is not None
     out = []
-    all_b: list[float] = []
-    all_n: list[float] = []
+    small = 0
     for layer in sorted(set(b.times) & set(n.times)):
         xb, xn = _normalised(b, n, layer, relative)
-        all_b += xb
-        all_n += xn
+        small += min(len(xb), len(xn)) < MIN_SAMPLES
         t = ratio_test(xb, xn, seed=layer, resamples=1000)
         if t is None:
             continue
         raw = ratio_test(*_normalised(b, n, layer, False), resamples=0) if relative else t
         out.append(_time_finding("layer_time", f"layer {layer}", [layer], t, limit, raw,
                                  relative))
-    t = ratio_test(all_b, all_n, seed=10_000)
+    t = ratio_test(*_totals(b, n, relative), seed=10_000)
     if t is not None:
-        raw_all: tuple[list[float], list[float]] = ([], [])
-        for layer in sorted(set(b.times) & set(n.times)):
-            xb, xn = _normalised(b, n, layer, False)
-            raw_all[0].extend(xb)
-            raw_all[1].extend(xn)
-        raw = ratio_test(*raw_all, resamples=0) if relative else None
-        out.insert(0, _time_finding("attention_time", "attention time (all layers)", [],
-                                    t, limit, raw, relative))
+        raw = ratio_test(*_totals(b, n, False), resamples=0) if relative else None
+        out.insert(0, _time_finding("attention_time", "attention time per forward (all "
+                                    "layers)", [], t, limit, raw, relative))
     notes = []
     if speed is not None and abs(speed - 1) > 0.10:
         notes.append(f"the rest of the model ran {speed:.2f}x as long in NEW as in BASE "
                      f"(another machine, load, or a framework change): attention times are "
                      f"compared relative to it")
+    if small:
+        notes.append(f"{small} layer(s) have fewer than {MIN_SAMPLES} calls per side: their "
+                     f"per-layer time test cannot reach p < {ALPHA:g} (profile with more "
+                     f"--repeats or lengths)")
     return out, notes
+
+
+def _sums(groups: dict[int, dict[str, list[float]]], g: str) -> list[float]:
+    """Per forward (profile repeat) or step (snapshot), the sum of every layer's call in
+    group ``g``: the independent unit. The calls of one forward share its machine state,
+    so testing pooled calls would overstate the evidence."""
+    lists = [groups[layer][g] for layer in sorted(groups) if g in groups[layer]]
+    if not lists or len(lists) != len(groups):
+        return []
+    k = min(len(x) for x in lists)  # the last k calls of each layer: the same forwards
+    return [sum(x[len(x) - k + i] for x in lists) for i in range(k)]
+
+
+def _totals(b: _Side, n: _Side, relative: bool) -> tuple[list[float], list[float]]:
+    """Per-forward attention totals of both sides, each group divided by its base median
+    (and, ``relative``, the new side by how much slower the rest of the model ran)."""
+    layers = sorted(set(b.times) & set(n.times))
+    tb = {layer: b.times[layer] for layer in layers}
+    tn = {layer: n.times[layer] for layer in layers}
+    groups = set.intersection(*(set(tb[x]) & set(tn[x]) for x in layers)) if layers else set()
+    xb: list[float] = []
+    xn: list[float] = []
+    for g in sorted(groups):
+        sb, sn = _sums(tb, g), _sums(tn, g)
+        base = [x for x in sb if x > 0]
+        if not base or not sn:
+            continue
+        k = 1.0
+        if relative:
+            ob, on = b.other.get(g), n.other.get(g)
+            if not ob or not on:
+                continue
+            k = on / ob
+        m = statistics.median(base)
+        xb += [x / m for x in base]
+        xn += [x / m / k for x in sn if x > 0]
+    return xb, xn
 
 
 def _time_finding(kind: str, what: str, layers: list[int], t: Any, limit: float | None,
                   raw: Any, relative: bool) -> Finding:
     slower = t.p_value < ALPHA and limit is not None and t.low > 1 + limit
-    faster = t.p_value < ALPHA and t.high < 1 - (limit or 0.10)
+    faster = t.p_value < ALPHA and t.high < 1 - (0.10 if limit is None else limit)
     sev = "regression" if slower else "improvement" if faster else "info"
     rel = " relative to the rest of the model" if relative else ""
     if relative and raw is not None and kind == "attention_time":
@@ -501,7 +546,7 @@ def _context_findings(b: _Side, n: _Side, lim: float | None) -> tuple[list[Findi
         return [], ["no finished requests on one side: context lengths not compared"]
     ks, w1 = d
 
-    def p50(counts: list[int]) -> float:
+    def p50(counts: list[int]) -> float:  # bb is non-empty: distribution_distance checked
         tot, acc = sum(counts), 0
         for i, c in enumerate(counts):
             acc += c

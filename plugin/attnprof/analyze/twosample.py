@@ -100,7 +100,7 @@ def distribution_distance(bounds: Sequence[float], base: Sequence[float],
     Smirnov statistic (largest CDF gap, 0..1) and the Wasserstein-1 distance in octaves
     (log2 of length; 1.0 = lengths doubled), each bucket at its upper bound (the overflow
     bucket at twice the last bound). None when a side is empty or the shapes differ."""
-    if len(base) != len(new) or len(base) != len(bounds) + 1:
+    if not bounds or len(base) != len(new) or len(base) != len(bounds) + 1:
         return None
     tb, tn = float(sum(base)), float(sum(new))
     if tb <= 0 or tn <= 0:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, read_json, write_atomic
+from attnprof.cli._common import CliError, check_out_file, read_json, write_atomic
 from attnprof.contracts.base import ContractError, parse_version
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.snapshot import Snapshot
@@ -83,27 +83,34 @@ def _run(args: argparse.Namespace) -> int:
         thresholds = parse_fail_on(args.fail_on)
     except ValueError as err:
         raise CliError(str(err)) from None
-    for out in (args.write_markdown, args.write_json):
-        if out is not None and out.is_dir():
-            raise CliError(f"{out} is a directory; give a file name")
+    if args.write_markdown is not None:
+        check_out_file(args.write_markdown, "--write-markdown")
+    if args.write_json is not None:
+        check_out_file(args.write_json, "--write-json")
     base, base_raw = read_document(args.base)
     new, new_raw = read_document(args.new)
     try:
         rep = compare(base, new, base_name=str(args.base), new_name=str(args.new),
                       base_raw=base_raw, new_raw=new_raw, thresholds=thresholds,
                       allow_model_change=args.allow_model_change)
+        rb, rn = rep.base.git_revision, rep.new.git_revision
+        if rb and rn and rb != rn:
+            roots = [p.git.root if p is not None and p.git is not None else None
+                     for p in (new.provenance, base.provenance)]
+            rep.git_log = git_log(rb, rn, [None, *roots])
+        md = render_markdown(rep)
+        text = render_text(rep)
+        doc = json.dumps(rep.to_json(), indent=2) + "\n"
     except Incomparable as err:
         raise CliError(str(err)) from None
-    rb, rn = rep.base.git_revision, rep.new.git_revision
-    if rb and rn and rb != rn:
-        roots = [p.git.root if p is not None and p.git is not None else None
-                 for p in (new.provenance, base.provenance)]
-        rep.git_log = git_log(rb, rn, [None, *roots])
-    md = render_markdown(rep)
-    doc = json.dumps(rep.to_json(), indent=2) + "\n"
+    except Exception as err:
+        # Exit 1 means "regression" to CI: a value the comparison cannot handle must not
+        # look like one. Valid documents with odd values end here as a bad input (2).
+        raise CliError(f"cannot compare {args.base} and {args.new}: "
+                       f"{type(err).__name__}: {str(err)[:120]}") from None
     if args.write_markdown is not None:
         write_atomic(args.write_markdown, md)
     if args.write_json is not None:
         write_atomic(args.write_json, doc)
-    print(doc if args.json else md if args.markdown else render_text(rep), end="")
+    print(doc if args.json else md if args.markdown else text, end="")
     return 1 if rep.regression else 0

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, ensure_writable_dir, parse_seconds, write_atomic
+from attnprof.cli._common import CliError, check_out_file, parse_seconds, write_atomic
 from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
@@ -42,9 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     from attnprof.aggregate.window import window_between
 
     duration = parse_seconds(args.duration, "--duration")
-    if args.out.is_dir():
-        raise CliError(f"--out {str(args.out)!r} is a directory; give a file name")
-    ensure_writable_dir(args.out.parent if str(args.out.parent) else Path("."))
+    check_out_file(args.out)  # creates nothing: an unreachable server leaves no directory
     start = _snapshot(args.url, args.api_key)  # unreachable / refused: fails before waiting
     if not start.enabled:
         raise CliError(f"{args.url}: attnprof is not enabled in that server "
@@ -63,6 +61,10 @@ def _run(args: argparse.Namespace) -> int:
     if tty:
         print(file=sys.stderr)
     end = _snapshot(args.url, args.api_key)
+    if end.model != start.model:
+        raise CliError(f"{args.url} served {start.model!r} at the start and {end.model!r} at "
+                       f"the end (a load balancer in front of several servers?): record one "
+                       f"server's own URL")
     rec = window_between(start, end)
     if early and rec.window is not None:
         rec.window.note = f"stopped early by Ctrl-C; {rec.window.note}"

@@ -27,8 +27,13 @@ from attnprof.contracts.provenance import GitInfo, Hardware, ModelIdentity, Prov
 
 __all__ = ["collect", "git_info", "git_log", "hardware", "model_identity", "redact_argv"]
 
-_SECRET = re.compile(r"(key|token|secret|password|passwd|auth|credential)", re.I)
+# A name segment that says secret: api-key, api_key, token, hf-token, secret, password,
+# auth, credential (not "tokens", "tokenizer", "max-num-batched-tokens": real settings).
+_SECRET = re.compile(r"(^|[-_.])(api[-_]?key|key|token|secret|password|passwd|auth|"
+                     r"authorization|credentials?)($|[-_.])", re.I)
 _URL_CREDS = re.compile(r"(//)[^/@\s]+@")
+_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:key|token|secret|password|auth)[^=&\s]*=)"
+                           r"[^&\s]*", re.I)
 _MAX_HEADER = 64 << 20
 
 
@@ -39,24 +44,32 @@ def _ver(*names: str) -> str | None:
     return None
 
 
+def _secret_name(name: str) -> bool:
+    return bool(_SECRET.search(name.lstrip("-")))
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the values of secret-looking flags (``--api-key X``, ``--token=X``) and
-    URL credentials (``//user:pass@``) replaced by ``<redacted>``."""
+    """``argv`` with secrets replaced by ``<redacted>``: the value of a secret-named flag
+    (``--api-key X``, ``--hf-token=X``; the next word only when it is not itself a flag),
+    ``NAME=value`` words whose NAME is secret-named (``OPENAI_API_KEY=sk-...``), URL
+    credentials (``//user:pass@``) and secret-named query parameters (``?api_key=...``)."""
     out: list[str] = []
     hide_next = False
     for arg in argv:
-        if hide_next:
+        if hide_next and not arg.startswith("-"):
             out.append("<redacted>")
             hide_next = False
             continue
-        if arg.startswith("-") and _SECRET.search(arg.split("=", 1)[0]):
-            if "=" in arg:
-                out.append(arg.split("=", 1)[0] + "=<redacted>")
-            else:
-                out.append(arg)
-                hide_next = True
+        hide_next = False
+        name, eq, _ = arg.partition("=")
+        if eq and _secret_name(name) and not name.startswith(("http:", "https:")):
+            out.append(name + "=<redacted>")
             continue
-        out.append(_URL_CREDS.sub(r"\1<redacted>@", arg))
+        if arg.startswith("-") and _secret_name(arg):
+            out.append(arg)
+            hide_next = True
+            continue
+        out.append(_QUERY_SECRET.sub(r"\1<redacted>", _URL_CREDS.sub(r"\1<redacted>@", arg)))
     return out
 
 
