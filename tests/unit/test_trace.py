@@ -137,8 +137,18 @@ def test_an_armed_trace_nobody_takes_stops_recording_at_its_deadline() -> None:
     buf = TraceBuffer(clock=lambda: now[0])
     buf.arm(MAX_STEPS, timeout_s=5)
     assert buf.wanted
+    buf.add(_step(0))
+    assert buf.count() == 1
     now[0] = 6.0
     assert not buf.wanted
+    assert buf.count() == 0  # and its records are let go, not kept until the next trace
+    # A trace that filled up but was never taken lets go at its deadline too.
+    buf.arm(2, timeout_s=5)
+    buf.add(_step(0))
+    buf.add(_step(1))
+    assert buf.count() == 2 and not buf.wanted
+    now[0] = 12.0
+    assert not buf.wanted and buf.count() == 0
 
 
 def test_gpu_steps_are_traced_from_late_read_events_without_a_sync() -> None:
@@ -269,6 +279,23 @@ def test_trace_route_returns_n_steps_with_nested_layers_and_counters(state: runt
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
     assert any(n.startswith("VllmWorker-0") for n in names) and "vLLM API server" in names
     assert eng.ops[0] == "arm" and eng.ops[-1] == "take"
+
+
+def test_a_client_that_goes_away_frees_the_workers_and_the_slot(state: runtime.State
+                                                                 ) -> None:
+    eng = TraceEngine(per_poll=0, delay=0.0)  # the steps never come
+    trace = LiveTrace(eng)
+    polls = [0]
+
+    async def gone() -> bool:
+        polls[0] += 1
+        return polls[0] >= 3
+
+    body = asyncio.run(trace.record(5, timeout=60.0, rpc_timeout=1.0, max_bytes=1 << 20,
+                                    gone=gone))
+    assert body == b"" and trace.abandoned == 1
+    assert eng.ops[0] == "arm" and eng.ops[-1] == "take"  # the records were freed at once
+    assert not trace._busy  # the next trace is not refused with 409
 
 
 def test_trace_route_times_out_with_what_it_has_and_a_second_trace_gets_409(

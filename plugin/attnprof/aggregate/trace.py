@@ -116,14 +116,19 @@ class TraceBuffer:
     @property
     def wanted(self) -> bool:
         """True when the next sampled step should be recorded (armed and not full, or spans)."""
-        if self.spans:
+        if self.spans and not self.steps:
             return True
-        if not self._armed:
-            return False
+        if not self._armed and not self.steps:
+            return False  # the common case: one attribute read each
         if self.clock() > self.deadline:
-            self._armed = False  # nobody came back for it: stop recording
-            return False
-        return True
+            # Nobody came back for it (armed, or full and never taken): stop recording and
+            # let the records go (up to 200k layer ranges would otherwise stay).
+            with self.lock:
+                self._armed = False
+                self.steps = []
+                self.ranges = 0
+            return self.spans
+        return self._armed or self.spans
 
     def arm(self, steps: int, timeout_s: float, trace_id: str = "") -> None:
         """Start a live trace of the next ``steps`` sampled steps (older records dropped);
