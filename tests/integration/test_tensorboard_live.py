@@ -44,8 +44,13 @@ def test_tensorboard_logs_the_live_snapshot(tiny_server: Any, tmp_path: Path) ->
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0,
                                                         "tensors": 0})
     acc.Reload()
-    last = {t: acc.Scalars(t)[-1] for t in acc.Tags()["scalars"]}
-    assert {e.step for e in last.values()} == {1}
+    # Step 0 holds the totals since the server started; step 1 the interval after it, in
+    # which nothing ran: no per-layer, fused or share value is written for it.
+    series = {t: acc.Scalars(t) for t in acc.Tags()["scalars"]}
+    for tag, events in series.items():
+        if tag.startswith(("attention/", "context/")):
+            assert [e.step for e in events] == [0], tag
+    last = {t: e[0] for t, e in series.items()}
     w = snap["workers"][0]
     calls = fused = 0
     for lay in w["layers"]:

@@ -163,21 +163,32 @@ def test_layer_tags_sort_in_layer_order() -> None:
 
 # ----- attnprof tensorboard against a stand-in server -----
 
+def _interval_mean(index: int, k: int) -> float:
+    """Seconds per call of layer ``index`` in the k-th interval (k=0: up to the first poll)."""
+    return 0.001 * (index + 1) * (k + 1)
+
+
 def _snapshot_doc(n: int) -> dict[str, Any]:
-    """The n-th answer: times and traffic grow with n; from n=2 layer 2 falls back."""
+    """The n-th answer, cumulative as a server's: each interval adds the first answer's
+    calls again at that interval's own mean time (_interval_mean) and 3 prefill steps whose
+    attention share is 0.1 * (k + 1); from n=2 layer 2 falls back."""
     snap = live_snapshot()
     w = snap["workers"][0]
     for lay in w["layers"]:
         for st in lay["phases"].values():
-            st["mean_time_s"] = 0.001 * (lay["index"] + 1) * (n + 1)
-            st["time_s"] = st["mean_time_s"] * st["calls"]
+            per = st["calls"]
+            st["calls"] = per * (n + 1)
+            st["time_s"] = sum(per * _interval_mean(lay["index"], k) for k in range(n + 1))
+            st["mean_time_s"] = st["time_s"] / st["calls"]
     if n >= 2:
         w["layers"][2]["fused"] = False
-    w["steps"] = {"prefill": {"steps": 3, "model_time_s": 2.0, "attention_time_s": 0.2 * n,
-                              "attention_share": 0.1 * n},
+    attn = sum(0.2 * (k + 1) for k in range(n + 1))
+    w["steps"] = {"prefill": {"steps": 3 * (n + 1), "model_time_s": 2.0 * (n + 1),
+                              "attention_time_s": attn,
+                              "attention_share": attn / (2.0 * (n + 1))},
                   "decode": {"steps": 0, "model_time_s": 0.0, "attention_time_s": 0.0,
                              "attention_share": None}}
-    w["sampler"] = {"seen": 10, "sampled": 5, "effective_rate": 0.5,
+    w["sampler"] = {"seen": 10 * (n + 1), "sampled": 5 * (n + 1), "effective_rate": 0.5,
                     "self_time_fraction": 0.01}
     q = {"p50": 10.0 * (n + 1), "p90": 20.0, "p99": 30.0, "mean": 12.5, "max": 31,
          "count": 4}
@@ -223,22 +234,26 @@ def snap_server() -> Iterator[SnapshotServer]:
     srv.httpd.shutdown()
 
 
-def _expected_live(doc: dict[str, Any]) -> dict[str, float]:
-    """The scalars one served snapshot must give, from its JSON (rank 1 ignored)."""
+def _expected_live(doc: dict[str, Any], step: int) -> dict[str, float]:
+    """The scalars poll ``step`` must give: step 0 the served totals, later steps that
+    interval's own values (by hand from _snapshot_doc's construction; rank 1 ignored)."""
     w = doc["workers"][0]
     out: dict[str, float] = {}
     calls = fused = 0
     secs = fsecs = 0.0
     for lay in w["layers"]:
         for ph, st in lay["phases"].items():
-            out[f"attention/layer_{lay['index']:02d}/time_ms/{ph}"] = st["mean_time_s"] * 1e3
-            calls += st["calls"]
-            secs += st["time_s"]
-            fused += st["calls"] if lay["fused"] else 0
-            fsecs += st["time_s"] if lay["fused"] else 0.0
+            c = st["calls"] // (step + 1) if step else st["calls"]
+            t = c * _interval_mean(lay["index"], step) if step else st["time_s"]
+            out[f"attention/layer_{lay['index']:02d}/time_ms/{ph}"] = t / c * 1e3
+            calls += c
+            secs += t
+            fused += c if lay["fused"] else 0
+            fsecs += t if lay["fused"] else 0.0
     out["attention/fused_fraction"] = fused / calls
     out["attention/fused_time_fraction"] = fsecs / secs
-    out["attention/share/prefill"] = w["steps"]["prefill"]["attention_share"]
+    out["attention/share/prefill"] = (0.1 * (step + 1) if step
+                                      else w["steps"]["prefill"]["attention_share"])
     for k in ("p50", "p90", "p99", "mean", "max"):
         out[f"context/{k}"] = doc["requests"]["context_tokens"][k]
     out["sampler/effective_rate"] = 0.5
@@ -258,7 +273,7 @@ def test_tensorboard_cli_polls_count_snapshots(snap_server: SnapshotServer, tmp_
     acc = accumulator(logdir)
     got = scalars(acc)
     for step, doc in enumerate(snap_server.served):
-        want = _expected_live(doc)
+        want = _expected_live(doc, step)
         have = {t: s[step] for t, s in got.items() if step in s}
         assert have == {t: approx(v) for t, v in want.items()}, step
     # No value where the snapshot has none (decode share null, window advice unavailable).

@@ -79,13 +79,19 @@ class _Logger:
         self.writer = EventWriter(logdir)
         self.written = 0
         self._last_map: str | None = None
+        self._prev: Snapshot | None = None
 
     def write(self, snap: Snapshot) -> None:
+        from attnprof.aggregate.window import window_between
         from attnprof.exporters import activation_map as amap
         from attnprof.exporters import tensorboard as tb
 
         step = self.written
-        self.writer.add_scalars(tb.snapshot_scalars(snap, step), snap.time)
+        # Step 0: since the server started; then each interval on its own (a running
+        # average since start would flatten exactly the change the curve is for).
+        view = snap if self._prev is None else window_between(self._prev, snap)
+        self._prev = snap
+        self.writer.add_scalars(tb.snapshot_scalars(view, step), snap.time)
         grid = amap.grid_from_snapshot(snap)
         text = amap.markdown(grid)
         if text != self._last_map:
