@@ -18,7 +18,7 @@ def _side(rep: DiffReport, which: str) -> str:
     rev = f" @ {s.git_revision[:10]}{'+dirty' if s.git_dirty else ''}" if s.git_revision else ""
     when = f", {s.time_iso}" if s.time_iso else ""
     win = f", {s.window_s:g} s window" if s.window_s else ""
-    return f"`{s.file}` ({s.model}{rev}{when}{win})"
+    return f"{_code(s.file)} ({_md_escape(s.model)}{rev}{when}{win})"
 
 
 def _verdict(rep: DiffReport) -> str:
@@ -57,7 +57,14 @@ def _interesting(rep: DiffReport) -> tuple[list[Finding], list[Finding], list[Fi
 
 
 def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text from the input files, made inert in a PR comment: no table breaks, no HTML."""
+    # "<" opens HTML; ">" alone cannot (and "->" must stay readable in the raw text).
+    return text.replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
+
+
+def _code(value: object) -> str:
+    """A value as an inline code span (a backtick inside would end it early)."""
+    return "`" + str(value).replace("`", "'").replace("\n", " ").replace("|", "\\|") + "`"
 
 
 def _thresholds(rep: DiffReport) -> str:
@@ -97,8 +104,7 @@ def render_markdown(rep: DiffReport) -> str:
     if rep.changes or rep.git_log:
         lines += ["#### What changed", ""]
         for c in rep.changes:
-            lines.append(f"- **{c.field}**: `{_md_escape(str(c.base))}` -> "
-                         f"`{_md_escape(str(c.new))}`")
+            lines.append(f"- **{c.field}**: {_code(c.base)} -> {_code(c.new)}")
         if rep.git_log:
             lines += ["", "```", *rep.git_log[:_MAX_LOG]]
             if len(rep.git_log) > _MAX_LOG:

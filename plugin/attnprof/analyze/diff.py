@@ -503,6 +503,11 @@ def _memory_findings(b: _Side, n: _Side, th: Mapping[str, float | None]) -> list
                            title=f"predicted max sequence length: {b.oom:,} -> {n.oom:,} "
                                  f"({ch:+.0%})",
                            base=b.oom, new=n.oom, change=round(ch, 4), threshold="oom"))
+    elif (b.oom is None) != (n.oom is None) and b.kind == "attnprof.profile":
+        out.append(Finding(kind="oom", severity="info",
+                           title=f"predicted max sequence length: {_fmt(b.oom)} -> "
+                                 f"{_fmt(n.oom)} (one side measured fewer than two lengths: "
+                                 f"not compared)", base=b.oom, new=n.oom))
     if b.kv_bytes and n.kv_bytes and b.kv_bytes != n.kv_bytes:
         ch = n.kv_bytes / b.kv_bytes - 1
         out.append(Finding(kind="kv_cache", severity="info",
