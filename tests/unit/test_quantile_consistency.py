@@ -53,7 +53,7 @@ def test_same_quantiles_everywhere(n: int) -> None:
                if line.startswith("context"))
     assert [int(x) for x in row.split()[1:4]] == list(table)
     # Prometheus gauge attnprof_request_tokens_quantile{quantity="context"}.
-    gauge = {dict(s.labels)["quantile"]: s.value for s in request_samples("m", agg)
+    gauge = {dict(s.labels)["q"]: s.value for s in request_samples("m", agg)
              if isinstance(s, Sample) and s.name == "attnprof_request_tokens_quantile"
              and dict(s.labels)["quantity"] == "context"}
     assert (gauge["0.5"], gauge["0.9"], gauge["0.99"]) == table

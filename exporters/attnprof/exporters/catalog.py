@@ -74,10 +74,13 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Prompt tokens of finished requests.", "tokens", (_M,)),
     MetricSpec("attnprof_request_generation_tokens", "histogram",
                "Generated tokens of finished requests.", "tokens", (_M,)),
+    # The level is label "q", not "quantile": Prometheus reserves "quantile" for summaries
+    # (promtool check metrics refuses it on a gauge).
     MetricSpec("attnprof_request_tokens_quantile", "gauge",
-               "p50/p90/p99 of finished requests' context, prompt and generated tokens, by the "
-               "one quantile estimator (the same numbers as the snapshot, CLI and window "
-               "advice).", "tokens", (_M, "quantity", "quantile"), "livemostrecent"),
+               "p50/p90/p99 (label q: 0.5, 0.9, 0.99) of finished requests' context, prompt "
+               "and generated tokens, by the one quantile estimator (the same numbers as the "
+               "snapshot, CLI and window advice).", "tokens", (_M, "quantity", "q"),
+               "livemostrecent"),
     MetricSpec("attnprof_kv_cache_usage_ratio", "gauge",
                "KV-cache blocks in use, 0..1 (from vLLM's scheduler stats).", "ratio", (_M,),
                "livemostrecent"),

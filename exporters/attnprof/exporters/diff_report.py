@@ -42,7 +42,7 @@ def _collapse(items: list[Finding]) -> list[Finding]:
     one = Finding(kind="layer_time", severity=per[0].severity, threshold=per[0].threshold,
                   layers=layers,
                   title=(f"{format_layers(layers)}: attention time {lo:+.0%} to {hi:+.0%} per "
-                         f"layer (each p < 0.01; see --json for intervals)"))
+                         f"layer (each with p below 0.01; see --json for intervals)"))
     first = items.index(per[0])
     rest = [f for f in items if f.kind != "layer_time"]
     return [*rest[:first], one, *rest[first:]]

@@ -136,7 +136,7 @@ def request_samples(model: str, req: Any) -> list[MetricSample]:
         for quant, v in (("0.5", summ.p50), ("0.9", summ.p90), ("0.99", summ.p99)):
             if v is not None:
                 out.append(s("attnprof_request_tokens_quantile", v, model=model, quantity=q,
-                             quantile=quant))
+                             q=quant))
     return out
 
 
