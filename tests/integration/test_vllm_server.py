@@ -213,7 +213,7 @@ def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) 
     assert all(isinstance(q, (int, float)) for q in qs) and ctx["exact"] is True
     metrics = http_get(tiny_server.base_url + "/metrics")
     gauges = [metric_value(metrics, "attnprof_request_tokens_quantile", model="tiny",
-                           quantity="context", quantile=q) for q in ("0.5", "0.9", "0.99")]
+                           quantity="context", q=q) for q in ("0.5", "0.9", "0.99")]
     assert gauges == qs
     m = re.search(r"P50/P90/P99 = (\d+)/(\d+)/(\d+)", snap["window_advice"]["summary"])
     assert m is not None and [float(x) for x in m.groups()] == qs
