@@ -367,19 +367,27 @@ def _normalised(b: _Side, n: _Side, layer: int, relative: bool
     xb: list[float] = []
     xn: list[float] = []
     for g in sorted(set(gb) & set(gn)):
-        base = [x for x in gb[g] if x > 0]
-        if not base:
-            continue
-        k = 1.0
-        if relative:
-            ob, on = b.other.get(g), n.other.get(g)
-            if not ob or not on:
-                continue
-            k = on / ob
-        m = statistics.median(base)
-        xb += [x / m for x in base]
-        xn += [x / m / k for x in gn[g] if x > 0]
+        sb, sn = _scale_group(b, n, g, gb[g], gn[g], relative)
+        xb += sb
+        xn += sn
     return xb, xn
+
+
+def _scale_group(b: _Side, n: _Side, g: str, base: list[float], new: list[float],
+                 relative: bool) -> tuple[list[float], list[float]]:
+    """One group's samples divided by the base median (and the new side, ``relative``, by
+    how much slower the rest of its model ran); empty when the group cannot be compared."""
+    base = [x for x in base if x > 0]
+    if not base or not new:
+        return [], []
+    k = 1.0
+    if relative:
+        ob, on = b.other.get(g), n.other.get(g)
+        if not ob or not on:
+            return [], []
+        k = on / ob
+    m = statistics.median(base)
+    return [x / m for x in base], [x / m / k for x in new if x > 0]
 
 
 def _machine_speed(b: _Side, n: _Side) -> float | None:
@@ -443,19 +451,9 @@ def _totals(b: _Side, n: _Side, relative: bool) -> tuple[list[float], list[float
     xb: list[float] = []
     xn: list[float] = []
     for g in sorted(groups):
-        sb, sn = _sums(tb, g), _sums(tn, g)
-        base = [x for x in sb if x > 0]
-        if not base or not sn:
-            continue
-        k = 1.0
-        if relative:
-            ob, on = b.other.get(g), n.other.get(g)
-            if not ob or not on:
-                continue
-            k = on / ob
-        m = statistics.median(base)
-        xb += [x / m for x in base]
-        xn += [x / m / k for x in sn if x > 0]
+        sb, sn = _scale_group(b, n, g, _sums(tb, g), _sums(tn, g), relative)
+        xb += sb
+        xn += sn
     return xb, xn
 
 

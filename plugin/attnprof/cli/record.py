@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.cli._common import CliError, check_out_file, parse_seconds, write_atomic
-from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
-from attnprof.contracts.base import ContractError
-from attnprof.contracts.snapshot import Snapshot
+from attnprof.cli.snapshot import add_api_key_flag, fetch_typed_snapshot
 
 __all__ = ["add_parser"]
 
@@ -30,12 +28,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def _snapshot(url: str, key: str | None) -> Snapshot:
-    data = fetch_snapshot(url, api_key=key)
-    try:
-        return Snapshot.from_json(data)
-    except ContractError as err:
-        raise CliError(f"{url} returned a snapshot attnprof cannot read: {err}") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -43,7 +35,8 @@ def _run(args: argparse.Namespace) -> int:
 
     duration = parse_seconds(args.duration, "--duration")
     check_out_file(args.out)  # creates nothing: an unreachable server leaves no directory
-    start = _snapshot(args.url, args.api_key)  # unreachable / refused: fails before waiting
+    # An unreachable server or a refused key fails here, before any waiting.
+    start = fetch_typed_snapshot(args.url, args.api_key)
     if not start.enabled:
         raise CliError(f"{args.url}: attnprof is not enabled in that server "
                        f"(ATTNPROF_ENABLED=0?): nothing to record")
@@ -60,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         early = True
     if tty:
         print(file=sys.stderr)
-    end = _snapshot(args.url, args.api_key)
+    end = fetch_typed_snapshot(args.url, args.api_key)
     if end.model != start.model:
         raise CliError(f"{args.url} served {start.model!r} at the start and {end.model!r} at "
                        f"the end (a load balancer in front of several servers?): record one "

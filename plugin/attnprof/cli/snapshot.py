@@ -13,7 +13,8 @@ from attnprof.cli._common import CliError, check_out_file, require_module, write
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
 
-__all__ = ["add_api_key_flag", "add_parser", "fetch_snapshot", "parse_snapshot"]
+__all__ = ["add_api_key_flag", "add_parser", "fetch_snapshot", "fetch_typed_snapshot",
+           "parse_snapshot"]
 
 
 def add_parser(sub: Any) -> None:
@@ -94,6 +95,17 @@ def _write_map(snap: dict[str, Any], png: Path, source: str) -> None:
     except OSError as err:
         raise CliError(f"cannot write --png {str(png)!r}: {err.strerror}") from None
     print(f"attnprof: wrote {png} and {_svg_path(png)}", file=sys.stderr)
+
+
+def fetch_typed_snapshot(url: str, api_key: str | None = None) -> Snapshot:
+    """:func:`fetch_snapshot` decoded into the typed :class:`Snapshot` (every field checked);
+    :class:`CliError` (one line) for anything fetch_snapshot refuses or a field of the
+    wrong type."""
+    data = fetch_snapshot(url, api_key=api_key)
+    try:
+        return Snapshot.from_json(data)
+    except ContractError as err:
+        raise CliError(f"{url} returned a snapshot attnprof cannot read: {err}") from None
 
 
 def _run(args: argparse.Namespace) -> int:

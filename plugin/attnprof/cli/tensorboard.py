@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.cli._common import CliError, int_in_range, parse_seconds, require_module
-from attnprof.cli.snapshot import add_api_key_flag, fetch_snapshot
-from attnprof.contracts.base import ContractError
+from attnprof.cli.snapshot import add_api_key_flag, fetch_typed_snapshot
 from attnprof.contracts.snapshot import Snapshot
 
 __all__ = ["add_parser", "check_logdir"]
@@ -62,12 +61,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def _snapshot(url: str, api_key: str | None) -> Snapshot:
-    data = fetch_snapshot(url, api_key=api_key)
-    try:
-        return Snapshot.from_json(data)
-    except ContractError as err:
-        raise CliError(f"{url} returned an incomplete snapshot: {err}") from None
 
 
 class _Logger:
@@ -111,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     require_module("tensorboard", "attnprof tensorboard", "tensorboard")
     require_module("matplotlib", "attnprof tensorboard (the activation-map image)", "report")
     # The first snapshot before anything is created: a wrong URL or key leaves no file.
-    first = _snapshot(args.url, args.api_key)
+    first = fetch_typed_snapshot(args.url, args.api_key)
 
     def _stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -139,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
                 break
             time.sleep(max(0.0, wake - time.monotonic()))
             try:
-                snap = _snapshot(args.url, args.api_key)
+                snap = fetch_typed_snapshot(args.url, args.api_key)
             except CliError as err:  # a restart or a blip: say so, keep polling
                 print(f"attnprof: warning: snapshot {tick} skipped: {err}", file=sys.stderr)
                 snap = None
