@@ -248,8 +248,8 @@ class _FakeGpu:
         return Event()
 
 
-def test_gpu_steps_are_timed_by_events_read_late_with_no_sync() -> None:
-    cap = _capture(1.0)
+def gpu_rig(cap: Any) -> tuple[_FakeGpu, Any, Any]:
+    """A capture on fake CUDA: two layers, the step hook, and a runner on a cuda device."""
     gpu = _FakeGpu()
     cap.event_factory = gpu.event
     cap.capturing_graph = lambda: False
@@ -262,8 +262,13 @@ def test_gpu_steps_are_timed_by_events_read_late_with_no_sync() -> None:
         for lay in layers:
             lay.impl.forward(lay, 1, 2, 3, None, md)
 
-    hook = step_hook(cap, model_forward)
-    cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    return gpu, step_hook(cap, model_forward), SimpleNamespace(
+        device=SimpleNamespace(type="cuda"))
+
+
+def test_gpu_steps_are_timed_by_events_read_late_with_no_sync() -> None:
+    cap = _capture(1.0)
+    gpu, hook, cuda = gpu_rig(cap)
     for _ in range(3):
         hook(cuda, input_ids=[0, 0])
     # The GPU has not finished anything: nothing is folded, nobody waited.

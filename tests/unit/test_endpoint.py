@@ -63,12 +63,17 @@ def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
 
 
 def _app(engine: Any, tokens: list[str]) -> Any:
+    """The real FastAPI app with attnprof's routes over a fake engine (snapshot, sampling
+    and trace routes all answer from ``engine``)."""
     from fastapi import FastAPI
+
+    from attnprof.capture.vllm.endpoint import LiveTrace
 
     app = FastAPI()
     plugin = AttnProfEndpoint()
     plugin.attach_router(app)
     plugin.view = LiveView(engine)
+    plugin.trace = LiveTrace(engine)
     plugin.auth = TokenCheck(tokens)
     app.state.plugin = plugin
     return app

@@ -16,11 +16,11 @@ import pytest
 
 from attnprof.aggregate.trace import MAX_STEPS, LayerRange, StepTrace, TraceBuffer
 from attnprof.capture.vllm import runtime
-from attnprof.capture.vllm.endpoint import AttnProfEndpoint, LiveTrace, LiveView, TokenCheck
-from attnprof.capture.vllm.hooks import step_hook
+from attnprof.capture.vllm.endpoint import LiveTrace
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_steps
-from tests.unit.test_aggregate import _capture, _FakeGpu, _Layer, _run_steps
+from tests.unit.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
+from tests.unit.test_endpoint import _app
 
 KEY = "trace-key"
 
@@ -153,20 +153,7 @@ def test_an_armed_trace_nobody_takes_stops_recording_at_its_deadline() -> None:
 
 def test_gpu_steps_are_traced_from_late_read_events_without_a_sync() -> None:
     cap = _capture(1.0)
-    gpu = _FakeGpu()
-    cap.event_factory = gpu.event
-    cap.capturing_graph = lambda: False
-    layers = [_Layer(i) for i in range(2)]
-    for lay in layers:
-        cap.wrap_layer(lay)
-    md = SimpleNamespace(num_actual_tokens=2, max_query_len=1, seq_lens=[5, 6])
-
-    def model_forward(runner: Any, input_ids: Any = None) -> None:
-        for lay in layers:
-            lay.impl.forward(lay, 1, 2, 3, None, md)
-
-    hook = step_hook(cap, model_forward)
-    cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    gpu, hook, cuda = gpu_rig(cap)
     cap.trace_arm(2, 60, "g")
     for _ in range(2):
         hook(cuda, input_ids=[0, 0])
@@ -221,19 +208,6 @@ def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
     monkeypatch.setattr(runtime, "STATE", st)
     monkeypatch.setattr("attnprof.capture.vllm.endpoint.TRACE_POLL_S", 0.01)
     yield st
-
-
-def _app(engine: Any, tokens: list[str]) -> Any:
-    from fastapi import FastAPI
-
-    app = FastAPI()
-    plugin = AttnProfEndpoint()
-    plugin.attach_router(app)
-    plugin.view = LiveView(engine)
-    plugin.trace = LiveTrace(engine)
-    plugin.auth = TokenCheck(tokens)
-    app.state.plugin = plugin
-    return app
 
 
 async def _gets(app: Any, *paths: str, key: str | None = KEY) -> list[Any]:
