@@ -69,6 +69,7 @@ bench: model
 	$(PY) benchmarks/otlp_faults.py
 	$(PY) benchmarks/serving_safety.py --only gets --only synthetic --only calibration
 	$(PY) benchmarks/serving_safety.py --only refresh
+	$(PY) benchmarks/regression_tools.py
 
 clean-venv:
 	rm -rf $(VENV)
