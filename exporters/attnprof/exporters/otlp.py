@@ -23,6 +23,7 @@ Nothing outside ``attnprof.exporters`` imports OpenTelemetry; this module import
 from __future__ import annotations
 
 import atexit
+import importlib
 import importlib.metadata
 import importlib.util
 import itertools
@@ -370,21 +371,22 @@ def exponential_buckets(state: HistogramState,
 
 # ----------------------------------------------------------------------------- the sink
 
+def _otlp_exporter(signal: str, protocol: str, endpoint: str, config: OtlpConfig) -> Any:
+    """The OTel SDK's OTLP exporter for ``signal`` ("metric" or "trace") over ``protocol``
+    (grpc or http/protobuf), with the sink's headers and timeout."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}."
+                                     f"{signal}_exporter")
+    cls = getattr(module, "OTLPMetricExporter" if signal == "metric" else "OTLPSpanExporter")
+    kw: dict[str, Any] = {"endpoint": endpoint, "headers": dict(config.headers) or None,
+                          "timeout": config.timeout_s}
+    if transport == "grpc":
+        kw["insecure"] = urlparse(endpoint).scheme == "http"
+    return cls(**kw)
+
+
 def _make_exporter(config: OtlpConfig) -> Any:
-    headers = dict(config.headers) or None
-    if config.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-            OTLPMetricExporter as GrpcExporter,
-        )
-
-        return GrpcExporter(endpoint=config.endpoint,
-                            insecure=urlparse(config.endpoint).scheme == "http",
-                            headers=headers, timeout=config.timeout_s)
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-        OTLPMetricExporter as HttpExporter,
-    )
-
-    return HttpExporter(endpoint=config.endpoint, headers=headers, timeout=config.timeout_s)
+    return _otlp_exporter("metric", config.protocol, config.endpoint, config)
 
 
 def _wrapping_exporter(inner: Any, sink: OtlpSink) -> Any:
@@ -756,21 +758,7 @@ def layer_span_attributes(r: Any) -> dict[str, Any]:
 
 
 def _make_span_exporter(config: OtlpConfig) -> Any:
-    headers = dict(config.headers) or None
-    if config.traces_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcSpanExporter,
-        )
-
-        return GrpcSpanExporter(endpoint=config.traces_endpoint,
-                                insecure=urlparse(config.traces_endpoint).scheme == "http",
-                                headers=headers, timeout=config.timeout_s)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpSpanExporter,
-    )
-
-    return HttpSpanExporter(endpoint=config.traces_endpoint, headers=headers,
-                            timeout=config.timeout_s)
+    return _otlp_exporter("trace", config.traces_protocol, config.traces_endpoint, config)
 
 
 class OtlpSpanSink:

@@ -36,7 +36,7 @@ from fastapi import Request
 
 from attnprof._safety import fault_point
 from attnprof.capture.vllm import runtime, start
-from attnprof.config import api_tokens
+from attnprof.config import Config, api_tokens
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.jsonsafe import dumps, dumps_yielding
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
@@ -546,6 +546,12 @@ class AttnProfEndpoint:
                                           "(attnprof_capture_disabled{place=\"endpoint\"})"},
                                 status_code=503)
 
+        def failed(exc: Exception) -> Any:
+            # Counted against the endpoint's breaker; the client sees the type, not details.
+            runtime.STATE.errors.record("endpoint", exc)
+            return JSONResponse({"error": f"attnprof: internal error (counted): "
+                                          f"{type(exc).__name__}"}, status_code=500)
+
         @app.get("/attnprof/snapshot")  # type: ignore[untyped-decorator]
         async def attnprof_snapshot(request: Request) -> Any:
             if (denied := refuse(request)) is not None:
@@ -555,18 +561,14 @@ class AttnProfEndpoint:
             st = runtime.STATE
             try:
                 fault_point("endpoint")
-                cfg = st.config
+                cfg = st.config or Config()
                 want = request.query_params.get("head_stats", "") in ("1", "true", "yes")
-                body, age = await plugin.view.body(
-                    want, cfg.snapshot_max_age_s if cfg else 2.0,
-                    cfg.rpc_timeout_s if cfg else 10.0,
-                    cfg.snapshot_max_bytes if cfg else 64 << 20)
+                body, age = await plugin.view.body(want, cfg.snapshot_max_age_s,
+                                                   cfg.rpc_timeout_s, cfg.snapshot_max_bytes)
                 return Response(body, media_type="application/json",
                                 headers={"Age": str(int(age)), "Cache-Control": "no-store"})
             except Exception as exc:
-                st.errors.record("endpoint", exc)
-                return JSONResponse({"error": f"attnprof: internal error (counted): "
-                                              f"{type(exc).__name__}"}, status_code=500)
+                return failed(exc)
 
         @app.get("/attnprof/trace")  # type: ignore[untyped-decorator]
         async def attnprof_trace(request: Request) -> Any:
@@ -584,12 +586,11 @@ class AttnProfEndpoint:
             if not st.enabled:
                 return JSONResponse({"traceEvents": [], "otherData": {"attnprof": {
                     "kind": "attnprof.trace", "enabled": False, "model": st.model_label}}})
-            cfg = st.config
+            cfg = st.config or Config()
             try:
                 fault_point("endpoint")
-                body = await plugin.trace.record(
-                    steps, timeout, cfg.rpc_timeout_s if cfg else 10.0,
-                    cfg.snapshot_max_bytes if cfg else 64 << 20, request.is_disconnected)
+                body = await plugin.trace.record(steps, timeout, cfg.rpc_timeout_s,
+                                                 cfg.snapshot_max_bytes, request.is_disconnected)
                 return Response(body, media_type="application/json",
                                 headers={"Cache-Control": "no-store"})
             except TraceBusy:
@@ -602,9 +603,7 @@ class AttnProfEndpoint:
                                               "RPC within ATTNPROF_RPC_TIMEOUT_S"},
                                     status_code=504)
             except Exception as exc:
-                st.errors.record("endpoint", exc)
-                return JSONResponse({"error": f"attnprof: internal error (counted): "
-                                              f"{type(exc).__name__}"}, status_code=500)
+                return failed(exc)
 
         @app.post("/attnprof/sampling")  # type: ignore[untyped-decorator]
         async def attnprof_sampling(request: Request) -> Any:
@@ -633,7 +632,7 @@ class AttnProfEndpoint:
                 return JSONResponse({"error": f"attnprof: {err}"}, status_code=400)
             try:
                 fault_point("endpoint")
-                timeout = st.config.rpc_timeout_s if st.config else 10.0
+                timeout = (st.config or Config()).rpc_timeout_s
                 workers = await plugin.view.set_sampling(rate, hs, timeout)
                 return JSONResponse({"workers": workers})
             except Exception as exc:
