@@ -8,11 +8,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.bearer_server import BearerJsonServer
 from tests.conftest import free_port
 
 
@@ -297,44 +297,18 @@ def test_profile_show_missing_keys(tmp_path: Path) -> None:
 
 # ----- the API key on /attnprof/* -----
 
-class _AuthServer:
-    """A snapshot behind a bearer token, like vLLM with --api-key."""
-
-    def __init__(self, key: str) -> None:
-        seen: list[str | None] = []
-
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                auth = self.headers.get("Authorization")
-                seen.append(auth)
-                ok = auth == f"Bearer {key}"
-                body = json.dumps(_SNAP if ok else {"error": "Unauthorized"}).encode()
-                self.send_response(200 if ok else 401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        self.seen = seen
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
-def auth_server() -> Iterator[_AuthServer]:
-    srv = _AuthServer("s3cret-key")
+def auth_server() -> Iterator[BearerJsonServer]:
+    """A snapshot behind a bearer token, like vLLM with --api-key."""
+    srv = BearerJsonServer("s3cret-key", lambda _n: _SNAP)
     yield srv
-    srv.httpd.shutdown()
+    srv.stop()
 
 
 _NO_KEYS = {"ATTNPROF_API_KEY": "", "VLLM_API_KEY": ""}
 
 
-def test_snapshot_needs_the_api_key(auth_server: _AuthServer) -> None:
+def test_snapshot_needs_the_api_key(auth_server: BearerJsonServer) -> None:
     r = _cli("snapshot", "--url", auth_server.url, "--json", env=_NO_KEYS)
     _assert_clean(r, "401", "requires an API key", "--api-key", "ATTNPROF_API_KEY")
     assert auth_server.seen == [None]
@@ -347,7 +321,7 @@ def test_snapshot_needs_the_api_key(auth_server: _AuthServer) -> None:
     ("s3cret-key", {"ATTNPROF_API_KEY": "wrong", "VLLM_API_KEY": "wrong"}),  # the flag wins
     (None, {"ATTNPROF_API_KEY": "s3cret-key", "VLLM_API_KEY": "wrong"}),
 ])
-def test_snapshot_sends_the_api_key(auth_server: _AuthServer, flag: str | None,
+def test_snapshot_sends_the_api_key(auth_server: BearerJsonServer, flag: str | None,
                                     env: dict[str, str]) -> None:
     args = ["snapshot", "--url", auth_server.url, "--json"]
     r = _cli(*args, *(["--api-key", flag] if flag else []), env={**_NO_KEYS, **env})
@@ -356,7 +330,7 @@ def test_snapshot_sends_the_api_key(auth_server: _AuthServer, flag: str | None,
     assert auth_server.seen == ["Bearer s3cret-key"]
 
 
-def test_wrong_api_key_is_one_line_and_never_printed(auth_server: _AuthServer) -> None:
+def test_wrong_api_key_is_one_line_and_never_printed(auth_server: BearerJsonServer) -> None:
     for r in (_cli("snapshot", "--url", auth_server.url, "--api-key", "wrong-key-123",
                    env=_NO_KEYS),
               _cli("-v", "snapshot", "--url", auth_server.url,
@@ -367,7 +341,7 @@ def test_wrong_api_key_is_one_line_and_never_printed(auth_server: _AuthServer) -
         assert "key-123" not in r.stderr + r.stdout
 
 
-def test_suggest_url_sends_the_api_key(auth_server: _AuthServer, tmp_path: Path) -> None:
+def test_suggest_url_sends_the_api_key(auth_server: BearerJsonServer, tmp_path: Path) -> None:
     r = _cli("suggest-window", "--url", auth_server.url, "--model", str(_checkpoint(tmp_path)),
              env={**_NO_KEYS, "ATTNPROF_API_KEY": "s3cret-key"})
     # Authorized: the snapshot has no finished requests yet, which is the (one-line) answer.

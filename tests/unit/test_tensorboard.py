@@ -4,15 +4,12 @@ tensorboard`'s loop (count, duration, Ctrl-C, bad inputs)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ import pytest
 from attnprof.cli import main
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.snapshot import Snapshot
+from tests.bearer_server import BearerJsonServer
 from tests.unit.test_activation_map import live_snapshot, mixed_rows
 
 pytest.importorskip("tensorboard")
@@ -199,39 +197,12 @@ def _snapshot_doc(n: int) -> dict[str, Any]:
     return snap
 
 
-class SnapshotServer:
-    """Answers /attnprof/snapshot with _snapshot_doc(0), (1), ... behind a bearer key."""
-
-    def __init__(self, key: str = "k3y") -> None:
-        served: list[dict[str, Any]] = []
-
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                ok = self.headers.get("Authorization") == f"Bearer {key}"
-                doc = _snapshot_doc(len(served)) if ok else {"error": "Unauthorized"}
-                if ok:
-                    served.append(doc)
-                body = json.dumps(doc).encode()
-                self.send_response(200 if ok else 401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        self.served = served
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
-def snap_server() -> Iterator[SnapshotServer]:
-    srv = SnapshotServer()
+def snap_server() -> Iterator[BearerJsonServer]:
+    """Answers /attnprof/snapshot with _snapshot_doc(0), (1), ... behind a bearer key."""
+    srv = BearerJsonServer("k3y", _snapshot_doc)
     yield srv
-    srv.httpd.shutdown()
+    srv.stop()
 
 
 def _expected_live(doc: dict[str, Any], step: int) -> dict[str, float]:
@@ -261,7 +232,7 @@ def _expected_live(doc: dict[str, Any], step: int) -> dict[str, float]:
     return out
 
 
-def test_tensorboard_cli_polls_count_snapshots(snap_server: SnapshotServer, tmp_path: Path,
+def test_tensorboard_cli_polls_count_snapshots(snap_server: BearerJsonServer, tmp_path: Path,
                                                capsys: Any) -> None:
     logdir = tmp_path / "tb" / "live"
     rc = main(["tensorboard", "--url", snap_server.url, "--api-key", "k3y", "--logdir",
@@ -287,7 +258,7 @@ def test_tensorboard_cli_polls_count_snapshots(snap_server: SnapshotServer, tmp_
     assert "TORCH_SDPA" in texts[1].tensor_proto.string_val[0].decode()
 
 
-def test_tensorboard_cli_stops_after_duration(snap_server: SnapshotServer, tmp_path: Path
+def test_tensorboard_cli_stops_after_duration(snap_server: BearerJsonServer, tmp_path: Path
                                               ) -> None:
     t0 = time.monotonic()
     rc = main(["tensorboard", "--url", snap_server.url, "--api-key", "k3y", "--logdir",
@@ -298,7 +269,7 @@ def test_tensorboard_cli_stops_after_duration(snap_server: SnapshotServer, tmp_p
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: SnapshotServer, tmp_path: Path,
+def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: BearerJsonServer, tmp_path: Path,
                                                sig: int) -> None:
     env = {**os.environ, "ATTNPROF_API_KEY": "k3y"}
     proc = subprocess.Popen([sys.executable, "-m", "attnprof.cli", "tensorboard", "--url",
@@ -344,7 +315,7 @@ def test_bad_inputs_one_line_nothing_written(args: list[str], needle: str,
     assert not logdir.exists()
 
 
-def test_wrong_api_key_writes_nothing(snap_server: SnapshotServer, tmp_path: Path) -> None:
+def test_wrong_api_key_writes_nothing(snap_server: BearerJsonServer, tmp_path: Path) -> None:
     _one_line(_cli("tensorboard", "--url", snap_server.url, "--logdir", str(tmp_path / "tb"),
                    "--api-key", "nope"), "401")
     assert not (tmp_path / "tb").exists()
@@ -389,7 +360,7 @@ def test_snapshot_contract_of_the_stand_in_is_complete() -> None:
 
 # ----- attnprof snapshot --png (the same picture from a live snapshot) -----
 
-def test_snapshot_png_writes_png_and_svg(snap_server: SnapshotServer, tmp_path: Path,
+def test_snapshot_png_writes_png_and_svg(snap_server: BearerJsonServer, tmp_path: Path,
                                          capsys: Any) -> None:
     from attnprof.exporters import activation_map as am
 
@@ -403,7 +374,7 @@ def test_snapshot_png_writes_png_and_svg(snap_server: SnapshotServer, tmp_path: 
 
 
 @pytest.mark.parametrize("where", ["dir", "under_file"])
-def test_snapshot_png_bad_path_fails_before_fetching(snap_server: SnapshotServer,
+def test_snapshot_png_bad_path_fails_before_fetching(snap_server: BearerJsonServer,
                                                      tmp_path: Path, where: str) -> None:
     f = tmp_path / "file"
     f.write_text("x")
