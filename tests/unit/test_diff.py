@@ -249,6 +249,9 @@ def test_a_record_window_holds_only_what_happened_inside_it() -> None:
     assert w.window.requests == 6 and w.requests is not None and w.requests.requests == 6
     assert w.requests.context_histogram is not None
     assert w.requests.context_histogram.counts == [2, 3, 1, 0]
+    # Window quantiles are the upper bounds of the buckets holding them (6 requests).
+    q = w.requests.context_tokens
+    assert (q.p50, q.p90, q.p99, q.count, q.exact) == (256.0, 512.0, 512.0, 6, False)
     ph = w.workers[0].layers[0].phases["decode"]
     assert ph.calls == 150 and ph.time_s == pytest.approx(0.03)
     assert ph.mean_time_s == pytest.approx(0.0002)

@@ -12,7 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BucketHistogram", "HistogramState", "log_buckets", "pow2_buckets"]
+__all__ = ["BucketHistogram", "HistogramState", "bucket_quantile", "log_buckets",
+           "pow2_buckets"]
 
 
 def log_buckets(max_value: int, per_decade: tuple[int, ...] = (1, 2, 5)) -> list[float]:
@@ -43,6 +44,21 @@ def pow2_buckets(max_value: int) -> list[float]:
     while edges[-1] < max_value:
         edges.append(edges[-1] * 2)
     return edges
+
+
+def bucket_quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of a histogram (``counts[i]`` in
+    ``(bounds[i-1], bounds[i]]``, the last count above ``bounds[-1]``, which then stands for
+    it); None when the histogram is empty or has no bounds."""
+    total = sum(counts)
+    if total <= 0 or not bounds:
+        return None
+    acc = 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc >= q * total:
+            return float(bounds[i]) if i < len(bounds) else float(bounds[-1])
+    return float(bounds[-1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from attnprof.aggregate.histogram import bucket_quantile
 from attnprof.contracts.snapshot import (
     ContextHistogram,
     LayerProfile,
@@ -101,21 +102,10 @@ def _worker(a: WorkerSnapshot | None, b: WorkerSnapshot) -> WorkerSnapshot:
 
 def _quantiles(bounds: list[float], counts: list[int]) -> QuantileSummary:
     """p50/p90/p99 of a histogram as bucket upper bounds (not exact: ``exact`` False)."""
-    total = sum(counts)
-    out = QuantileSummary(count=total, exact=False)
-    if total <= 0:
-        return out
-
-    def q(p: float) -> float:
-        acc = 0
-        for i, c in enumerate(counts):
-            acc += c
-            if acc >= p * total:
-                return bounds[i] if i < len(bounds) else bounds[-1]
-        return bounds[-1]
-
-    out.p50, out.p90, out.p99 = q(0.5), q(0.9), q(0.99)
-    return out
+    return QuantileSummary(count=sum(counts), exact=False,
+                           p50=bucket_quantile(bounds, counts, 0.5),
+                           p90=bucket_quantile(bounds, counts, 0.9),
+                           p99=bucket_quantile(bounds, counts, 0.99))
 
 
 def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestStats | None,

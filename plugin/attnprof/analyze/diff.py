@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from attnprof.aggregate.histogram import bucket_quantile
 from attnprof.analyze.headline import first_layers, fused_fractions, kernel_rows, step_shares
 from attnprof.analyze.twosample import distribution_distance, ratio_test
 from attnprof.contracts.diff import Change, DiffReport, DiffSide, Finding, Severity
@@ -242,7 +243,7 @@ def _snapshot_side(snap: Snapshot, name: str, raw: Mapping[str, Any]) -> _Side:
     return s
 
 
-def side_of(doc: ProfileReport | Snapshot, name: str, raw: Mapping[str, Any]) -> _Side:
+def _side_of(doc: ProfileReport | Snapshot, name: str, raw: Mapping[str, Any]) -> _Side:
     if isinstance(doc, ProfileReport):
         return _profile_side(doc, name, raw)
     return _snapshot_side(doc, name, raw)
@@ -550,12 +551,7 @@ def _context_findings(b: _Side, n: _Side, lim: float | None) -> tuple[list[Findi
     ks, w1 = d
 
     def p50(counts: list[int]) -> float:  # bb is non-empty: distribution_distance checked
-        tot, acc = sum(counts), 0
-        for i, c in enumerate(counts):
-            acc += c
-            if acc >= tot / 2:
-                return bb[i] if i < len(bb) else bb[-1] * 2
-        return bb[-1]
+        return bucket_quantile(bb, counts, 0.5) or 0.0
 
     sev = "regression" if lim is not None and ks > lim else "info"
     return [Finding(kind="context_shift", severity=_sev(sev),
@@ -628,8 +624,8 @@ def compare(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot, *,
 
         raise Incomparable(f"{base_name} is {what(base)} and {new_name} is {what(new)}: "
                            f"diff two profiles or two snapshots/records")
-    b = side_of(base, base_name, base_raw or {})
-    n = side_of(new, new_name, new_raw or {})
+    b = _side_of(base, base_name, base_raw or {})
+    n = _side_of(new, new_name, new_raw or {})
     notes: list[str] = []
     hb = b.provenance.model.config_sha256 if b.provenance is not None else None
     hn = n.provenance.model.config_sha256 if n.provenance is not None else None
