@@ -155,6 +155,56 @@ def panels() -> list[Json]:
                    [target(f"sum by (layer) (attnprof_kv_cache_bytes{{{M}}})",
                            legend="layer {{layer}}")],
                    description="KV-cache bytes allocated per attention layer."),
+        table(40, "KV verdict", f"attnprof_kv_verdict{{{M}}} == 1",
+              "KV-bound, compute-bound or neither (rules: docs/kv-pressure.md); the evidence "
+              "is in GET /attnprof/snapshot and attnprof snapshot.", ["model", "verdict"]),
+        timeseries(41, "KV-cache usage peak and p95", "percentunit", [
+            target(f"attnprof_kv_cache_usage_peak_ratio{{{M}}}", "A", "peak {{model}}"),
+            target(f"attnprof_kv_cache_usage_p95_ratio{{{M}}}", "B", "p95 {{model}}")],
+            description="Highest usage seen (every scheduler stats batch) and the p95 of "
+                        "usage over busy time, since the server started.", minmax=(0, 1)),
+        timeseries(42, "Busy time with KV above 90%", "percentunit", [target(ratio(
+            f"sum(rate(attnprof_kv_cache_above_90_seconds_total{{{M}}}[{RI}]))",
+            f"sum(rate(attnprof_kv_cache_busy_seconds_total{{{M}}}[{RI}]))"), legend="above 90%")],
+            description="Share of busy time (a request running or waiting) with KV usage "
+                        "above 90%; 10% or more is KV-bound.", minmax=(0, 1)),
+        timeseries(43, "Preemptions", "ops",
+                   [target(f"sum(rate(attnprof_kv_preemptions_total{{{M}}}[{RI}]))",
+                           legend="preemptions/s")],
+                   description="Requests preempted per second for lack of KV blocks "
+                               "(vLLM's num_preempted_reqs)."),
+        timeseries(44, "Waiting for capacity", "percentunit", [
+            target(ratio(f'sum(rate(attnprof_kv_waiting_seconds_total{{{M}, '
+                         f'kv_usage="above_90"}}[{RI}]))',
+                         f"sum(rate(attnprof_kv_cache_busy_seconds_total{{{M}}}[{RI}]))"),
+                   "A", "KV above 90%"),
+            target(ratio(f'sum(rate(attnprof_kv_waiting_seconds_total{{{M}, '
+                         f'kv_usage="below_90"}}[{RI}]))',
+                         f"sum(rate(attnprof_kv_cache_busy_seconds_total{{{M}}}[{RI}]))"),
+                   "B", "KV below 90%")],
+            description="Share of busy time with requests waiting, by KV usage: waiting at "
+                        "high KV is KV-bound, waiting at low KV is compute-bound.",
+            minmax=(0, 1)),
+        timeseries(45, "KV block-seconds by request length", "short", [target(
+            f"sum by (length_class) (rate(attnprof_kv_block_seconds_total{{{M}}}[{RI}]))",
+            legend="{{length_class}}")],
+            description="KV block-seconds per second of finished requests by context-length "
+                        "class (short <= 512, medium <= 2048, long), stacked as shares.",
+            custom={"stacking": {"mode": "percent", "group": "A"}, "fillOpacity": 60}),
+        timeseries(46, "Max concurrent sequences at p50 / p99 context", "short",
+                   [target(f"max by (context) (attnprof_kv_capacity_sequences{{{M}}})",
+                           legend="{{context}} context")],
+                   description="KV capacity (vLLM's blocks x block size) over one sequence's KV "
+                               "at the observed context, windowed layers honoured."),
+        timeseries(47, "KV bytes held per KV head by layer", "bytes",
+                   [target(f"max by (layer) (attnprof_kv_head_bytes{{{M}}})",
+                           legend="layer {{layer}}")],
+                   description="Live KV bytes each KV head of a layer holds (its query-head "
+                               "group shares them); full-attention layers hold the most."),
+        timeseries(48, "KV bytes per token by layer", "bytes",
+                   [target(f"max by (layer) (attnprof_kv_bytes_per_token{{{M}}})",
+                           legend="layer {{layer}}")],
+                   description="KV-cache bytes one token costs in each layer, in the KV dtype."),
         row(104, "Window advice"),
         stat(10, "Recommended window", "short",
              f"attnprof_window_recommended_tokens{{{M}}}",

@@ -60,7 +60,8 @@ _UCUM = {
     "seconds": "s", "bytes": "By", "ratio": "1", "info": "1", "tokens": "{token}",
     "flops": "{flop}", "calls": "{call}", "steps": "{step}", "queries": "{query}",
     "heads": "{head}", "layers": "{layer}", "errors": "{error}", "samples": "{sample}",
-    "processes": "{process}",
+    "processes": "{process}", "requests": "{request}", "sequences": "{sequence}",
+    "block_seconds": "{block}.s",
 }
 
 
@@ -84,6 +85,41 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_kv_cache_usage_ratio", "gauge",
                "KV-cache blocks in use, 0..1 (from vLLM's scheduler stats).", "ratio", (_M,),
                "livemostrecent"),
+    # --- KV-cache pressure over time (API server, stat logger; docs/kv-pressure.md) ---
+    MetricSpec("attnprof_kv_cache_usage_peak_ratio", "gauge",
+               "Highest KV-cache usage seen, 0..1 (every stats batch, not a scrape sample).",
+               "ratio", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_kv_cache_usage_p95_ratio", "gauge",
+               "p95 of KV-cache usage over busy time (time-weighted; a bucket's upper edge).",
+               "ratio", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_kv_cache_busy_seconds_total", "counter",
+               "Seconds with at least one request running or waiting (the denominator of "
+               "the time-weighted KV figures).", "seconds", (_M,)),
+    MetricSpec("attnprof_kv_cache_above_90_seconds_total", "counter",
+               "Busy seconds with KV-cache usage above 90%.", "seconds", (_M,)),
+    MetricSpec("attnprof_kv_preemptions_total", "counter",
+               "Requests preempted by vLLM (their KV freed for lack of blocks); the same count "
+               "as vllm:num_preemptions.", "requests", (_M,)),
+    MetricSpec("attnprof_kv_waiting_seconds_total", "counter",
+               "Busy seconds with requests waiting for capacity, by KV usage at the time "
+               "(kv_usage: above_90, below_90).", "seconds", (_M, "kv_usage")),
+    MetricSpec("attnprof_kv_block_seconds_total", "counter",
+               "Estimated KV block-seconds held by finished requests, by context-length class "
+               "(short <= 512, medium <= 2048, long).", "block_seconds", (_M, "length_class")),
+    MetricSpec("attnprof_kv_verdict", "gauge",
+               "1 for the current verdict (kv_bound, compute_bound, neither), 0 for the others; "
+               "the evidence and its confidence are in the snapshot.", "info", (_M, "verdict"),
+               "livemostrecent"),
+    MetricSpec("attnprof_kv_capacity_sequences", "gauge",
+               "Maximum concurrent sequences the KV cache holds at the observed p50 and p99 "
+               "context (label context), windowed layers honoured.", "sequences",
+               (_M, "context"), "livemostrecent"),
+    MetricSpec("attnprof_kv_bytes_per_token", "gauge",
+               "KV-cache bytes one token costs in each layer, in the KV dtype.", "bytes",
+               (_M, "layer"), "livemostrecent"),
+    MetricSpec("attnprof_kv_head_bytes", "gauge",
+               "KV-cache bytes each KV head of a layer holds now (its query-head group shares "
+               "them), windows honoured.", "bytes", (_M, "layer"), "livemostrecent"),
     # --- per-layer attention capture (worker, sampled steps) ---
     MetricSpec("attnprof_layer_info", "gauge",
                "1 per attention layer: backend, implementation class and whether it is fused.",

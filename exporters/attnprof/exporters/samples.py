@@ -23,6 +23,7 @@ __all__ = [
     "SampleSource",
     "advice_samples",
     "error_samples",
+    "kv_samples",
     "request_samples",
     "worker_samples",
 ]
@@ -137,6 +138,42 @@ def request_samples(model: str, req: Any) -> list[MetricSample]:
             if v is not None:
                 out.append(s("attnprof_request_tokens_quantile", v, model=model, quantity=q,
                              q=quant))
+    return out
+
+
+def kv_samples(model: str, st: Any, a: Any, head_bytes: Mapping[int, float],
+               verdicts: Iterable[str]) -> list[MetricSample]:
+    """KV-pressure samples: ``st`` a :class:`~attnprof.contracts.snapshot.KvPressureStats`
+    (usage over time, preemptions, waiting, block-seconds by length class, bytes per layer),
+    ``a`` its :class:`~attnprof.contracts.snapshot.KvAssessment` (verdict, p95, capacity),
+    ``head_bytes`` the bytes each KV head of a layer holds now, ``verdicts`` every verdict
+    (the current one is 1, the others 0)."""
+    out: list[MetricSample] = [
+        s("attnprof_kv_cache_busy_seconds_total", st.busy_seconds, model=model),
+        s("attnprof_kv_cache_above_90_seconds_total", a.above_90_seconds, model=model),
+        s("attnprof_kv_preemptions_total", st.preemptions, model=model),
+        s("attnprof_kv_waiting_seconds_total", st.waiting_kv_high_seconds, model=model,
+          kv_usage="above_90"),
+        s("attnprof_kv_waiting_seconds_total",
+          max(0.0, st.waiting_seconds - st.waiting_kv_high_seconds), model=model,
+          kv_usage="below_90"),
+    ]
+    if st.peak is not None:
+        out.append(s("attnprof_kv_cache_usage_peak_ratio", st.peak, model=model))
+    if a.p95 is not None:
+        out.append(s("attnprof_kv_cache_usage_p95_ratio", a.p95, model=model))
+    for name, bsec in zip(st.class_names, st.class_block_seconds, strict=False):
+        out.append(s("attnprof_kv_block_seconds_total", bsec, model=model, length_class=name))
+    for v in verdicts:
+        out.append(s("attnprof_kv_verdict", 1.0 if v == a.verdict else 0.0, model=model,
+                     verdict=v))
+    for k, cap in a.capacity_sequences.items():
+        out.append(s("attnprof_kv_capacity_sequences", cap, model=model, context=k))
+    for lay in st.layers:
+        out.append(s("attnprof_kv_bytes_per_token", lay.bytes_per_token, model=model,
+                     layer=str(lay.layer)))
+    for layer, b in head_bytes.items():
+        out.append(s("attnprof_kv_head_bytes", b, model=model, layer=str(layer)))
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["render_snapshot", "table"]
+__all__ = ["render_kv", "render_snapshot", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -118,4 +118,56 @@ def render_snapshot(snap: dict[str, Any]) -> str:
                           for n, d in (("context", c), ("prompt", p), ("generated", g))]))
         if req.get("kv_cache_usage") is not None:
             out.append(f"KV-cache usage (last): {_pct(req['kv_cache_usage'])}")
+    kv = render_kv(snap)
+    if kv:
+        out += ["", kv]
     return "\n".join(out).rstrip() + "\n"
+
+
+def render_kv(snap: dict[str, Any]) -> str:
+    """The KV verdict with its evidence, usage over time, capacity, block-seconds by
+    request-length class and bytes per token per layer (empty without KV stats)."""
+    a = snap.get("kv_pressure")
+    st = (snap.get("requests") or {}).get("kv_pressure")
+    if not a or not st:
+        return ""
+    out = [f"KV cache: {a['verdict'].replace('_', '-').upper()} (confidence {a['confidence']})"]
+    out += [f"  - {e}" for e in a.get("evidence") or []]
+    frac = a.get("above_90_fraction")
+    caps = a.get("capacity_sequences") or {}
+    ctx = a.get("context_tokens") or {}
+    out.append(table(
+        ["peak", "p95", "above 90% s", "of busy", "preemptions", "waiting", "mean running",
+         "capacity tokens", "seqs at p50 ctx", "seqs at p99 ctx"],
+        [[_pct(a.get("peak")), _pct(a.get("p95")), f"{a['above_90_seconds']:.1f}", _pct(frac),
+          a["preemptions"], _pct(a.get("waiting_fraction")),
+          "-" if a.get("mean_running") is None else f"{a['mean_running']:.1f}",
+          a.get("capacity_tokens") or "-",
+          f"{caps['p50']:.1f} ({_tok(ctx.get('p50'))})" if "p50" in caps else "-",
+          f"{caps['p99']:.1f} ({_tok(ctx.get('p99'))})" if "p99" in caps else "-"]]))
+    share = a.get("class_share") or {}
+    if share:
+        bounds = st.get("class_bounds") or []
+        names = st.get("class_names") or []
+        spans = [f"<= {b}" for b in bounds] + [f"> {bounds[-1]}" if bounds else ""]
+        out.append("KV block-seconds by request context length: " + ", ".join(
+            f"{n} ({sp} tokens) {_pct(share.get(n))}" for n, sp in zip(names, spans,
+                                                                        strict=False)))
+    layers = st.get("layers") or []
+    if layers:
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for lay in layers:
+            key = (lay["bytes_per_token"], lay["per_kv_head"], lay["per_query_head"],
+                   lay.get("window"), lay["num_heads"], lay["num_kv_heads"])
+            groups.setdefault(key, []).append(lay["layer"])
+        top = set(a.get("top_layers") or [])
+        ls = a.get("layer_share") or {}
+        rows = [[_ranges(idx), f"{k[0]:.0f}", f"{k[1]:.0f}",
+                 f"{k[4] // max(1, k[5])} q heads", f"{k[2]:.0f}", k[3] or "full",
+                 _pct(sum(ls.get(str(i), 0.0) for i in idx)),
+                 "most" if top & set(idx) else ""] for k, idx in groups.items()]
+        out.append(f"KV bytes per token ({st.get('kv_dtype') or '?'}; a query-head group "
+                   "shares its KV head):")
+        out.append(table(["layers", "B/token/layer", "B/token/KV head", "group",
+                          "B/token/q head", "window", "share at p99 ctx", "holds"], rows))
+    return "\n".join(out)

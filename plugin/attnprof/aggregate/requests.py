@@ -1,5 +1,6 @@
 """Request-level statistics of the API server: context, prompt and generated token counts
-of finished requests, and KV-cache usage. Token counts only: never ids or text.
+of finished requests, and KV-cache usage (now, and over time in :mod:`attnprof.aggregate.kv`).
+Token counts only: never ids or text.
 
 One object per process, shared by every engine's stat logger; bounded memory (a quantile
 estimator per quantity and fixed-bucket histograms up to ``max_model_len``).
@@ -11,6 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets
+from attnprof.aggregate.kv import KvPressure
 from attnprof.aggregate.quantiles import QuantileEstimator
 from attnprof.contracts.snapshot import ContextHistogram, QuantileSummary
 from attnprof.contracts.snapshot import RequestStats as RequestStatsDoc
@@ -37,6 +39,7 @@ class RequestAggregates:
         self.histograms = {q: BucketHistogram(self.buckets) for q in QUANTITIES}
         self.kv_cache_usage: float | None = None
         self.requests = 0
+        self.kv = KvPressure()  # its own lock: record() runs per engine step
         self.lock = threading.Lock()
 
     def observe(self, prompt: int, generated: int) -> None:
@@ -67,4 +70,5 @@ class RequestAggregates:
                 generation_tokens=_summary(self.quantiles["generation"], False),
                 kv_cache_usage=self.kv_cache_usage,
                 context_histogram=ContextHistogram(bounds=list(ctx.bounds),
-                                                   counts=list(ctx.counts)))
+                                                   counts=list(ctx.counts)),
+                kv_pressure=self.kv.summary())

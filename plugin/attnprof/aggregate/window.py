@@ -16,6 +16,7 @@ import dataclasses
 from attnprof.aggregate.histogram import bucket_quantile
 from attnprof.contracts.snapshot import (
     ContextHistogram,
+    KvPressureStats,
     LayerProfile,
     PhaseStats,
     QuantileSummary,
@@ -122,7 +123,34 @@ def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestSt
         counts = [max(0, y - x) for x, y in zip(ha.counts, hb.counts, strict=True)]
         out.context_histogram = ContextHistogram(bounds=list(hb.bounds), counts=counts)
         out.context_tokens = _quantiles(list(hb.bounds), counts)
+    if a.kv_pressure is not None and b.kv_pressure is not None:
+        out.kv_pressure = _kv(a.kv_pressure, b.kv_pressure)
     return out, n
+
+
+def _kv(a: KvPressureStats, b: KvPressureStats) -> KvPressureStats:
+    """KV pressure inside the window: seconds, preemptions and block-seconds subtracted; the
+    peak is the end's, capped by the highest usage bucket the window spent time in."""
+    def sub(x: float, y: float) -> float:
+        return max(0.0, y - x)
+
+    out = dataclasses.replace(b)
+    if a.usage_bounds == b.usage_bounds and len(a.usage_seconds) == len(b.usage_seconds):
+        out.usage_seconds = [sub(x, y) for x, y in zip(a.usage_seconds, b.usage_seconds,
+                                                       strict=True)]
+        top = [bd for bd, t in zip(b.usage_bounds, out.usage_seconds, strict=False) if t > 0]
+        if top and b.peak is not None:
+            out.peak = min(b.peak, top[-1])
+    for k in ("busy_seconds", "waiting_seconds", "waiting_kv_high_seconds",
+              "saturated_seconds", "running_request_seconds"):
+        setattr(out, k, sub(getattr(a, k), getattr(b, k)))
+    out.preemptions = max(0, b.preemptions - a.preemptions)
+    if a.class_names == b.class_names and len(a.class_requests) == len(b.class_requests):
+        out.class_requests = [max(0, y - x) for x, y in zip(a.class_requests, b.class_requests,
+                                                            strict=True)]
+        out.class_block_seconds = [sub(x, y) for x, y in zip(a.class_block_seconds,
+                                                             b.class_block_seconds, strict=True)]
+    return out
 
 
 def window_between(start: Snapshot, end: Snapshot) -> Snapshot:
@@ -134,9 +162,12 @@ def window_between(start: Snapshot, end: Snapshot) -> Snapshot:
     n_restarted = sum(1 for w in end.workers
                       if restarted(before.get((w.pid, w.process)), w))
     out.requests, n = _requests(start.requests, end.requests)
+    from attnprof.analyze.kv_pressure import assess  # pure; the verdict of the window
+
+    out.kv_pressure = assess(out.requests)
     out.head_stats = None
     notes = ["maxima, rates, prompt/generation quantiles and window advice are the end "
-             "snapshot's"]
+             "snapshot's (the KV peak is capped by the window's highest usage bucket)"]
     if out.requests is not None and out.requests.context_histogram is not None \
             and start.requests is not None:
         notes.append("context quantiles are bucket bounds of the window's histogram")

@@ -200,6 +200,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\nWindow advice: not available ({advice.error})")
     else:
         print(f"\nWindow advice: {advice.summary}")
+    kv = snap.get("kv_pressure")
+    if kv:  # the full evidence is in the KV section above and in the report
+        print(f"KV verdict: {kv['verdict']} ({kv['confidence']} confidence): "
+              f"{(kv.get('evidence') or ['no evidence'])[0]}")
     print(f"Report: {args.out}")
     return 0
 

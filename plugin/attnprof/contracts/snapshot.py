@@ -14,7 +14,9 @@ matrix derived from vLLM's code) instead of the platform class; 1.4 adds the top
 ``provenance``, ``window`` (set by ``attnprof record``: the aggregates cover that window
 only), ``PhaseStats.recent_time_s`` (the last calls' seconds, what ``attnprof diff`` tests)
 and ``RequestStats.context_histogram`` (bucket counts: subtractable over a window, and the
-distribution ``attnprof diff`` measures a shift on).
+distribution ``attnprof diff`` measures a shift on); 1.6 adds ``RequestStats.kv_pressure``
+(KV usage over time, preemptions, waiting, block-seconds by length class, bytes per token
+per layer) and the top-level ``kv_pressure`` verdict.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from attnprof.contracts.provenance import Provenance
 __all__ = [
     "ContextHistogram",
     "KernelGroup",
+    "KvAssessment",
+    "KvLayer",
+    "KvPressureStats",
     "LayerFacts",
     "LayerProfile",
     "PhaseStats",
@@ -197,6 +202,91 @@ class RequestStats(Record):
     kv_cache_usage: float | None = None
     context_histogram: ContextHistogram | None = None
     """Context lengths of finished requests as bucket counts (1.5)."""
+    kv_pressure: KvPressureStats | None = None
+    """KV-cache usage over time, preemptions, waiting and block-seconds (1.6)."""
+
+
+@dataclass
+class KvLayer(Record):
+    """KV-cache bytes one token costs in one attention layer (facts of the model and its KV
+    dtype; every KV head of a layer holds the same bytes)."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    window: int | None
+    """Sliding window (tokens kept per sequence); None: full attention."""
+    bytes_per_token: float
+    per_kv_head: float
+    """Bytes per token of one KV head, shared by its query-head group."""
+    per_query_head: float
+
+
+@dataclass
+class KvPressureStats(Record):
+    """What the API server's stat logger saw of KV-cache pressure (docs/kv-pressure.md).
+
+    Seconds and counts are running totals (``attnprof record`` subtracts them); ``peak`` and
+    ``current`` cannot be subtracted. Usage seconds are time-weighted over busy time (at
+    least one request running or waiting): ``usage_seconds[i]`` seconds were spent at usage
+    in ``(usage_bounds[i-1], usage_bounds[i]]`` (the first bucket holds exactly 0)."""
+
+    usage_bounds: list[float] = field(default_factory=list)
+    usage_seconds: list[float] = field(default_factory=list)
+    busy_seconds: float = 0.0
+    peak: float | None = None
+    current: float | None = None
+    preemptions: int = 0
+    """Sum of vLLM's ``num_preempted_reqs`` (the same count as ``vllm:num_preemptions``)."""
+    waiting_seconds: float = 0.0
+    """Busy seconds with at least one request waiting for capacity (vLLM's
+    ``num_waiting_reqs``, not deferred ones)."""
+    waiting_kv_high_seconds: float = 0.0
+    """Of ``waiting_seconds``, those with KV usage above 0.9."""
+    saturated_seconds: float = 0.0
+    """Busy seconds with ``max_num_seqs`` requests running (the batch is full)."""
+    running_request_seconds: float = 0.0
+    """Time integral of running requests (mean running batch = this / busy_seconds)."""
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    kv_dtype: str | None = None
+    layers: list[KvLayer] = field(default_factory=list)
+    class_names: list[str] = field(default_factory=list)
+    class_bounds: list[int] = field(default_factory=list)
+    """Upper context length of each class but the last (which is above the last bound)."""
+    class_requests: list[int] = field(default_factory=list)
+    class_block_seconds: list[float] = field(default_factory=list)
+    """Estimated KV block-seconds held by finished requests of each class."""
+
+
+@dataclass
+class KvAssessment(Record):
+    """Whether a server is KV-bound (analyze/kv_pressure.py: rules, thresholds, evidence)."""
+
+    verdict: str
+    """``kv_bound``, ``compute_bound`` or ``neither``."""
+    confidence: str
+    """``high`` (enough busy time and requests), ``low`` otherwise."""
+    evidence: list[str] = field(default_factory=list)
+    busy_seconds: float = 0.0
+    peak: float | None = None
+    p95: float | None = None
+    above_90_seconds: float = 0.0
+    above_90_fraction: float | None = None
+    preemptions: int = 0
+    waiting_fraction: float | None = None
+    mean_running: float | None = None
+    capacity_tokens: int | None = None
+    capacity_sequences: dict[str, float] = field(default_factory=dict)
+    """Maximum concurrent sequences at the observed p50 and p99 contexts (keys p50, p99)."""
+    context_tokens: dict[str, float] = field(default_factory=dict)
+    class_share: dict[str, float] = field(default_factory=dict)
+    """Each request-length class's share of KV block-seconds."""
+    top_layers: list[int] = field(default_factory=list)
+    """Layers holding the most KV at the p99 context (full attention or larger windows)."""
+    layer_share: dict[str, float] = field(default_factory=dict)
+    """Share of the KV each layer holds at the p99 context (key: layer index)."""
 
 
 @dataclass
@@ -262,3 +352,5 @@ class Snapshot(Document):
     """Versions, hardware, model hashes, git revision, command line, time (1.5)."""
     window: RecordWindow | None = None
     """Set by ``attnprof record``: counters cover this window only (1.5)."""
+    kv_pressure: KvAssessment | None = None
+    """KV-bound, compute-bound or neither, with the evidence (1.6)."""

@@ -17,7 +17,8 @@ from typing import Any
 
 from attnprof.tools.server import http_post_json
 
-__all__ = ["Request", "Result", "build_mix", "document", "run_traffic"]
+__all__ = ["Request", "Result", "build_chat_mix", "build_long_document_mix", "build_mix",
+           "document", "run_traffic"]
 
 _WORDS = (
     "the", "a", "system", "model", "request", "server", "memory", "cache", "token", "layer",
@@ -42,6 +43,9 @@ class Request:
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     target_prompt_tokens: int = 0
+    ignore_eos: bool = False
+    """Generate exactly ``max_tokens`` (vLLM's extra parameter): the KV a request holds
+    then does not depend on when a random-weight model happens to emit EOS."""
 
 
 @dataclass
@@ -106,16 +110,39 @@ def build_mix(tokenizer: Any, seed: int = 0, chats: int = 16, doc_lengths: Seque
     return reqs
 
 
+def build_chat_mix(tokenizer: Any, n: int = 24, seed: int = 0, max_tokens: int = 24,
+                   ignore_eos: bool = False) -> list[Request]:
+    """Short chats only (20-120 token questions): the mix that should never be KV-bound."""
+    reqs = build_mix(tokenizer, seed=seed, chats=n, doc_lengths=(), chat_max_tokens=max_tokens)
+    for r in reqs:
+        r.ignore_eos = ignore_eos
+    return reqs
+
+
+def build_long_document_mix(tokenizer: Any, n: int, prompt_tokens: int, max_tokens: int,
+                            seed: int = 0) -> list[Request]:
+    """``n`` documents of ``prompt_tokens`` tokens, each generating exactly ``max_tokens``:
+    at high concurrency their KV outgrows the cache (docs/kv-pressure.md sizes it for the
+    demo's 1 GiB cache), so vLLM queues and preempts."""
+    rng = random.Random(seed)
+    return [Request("document", max_tokens, prompt=document(rng, tokenizer, prompt_tokens),
+                    target_prompt_tokens=prompt_tokens, ignore_eos=True) for _ in range(n)]
+
+
 def _send(base_url: str, model: str, r: Request) -> Result:
     t0 = time.monotonic()
     try:
         if r.kind == "chat":
             body: dict[str, Any] = {"model": model, "messages": r.messages,
                                     "max_tokens": r.max_tokens, "temperature": 0.0}
+            if r.ignore_eos:
+                body["ignore_eos"] = True
             resp = http_post_json(base_url + "/v1/chat/completions", body)
         else:
             body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens,
                     "temperature": 0.0}
+            if r.ignore_eos:
+                body["ignore_eos"] = True
             resp = http_post_json(base_url + "/v1/completions", body)
         u = resp.get("usage") or {}
         return Result(r.kind, True, time.monotonic() - t0, int(u.get("prompt_tokens", 0)),

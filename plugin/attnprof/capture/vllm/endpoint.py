@@ -277,6 +277,9 @@ class LiveView:
                                   collective_rpc=timed_out or self.rpc_error),
             window_advice=self.advice, age_s=round(age, 3),
             provenance=_provenance(st.model_label, st.model_path))
+        from attnprof.analyze.kv_pressure import assess
+
+        snap.kv_pressure = assess(snap.requests)
         if with_head_stats and not self.keeps_head_stats:
             snap.truncated = ("head_stats left out: they are kept by vLLM's first API server "
                               "(this server runs several); ask that one")
