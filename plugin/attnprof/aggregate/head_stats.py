@@ -12,6 +12,10 @@ fp32, in chunks of ``chunk_queries`` queries, and fold it into fixed-size arrays
 * normalized entropy, top-k needed for ``gamma`` of the mass (log-bucketed), max weight
 * how often the top-1 key lies outside sinks + window (s <= j <= i - w)
 * optionally the head-output norm ||p_i V|| (when ``v`` is given), for the dormant rule
+* for underused heads (:mod:`attnprof.analyze.sparsity.underused`): a histogram of each
+  query's sink mass (queries that see at least ``DORMANT_MIN_SEEN`` x s keys), and on the
+  detail queries the Jensen-Shannon distance between every pair of query heads of a layer
+  (sum, count, and count above ``JS_FAR``): O(layers * q_heads^2)
 
 Memory is O(layers * q_heads * |sinks| * |windows| * bins), independent of traffic; the
 state merges across requests, processes and replicas (:meth:`merge`).
@@ -30,6 +34,9 @@ __all__ = [
     "COVERAGE_LOSS_EDGES",
     "DEFAULT_SINKS_GRID",
     "DEFAULT_WINDOW_GRID",
+    "DORMANT_MIN_SEEN",
+    "JS_FAR",
+    "SINK_MASS_EDGES",
     "HeadStatsAccumulator",
 ]
 
@@ -39,6 +46,16 @@ DEFAULT_WINDOW_GRID = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # edges, so "low quantile of C >= tau" is decided exactly from the histogram.
 COVERAGE_LOSS_EDGES = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                        0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Edges of a query's sink mass (dormant heads: "almost all mass on the first tokens for
+# almost all queries" is read as a share of queries at or above an edge).
+SINK_MASS_EDGES = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99)
+DORMANT_MIN_SEEN = 4
+"""A query counts in the sink-mass histogram at sinks s only when it sees >= 4 s keys:
+uniform attention would put <= 1/4 of its mass on the sinks (the first s queries trivially
+put all of it there)."""
+JS_FAR = 0.1
+"""Jensen-Shannon distance (base 2, in [0, 1]) above which a detail query counts as one
+where two heads clearly differ."""
 _ENTROPY_BINS = 20
 _BLOCK = 32  # keys per block for range sums
 _SCHEMA = "attnprof.head_stats/1"
@@ -98,6 +115,14 @@ class HeadStatsAccumulator:
         self.top1_out = np.zeros((*lh, *sw))
         self.out_norm_sum = np.zeros(lh)
         self.out_norm_n = np.zeros(lh)
+        # underused heads: sink-mass histogram per sinks grid value, pairwise JS per layer
+        self.sink_hist = np.zeros((*lh, len(self.sinks_grid), len(SINK_MASS_EDGES)))
+        self.sink_n = np.zeros((*lh, len(self.sinks_grid)))  # eligible queries (raw count)
+        hh = (num_layers, self.num_q_heads, self.num_q_heads)
+        self.js_sum = np.zeros(hh)  # weighted, like js_n and js_far
+        self.js_n = np.zeros(hh)
+        self.js_far = np.zeros(hh)
+        self.js_k = np.zeros(hh)  # detail queries per pair (raw count)
 
     @property
     def num_q_heads(self) -> int:
@@ -255,6 +280,7 @@ class HeadStatsAccumulator:
 
         self._fold(layer, pos, rows_to_ch(sink_m), rows_to_ch(local), rows_to_ch(top1),
                    rows_to_ch(1.0 / z))
+        self._fold_sinks(layer, pos, rows_to_ch(sink_m))
         if det:
             self._detail(layer, x, z.float(), pos_l, det, v, c)
 
@@ -312,10 +338,70 @@ class HeadStatsAccumulator:
             kb = np.clip(np.searchsorted(self.k_edges, tk, side="left"), 0,
                          len(self.k_edges) - 1)
             self.topk_hist[L, np.arange(hq), kb] += 1
+            self._pair_js(L, p)
             if v is not None:
                 o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
                 self.out_norm_sum[L] += o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
                 self.out_norm_n[L] += 1
+
+    def _fold_sinks(self, layer: int, pos: Any, sink_m: Any, weight: Any = None) -> None:
+        """Histogram of each sampled query's sink mass per [q head, s] (``sink_m``: [c, hq,
+        S]); only queries that see >= ``DORMANT_MIN_SEEN`` * s keys count at s. ``weight``:
+        per-query weights [c] (default 1 each)."""
+        posn = np.asarray(pos.numpy() if hasattr(pos, "numpy") else pos, dtype=np.float64)
+        w = np.ones(len(posn)) if weight is None else np.asarray(weight, dtype=np.float64)
+        sinks = np.asarray(self.sinks_grid)
+        elig = ((posn[:, None] + 1) >= DORMANT_MIN_SEEN * sinks[None, :]) & (sinks[None, :] > 0)
+        ew = elig * w[:, None]  # [c, S]
+        nb = len(SINK_MASS_EDGES)
+        b = np.clip(np.searchsorted(SINK_MASS_EDGES, sink_m, side="right") - 1, 0, nb - 1)
+        onehot = b[..., None] == np.arange(nb)  # [c, hq, S, E]
+        self.sink_hist[layer] += (onehot * ew[:, None, :, None]).sum(0)
+        self.sink_n[layer] += elig.sum(0)[None, :]
+
+    def _pair_js(self, layer: int, p: Any, weight: float = 1.0) -> None:
+        """Jensen-Shannon distance (base 2) between every pair of query heads' rows ``p``
+        [hq, n] of one detail query, upper triangle only. Summed term by term
+        (p log 2p/(p+q)) so identical rows give exactly 0; cost O(hq^2 n)."""
+        import torch
+
+        hq = p.shape[0]
+        if hq < 2:
+            return
+        out = np.zeros((hq, hq))
+        for a in range(hq - 1):
+            pa, pb = p[a:a + 1], p[a + 1:]
+            m = (pa + pb).clamp(min=1e-38)
+            js = 0.5 * (torch.xlogy(pa, 2 * pa / m) + torch.xlogy(pb, 2 * pb / m)).sum(-1)
+            out[a, a + 1:] = (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt() \
+                .double().cpu().numpy()
+        iu = np.triu_indices(hq, 1)
+        self.js_sum[layer][iu] += weight * out[iu]
+        self.js_n[layer][iu] += weight
+        self.js_far[layer][iu] += weight * (out[iu] > JS_FAR)
+        self.js_k[layer][iu] += 1
+
+    def js_mean(self) -> Any:
+        """Mean JS distance per [layer, head a, head b] (symmetric; NaN: no pair data)."""
+        n = self.js_n + self.js_n.transpose(0, 2, 1)
+        s = self.js_sum + self.js_sum.transpose(0, 2, 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 0, s / np.maximum(n, 1e-300), np.nan)
+
+    def sink_share_at_least(self, mass: float, sinks: int) -> tuple[Any, Any]:
+        """(all-query share (weighted) of the queries that see >= ``DORMANT_MIN_SEEN`` x
+        ``sinks`` keys whose mass on the first ``sinks`` keys is >= ``mass``, the raw count
+        of sampled queries behind it) per [layer, q head]; ``mass`` must be an edge of
+        :data:`SINK_MASS_EDGES` so the share is exact."""
+        if mass not in SINK_MASS_EDGES or sinks not in self.sinks_grid or sinks == 0:
+            raise ValueError(f"mass must be one of {SINK_MASS_EDGES} and sinks a positive "
+                             f"value of {self.sinks_grid}")
+        si = self.sinks_grid.index(sinks)
+        h = self.sink_hist[:, :, si]
+        n = h.sum(-1)
+        at = h[..., SINK_MASS_EDGES.index(mass):].sum(-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 0, at / np.maximum(n, 1e-300), np.nan), self.sink_n[:, :, si]
 
     # ------------------------------------------------------------------ read-out
     def coverage_quantile(self, q: float = 0.05) -> Any:
@@ -371,7 +457,9 @@ class HeadStatsAccumulator:
 
     _SUM_FIELDS = ("queries", "detail_n", "requests", "sink_sum", "entropy_sum", "entropy_hist",
                    "maxw_sum", "topk_frac_sum", "topk_hist", "cov_n", "cov_sum", "cov_hist",
-                   "top1_out", "out_norm_sum", "out_norm_n")
+                   "top1_out", "out_norm_sum", "out_norm_n", "sink_hist", "sink_n", "js_sum",
+                   "js_n", "js_far", "js_k")
+    _PAIR_FIELDS = ("js_sum", "js_n", "js_far", "js_k")  # [layer, q head, q head]
 
     def merge(self, other: HeadStatsAccumulator) -> HeadStatsAccumulator:
         self._check_compatible(other)
@@ -486,6 +574,9 @@ class HeadStatsAccumulator:
             if f == "requests":
                 if count_requests:
                     self.requests[lay] += other.requests
+                continue
+            if f in self._PAIR_FIELDS:  # pairs across ranks stay unmeasured (count 0)
+                getattr(self, f)[lay, heads, heads] += getattr(other, f)
                 continue
             getattr(self, f)[lay, heads] += getattr(other, f)
         self.cov_min[lay, heads] = np.minimum(self.cov_min[lay, heads], other.cov_min)

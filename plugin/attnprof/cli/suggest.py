@@ -361,6 +361,11 @@ def render(out: dict[str, Any]) -> str:
             lines.append(f"  layer {x['layer']:>3}: window {x['window']!s:>6}  sink mass "
                          f"{x['sink_mass']}  " + " ".join(f"{k}={v}"
                                                            for k, v in x["classes"].items()))
+    if out.get("underused_heads"):
+        from attnprof.analyze.sparsity.underused import format_findings
+
+        lines.append("")
+        lines += format_findings(out["underused_heads"])
     hs = out.get("head_level_split")
     if hs:
         lines.append(f"head-level split ({hs['windowed_kv_heads']} KV heads at their own "

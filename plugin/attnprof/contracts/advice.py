@@ -22,6 +22,7 @@ __all__ = [
     "LayerAdvice",
     "ParetoPoint",
     "ReplayEvidence",
+    "UnderusedHead",
     "WindowAdvice",
 ]
 
@@ -91,6 +92,33 @@ class HeadLevelSplit(Record):
 
 
 @dataclass
+class UnderusedHead(Record):
+    """A query head the head statistics find underused (docs/sparsity.md, "Underused
+    heads"). Not a claim that it can go: ``safe`` is set only by an ``attnprof
+    validate-heads`` replay, never by statistics alone."""
+
+    kind: Literal["dormant", "near_uniform", "redundant"]
+    layer: int
+    head: int
+    """Query head index in the layer."""
+    kv_head: int
+    twin: int | None
+    """Redundant heads: the kept query head of the same layer whose attention it repeats."""
+    kv_share: float | None
+    """Share of the model's KV bytes this query head accounts for: its KV head's share
+    divided evenly among the query heads that read that KV head."""
+    kv_head_share: float | None
+    """Share of the model's KV bytes its KV head holds (freed only when the whole group
+    goes)."""
+    queries: NonNegative
+    """Sampled queries (dormant) or detail queries (near-uniform, redundant) behind it."""
+    evidence: dict[str, float | bool | None]
+    """The statistic against its threshold (sink-bound share, entropy, JS distance)."""
+    confidence: str
+    safe: bool = False
+
+
+@dataclass
 class WindowAdvice(Document):
     """Sinks + sliding window suggested for the traffic, its savings and the evidence."""
 
@@ -123,6 +151,9 @@ class WindowAdvice(Document):
     """Every grid window scored (demo report)."""
     head_level_split: HeadLevelSplit | None = None
     """Per-head windows instead of per-layer (demo report)."""
+    underused_heads: list[UnderusedHead] | None = None
+    """Dormant, near-uniform and redundant query heads found in the head statistics, with
+    their KV shares (null: no head statistics; not replayed: ``safe`` is false)."""
 
 
 @dataclass

@@ -109,11 +109,12 @@ def _encode(tokenizer: Any, prompt: str, max_tokens: int) -> Any:
     return ids[:, :max_tokens]
 
 
-def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[str],
+def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[Any],
                        acc: HeadStatsAccumulator | None = None, *, max_tokens: int = 4096,
                        progress: Callable[[int], None] | None = None,
                        **acc_kw: Any) -> HeadStatsAccumulator:
-    """Head statistics over each prompt's prefill (one forward per prompt, no cache)."""
+    """Head statistics over each prompt's prefill (one forward per prompt, no cache);
+    a prompt is a string or a [1, L] tensor of token ids."""
     import torch
 
     from attnprof.capture.transformers import instrument
@@ -143,7 +144,9 @@ def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[str],
     try:
         with torch.no_grad():
             for i, p in enumerate(prompts):
-                model(input_ids=_encode(tokenizer, p, max_tokens), use_cache=False)
+                ids = _encode(tokenizer, p, max_tokens) if isinstance(p, str) \
+                    else p[..., :max_tokens]  # already token ids [1, L]
+                model(input_ids=ids, use_cache=False)
                 if failures:
                     raise ReplayError(f"head statistics failed: {failures[0]}")
                 if progress is not None:

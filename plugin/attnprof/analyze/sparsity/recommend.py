@@ -25,7 +25,13 @@ from attnprof.analyze.sparsity.savings import (
     pairs_window,
     workload_costs,
 )
-from attnprof.contracts.advice import AdviceTraffic, LayerAdvice, ReplayEvidence, WindowAdvice
+from attnprof.contracts.advice import (
+    AdviceTraffic,
+    LayerAdvice,
+    ReplayEvidence,
+    UnderusedHead,
+    WindowAdvice,
+)
 
 __all__ = [
     "DYNAMIC_SPARSE_MIN_TOKENS",
@@ -283,8 +289,20 @@ def recommend(lengths: Any, arch: Arch, head_stats: HeadStatsAccumulator | None 
     rec["head_level_split"] = None if cls is None else _head_split(dist, arch, cls, s)
     rec["dynamic_sparse_prefill"] = _dynamic_sparse(dist, arch, head_stats)
     rec["native_windows"] = _native_windows(dist, arch)
+    rec["underused_heads"] = _underused(head_stats, arch, dist)
     rec["advice"] = _advice(rec)
     return rec
+
+
+def _underused(acc: HeadStatsAccumulator | None, arch: Arch, dist: LengthDistribution
+               ) -> dict[str, Any] | None:
+    """Underused heads (:mod:`.underused`) with KV shares weighted by this traffic; None
+    without statistics or when the statistics' sinks grid lacks the default sinks."""
+    from attnprof.analyze.sparsity.underused import UnderusedThresholds, find_underused
+
+    if acc is None or UnderusedThresholds().sinks not in acc.sinks_grid:
+        return None
+    return find_underused(acc, arch=arch, dist=dist)
 
 
 def _advice(rec: Mapping[str, Any]) -> list[str]:
@@ -399,4 +417,11 @@ def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         safe=bool(replay and replay.get("safe")),
         summary=format_summary(rec, replay),
         per_layer=per_layer,
+        underused_heads=None if not rec.get("underused_heads") else [
+            UnderusedHead(kind=f["kind"], layer=f["layer"], head=f["head"],
+                          kv_head=f["kv_head"], twin=f["twin"], kv_share=f["kv_share"],
+                          kv_head_share=f["kv_head_share"], queries=f["queries"],
+                          evidence=dict(f["evidence"]), confidence=f["confidence"],
+                          safe=bool(f.get("safe")))
+            for f in rec["underused_heads"]["findings"]],
     )
