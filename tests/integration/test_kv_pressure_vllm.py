@@ -75,10 +75,10 @@ def test_long_documents_fill_the_cache_and_agree_with_vllm(kv_server: VllmServer
     tok = AutoTokenizer.from_pretrained(tiny_model)
     url = kv_server.base_url
     s0 = _snap(kv_server)
-    # Short requests (chat-sized: 40-token prompts, 48 generated) at concurrency 8: long
-    # enough (> MIN_BUSY_S) to be judged on evidence, not "too little traffic".
-    short = build_long_document_mix(tok, n=64, prompt_tokens=40, max_tokens=48, seed=1)
-    assert all(r.ok for r in run_traffic(url, "tiny", short, concurrency=8))
+    # Short requests (chat-sized: 40-token prompts, 64 generated) at concurrency 4: busy
+    # long enough (several times MIN_BUSY_S) to be judged on evidence, not "too little traffic".
+    short = build_long_document_mix(tok, n=96, prompt_tokens=40, max_tokens=64, seed=1)
+    assert all(r.ok for r in run_traffic(url, "tiny", short, concurrency=4))
     s1 = _snap(kv_server)
     # Long documents: 16 x (600 prompt + 300 generated) tokens, 8 at once, in 2048 tokens.
     docs = build_long_document_mix(tok, n=16, prompt_tokens=600, max_tokens=300, seed=2)

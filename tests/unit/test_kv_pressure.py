@@ -97,6 +97,12 @@ def test_verdict_neither_for_light_traffic_and_too_little_time() -> None:
     short = kvp.assess(_requests([(0.0, 0.99, 2, 3, 5), (1.0, 0.0, 0, 0, 0)]).summary())
     assert short is not None and short.verdict == "neither"
     assert "too little traffic" in short.evidence[0]
+    # Queue while KV sits at 85-90% (the demo's 8 long documents on one CPU): not compute-bound
+    # (KV is far from idle), not KV-bound (rarely above 90%, no preemptions): near capacity.
+    near = kvp.assess(_requests([(0.0, 0.88, 4, 3, 0), (50.0, 0.95, 4, 3, 0),
+                                 (53.0, 0.0, 0, 0, 0)]).summary())
+    assert near is not None and near.verdict == "neither"
+    assert "near KV capacity" in near.evidence[1]
 
 
 def test_kv_layers_honour_dtype_and_windows() -> None:
@@ -132,6 +138,11 @@ def test_assessment_reports_capacity_classes_and_top_layers() -> None:
     assert a.capacity_sequences["p50"] == pytest.approx(16000 * 3 / (2000 * 2 + 256), rel=1e-3)
     assert a.top_layers == [0, 2]
     assert a.class_share["medium"] > 0.9 and a.class_share["short"] < 0.1
+    # At peak (0.95) the cache's 16000 tokens x 3 layers are split 2000:256:2000
+    # (p50 bucket bound 2000 vs the 256 window), over 2 KV heads per layer (1024 B/token).
+    cache = 0.95 * 16000 * 3 * 1024
+    assert a.head_bytes_peak["0"] == pytest.approx(cache * 2000 / 4256 / 2, rel=1e-6)
+    assert a.head_bytes_peak["1"] == pytest.approx(cache * 256 / 4256 / 2, rel=1e-6)
 
 
 def test_window_subtracts_kv_counters_and_recomputes_verdict() -> None:

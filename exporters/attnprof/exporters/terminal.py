@@ -162,12 +162,19 @@ def render_kv(snap: dict[str, Any]) -> str:
             groups.setdefault(key, []).append(lay["layer"])
         top = set(a.get("top_layers") or [])
         ls = a.get("layer_share") or {}
+        hb = a.get("head_bytes_peak") or {}
+
+        def mib(idx: list[int]) -> str:
+            v = hb.get(str(idx[0]))
+            return "-" if v is None else f"{v / 2**20:.1f}"
+
         rows = [[_ranges(idx), f"{k[0]:.0f}", f"{k[1]:.0f}",
                  f"{k[4] // max(1, k[5])} q heads", f"{k[2]:.0f}", k[3] or "full",
-                 _pct(sum(ls.get(str(i), 0.0) for i in idx)),
+                 _pct(sum(ls.get(str(i), 0.0) for i in idx)), mib(idx),
                  "most" if top & set(idx) else ""] for k, idx in groups.items()]
         out.append(f"KV bytes per token ({st.get('kv_dtype') or '?'}; a query-head group "
                    "shares its KV head):")
         out.append(table(["layers", "B/token/layer", "B/token/KV head", "group",
-                          "B/token/q head", "window", "share at p99 ctx", "holds"], rows))
+                          "B/token/q head", "window", "share at p99 ctx",
+                          "MiB/KV head at peak", "holds"], rows))
     return "\n".join(out)

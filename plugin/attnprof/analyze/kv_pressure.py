@@ -149,6 +149,8 @@ def assess(requests: RequestStats | None) -> KvAssessment | None:
         out.layer_share = {str(k): round(v, 4) for k, v in shares.items()}
         top = max(shares.values(), default=0.0)
         out.top_layers = sorted(k for k, v in shares.items() if v >= top * (1 - 1e-9))
+        out.head_bytes_peak = {str(k): round(v, 1) for k, v in head_bytes(
+            st, st.peak, contexts.get("p50", 1.0)).items()}
     n_req = requests.requests
     if busy >= CONFIDENT_BUSY_S and n_req >= CONFIDENT_REQUESTS:
         out.confidence = "high"
@@ -186,7 +188,16 @@ def assess(requests: RequestStats | None) -> KvAssessment | None:
                       f"{_pct(saturated)} of busy time")
         out.evidence = [" ".join([*ev[:1], " and ".join(ev[1:])]) + f" ({why})"]
         return out
-    out.evidence = [f"no KV pressure (above 90% {_pct(above / busy)}, {st.preemptions} "
-                    f"preemptions, {peak}, {p95s}) and no queue at low KV (waiting "
-                    f"{_pct(waiting)}, batch full {_pct(saturated)} of busy time) ({why})"]
+    out.evidence = [f"KV usage above 90% for {_pct(above / busy)} of busy time (threshold "
+                    f"{_pct(ABOVE_90_FRACTION)}), {st.preemptions} preemption(s), {peak}, "
+                    f"{p95s} ({why})"]
+    if waiting >= WAITING_FRACTION or saturated >= SATURATED_FRACTION:
+        high = st.waiting_kv_high_seconds / busy
+        out.evidence.append(
+            f"requests waited for {_pct(waiting)} of busy time ({_pct(high)} with KV above "
+            f"90%), batch full {_pct(saturated)}; KV is not low enough to call it "
+            f"compute-bound (p95 above {_pct(LOW_USAGE)}): near KV capacity")
+    else:
+        out.evidence.append(f"no queue: waiting {_pct(waiting)}, batch full {_pct(saturated)} "
+                            f"of busy time")
     return out

@@ -287,6 +287,9 @@ class KvAssessment(Record):
     """Layers holding the most KV at the p99 context (full attention or larger windows)."""
     layer_share: dict[str, float] = field(default_factory=dict)
     """Share of the KV each layer holds at the p99 context (key: layer index)."""
+    head_bytes_peak: dict[str, float] = field(default_factory=dict)
+    """KV bytes each KV head (shared by its query-head group) of each layer held at peak
+    usage, the cache split by layer shares at the p50 context (key: layer index)."""
 
 
 @dataclass
