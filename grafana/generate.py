@@ -205,6 +205,26 @@ def panels() -> list[Json]:
                    [target(f"max by (layer) (attnprof_kv_bytes_per_token{{{M}}})",
                            legend="layer {{layer}}")],
                    description="KV-cache bytes one token costs in each layer, in the KV dtype."),
+        row(110, "Roofline (ATTNPROF_PROBE=1)"),
+        timeseries(70, "Attention utilisation of the probed peaks", "percentunit", [
+            target(f"max(attnprof_decode_attention_bandwidth_utilization_ratio{{{M}}})",
+                   "A", "decode: KV bytes/s of peak bandwidth"),
+            target(f"max(attnprof_prefill_attention_compute_utilization_ratio{{{M}}})",
+                   "B", "prefill: FLOP/s of matmul peak")],
+            description="Decode attention's KV read rate over the probed memory bandwidth, "
+                        "and prefill attention's FLOP/s over the probed matmul peak "
+                        "(sampled steps, all layers; docs/roofline.md)."),
+        timeseries(71, "Arithmetic intensity by phase", "short",
+                   [target(f"max by (phase) (attnprof_arithmetic_intensity_flops_per_byte"
+                           f"{{{M}}})", legend="{{phase}}")],
+                   description="Attention FLOPs per byte moved: below the ridge (matmul peak "
+                               "/ bandwidth) a phase is memory-bound."),
+        stat(72, "Probed peak bandwidth", "Bps",
+             f"max(attnprof_memory_bandwidth_peak_bytes_per_second{{{M}}})",
+             "Memory bandwidth the worker's start-up probe measured (copy/triad)."),
+        stat(73, "Probed matmul peak", "short",
+             f"max(attnprof_matmul_peak_flops_per_second{{{M}}})",
+             "Square-GEMM FLOP/s in the model's dtype, measured by the start-up probe."),
         row(104, "Window advice"),
         stat(10, "Recommended window", "short",
              f"attnprof_window_recommended_tokens{{{M}}}",

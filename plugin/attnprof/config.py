@@ -161,6 +161,8 @@ class Config:
     """OTLP histogram encoding: ``explicit`` (same buckets as Prometheus) or ``exponential``."""
     otlp_spans: bool = False
     """Send every sampled step (with per-layer child spans) as OTLP spans."""
+    probe: bool = False
+    """Measure peak bandwidth and matmul FLOP/s once per worker after start-up (roofline)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -187,4 +189,5 @@ class Config:
             or (64 << 20),
             otlp_histogram=otlp_histogram(env),
             otlp_spans=otlp_spans(env),
+            probe=_bool(env, "ATTNPROF_PROBE", False),
         )

@@ -82,6 +82,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Value of the `model` label on every attnprof metric.",
     ),
     EnvVar(
+        "ATTNPROF_PROBE", "bool", "0",
+        "Measure the worker's peak memory bandwidth and matmul FLOP/s once, in a background "
+        "thread after the model is built (a few seconds of copies and GEMMs; `attnprof "
+        "probe` runs the same). Adds the probe and the roofline (decode bandwidth and "
+        "prefill compute utilisation, arithmetic intensity) to snapshots and metrics.",
+    ),
+    EnvVar(
         "ATTNPROF_RUN_DIR", "path", "(unset)",
         "Directory where each process the plugin is live in leaves a small JSON note "
         "(role, pid); `attnprof serve` sets it.",

@@ -61,7 +61,8 @@ _UCUM = {
     "flops": "{flop}", "calls": "{call}", "steps": "{step}", "queries": "{query}",
     "heads": "{head}", "layers": "{layer}", "errors": "{error}", "samples": "{sample}",
     "processes": "{process}", "requests": "{request}", "sequences": "{sequence}",
-    "block_seconds": "{block}.s",
+    "block_seconds": "{block}.s", "bytes_per_second": "By/s", "flops_per_second": "{flop}/s",
+    "flops_per_byte": "{flop}/By",
 }
 
 
@@ -177,6 +178,26 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("attnprof_window_heads_at_risk", "gauge",
                "KV heads whose coverage is below target at the recommended window.", "heads",
                (_M,), "livemostrecent"),
+    # --- roofline (worker, ATTNPROF_PROBE=1: probed once after start-up) ---
+    MetricSpec("attnprof_memory_bandwidth_peak_bytes_per_second", "gauge",
+               "Peak memory bandwidth the start-up probe measured (copy/triad, bytes moved).",
+               "bytes_per_second", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_matmul_peak_flops_per_second", "gauge",
+               "Square-GEMM FLOP/s the start-up probe measured in the model's dtype.",
+               "flops_per_second", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_memory_bandwidth_spec_ratio", "gauge",
+               "Probed bandwidth over the GPU datasheet's (absent for parts not in the table).",
+               "ratio", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_decode_attention_bandwidth_utilization_ratio", "gauge",
+               "Decode attention's KV bytes read per second over the probed peak bandwidth "
+               "(sampled steps, all layers).", "ratio", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_prefill_attention_compute_utilization_ratio", "gauge",
+               "Prefill attention's analytic FLOP/s over the probed matmul peak (sampled "
+               "steps, all layers).", "ratio", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_arithmetic_intensity_flops_per_byte", "gauge",
+               "Attention's analytic FLOPs per byte moved, by phase (its place on the "
+               "roofline; the ridge is matmul peak / peak bandwidth).", "flops_per_byte",
+               (_M, "phase"), "livemostrecent"),
     # --- self-observability ---
     MetricSpec("attnprof_steps_total", "counter",
                "Model steps seen by attnprof, by outcome (sampled, sampled_long, unsampled, "

@@ -25,6 +25,7 @@ __all__ = [
     "error_samples",
     "kv_samples",
     "request_samples",
+    "roofline_samples",
     "worker_samples",
 ]
 
@@ -220,4 +221,29 @@ def advice_samples(model: str, adv: Mapping[str, Any]) -> list[MetricSample]:
         for cls, n in (lay.get("classes") or {}).items():
             out.append(s("attnprof_head_class_heads", n, model=model, layer=layer,
                          **{"class": cls}))
+    return out
+
+
+def roofline_samples(model: str, probe: Any, rl: Any) -> list[MetricSample]:
+    """The probe's peaks and the roofline's headline ratios (``probe``: a
+    :class:`attnprof.contracts.roofline.MemoryProbe`, ``rl``: a ``Roofline`` or None)."""
+    if probe is None:
+        return []
+    out: list[MetricSample] = [
+        s("attnprof_memory_bandwidth_peak_bytes_per_second", probe.bandwidth_bytes_per_second,
+          model=model),
+        s("attnprof_matmul_peak_flops_per_second", probe.matmul_flops_per_second, model=model)]
+    if probe.spec is not None and probe.spec.bandwidth_ratio is not None:
+        out.append(s("attnprof_memory_bandwidth_spec_ratio", probe.spec.bandwidth_ratio,
+                     model=model))
+    for phase, p in (rl.phases.items() if rl is not None else ()):
+        if p.intensity_flops_per_byte is not None:
+            out.append(s("attnprof_arithmetic_intensity_flops_per_byte",
+                         p.intensity_flops_per_byte, model=model, phase=phase))
+        if phase == "decode" and p.bandwidth_utilization is not None:
+            out.append(s("attnprof_decode_attention_bandwidth_utilization_ratio",
+                         p.bandwidth_utilization, model=model))
+        if phase == "prefill" and p.compute_utilization is not None:
+            out.append(s("attnprof_prefill_attention_compute_utilization_ratio",
+                         p.compute_utilization, model=model))
     return out

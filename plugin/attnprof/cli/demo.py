@@ -134,7 +134,8 @@ def _run(args: argparse.Namespace) -> int:
     # A one-minute demo has few steps: sample them all, compute head statistics on every
     # whole-prompt prefill and lift the overhead budget (production defaults: 0.05, 0.1, 1%).
     env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed),
-           "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0"}
+           "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0",
+           "ATTNPROF_PROBE": "1"}  # peak bandwidth and matmul, for the roofline line
     srv = VllmServer(model_dir, port=args.port, served_name=served, eager=True, log=log,
                      env=env, extra_args=["--max-model-len", str(args.max_model_len)])
     print(f"attnprof: starting vLLM (log: {log})", file=sys.stderr)
@@ -204,8 +205,22 @@ def _run(args: argparse.Namespace) -> int:
     if kv:  # the full evidence is in the KV section above and in the report
         print(f"KV verdict: {kv['verdict']} ({kv['confidence']} confidence): "
               f"{(kv.get('evidence') or ['no evidence'])[0]}")
+    _print_roofline(snap)
     print(f"Report: {args.out}")
     return 0
+
+
+def _print_roofline(snap: dict[str, Any]) -> None:
+    """One line per phase: where attention sits against the probed peaks."""
+    from attnprof.contracts.roofline import Roofline
+    from attnprof.exporters.roofline_plot import summary_lines
+
+    raw = snap.get("roofline")
+    if not raw:
+        print("Roofline: not available (the worker's probe had not run yet)")
+        return
+    for i, line in enumerate(summary_lines(Roofline.from_json(raw))):
+        print(("Roofline: " if i == 0 else "          ") + line)
 
 
 def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],

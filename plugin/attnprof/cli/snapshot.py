@@ -29,6 +29,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--png", type=Path, metavar="FILE", default=None,
                    help="also draw the kernel activation map (layers x phases, coloured by "
                         "backend and fused/fallback) to FILE, and as SVG next to it")
+    p.add_argument("--roofline", type=Path, metavar="FILE", default=None,
+                   help="also draw each phase's attention on the roofline of the workers' "
+                        "probed peaks (needs ATTNPROF_PROBE=1 on the server) to FILE (PNG), "
+                        "and as SVG next to it")
     p.set_defaults(func=_run)
 
 
@@ -97,6 +101,32 @@ def _write_map(snap: dict[str, Any], png: Path, source: str) -> None:
     print(f"attnprof: wrote {png} and {_svg_path(png)}", file=sys.stderr)
 
 
+def _write_roofline(snap: dict[str, Any], png: Path, source: str) -> None:
+    """The roofline as PNG and SVG (both rendered before either is written); one line when
+    no worker has probed."""
+    from attnprof.analyze.roofline import from_snapshot
+    from attnprof.exporters.roofline_plot import render, summary_lines
+
+    try:
+        typed = Snapshot.from_json(snap)
+    except ContractError as err:
+        raise CliError(f"{source} returned a snapshot the roofline cannot read: {err}") from None
+    rl = typed.roofline or from_snapshot(typed.workers)
+    if rl is None:
+        raise CliError(f"{source}: no worker has probed its peaks yet (start the server with "
+                       "ATTNPROF_PROBE=1; the probe runs a few seconds after the model loads)")
+    title = f"{typed.model}: live attention roofline"
+    png_bytes, svg_bytes = render(rl, "png", title), render(rl, "svg", title)
+    try:
+        write_atomic(png, png_bytes)
+        write_atomic(_svg_path(png), svg_bytes)
+    except OSError as err:
+        raise CliError(f"cannot write --roofline {str(png)!r}: {err.strerror}") from None
+    for line in summary_lines(rl):
+        print(f"attnprof: {line}", file=sys.stderr)
+    print(f"attnprof: wrote {png} and {_svg_path(png)}", file=sys.stderr)
+
+
 def fetch_typed_snapshot(url: str, api_key: str | None = None) -> Snapshot:
     """:func:`fetch_snapshot` decoded into the typed :class:`Snapshot` (every field checked);
     :class:`CliError` (one line) for anything fetch_snapshot refuses or a field of the
@@ -115,9 +145,15 @@ def _run(args: argparse.Namespace) -> int:
         check_out_file(args.png, "--png")
         check_out_file(_svg_path(args.png), "--png (its SVG)")
         require_module("matplotlib", "attnprof snapshot --png", "report")
+    if args.roofline is not None:
+        check_out_file(args.roofline, "--roofline")
+        check_out_file(_svg_path(args.roofline), "--roofline (its SVG)")
+        require_module("matplotlib", "attnprof snapshot --roofline", "report")
     snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=args.head_stats)
     if args.png is not None:
         _write_map(snap, args.png, args.url)
+    if args.roofline is not None:
+        _write_roofline(snap, args.roofline, args.url)
     if args.json:
         print(json.dumps(snap, indent=2))
         return 0

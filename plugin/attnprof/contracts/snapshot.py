@@ -27,6 +27,7 @@ from typing import Any
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.base import Document, Record
 from attnprof.contracts.provenance import Provenance
+from attnprof.contracts.roofline import MemoryProbe, Roofline
 
 __all__ = [
     "ContextHistogram",
@@ -172,6 +173,9 @@ class WorkerSnapshot(Record):
     head_stats: dict[str, Any] | None = None
     """Mergeable per-(layer, head) statistics (``HeadStatsAccumulator.to_dict``)."""
     error: str | None = None
+    probe: MemoryProbe | None = None
+    """This worker's peak bandwidth and matmul FLOP/s (``ATTNPROF_PROBE=1``; null until the
+    start-up probe has run)."""
 
 
 @dataclass
@@ -357,3 +361,5 @@ class Snapshot(Document):
     """Set by ``attnprof record``: counters cover this window only (1.5)."""
     kv_pressure: KvAssessment | None = None
     """KV-bound, compute-bound or neither, with the evidence (1.6)."""
+    roofline: Roofline | None = None
+    """Each phase's attention against the first worker's probed peaks (``ATTNPROF_PROBE=1``)."""

@@ -277,6 +277,12 @@ class LiveView:
                                   collective_rpc=timed_out or self.rpc_error),
             window_advice=self.advice, age_s=round(age, 3),
             provenance=_provenance(st.model_label, st.model_path))
+        try:  # ATTNPROF_PROBE: each phase against the probed peaks (None without a probe)
+            from attnprof.analyze.roofline import from_snapshot
+
+            snap.roofline = from_snapshot(snap.workers)
+        except Exception as exc:
+            st.errors.record("snapshot_parse", exc)
         from attnprof.analyze.kv_pressure import assess
 
         snap.kv_pressure = assess(snap.requests)

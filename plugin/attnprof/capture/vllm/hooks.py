@@ -750,7 +750,8 @@ class Capture:
             errors=dict(self.errors.by_place), dropped=dict(self.errors.dropped),
             disabled=self.errors.disabled, head_stats_cost=hs,
             head_stats=(self.head_stats.to_dict() if self.head_stats is not None
-                        and include_head_stats else None))
+                        and include_head_stats else None),
+            probe=self.state.probe)
 
     def poll(self, with_head_stats: bool = True) -> dict[str, Any]:
         """The API server's periodic pull: this worker's snapshot without head statistics,

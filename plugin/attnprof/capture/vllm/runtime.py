@@ -43,6 +43,7 @@ class State:
     advice: dict[str, Any] | None = None  # latest window advice (API server)
     model_label: str = "unknown"
     model_path: str | None = None
+    probe: Any = None  # contracts.roofline.MemoryProbe once the start-up probe ran (a worker)
     _once: Once = field(default_factory=Once)
 
     @property
@@ -148,10 +149,44 @@ def start(cfg: Config, install: Callable[[State], Any] | None = None, otlp: Any 
         atexit.register(_mark_dead)
         if install is not None:
             install(STATE)
+        if cfg.probe:
+            _start_probe(STATE)
         logger.info("attnprof: enabled in %s (pid %d), sample rate %.3g",
                     multiprocessing.current_process().name, os.getpid(), cfg.sample_rate)
 
     STATE._once.do(_start)
+
+
+def _start_probe(state: State) -> None:
+    """ATTNPROF_PROBE: once this process has built a model (it is a worker), measure its
+    peaks in a background thread, in the model's dtype; keep the result and export the
+    roofline gauges. Processes without a model (the API server) never probe."""
+    from attnprof.tools.probe import start_background
+
+    def model_dtype() -> str | None:
+        cap = state.capture
+        layers = list(getattr(getattr(cap, "aggs", None), "layers", {}).values())
+        return str(layers[0].dtype) if layers else None
+
+    def done(result: Any) -> None:
+        state.probe = result
+        state.export_source("roofline", lambda: _roofline_samples(state))
+
+    try:
+        start_background(done, lambda exc: state.errors.note("probe", exc), model_dtype)
+    except Exception as exc:  # a thread that cannot start: counted, never raised
+        state.errors.note("probe", exc)
+
+
+def _roofline_samples(state: State) -> list[Any]:
+    from attnprof.analyze.roofline import roofline, work_from_layers
+    from attnprof.exporters.samples import roofline_samples
+
+    cap = state.capture
+    rl = None
+    if cap is not None and state.probe is not None:
+        rl = roofline(work_from_layers(cap.aggs.layer_profiles()), state.probe)
+    return roofline_samples(state.model_label, state.probe, rl)
 
 
 def _mark_dead() -> None:

@@ -1,0 +1,141 @@
+"""Attention on the roofline: per phase (and per layer), the achieved bytes/s and FLOP/s
+against the probed memory bandwidth and matmul peak, and the arithmetic intensity.
+
+Pure: typed inputs (the snapshot's :class:`LayerProfile` s, or the profile's per-call shapes,
+and a :class:`MemoryProbe`), a typed :class:`Roofline` out. FLOPs and bytes are attnprof's
+analytic counts (:func:`attnprof.aggregate.layers.attention_flops` / ``attention_bytes``).
+The live capture counts FLOPs dense (no causal discount: a batch's per-request split is not
+kept), so a live causal prefill point sits up to 2x high on the FLOP/s axis; ``attnprof
+profile`` knows each call's shape and counts only the pairs the causal mask keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from attnprof.aggregate.layers import BatchShape, LayerInfo, attention_bytes, attention_flops
+from attnprof.contracts.roofline import MemoryProbe, Roofline, RooflinePoint
+from attnprof.contracts.snapshot import LayerProfile, WorkerSnapshot
+from attnprof.facts.dtypes import dtype_bytes
+
+__all__ = ["PhaseWork", "call_work", "from_snapshot", "place", "place_point", "roofline",
+           "work_from_layers"]
+
+
+@dataclass
+class PhaseWork:
+    """Timed attention work of one phase (``layer`` None: summed over layers)."""
+
+    phase: str
+    calls: int
+    time_s: float
+    flops: float
+    bytes: float
+    kv_bytes: float
+    layer: int | None = None
+
+    def add(self, other: PhaseWork) -> None:
+        self.calls += other.calls
+        self.time_s += other.time_s
+        self.flops += other.flops
+        self.bytes += other.bytes
+        self.kv_bytes += other.kv_bytes
+
+
+def work_from_layers(layers: Iterable[LayerProfile]) -> list[PhaseWork]:
+    """Per (layer, phase) work from snapshot layers. The KV part of the bytes is what is left
+    when Q and O (``dtype`` bytes x query tokens x query heads x (D + Dv)) are taken out."""
+    out = []
+    for lay in layers:
+        d = lay.head_size + lay.head_size_v
+        q_o = dtype_bytes(lay.dtype, 2) * lay.num_heads * d
+        for phase, st in lay.phases.items():
+            if st.calls <= 0:
+                continue
+            kv = max(0, st.bytes - q_o * st.tokens)
+            out.append(PhaseWork(phase, st.calls, st.time_s, float(st.flops), float(st.bytes),
+                                 float(kv), lay.index))
+    return out
+
+
+def call_work(phase: str, layer: int, batch: int, q_len: int, kv_len: int, num_heads: int,
+              num_kv_heads: int, head_dim: int, head_dim_v: int, dtype: str, time_s: float,
+              kv_cache_dtype: str = "auto", causal: bool = False) -> PhaseWork:
+    """One attention call's work by the same analytic counts the live capture uses
+    (``batch`` sequences of ``q_len`` queries over ``kv_len`` keys each). ``causal``: the
+    queries are the last ``q_len`` positions under a causal mask, and only the (query, key)
+    pairs the mask keeps are counted (the useful FLOPs; a kernel that skips masked blocks
+    does about these, one that does not wastes the rest)."""
+    info = LayerInfo(name="", index=layer, backend="", impl="", num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_dim, head_size_v=head_dim_v,
+                     sliding_window=None, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                     fused=True)
+    pairs = q_len * kv_len - (q_len * (q_len - 1) // 2 if causal and q_len <= kv_len else 0)
+    shape = BatchShape(phase="decode" if phase == "decode" else "prefill",
+                       num_tokens=batch * q_len, pairs=batch * pairs,
+                       kv_tokens=batch * kv_len, num_reqs=batch, max_seq_len=kv_len)
+    nbytes = attention_bytes(info, shape)
+    kv = info.kv_element_bytes * batch * kv_len * num_kv_heads * (head_dim + head_dim_v)
+    return PhaseWork(phase, 1, time_s, float(attention_flops(info, shape)), float(nbytes),
+                     float(kv), layer)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def place_point(w: PhaseWork, peak_bw: float, peak_flops: float) -> RooflinePoint:
+    """One piece of work against the roofs (rates None when it took no time)."""
+    intensity = _ratio(w.flops, w.bytes)
+    flops_s = _ratio(w.flops, w.time_s)
+    kv_s = _ratio(w.kv_bytes, w.time_s)
+    ridge = peak_flops / peak_bw if peak_bw > 0 else float("inf")
+    return RooflinePoint(
+        phase=w.phase, layer=w.layer, calls=w.calls, time_s=w.time_s, flops=w.flops,
+        bytes=w.bytes, kv_bytes=w.kv_bytes, intensity_flops_per_byte=intensity,
+        achieved_flops_per_second=flops_s, achieved_bytes_per_second=_ratio(w.bytes, w.time_s),
+        kv_bytes_per_second=kv_s,
+        bandwidth_utilization=None if kv_s is None else _ratio(kv_s, peak_bw),
+        compute_utilization=None if flops_s is None else _ratio(flops_s, peak_flops),
+        bound="memory" if intensity is not None and intensity < ridge else "compute")
+
+
+def place(work: Iterable[PhaseWork], peak_bw: float, peak_flops: float,
+          device: str = "cpu", note: str = "") -> Roofline:
+    """Every (layer, phase) piece and each phase's total (summed bytes over summed time:
+    the time-weighted rate) against the roofs."""
+    items = list(work)
+    totals: dict[str, PhaseWork] = {}
+    by_layer: dict[tuple[int | None, str], PhaseWork] = {}
+    for w in items:
+        t = totals.setdefault(w.phase, PhaseWork(w.phase, 0, 0.0, 0.0, 0.0, 0.0))
+        t.add(w)
+        lw = by_layer.setdefault((w.layer, w.phase), PhaseWork(w.phase, 0, 0.0, 0.0, 0.0,
+                                                                0.0, w.layer))
+        lw.add(w)
+    keyed = sorted((p, lay, w) for (lay, p), w in by_layer.items() if lay is not None)
+    layers = [place_point(w, peak_bw, peak_flops) for _p, _lay, w in keyed]
+    return Roofline(
+        peak_bandwidth_bytes_per_second=peak_bw, peak_flops_per_second=peak_flops,
+        ridge_flops_per_byte=peak_flops / peak_bw if peak_bw > 0 else 0.0,
+        phases={p: place_point(w, peak_bw, peak_flops) for p, w in sorted(totals.items())},
+        layers=layers, device=device, note=note)
+
+
+def roofline(work: Iterable[PhaseWork], probe: MemoryProbe, note: str = "") -> Roofline:
+    """:func:`place` against what ``probe`` measured."""
+    return place(work, probe.bandwidth_bytes_per_second, probe.matmul_flops_per_second,
+                 probe.device, note)
+
+
+def from_snapshot(workers: Iterable[WorkerSnapshot]) -> Roofline | None:
+    """The roofline of a live server: the first worker that has probed, its own layers
+    (tensor-parallel ranks time the same layers, so one rank's are the model's); None when
+    no worker has probed (``ATTNPROF_PROBE`` off, or the probe still to run)."""
+    for w in workers:
+        if w.probe is not None:
+            return roofline(work_from_layers(w.layers), w.probe,
+                            f"live: worker pid {w.pid}, sampled steps; FLOPs dense (no causal "
+                            "discount)")
+    return None

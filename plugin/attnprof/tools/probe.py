@@ -1,0 +1,222 @@
+"""The peak probe: a short STREAM-like memory-bandwidth measurement (copy and triad on arrays
+larger than the last-level cache) and a square-GEMM FLOP/s peak, on the CPU with torch's
+thread count or on the GPU timed with CUDA events. A few seconds, not minutes.
+
+Used by ``attnprof probe``, ``attnprof profile`` (the roofline's roofs) and, with
+``ATTNPROF_PROBE=1``, once per worker in a background thread after start-up
+(:func:`start_background`; never raises into the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from attnprof.contracts.roofline import MemoryProbe, ProbeKernel, SpecCheck
+from attnprof.facts import gpu_specs
+from attnprof.facts.dtypes import normalize, torch_dtype
+
+__all__ = ["default_array_bytes", "llc_bytes", "probe", "spec_check", "start_background",
+           "write_allocates"]
+
+logger = logging.getLogger("attnprof")
+
+MIN_CPU_ARRAY = 256 << 20
+MAX_CPU_ARRAY = 512 << 20
+"""CPU arrays: at least 256 MiB, twice the LLC when it is larger, at most 512 MiB (on the
+2-core Xeon with a 480 MiB shared L3 we measured on, copy runs flat from 64 MiB up: the
+cache a few cores get is far smaller than the L3 reported)."""
+GPU_ARRAY = 1 << 30
+"""1 GiB per array on the GPU (L2 is 40-60 MB on A100/H100/H200)."""
+
+
+def llc_bytes() -> int | None:
+    """The largest CPU cache Linux reports (bytes), None when it says nothing."""
+    best = None
+    with contextlib.suppress(OSError, ValueError):
+        for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+            text = p.read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            n = int(text.rstrip("KMG")) * mult
+            best = n if best is None else max(best, n)
+    return best
+
+
+def default_array_bytes(device: str) -> int:
+    """Bytes per probe array on ``device`` (cpu or cuda)."""
+    if device == "cuda":
+        return GPU_ARRAY
+    llc = llc_bytes() or 0
+    return max(MIN_CPU_ARRAY, min(MAX_CPU_ARRAY, 2 * llc))
+
+
+def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    import torch
+
+    if device == "cuda":
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+
+        return cuda_time
+
+    def host_time(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return host_time
+
+
+def _kernel(name: str, work: float, times: list[float], size: int, dtype: str) -> ProbeKernel:
+    rates = sorted(work / t for t in times if t > 0)
+    return ProbeKernel(name=name, median=statistics.median(rates), low=rates[0],
+                       high=rates[-1], runs=len(rates), size=size, dtype=dtype)
+
+
+def write_allocates(device: str) -> bool:
+    """Whether a store to memory not in cache first reads the line (CPU: yes, for torch's
+    ordinary stores; GPU: no). The probe counts the bytes that really move: copy reads one
+    array and writes one (2 arrays, 3 on CPU with the write-allocate read), triad reads two
+    and writes one (3, 4 on CPU). STREAM's own count leaves the write-allocate read out, so
+    on a CPU its copy figure is about 2/3 of the bandwidth a read-only stream (decode
+    attention) gets; measured here: torch copy counted STREAM's way came out at 0.69 of a
+    non-temporal memcpy of the same arrays."""
+    return device != "cuda"
+
+
+def _bandwidth(device: str, nbytes: int, repeats: int) -> list[ProbeKernel]:
+    import torch
+
+    n = max(1, nbytes // 4)
+    timed = _timer(device)
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.ones(n, dtype=torch.float32, device=device)
+    c = torch.full((n,), 2.0, dtype=torch.float32, device=device)
+    out = []
+    wa = 1 if write_allocates(device) else 0
+    kernels: tuple[tuple[str, int, Callable[[], Any]], ...] = (
+        ("copy", 2 + wa, lambda: a.copy_(b)),
+        ("triad", 3 + wa, lambda: torch.add(b, c, alpha=3.0, out=a)))
+    for name, arrays, fn in kernels:
+        fn()  # first touch: page faults and lazy allocation are not bandwidth
+        times = [timed(fn) for _ in range(repeats)]
+        out.append(_kernel(name, float(arrays * n * 4), times, n * 4, "float32"))
+    return out
+
+
+def _matmul(device: str, dtype: str, n: int, repeats: int) -> ProbeKernel:
+    import torch
+
+    td = torch_dtype(dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, n, device=device, generator=g).to(td)
+    y = torch.randn(n, n, device=device, generator=g).to(td)
+    timed = _timer(device)
+    torch.mm(x, y)  # warm-up: kernel selection, thread pool start
+    times = [timed(lambda: torch.mm(x, y)) for _ in range(repeats)]
+    return _kernel("matmul", 2.0 * n ** 3, times, n, dtype)
+
+
+def _gpu_name() -> str | None:
+    from attnprof.tools import provenance
+
+    name = provenance.hardware().gpu_name  # NVML's name: the spec table's key
+    if name:
+        return name
+    import torch
+
+    return str(torch.cuda.get_device_name())
+
+
+def probe(device: str = "auto", dtype: str = "float32", array_bytes: int | None = None,
+          repeats: int = 5, matmul_n: int | None = None) -> MemoryProbe:
+    """Measure peak bandwidth (copy, triad) and matmul FLOP/s in ``dtype`` on ``device``
+    (auto: cuda when available). Takes seconds; raises (``ValueError`` for a bad argument,
+    ``RuntimeError``/``MemoryError`` from torch): callers inside a host catch it."""
+    import torch
+
+    t0 = time.perf_counter()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: torch sees no CUDA device")
+    # torch's own name (float32, bfloat16): what layer facts and the spec check use.
+    dtype = str(torch_dtype(normalize(dtype))).removeprefix("torch.")
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    nbytes = array_bytes or default_array_bytes(device)
+    n = matmul_n or (8192 if device == "cuda" else 1024)
+    kernels = _bandwidth(device, nbytes, repeats)
+    kernels.append(_matmul(device, dtype, n, max(repeats, 10 if device == "cuda" else 1)))
+    res = MemoryProbe(
+        # Peaks are the best run, as STREAM reports: other load only ever slows a run down.
+        device=device, bandwidth_bytes_per_second=max(k.high for k in kernels[:2]),
+        matmul_flops_per_second=kernels[2].high, kernels=kernels, time=time.time(),
+        threads=torch.get_num_threads() if device == "cpu" else None)
+    if device == "cuda":
+        res.device_name = _gpu_name()
+        res.spec = spec_check(res.device_name, res.bandwidth_bytes_per_second,
+                              res.matmul_flops_per_second, dtype)
+        if res.spec is None:
+            res.note = f"{res.device_name!r} is not in attnprof's GPU spec table"
+    else:
+        from attnprof.tools.provenance import cpu_info
+
+        res.device_name = cpu_info()[0]
+    res.seconds = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def spec_check(name: str | None, bandwidth: float, flops: float, dtype: str
+               ) -> SpecCheck | None:
+    """The probe against the datasheet of GPU ``name`` (None when the part is unknown).
+    The FLOP ratio only for 16-bit dtypes: the table holds the BF16/FP16 tensor peak."""
+    spec = gpu_specs.lookup(name)
+    if spec is None:
+        return None
+    return SpecCheck(
+        part=spec.name, bandwidth_bytes_per_second=spec.bandwidth_bytes_per_second,
+        flops_per_second=spec.bf16_flops_per_second, source=spec.source,
+        bandwidth_ratio=gpu_specs.spec_ratio(bandwidth, spec.bandwidth_bytes_per_second),
+        flops_ratio=(gpu_specs.spec_ratio(flops, spec.bf16_flops_per_second)
+                     if dtype in ("bfloat16", "float16") else None))
+
+
+def start_background(done: Callable[[MemoryProbe], None], on_error: Callable[[Exception], None],
+                     dtype: Callable[[], str | None] = lambda: "float32",
+                     delay_s: float = 5.0, wait_s: float = 900.0) -> threading.Thread:
+    """Run :func:`probe` once in a daemon thread, off the serving path: after ``delay_s``,
+    once ``dtype()`` names the model's dtype; not at all when it names none within
+    ``wait_s`` (a process without a model). The result goes to ``done``, an exception to
+    ``on_error``; nothing is raised."""
+
+    def run() -> None:
+        try:
+            time.sleep(delay_s)
+            deadline = time.monotonic() + wait_s
+            dt = dtype()
+            while dt is None and time.monotonic() < deadline:
+                time.sleep(1.0)
+                dt = dtype()
+            if dt is not None:
+                done(probe(dtype=dt))
+        except Exception as exc:
+            on_error(exc)
+
+    t = threading.Thread(target=run, name="attnprof-probe", daemon=True)
+    t.start()
+    return t

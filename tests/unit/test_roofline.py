@@ -1,0 +1,218 @@
+"""The roofline's pure parts: the GPU spec table and probe/spec ratio, placing phases against
+the roofs, the KV bytes read out of snapshot layers, the exported samples and pictures."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from attnprof.aggregate.layers import BatchShape, LayerCall, LayerInfo, StepRecord, WorkerAggregates
+from attnprof.analyze import roofline
+from attnprof.contracts.roofline import MemoryProbe, ProbeKernel, Roofline
+from attnprof.facts import gpu_specs
+
+
+@pytest.mark.parametrize(("nvml", "part", "bw_tb"), [
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB", 1.555),
+    ("NVIDIA A100-PCIE-40GB", "A100 40GB", 1.555),
+    ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM", 2.039),
+    ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe", 1.935),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 3.35),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 2.0),
+    ("NVIDIA H200", "H200", 4.8),
+    ("NVIDIA L4", "L4", 0.3),
+    ("NVIDIA L40S", "L40S", 0.864),
+    ("NVIDIA A10G", "A10G", 0.6),
+])
+def test_gpu_spec_lookup_by_nvml_name(nvml: str, part: str, bw_tb: float) -> None:
+    spec = gpu_specs.lookup(nvml)
+    assert spec is not None and spec.name == part
+    assert spec.bandwidth_bytes_per_second == pytest.approx(bw_tb * 1e12)
+    assert spec.bf16_flops_per_second > 1e14 and spec.source
+
+
+@pytest.mark.parametrize("nvml", [None, "", "NVIDIA L40", "NVIDIA H100 NVL", "NVIDIA H200 NVL",
+                                  "NVIDIA A100", "Tesla T4", "NVIDIA GeForce RTX 4090"])
+def test_unknown_or_ambiguous_parts_get_no_spec(nvml: str | None) -> None:
+    assert gpu_specs.lookup(nvml) is None
+
+
+def test_spec_ratio_and_check() -> None:
+    from attnprof.tools.probe import spec_check
+
+    assert gpu_specs.spec_ratio(4.0e12, 4.8e12) == pytest.approx(0.8333, rel=1e-3)
+    assert gpu_specs.spec_ratio(None, 4.8e12) is None
+    assert gpu_specs.spec_ratio(1.0, 0.0) is None
+    chk = spec_check("NVIDIA H200", 4.2e12, 700e12, "bfloat16")
+    assert chk is not None and chk.part == "H200"
+    assert chk.bandwidth_ratio == pytest.approx(4.2 / 4.8)
+    assert chk.flops_ratio == pytest.approx(700 / 989.5)
+    # The table holds the 16-bit tensor peak: an fp32 GEMM is not compared with it.
+    fp32 = spec_check("NVIDIA H200", 4.2e12, 50e12, "float32")
+    assert fp32 is not None and fp32.flops_ratio is None
+    assert spec_check("NVIDIA GeForce RTX 4090", 1e12, 1e14, "bfloat16") is None
+
+
+def test_place_puts_each_phase_on_its_side_of_the_ridge() -> None:
+    # Ridge = 100 FLOP/B. Decode: 1 FLOP/B, reads 1 GB of KV in 0.5 s at 10 GB/s peak ->
+    # 20% of bandwidth; prefill: 500 FLOP/B, 1 TFLOP in 2 s at 1 TFLOP/s peak -> 50%.
+    work = [roofline.PhaseWork("decode", 4, 0.25, 0.6e9, 0.6e9, 0.5e9, layer=0),
+            roofline.PhaseWork("decode", 4, 0.25, 0.4e9, 0.4e9, 0.5e9, layer=1),
+            roofline.PhaseWork("prefill", 1, 2.0, 1e12, 2e9, 1e9, layer=0)]
+    rl = roofline.place(work, peak_bw=10e9, peak_flops=1e12)
+    assert rl.ridge_flops_per_byte == pytest.approx(100.0)
+    d, p = rl.phases["decode"], rl.phases["prefill"]
+    assert d.calls == 8 and d.time_s == pytest.approx(0.5)
+    assert d.kv_bytes_per_second == pytest.approx(2e9)
+    assert d.bandwidth_utilization == pytest.approx(0.2)
+    assert d.intensity_flops_per_byte == pytest.approx(1.0) and d.bound == "memory"
+    assert p.compute_utilization == pytest.approx(0.5)
+    assert p.intensity_flops_per_byte == pytest.approx(500.0) and p.bound == "compute"
+    assert [(x.phase, x.layer) for x in rl.layers] == [("decode", 0), ("decode", 1),
+                                                       ("prefill", 0)]
+    assert rl.layers[0].bandwidth_utilization == pytest.approx(0.2)
+    # No time: no rates, never a division by zero.
+    z = roofline.place_point(roofline.PhaseWork("decode", 0, 0.0, 0, 0, 0), 1e9, 1e12)
+    assert z.bandwidth_utilization is None and z.intensity_flops_per_byte is None
+
+
+def _info(index: int, kv_dtype: str = "auto") -> LayerInfo:
+    return LayerInfo(name=f"model.layers.{index}.attn", index=index, backend="CPU_ATTN",
+                     impl="CPUAttentionBackendImpl", num_heads=9, num_kv_heads=3, head_size=64,
+                     head_size_v=64, sliding_window=None, dtype="bfloat16",
+                     kv_cache_dtype=kv_dtype, fused=True)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_kv_bytes_from_snapshot_layers_are_the_analytic_kv_reads(kv_dtype: str) -> None:
+    """A decode step of 3 requests over 100, 200, 700 keys: the KV part of the snapshot's
+    bytes is exactly K + V over 1000 keys x 3 KV heads x 64 x the KV element size."""
+    aggs = WorkerAggregates()
+    info = _info(0, kv_dtype)
+    aggs.add_layer(info)
+    shape = BatchShape(phase="decode", num_tokens=3, pairs=1000, kv_tokens=1000, num_reqs=3,
+                       max_seq_len=700)
+    for _ in range(5):
+        aggs.record_step(StepRecord("sampled", 0.01, [LayerCall(info, shape, 0.002)]))
+    (work,) = roofline.work_from_layers(aggs.layer_profiles())
+    elem = 2 if kv_dtype == "auto" else 1
+    assert work.kv_bytes == 5 * 1000 * 3 * 128 * elem
+    assert work.calls == 5 and work.time_s == pytest.approx(0.01)
+    same = roofline.call_work("decode", 0, 1, 1, 1000, 9, 3, 64, 64, "bfloat16", 0.002,
+                              kv_cache_dtype=kv_dtype)
+    assert same.kv_bytes == 1000 * 3 * 128 * elem
+    assert same.flops == 2 * 9 * 128 * 1000
+
+
+def _probe() -> MemoryProbe:
+    k = [ProbeKernel("copy", 10e9, 9e9, 11e9, 5, 1 << 28),
+         ProbeKernel("triad", 11e9, 10e9, 12e9, 5, 1 << 28),
+         ProbeKernel("matmul", 1e12, 0.9e12, 1.1e12, 5, 1024)]
+    return MemoryProbe(device="cpu", bandwidth_bytes_per_second=11e9,
+                       matmul_flops_per_second=1e12, kernels=k, threads=2)
+
+
+def test_contracts_round_trip() -> None:
+    p = _probe()
+    assert MemoryProbe.from_json(p.to_json()) == p
+    assert p.to_json()["schema_version"] == "attnprof.probe/1.0"
+    assert p.kernels[0].spread == pytest.approx(0.2)
+    rl = roofline.roofline([roofline.PhaseWork("decode", 1, 1.0, 1e9, 1e9, 1e9, 0)], p)
+    assert Roofline.from_json(rl.to_json()) == rl
+
+
+def test_roofline_samples_use_catalog_labels() -> None:
+    from attnprof.exporters.samples import Sample, roofline_samples
+
+    p = _probe()
+    rl = roofline.roofline([roofline.PhaseWork("decode", 1, 1.0, 2e9, 1e9, 5.5e9, 0),
+                            roofline.PhaseWork("prefill", 1, 1.0, 4e11, 1e9, 1e8, 0)], p)
+    got = {(x.name, x.labels): x.value for x in roofline_samples("m", p, rl)
+           if isinstance(x, Sample)}
+    assert got[("attnprof_decode_attention_bandwidth_utilization_ratio",
+                (("model", "m"),))] == pytest.approx(0.5)
+    assert got[("attnprof_prefill_attention_compute_utilization_ratio",
+                (("model", "m"),))] == pytest.approx(0.4)
+    assert got[("attnprof_arithmetic_intensity_flops_per_byte",
+                (("model", "m"), ("phase", "decode")))] == pytest.approx(2.0)
+    assert got[("attnprof_memory_bandwidth_peak_bytes_per_second",
+                (("model", "m"),))] == 11e9
+    assert roofline_samples("m", None, None) == []
+
+
+def test_render_png_and_svg() -> None:
+    pytest.importorskip("matplotlib")
+    from attnprof.exporters.roofline_plot import render, summary_lines
+
+    rl = roofline.roofline([roofline.PhaseWork("decode", 1, 1.0, 2e9, 1e9, 0.9e9, 0),
+                            roofline.PhaseWork("prefill", 1, 1.0, 4e11, 1e9, 1e8, 0)], _probe())
+    png, svg = render(rl, "png"), render(rl, "svg")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"<svg" in svg
+    assert b"decode (all layers)" in svg and render(rl, "svg") == svg  # deterministic
+    lines = summary_lines(rl)
+    assert lines[0].startswith("decode: 2 FLOP/B (memory-bound side")
+    assert "8% of peak bandwidth" in lines[0]
+    assert "40% of matmul peak" in lines[1]
+
+
+def test_start_background_never_raises_and_skips_without_a_model() -> None:
+    from attnprof.tools.probe import start_background
+
+    got: list[object] = []
+    errs: list[Exception] = []
+    t = start_background(got.append, errs.append, dtype=lambda: None, delay_s=0, wait_s=0)
+    t.join(5)
+    assert not got and not errs  # no model dtype: no probe at all
+    t = start_background(got.append, errs.append, dtype=lambda: "not-a-dtype", delay_s=0)
+    t.join(120)  # imports torch first
+    assert not got and len(errs) == 1 and isinstance(errs[0], ValueError)
+    assert threading.current_thread().is_alive()
+
+
+def test_probe_switch_is_read_from_the_environment() -> None:
+    from attnprof.config import Config
+
+    assert Config.from_env({}).probe is False
+    assert Config.from_env({"ATTNPROF_PROBE": "1"}).probe is True
+
+
+def test_causal_prefill_counts_only_the_pairs_the_mask_keeps() -> None:
+    dense = roofline.call_work("prefill", 0, 2, 4, 4, 9, 3, 64, 64, "float32", 1.0)
+    causal = roofline.call_work("prefill", 0, 2, 4, 4, 9, 3, 64, 64, "float32", 1.0,
+                                causal=True)
+    per_pair = 2 * 9 * 128
+    assert dense.flops == 2 * 16 * per_pair
+    assert causal.flops == 2 * (4 + 3 + 2 + 1) * per_pair  # query i sees keys 0..i
+    # A chunk of 2 queries after 6 cached keys: 7 + 8 pairs.
+    chunk = roofline.call_work("prefill", 0, 1, 2, 8, 9, 3, 64, 64, "float32", 1.0, causal=True)
+    assert chunk.flops == 15 * per_pair
+    assert causal.bytes == dense.bytes  # the mask changes the work, not the bytes read
+
+
+@pytest.mark.parametrize(("argv", "msg"), [
+    (["probe", "--dtype", "int8"], "--dtype"),
+    (["probe", "--repeats", "0"], "--repeats"),
+    (["probe", "--array-mib", "0"], "--array-mib"),
+    (["snapshot", "--url", "http://127.0.0.1:9", "--roofline", "/etc/hostname/r.png"],
+     "--roofline"),
+])
+def test_cli_inputs_fail_in_one_line(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    from attnprof.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnprof: error:") and msg in err and err.count("\n") == 1
+
+
+def test_snapshot_without_a_probe_says_how_to_get_one(tmp_path: Path) -> None:
+    from attnprof.cli import CliError
+    from attnprof.cli.snapshot import _write_roofline
+    from attnprof.contracts.snapshot import Snapshot
+
+    snap = Snapshot(time=0.0, model="m", enabled=True).to_json()
+    with pytest.raises(CliError, match="ATTNPROF_PROBE=1"):
+        _write_roofline(snap, tmp_path / "r.png", "http://x")
+    assert not list(tmp_path.iterdir())  # nothing half-written
