@@ -1,12 +1,11 @@
 """Cost of head statistics on a sampled 4K-token prefill (goal: <= 5% of that prefill).
 
 SmolLM2 (float32, transformers SDPA) prefills one 4096-token prompt. The post-RoPE q/k of
-every layer are captured once; then the statistics (default sampling: last 32 + 32 random
-queries, entropy and top-k on a few, all 30 layers) are timed on those tensors, exactly what
-the live vLLM worker runs
-after each layer of a sampled prefill. Prefill and statistics runs are interleaved; the
-headline ratio is min/min (least-disturbed run of each, the machine is shared), the
-median ratio is reported too. Writes benchmarks/results/head_stats.json.
+every layer are captured once; then the statistics (default sampling: 64 position-stratified,
+weighted queries, entropy and top-k on 2 of them, all 30 layers) are timed on those tensors,
+exactly what the live vLLM worker runs after each layer of a sampled prefill. Prefill and
+statistics runs are interleaved; the headline ratio is min/min (least-disturbed run of each,
+the machine is shared), the median ratio is reported too. Writes benchmarks/results/head_stats.json.
 Run: ``.venv/bin/python benchmarks/head_stats.py [--tokens 4096] [--repeats 3]``.
 """
 
@@ -28,9 +27,9 @@ from attnprof.tools.replay import default_prompts, load_model
 
 OUT = Path(__file__).parent / "results" / "head_stats.json"
 CONFIGS: dict[str, dict[str, Any]] = {
-    "default: 32 last + 32 random queries, chunks of 16, entropy/top-k on 2": {},
-    "64 last + 64 random (the sparsity notes' sample), chunks of 32": {
-        "n_last": 64, "n_random": 64, "chunk_queries": 32},
+    "default: 64 stratified weighted queries, chunks of 16, entropy/top-k on 2": {},
+    "previous default: 32 last + 32 stratified (end-heavy)": {"n_last": 32, "n_random": 32},
+    "128 stratified weighted queries, chunks of 32": {"n_random": 128, "chunk_queries": 32},
     "default sample, entropy/top-k on 16": {"n_detail": 16},
 }
 

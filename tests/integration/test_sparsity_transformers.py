@@ -38,19 +38,21 @@ def test_statistics_match_the_models_own_attention_weights(tiny_model: Path) -> 
     with torch.no_grad():
         att = model(input_ids=ids, output_attentions=True).attentions
     n = ids.shape[1]
-    rows = acc.sample_queries(n, 0).tolist()
+    rows, wts = acc.sample_plan(n, 0)  # all-query estimates: weighted means
     cov = acc.coverage_mean()
     sink = acc.per_head_means()["sink_mass"]
     for layer, a in enumerate(att):
         p = a[0].double().numpy()  # [H, L, L]
         for h in range(p.shape[0]):
             for si, s in enumerate(acc.sinks_grid):
-                want_sink = np.mean([p[h, i, :s].sum() for i in rows])
+                want_sink = np.average([p[h, i, :s].sum() for i in rows], weights=wts)
                 assert sink[layer, h, si] == pytest.approx(want_sink, abs=1e-5)
                 for wi, w in enumerate(acc.window_grid):
+                    el = [(i, x) for i, x in zip(rows, wts, strict=True) if i + 1 > s + w]
                     vals = [p[h, i, :s].sum() + p[h, i, max(s, i - w + 1):i + 1].sum()
-                            for i in rows if i + 1 > s + w]
-                    assert cov[layer, h, si, wi] == pytest.approx(np.mean(vals), abs=1e-5)
+                            for i, _ in el]
+                    want = np.average(vals, weights=[x for _, x in el])
+                    assert cov[layer, h, si, wi] == pytest.approx(want, abs=1e-5)
 
 
 def test_replay_of_the_native_window_is_identical(tiny_mistral: Path) -> None:

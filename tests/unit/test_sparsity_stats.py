@@ -91,8 +91,11 @@ def test_exact_coverage_sink_mass_and_entropy() -> None:
             sink = np.mean([expected(kind, i, s, 8)[1] for i in SAMPLE])
             assert means["sink_mass"][0, h, si] == pytest.approx(sink, rel=1e-5, abs=1e-8)
     # entropy and top-k run on the detail subset of the sampled queries
-    detail = [SAMPLE[j] for j in acc.detail_subset(len(SAMPLE))]
-    assert len(detail) == acc.n_detail and detail[-1] == SAMPLE[-1]
+    picks = acc.detail_subset(len(SAMPLE))
+    detail = [SAMPLE[j] for j, _ in picks]
+    # one per half of the sample, each standing for its half (16 unit-weight queries)
+    assert len(detail) == acc.n_detail and detail[0] < SAMPLE[16] <= detail[1]
+    assert [w for _, w in picks] == [16.0, 16.0]
     assert acc.detail_n[0, 0] == len(detail)
     assert means["entropy"][0, 3] == pytest.approx(1.0, rel=1e-5)  # uniform rows
     def sink_entropy(i: int) -> float:  # 4 keys of weight E, i - 3 keys of weight 1
@@ -220,6 +223,9 @@ def test_sampling_is_bounded_and_deterministic() -> None:
     assert len(set(idx.tolist())) == len(idx)
     assert idx.tolist() == acc.sample_queries(4096, 0).tolist()
     assert acc.sample_queries(10, 0).tolist() == list(range(10))
+    # weights: every position of the prompt is represented exactly once in expectation
+    _, w = acc.sample_plan(4096, 0)
+    assert w.sum() == 4096 and np.all(w[-64:] == 1)
     # memory does not grow with traffic
     q, k = torch.randn(300, 1, 8), torch.randn(300, 1, 8)
     before = len(json.dumps(acc.to_dict()["arrays"]["cov_hist"]["index"]))

@@ -1,9 +1,18 @@
 """Per-(layer, head) attention statistics on sampled queries, in bounded memory.
 
-Fused attention kernels return no probabilities, so for a bounded sample of queries (the
-last ``n_last`` of the prompt plus ``n_random`` stratified random positions, as MInference
-and FlexPrefill estimate patterns) we recompute the softmax row against all causal keys in
-fp32, in chunks of ``chunk_queries`` queries, and fold it into fixed-size arrays:
+Fused attention kernels return no probabilities, so for a bounded sample of queries we
+recompute the softmax row against all causal keys in fp32, in chunks of ``chunk_queries``
+queries, and fold it into fixed-size arrays. The sample is stratified by position: ``n_random``
+strata cover the prompt (narrower towards its end, where more keys are seen and more windows
+can be tested), one uniform draw in each, plus the last ``n_last`` queries as a census
+stratum. Every sampled query carries the Horvitz-Thompson weight of its stratum (positions /
+draws), and every sum and histogram below is weighted, so means and quantiles estimate the
+all-query values without bias (the sample is not skewed towards the prompt's end). Entropy,
+top-k and output norms run on ``n_detail`` of the sampled queries, one drawn from each of
+``n_detail`` consecutive groups with probability proportional to weight (weight: the group's
+total), so they too estimate all-query means. Raw counts (``queries``, ``cov_n``,
+``detail_n``) stay alongside as evidence, and ``cov_w2`` (sum of squared weights) gives the
+effective sample size used for sampling errors.
 
 * sink mass for each s in ``sinks_grid``: sum_{j<s} p_ij
 * coverage C(s, w) = local mass of the last w keys + sink mass, over queries that see more
@@ -58,7 +67,12 @@ JS_FAR = 0.1
 where two heads clearly differ."""
 _ENTROPY_BINS = 20
 _BLOCK = 32  # keys per block for range sums
-_SCHEMA = "attnprof.head_stats/1"
+_SCHEMA = "attnprof.head_stats/2"
+_OLD_SCHEMA = "attnprof.head_stats/1"  # unweighted sums: read as weight 1 per sampled query
+# Sample density over a prompt's positions is proportional to position / length + this floor
+# (the last stratum is 5x narrower than the first): long-range windows are tested on more
+# queries, and the weights undo the tilt.
+_DENSITY_FLOOR = 0.25
 
 
 def _kbins(max_k: int = 1 << 20) -> tuple[int, ...]:
@@ -79,7 +93,7 @@ class HeadStatsAccumulator:
     def __init__(self, num_layers: int, num_kv_heads: int, group_size: int,
                  sinks_grid: Sequence[int] = DEFAULT_SINKS_GRID,
                  window_grid: Sequence[int] = DEFAULT_WINDOW_GRID, *,
-                 n_last: int = 32, n_random: int = 32, n_detail: int = 2,
+                 n_last: int = 0, n_random: int = 64, n_detail: int = 2,
                  chunk_queries: int = 16, mass_gamma: float = 0.9, seed: int = 0) -> None:
         if num_layers <= 0 or num_kv_heads <= 0 or group_size <= 0:
             raise ValueError("num_layers, num_kv_heads and group_size must be positive")
@@ -99,8 +113,10 @@ class HeadStatsAccumulator:
         self.k_edges = _kbins()
         lh = (num_layers, self.num_q_heads)
         sw = (len(self.sinks_grid), len(self.window_grid))
-        self.queries = np.zeros(lh)
-        self.detail_n = np.zeros(lh)
+        self.queries = np.zeros(lh)  # sampled queries (raw count)
+        self.detail_n = np.zeros(lh)  # detail queries (raw count)
+        self.weight_sum = np.zeros(lh)  # sum of weights: estimated queries in the population
+        self.detail_w = np.zeros(lh)
         self.requests = np.zeros(num_layers)
         self.sink_sum = np.zeros((*lh, len(self.sinks_grid)))
         self.entropy_sum = np.zeros(lh)
@@ -108,13 +124,16 @@ class HeadStatsAccumulator:
         self.maxw_sum = np.zeros(lh)
         self.topk_frac_sum = np.zeros(lh)
         self.topk_hist = np.zeros((*lh, len(self.k_edges)))
-        self.cov_n = np.zeros((*lh, *sw))
+        self.cov_n = np.zeros((*lh, *sw))  # eligible sampled queries (raw count)
+        self.cov_w = np.zeros((*lh, *sw))  # their weights: sum, sum of squares
+        self.cov_w2 = np.zeros((*lh, *sw))
         self.cov_sum = np.zeros((*lh, *sw))
+        self.cov_sq = np.zeros((*lh, *sw))  # weighted sum of C^2 (standard errors)
         self.cov_min = np.ones((*lh, *sw))
         self.cov_hist = np.zeros((*lh, *sw, len(COVERAGE_LOSS_EDGES)))
         self.top1_out = np.zeros((*lh, *sw))
         self.out_norm_sum = np.zeros(lh)
-        self.out_norm_n = np.zeros(lh)
+        self.out_norm_n = np.zeros(lh)  # weighted
         # underused heads: sink-mass histogram per sinks grid value, pairwise JS per layer
         self.sink_hist = np.zeros((*lh, len(self.sinks_grid), len(SINK_MASS_EDGES)))
         self.sink_n = np.zeros((*lh, len(self.sinks_grid)))  # eligible queries (raw count)
@@ -129,36 +148,66 @@ class HeadStatsAccumulator:
         return self.num_kv_heads * self.group_size
 
     # ------------------------------------------------------------------ sampling
+    def _rng(self, num_queries: int, q_start: int, salt: str) -> np.random.Generator:
+        h = hashlib.blake2b(f"{self.seed}:{num_queries}:{q_start}:{salt}".encode(),
+                            digest_size=8)
+        return np.random.default_rng(int.from_bytes(h.digest(), "little"))
+
+    def sample_plan(self, num_queries: int, q_start: int) -> tuple[Any, Any]:
+        """(indices into the request's queries, sorted; their weights).
+
+        The last ``n_last`` queries are a census stratum (weight 1); the others are split
+        into ``n_random`` position strata whose density grows with position (one uniform
+        draw each, weight = the stratum's width). Sum of weights = ``num_queries``.
+        Deterministic per (seed, length, start), so every layer of one request samples the
+        same positions."""
+        n = max(0, int(num_queries))
+        n_last = min(max(0, self.n_last), n)
+        rest = n - n_last
+        k = min(max(0, self.n_random), rest)
+        picked: Any
+        if k >= rest:
+            picked = np.arange(rest, dtype=np.int64)
+            widths = np.ones(rest)
+        elif k == 0:  # census of the last queries only (weights then cover just those)
+            picked = np.zeros(0, dtype=np.int64)
+            widths = np.zeros(0)
+        else:
+            a = _DENSITY_FLOOR
+            f = np.arange(k + 1) / k
+            u = -a + np.sqrt(a * a + f * (1 + 2 * a))  # inverse CDF of density u + a on [0, 1]
+            # k strata of width >= 1 covering [0, rest) exactly
+            edges = np.round(u * (rest - k)).astype(np.int64) + np.arange(k + 1)
+            widths_i = np.diff(edges)
+            draw = self._rng(n, q_start, "q").random(k)
+            picked = edges[:-1] + np.minimum((draw * widths_i).astype(np.int64), widths_i - 1)
+            widths = widths_i.astype(np.float64)
+        idx = np.concatenate([picked, np.arange(rest, n, dtype=np.int64)])
+        return idx, np.concatenate([widths, np.ones(n_last)])
+
     def sample_queries(self, num_queries: int, q_start: int) -> Any:
-        """Indices into the request's queries: the last ``n_last`` plus ``n_random``
-        stratified random ones among the rest. Deterministic per (seed, length, start) so
-        every layer of one request samples the same positions."""
+        """Indices of :meth:`sample_plan` as a torch tensor (sorted)."""
         import torch
 
-        n = num_queries
-        last = list(range(max(0, n - self.n_last), n))
-        rest = n - len(last)
-        picked: list[int] = []
-        if rest > 0 and self.n_random > 0:
-            k = min(self.n_random, rest)
-            h = hashlib.blake2b(f"{self.seed}:{n}:{q_start}".encode(), digest_size=8)
-            gen = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little") >> 1)
-            # one uniform draw inside each of k integer strata of [0, rest) (none empty)
-            bounds = torch.linspace(0, rest, k + 1).round().long()
-            widths = bounds[1:] - bounds[:-1]
-            u = torch.rand(k, generator=gen)
-            picked = (bounds[:-1] + (u * widths).floor().long()).tolist()
-        return torch.tensor(picked + last, dtype=torch.long)
+        return torch.as_tensor(self.sample_plan(num_queries, q_start)[0], dtype=torch.long)
 
-    def detail_subset(self, num_sampled: int) -> list[int]:
-        """Positions (in the sorted sample) that also get entropy, top-k and output norms:
-        ``n_detail`` evenly spread ones, always including the last query."""
+    def detail_subset(self, num_sampled: int, weights: Any = None, q_start: int = 0
+                      ) -> list[tuple[int, float]]:
+        """(position in the sorted sample, weight) of the queries that also get entropy, top-k
+        and output norms: the sample is cut into ``n_detail`` groups of consecutive queries,
+        and one query per group is drawn with probability proportional to its weight; it
+        carries the group's total weight (unbiased for all-query means, equal weights)."""
         nd = min(self.n_detail, num_sampled)
         if nd <= 0:
             return []
-        if nd == 1:
-            return [num_sampled - 1]
-        return sorted({round(i * (num_sampled - 1) / (nd - 1)) for i in range(nd)})
+        w = np.ones(num_sampled) if weights is None else np.asarray(weights, dtype=np.float64)
+        draws = self._rng(num_sampled, q_start, f"d{float(w.sum())}").random(nd)
+        out: list[tuple[int, float]] = []
+        for grp, r in zip(np.array_split(np.arange(num_sampled), nd), draws, strict=True):
+            cw = np.cumsum(w[grp])
+            j = min(int(np.searchsorted(cw, r * cw[-1], side="right")), len(grp) - 1)
+            out.append((int(grp[j]), float(cw[-1])))
+        return out
 
     # ------------------------------------------------------------------ updates
     def update(self, layer: int, q: Any, k: Any, scale: float, *, q_start: int | None = None,
@@ -170,8 +219,8 @@ class HeadStatsAccumulator:
         the last Lq of the keys, i.e. a prefill or a decode step); k: [Lk, Hkv, D] all keys
         of the request so far, causal. v: [Lk, Hkv, Dv] optional (output norms).
         softcap: Gemma-2 style tanh cap on logits; sink_logits: [Hq] learned sink logits
-        (gpt-oss), counted as sink mass. ``sample``: explicit query indices (default
-        :meth:`sample_queries`). Returns the number of sampled queries.
+        (gpt-oss), counted as sink mass. ``sample``: explicit query indices, each of weight
+        1 (default :meth:`sample_plan`, weighted). Returns the number of sampled queries.
         """
         import torch
 
@@ -181,20 +230,25 @@ class HeadStatsAccumulator:
             raise ValueError(f"expected {self.num_q_heads} q / {self.num_kv_heads} kv heads, "
                              f"got {hq} / {hkv}")
         start = lk - lq if q_start is None else int(q_start)
-        idx = (self.sample_queries(lq, start) if sample is None
-               else torch.as_tensor(sample).cpu())
-        if idx.numel() == 0:
+        if sample is None:
+            idx_np, wts = self.sample_plan(lq, start)
+        else:
+            idx_np = np.unique(torch.as_tensor(sample).cpu().numpy().astype(np.int64))
+            wts = np.ones(len(idx_np))
+        if len(idx_np) == 0:
             return 0
-        idx = idx.sort().values
-        detail = set(self.detail_subset(idx.numel()))
+        idx = torch.as_tensor(idx_np, dtype=torch.long)
+        detail = dict(self.detail_subset(len(idx_np), wts, start))
         with torch.no_grad():
             kh = k.float().permute(1, 2, 0)  # [hkv, d, Lk]
-            for c0 in range(0, idx.numel(), self.chunk_queries):
+            for c0 in range(0, len(idx_np), self.chunk_queries):
                 ci = idx[c0:c0 + self.chunk_queries]
                 det = [i - c0 for i in range(c0, c0 + len(ci)) if i in detail]
-                self._chunk(layer, q, kh, v, ci, start, scale, softcap, sink_logits, det)
+                det_w = [detail[i + c0] for i in det]
+                self._chunk(layer, q, kh, v, ci, start, scale, softcap, sink_logits, det,
+                            wts[c0:c0 + len(ci)], det_w)
         self.requests[layer] += 1
-        return int(idx.numel())
+        return len(idx_np)
 
     def update_hf(self, layer: int, q: Any, k: Any, scale: float, *,
                   v: Any = None, **kw: Any) -> int:
@@ -207,8 +261,10 @@ class HeadStatsAccumulator:
         return n
 
     def _chunk(self, layer: int, q: Any, kh: Any, v: Any, ci: Any, start: int, scale: float,
-               softcap: float | None, sink_logits: Any, det: list[int]) -> None:
-        """One chunk of sampled queries. Rows are laid out [hkv, c*g] as bmm produces them,
+               softcap: float | None, sink_logits: Any, det: list[int], wts: Any = None,
+               det_w: list[float] | None = None) -> None:
+        """One chunk of sampled queries (``wts``: their weights, default 1; ``det_w``: the
+        weights of the detail queries ``det``). Rows are laid out [hkv, c*g] as bmm produces them,
         so the [rows, keys] matrix is written once and read a handful of times (mask tail,
         max, exp, block sums); no sort or cumsum over all keys."""
         import torch
@@ -278,15 +334,19 @@ class HeadStatsAccumulator:
             t = t.reshape(hkv, c, g, *t.shape[2:]).transpose(0, 1).reshape(c, hq, *t.shape[2:])
             return t.double().cpu().numpy()
 
+        w_np = np.ones(c) if wts is None else np.asarray(wts, dtype=np.float64)
         self._fold(layer, pos, rows_to_ch(sink_m), rows_to_ch(local), rows_to_ch(top1),
-                   rows_to_ch(1.0 / z))
-        self._fold_sinks(layer, pos, rows_to_ch(sink_m))
+                   rows_to_ch(1.0 / z), w_np)
+        self._fold_sinks(layer, pos, rows_to_ch(sink_m), w_np)
         if det:
-            self._detail(layer, x, z.float(), pos_l, det, v, c)
+            self._detail(layer, x, z.float(), pos_l, det, v, c, det_w)
 
-    def _fold(self, layer: int, pos: Any, sink_m: Any, local: Any, top1: Any, maxw: Any
-              ) -> None:
+    def _fold(self, layer: int, pos: Any, sink_m: Any, local: Any, top1: Any, maxw: Any,
+              wts: Any = None) -> None:
+        """Weighted sums and histograms of one chunk (``wts``: [c] Horvitz-Thompson weights,
+        default 1); raw counts of sampled and eligible queries alongside."""
         c = top1.shape[0]
+        wq = np.ones(c) if wts is None else np.asarray(wts, dtype=np.float64)
         sinks = np.asarray(self.sinks_grid)
         wins = np.asarray(self.window_grid)
         posn = pos.numpy()
@@ -297,31 +357,38 @@ class HeadStatsAccumulator:
         out = ((top1[..., None, None] >= sinks[None, None, :, None])
                & (top1[..., None, None] <= (posn[:, None, None, None] - wins[None, None, None, :])))
         L = layer
+        ew = e * wq[:, None, None, None]
         self.queries[L] += c
-        self.sink_sum[L] += sink_m.sum(0)
-        self.maxw_sum[L] += maxw.sum(0)
+        self.weight_sum[L] += wq.sum()
+        self.sink_sum[L] += (sink_m * wq[:, None, None]).sum(0)
+        self.maxw_sum[L] += (maxw * wq[:, None]).sum(0)
         self.cov_n[L] += e.sum(0)
-        self.cov_sum[L] += (cov * e).sum(0)
+        self.cov_w[L] += ew.sum(0)
+        self.cov_w2[L] += (ew * wq[:, None, None, None]).sum(0)
+        self.cov_sum[L] += (cov * ew).sum(0)
+        self.cov_sq[L] += (cov * cov * ew).sum(0)
         self.cov_min[L] = np.minimum(self.cov_min[L], np.where(e > 0, cov, 1.0).min(0))
-        self.top1_out[L] += (out * e).sum(0)
+        self.top1_out[L] += (out * ew).sum(0)
         nb = len(COVERAGE_LOSS_EDGES)
         cb = np.clip(np.searchsorted(COVERAGE_LOSS_EDGES, 1.0 - cov, side="right") - 1, 0,
                      nb - 1)
         # one-hot add per eligible (query, head, s, w): bounded by the sample size
         flat = (cb + nb * np.arange(cb[0].size).reshape(cb.shape[1:])[None]).ravel()
-        counts = np.bincount(flat, weights=e.ravel(), minlength=cb[0].size * nb)
+        counts = np.bincount(flat, weights=ew.ravel(), minlength=cb[0].size * nb)
         self.cov_hist[L] += counts.reshape(*cb.shape[1:], nb)
 
     def _detail(self, layer: int, x: Any, z: Any, pos_l: list[int], det: list[int], v: Any,
-                c: int) -> None:
+                c: int, det_w: list[float] | None = None) -> None:
         """Entropy, top-k for ``mass_gamma`` and output norm on a few queries (sorting whole
-        rows is the costliest part, so it runs on ``n_detail`` queries per request)."""
+        rows is the costliest part, so it runs on ``n_detail`` queries per request), each
+        weighted by ``det_w`` (default 1)."""
         import torch
 
         hkv, g = self.num_kv_heads, self.group_size
         hq = hkv * g
         L = layer
-        for qi in det:
+        for j, qi in enumerate(det):
+            dw = 1.0 if det_w is None else float(det_w[j])
             p_ = pos_l[qi]
             n = p_ + 1
             rows = slice(qi * g, (qi + 1) * g)
@@ -331,18 +398,19 @@ class HeadStatsAccumulator:
             srt = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
             tk = ((srt < self.mass_gamma * srt[:, -1:]).sum(-1) + 1).cpu().numpy()
             self.detail_n[L] += 1
-            self.entropy_sum[L] += ent_n
+            self.detail_w[L] += dw
+            self.entropy_sum[L] += dw * ent_n
             eb = np.clip((ent_n * _ENTROPY_BINS).astype(np.int64), 0, _ENTROPY_BINS - 1)
-            self.entropy_hist[L, np.arange(hq), eb] += 1
-            self.topk_frac_sum[L] += tk / n
+            self.entropy_hist[L, np.arange(hq), eb] += dw
+            self.topk_frac_sum[L] += dw * tk / n
             kb = np.clip(np.searchsorted(self.k_edges, tk, side="left"), 0,
                          len(self.k_edges) - 1)
-            self.topk_hist[L, np.arange(hq), kb] += 1
-            self._pair_js(L, p)
+            self.topk_hist[L, np.arange(hq), kb] += dw
+            self._pair_js(L, p, dw)
             if v is not None:
                 o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
-                self.out_norm_sum[L] += o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
-                self.out_norm_n[L] += 1
+                self.out_norm_sum[L] += dw * o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
+                self.out_norm_n[L] += dw
 
     def _fold_sinks(self, layer: int, pos: Any, sink_m: Any, weight: Any = None) -> None:
         """Histogram of each sampled query's sink mass per [q head, s] (``sink_m``: [c, hq,
@@ -404,17 +472,25 @@ class HeadStatsAccumulator:
             return np.where(n > 0, at / np.maximum(n, 1e-300), np.nan), self.sink_n[:, :, si]
 
     # ------------------------------------------------------------------ read-out
-    def coverage_quantile(self, q: float = 0.05) -> Any:
+    def coverage_quantile(self, q: float = 0.05, z: float = 0.0) -> Any:
         """Conservative low quantile of C(s, w) per [layer, q head, s, w] (NaN: no evidence).
 
-        Walks the 1 - C histogram from its top; the bin holding the (1-q) quantile of 1 - C
-        gives C's q quantile as 1 - its upper edge (never overstated).
+        Walks the weighted 1 - C histogram from its top; the bin holding the (1-q) quantile
+        of 1 - C gives C's q quantile as 1 - its upper edge (never overstated by the
+        binning). ``z`` > 0 makes it a lower confidence bound: a bin's share from the top
+        counts as p + z * sqrt(p (1 - p) / n_eff) (Kish's effective sample size), so the
+        result is >= tau only when the share of queries below tau is <= q with that margin.
         """
         hist = self.cov_hist
         n = hist.sum(-1)
         from_top = np.cumsum(hist[..., ::-1], axis=-1)
-        # first bin from the top where the count from the top exceeds q * n
-        k = np.argmax(from_top > (q * n)[..., None], axis=-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = from_top / np.maximum(n, 1e-300)[..., None]
+            if z > 0:
+                neff = self.n_eff()[..., None]
+                share = share + z * np.sqrt(share * (1 - share) / np.maximum(neff, 1e-300))
+        # first bin from the top where the share from the top exceeds q
+        k = np.argmax(share > q * (1 + 1e-12), axis=-1)
         bin_idx = hist.shape[-1] - 1 - k
         upper = np.asarray((*COVERAGE_LOSS_EDGES[1:], 1.0))[bin_idx]
         # a value of exactly 0 loss sits in bin 0 whose upper edge is 0.001: treat as exact
@@ -423,19 +499,53 @@ class HeadStatsAccumulator:
         out = 1.0 - upper
         return np.where(n > 0, out, np.nan)
 
-    def coverage_mean(self) -> Any:
+    def n_eff(self) -> Any:
+        """Effective sample size (sum w)^2 / sum w^2 per [layer, q head, s, w] (0: none)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.cov_n > 0, self.cov_sum / np.maximum(self.cov_n, 1), np.nan)
+            return np.where(self.cov_w2 > 0, self.cov_w ** 2 / np.maximum(self.cov_w2, 1e-300),
+                            0.0)
+
+    def coverage_mean(self) -> Any:
+        """All-query mean of C(s, w) (weighted), per [layer, q head, s, w]."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.cov_w > 0, self.cov_sum / np.maximum(self.cov_w, 1e-300),
+                            np.nan)
+
+    def coverage_se(self) -> Any:
+        """Standard error of :meth:`coverage_mean`: weighted spread / sqrt(n_eff), a
+        stratified sample's error is at most this (NaN below 2 sampled queries)."""
+        mean = self.coverage_mean()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            var = np.maximum(self.cov_sq / np.maximum(self.cov_w, 1e-300) - mean ** 2, 0.0)
+            neff = self.n_eff()
+            return np.where(self.cov_n >= 2, np.sqrt(var / np.maximum(neff - 1, 1e-300)),
+                            np.nan)
+
+    def fail_share(self, tau: float) -> tuple[Any, Any]:
+        """(estimated share of all eligible queries with C < ``tau``, its standard error)
+        per [layer, q head, s, w]; 1 - ``tau`` must be an edge of the loss histogram."""
+        edge = 1.0 - tau
+        idx = int(np.argmin(np.abs(np.asarray(COVERAGE_LOSS_EDGES) - edge)))
+        if abs(COVERAGE_LOSS_EDGES[idx] - edge) > 1e-9:
+            raise ValueError(f"1 - tau = {edge:g} is not an edge of the coverage histogram")
+        n = self.cov_hist.sum(-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = np.where(n > 0, self.cov_hist[..., idx:].sum(-1) / np.maximum(n, 1e-300),
+                         np.nan)
+            se = np.sqrt(p * (1 - p) / np.maximum(self.n_eff(), 1e-300))
+        return p, np.where(n > 0, se, np.nan)
 
     def per_head_means(self) -> dict[str, Any]:
-        qn = np.maximum(self.queries, 1)
-        dn = np.where(self.detail_n > 0, self.detail_n, np.nan)
+        """All-query means (weighted): sink mass [L, Hq, S], entropy, max weight, top-k
+        fraction, top-1 outside sinks + window [L, Hq, S, W], output norm."""
+        qn = np.maximum(self.weight_sum, 1e-300)
+        dn = np.where(self.detail_w > 0, self.detail_w, np.nan)
         return {
             "sink_mass": self.sink_sum / qn[..., None],
             "entropy": self.entropy_sum / dn,
             "max_weight": self.maxw_sum / qn,
             "topk_fraction": self.topk_frac_sum / dn,
-            "top1_outside": self.top1_out / np.maximum(self.cov_n, 1),
+            "top1_outside": self.top1_out / np.maximum(self.cov_w, 1e-300),
             "output_norm": self.out_norm_sum / np.where(self.out_norm_n > 0, self.out_norm_n,
                                                         np.nan),
         }
@@ -458,7 +568,7 @@ class HeadStatsAccumulator:
     _SUM_FIELDS = ("queries", "detail_n", "requests", "sink_sum", "entropy_sum", "entropy_hist",
                    "maxw_sum", "topk_frac_sum", "topk_hist", "cov_n", "cov_sum", "cov_hist",
                    "top1_out", "out_norm_sum", "out_norm_n", "sink_hist", "sink_n", "js_sum",
-                   "js_n", "js_far", "js_k")
+                   "js_n", "js_far", "js_k", "weight_sum", "detail_w", "cov_w", "cov_w2", "cov_sq")
     _PAIR_FIELDS = ("js_sum", "js_n", "js_far", "js_k")  # [layer, q head, q head]
 
     def merge(self, other: HeadStatsAccumulator) -> HeadStatsAccumulator:
@@ -488,7 +598,8 @@ class HeadStatsAccumulator:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HeadStatsAccumulator:
-        if d.get("schema") != _SCHEMA:
+        old = d.get("schema") == _OLD_SCHEMA
+        if d.get("schema") != _SCHEMA and not old:
             raise ValueError(f"not {_SCHEMA} data")
         if list(d.get("coverage_loss_edges", [])) != list(COVERAGE_LOSS_EDGES):
             raise ValueError("coverage histogram edges differ from this version")
@@ -505,6 +616,14 @@ class HeadStatsAccumulator:
             flat = a.reshape(-1)
             flat[np.asarray(spec["index"], dtype=np.int64)] = np.asarray(spec["value"],
                                                                           dtype=np.float64)
+        if old:  # unweighted sums: every sampled query had weight 1
+            acc.weight_sum[...] = acc.queries
+            acc.detail_w[...] = acc.detail_n
+            acc.cov_w[...] = acc.cov_n
+            acc.cov_w2[...] = acc.cov_n
+            mid = 1.0 - (np.asarray(COVERAGE_LOSS_EDGES) + np.asarray(
+                (*COVERAGE_LOSS_EDGES[1:], 1.0))) / 2  # C^2 from the histogram's bin middles
+            acc.cov_sq[...] = (acc.cov_hist * mid ** 2).sum(-1)
         return acc
 
     # ------------------------------------------------------------------ deltas (live)

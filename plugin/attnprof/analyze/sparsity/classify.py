@@ -56,6 +56,9 @@ class Thresholds:
     """Share of queries whose top-1 key lies outside sinks + w* that marks ``retrieval``."""
     min_queries: int = 8
     """Sampled queries a (head, s, w) cell needs to count as evidence."""
+    confidence_z: float = 1.0
+    """Sampling margin: a window passes only when the estimated share of queries below tau,
+    plus ``confidence_z`` standard errors (effective sample size), stays <= ``quantile``."""
 
     def validate(self) -> Thresholds:
         if not 0 < self.tau <= 1 or not 0 <= self.quantile < 1:
@@ -74,7 +77,7 @@ def _sink_index(acc: HeadStatsAccumulator, sinks: int) -> int:
 def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = None) -> Any:
     """w* per [layer, query head] (inf: no grid window reaches tau; nan: no evidence)."""
     si = _sink_index(acc, th.sinks if sinks is None else sinks)
-    cq = acc.coverage_quantile(th.quantile)[:, :, si, :]  # [L, Hq, W]
+    cq = acc.coverage_quantile(th.quantile, th.confidence_z)[:, :, si, :]  # [L, Hq, W]
     enough = acc.cov_n[:, :, si, :] >= th.min_queries
     ok = enough & (cq >= th.tau - 1e-12)
     grid = np.asarray(acc.window_grid, dtype=float)
@@ -90,7 +93,10 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
     means = acc.per_head_means()
     wq = head_windows(acc, th)
     enough = acc.cov_n[:, :, si, :] >= th.min_queries
-    cq = acc.coverage_quantile(th.quantile)[:, :, si, :]
+    cq = acc.coverage_quantile(th.quantile, th.confidence_z)[:, :, si, :]
+    neff = acc.n_eff()[:, :, si, :]
+    with np.errstate(invalid="ignore"):
+        cse = acc.coverage_se()[:, :, si, :]
     grid = list(acc.window_grid)
     g = acc.group_size
     layers: list[dict[str, Any]] = []
@@ -141,6 +147,13 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
                 "coverage_q": {str(w): _r(float(np.nanmin(cq[layer, list(hs), i])))
                                if np.isfinite(cq[layer, list(hs), i]).any() else None
                                for i, w in enumerate(grid)},
+                # sampling error behind coverage_q: effective sample size (fewest of the
+                # group) and the largest standard error of the group's mean coverage
+                "coverage_n_eff": {str(w): round(float(neff[layer, list(hs), i].min()), 1)
+                                   for i, w in enumerate(grid)},
+                "coverage_se": {str(w): _r(float(np.nanmax(cse[layer, list(hs), i])))
+                                if np.isfinite(cse[layer, list(hs), i]).any() else None
+                                for i, w in enumerate(grid)},
                 "sink_mass": _r(float(np.mean([means["sink_mass"][layer, h, si] for h in hs]))),
                 "entropy": _r(float(np.mean([means["entropy"][layer, h] for h in hs]))),
                 "topk_fraction": _r(float(np.mean([means["topk_fraction"][layer, h]

@@ -72,12 +72,23 @@ def kv_coverage(acc: HeadStatsAccumulator, th: Thresholds, sinks: int, window: i
     if not s_ok or not w_ok:
         return np.full(shape, np.nan)
     si, wi = acc.sinks_grid.index(max(s_ok)), acc.window_grid.index(max(w_ok))
-    cq = acc.coverage_quantile(th.quantile)[:, :, si, wi]
+    cq = acc.coverage_quantile(th.quantile, th.confidence_z)[:, :, si, wi]
     enough = acc.cov_n[:, :, si, wi] >= th.min_queries
     cq = np.where(enough, cq, np.nan).reshape(acc.num_layers, acc.num_kv_heads, acc.group_size)
     with np.errstate(invalid="ignore"):
         # a KV head serves its whole group: its coverage is the worst query head's
         return np.where(np.isnan(cq).any(-1), np.nan, np.nanmin(np.nan_to_num(cq, nan=1), -1))
+
+
+def _kv_n_eff(acc: HeadStatsAccumulator, sinks: int, window: int) -> Any:
+    """Fewest effective sampled queries per [layer, KV head] behind :func:`kv_coverage`."""
+    s_ok = [s for s in acc.sinks_grid if s <= sinks]
+    w_ok = [w for w in acc.window_grid if w <= window]
+    shape = (acc.num_layers, acc.num_kv_heads)
+    if not s_ok or not w_ok:
+        return np.zeros(shape)
+    si, wi = acc.sinks_grid.index(max(s_ok)), acc.window_grid.index(max(w_ok))
+    return acc.n_eff()[:, :, si, wi].reshape(*shape, acc.group_size).min(-1)
 
 
 def _naive_mean(dist: LengthDistribution, arch: Arch, window: int, sinks: int,
@@ -139,6 +150,7 @@ def evaluate(lengths: Any, arch: Arch, window: int, sinks: int, *,
     }
     if head_stats is not None:
         cov = kv_coverage(head_stats, th, sinks, window)
+        neff = _kv_n_eff(head_stats, sinks, window)
         risk: list[dict[str, Any]] = []
         unverified = 0
         for layer in chosen:
@@ -147,11 +159,18 @@ def evaluate(lengths: Any, arch: Arch, window: int, sinks: int, *,
                 if math.isnan(v):
                     unverified += 1
                 elif v < th.tau - 1e-12:
-                    risk.append({"layer": layer, "kv_head": kv, "coverage_q": round(float(v), 4)})
+                    risk.append({"layer": layer, "kv_head": kv, "coverage_q": round(float(v), 4),
+                                 "n_eff": round(float(neff[layer, kv]), 1)})
         out["heads_at_risk_count"] = len(risk)
         out["heads_at_risk"] = sorted(risk, key=lambda r: r["coverage_q"])[:_MAX_LISTED_HEADS]
         out["heads_unverified_count"] = unverified
-        out["coverage_target"] = {"tau": th.tau, "quantile": th.quantile}
+        out["coverage_target"] = {"tau": th.tau, "quantile": th.quantile,
+                                  "confidence_z": th.confidence_z}
+        ok = [float(neff[x, kv]) for x in chosen for kv in range(head_stats.num_kv_heads)
+              if np.isfinite(cov[x, kv])]
+        # how sure: the weakest evidence behind a windowed layer's coverage
+        out["sampling"] = {"sampled_queries": int(head_stats.queries.max(initial=0)),
+                           "min_n_eff": round(min(ok), 1) if ok else None}
     return out
 
 
@@ -202,8 +221,9 @@ def _dynamic_sparse(dist: LengthDistribution, arch: Arch, acc: HeadStatsAccumula
     pf = pairs_full(t) * len(arch.full_layers)
     share = float((pf * big * dist.w).sum() / max((pf * dist.w).sum(), 1e-300))
     density = None
-    if acc is not None and acc.queries.sum() > 0:
-        density = float((acc.topk_frac_sum.sum()) / acc.queries.sum())
+    if acc is not None and acc.detail_w.sum() > 0:
+        # all-query mean over detail queries (weighted), averaged over heads
+        density = float(acc.topk_frac_sum.sum() / acc.detail_w.sum())
     return {"min_tokens": DYNAMIC_SPARSE_MIN_TOKENS,
             "request_fraction": round(float(dist.w[big].sum() / dist.total_weight), 6),
             "attention_flop_share": round(share, 6),
@@ -369,6 +389,10 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
               f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
               f"{rec['kv_memory_saving']:.1%} KV memory",
               f"{rec['exact_request_fraction']:.1%} of requests unchanged"]
+    smp = rec.get("sampling")
+    if smp and smp.get("min_n_eff") is not None:
+        parts.append(f"coverage from sampled queries (effective n >= {smp['min_n_eff']:g} per "
+                     "head, z = {:g} margin)".format(rec["coverage_target"]["confidence_z"]))
     if replay is None:
         parts.append("replay: not run (not validated)")
     else:
