@@ -24,7 +24,8 @@ def validate_outputs(out: Path) -> dict[str, Any]:
     import jsonschema
 
     assert sorted(p.name for p in out.iterdir()) == [
-        "activation_map.png", "activation_map.svg", "profile.json", "scaling.png", "trace.json"]
+        "activation_map.png", "activation_map.svg", "profile.json", "roofline.png",
+        "roofline.svg", "scaling.png", "trace.json"]
     schema = json.loads(SCHEMA.read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     prof = json.loads((out / "profile.json").read_text())
@@ -36,9 +37,28 @@ def validate_outputs(out: Path) -> dict[str, Any]:
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {k: v for k, v in prof["outputs"].items() if k != "tensorboard"} == {
         "profile": "profile.json", "trace": "trace.json", "plot": "scaling.png",
-        "activation_map": "activation_map.png", "activation_map_svg": "activation_map.svg"}
+        "activation_map": "activation_map.png", "activation_map_svg": "activation_map.svg",
+        "roofline": "roofline.png", "roofline_svg": "roofline.svg"}
     check_activation_map(out, prof)
+    check_roofline(out, prof)
     return dict(prof)
+
+
+def check_roofline(out: Path, prof: dict[str, Any]) -> None:
+    """The roofline places every phase the profile ran against the probe's peaks, and the
+    pictures draw each of them."""
+    rl, probe = prof["roofline"], prof["probe"]
+    assert rl["peak_bandwidth_bytes_per_second"] == probe["bandwidth_bytes_per_second"] > 0
+    assert rl["peak_flops_per_second"] == probe["matmul_flops_per_second"] > 0
+    assert [k["name"] for k in probe["kernels"]] == ["copy", "triad", "matmul"]
+    assert "prefill" in rl["phases"]
+    for phase, p in rl["phases"].items():
+        assert p["time_s"] > 0 and p["flops"] > 0 and p["kv_bytes"] <= p["bytes"]
+        assert p["intensity_flops_per_byte"] == pytest.approx(p["flops"] / p["bytes"])
+        assert p["bound"] == ("memory" if p["intensity_flops_per_byte"]
+                              < rl["ridge_flops_per_byte"] else "compute")
+        assert f"{phase} (all layers)".encode() in (out / "roofline.svg").read_bytes()
+    assert (out / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def check_activation_map(out: Path, prof: dict[str, Any]) -> None:

@@ -234,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         png = scaling_png(result)
         grid = amap.grid_from_profile(result)
         map_png, map_svg = amap.render(grid, "png"), amap.render(grid, "svg")
+        roof = _roofline_images(result)
         trace = trace_tmp.read_bytes() if trace_tmp.exists() else b'{"traceEvents": []}'
     outputs = {"profile": "profile.json", "trace": "trace.json", "plot": "scaling.png",
                "activation_map": "activation_map.png", "activation_map_svg": "activation_map.svg"}
@@ -245,11 +246,26 @@ def _run(args: argparse.Namespace) -> int:
     write_atomic(out_dir / "scaling.png", png)
     write_atomic(out_dir / "activation_map.png", map_png)
     write_atomic(out_dir / "activation_map.svg", map_svg)
+    for name, data in roof.items():
+        write_atomic(out_dir / name, data)
+        outputs["roofline" + ("_svg" if name.endswith(".svg") else "")] = name
     result.outputs = outputs
     write_atomic(out_dir / "profile.json",
                  json.dumps(result.to_json(), indent=2, default=str) + "\n")
     print(summary(result, out_dir))
     return 0
+
+
+def _roofline_images(result: ProfileReport) -> dict[str, bytes]:
+    """roofline.png and roofline.svg (none when the probe failed: its error is in
+    profile.json's errors)."""
+    if result.roofline is None:
+        return {}
+    from attnprof.exporters.roofline_plot import render
+
+    title = f"{result.model.name}: attention roofline ({result.model.dtype})"
+    return {"roofline.png": render(result.roofline, "png", title),
+            "roofline.svg": render(result.roofline, "svg", title)}
 
 
 def _advice_inputs(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any, Any] | None:
@@ -330,4 +346,9 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
         lines.append(f"TensorBoard events: {res.outputs['tensorboard']}")
     if res.window_advice is not None:
         lines.append(f"Window advice: {res.window_advice.summary}")
+    if res.roofline is not None:
+        from attnprof.exporters.roofline_plot import summary_lines
+
+        lines += ["", "Roofline (attention vs the probed peaks):"]
+        lines += ["  " + x for x in summary_lines(res.roofline)]
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.base import Document, NonNegative, Record
 from attnprof.contracts.provenance import Provenance
+from attnprof.contracts.roofline import MemoryProbe, Roofline
 
 __all__ = [
     "ActivationRow",
@@ -316,4 +317,7 @@ class ProfileReport(Document):
     """The files written next to it (profile, trace, plot)."""
     provenance: Provenance | None = None
     """Versions, hardware, model hashes, git revision, command line, time (1.2)."""
-
+    roofline: Roofline | None = None
+    """Prefill and decode attention against the probed bandwidth and matmul peak."""
+    probe: MemoryProbe | None = None
+    """The peaks the roofline is drawn with (``attnprof probe``)."""

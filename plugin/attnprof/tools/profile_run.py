@@ -215,6 +215,12 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
             say(f"model L={L}")
         if opts.trace_path is not None:
             write_trace(opts.trace_path, prof.records, forwards, opts.model_name)
+        decode_error: list[str] = []
+        if is_causal_lm and not getattr(cfg, "is_encoder_decoder", False):
+            try:  # decode steps over the longest prefill's KV cache (the roofline's decode)
+                _decode_steps(prof, model, shape, B, max(opts.seq_lens), max(4, opts.repeats))
+            except Exception as exc:  # optional: never worth failing the profile
+                decode_error.append(f"roofline decode steps: {type(exc).__name__}: {exc}")
 
         # 3) Per-path micro-benchmarks with this model's layer shape.
         bench: dict[str, dict[str, Any]] = {"time_s": {}, "peak_bytes": {}, "analytic_bytes": {},
@@ -256,6 +262,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         adv = [{"reason": "none", "message": "every attention call ran a fused kernel",
                 "kernel": None, "layers": [], "change": "nothing to change",
                 "target": None, "expected_gain": None}]
+    rl, probed, rl_error = _roofline(prof.records, dtype, causal=is_causal_lm)
     return ProfileReport(
         model=ProfileModel(
             name=opts.model_name, path=str(opts.model_dir),
@@ -271,9 +278,54 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         scaling=Scaling.from_json(sc),
         oom_prediction=OomPrediction.from_json(oom),
         advice=[BackendAdvice.from_json(x) for x in adv],
-        errors=list(prof.errors),
+        errors=list(prof.errors) + decode_error + rl_error,
         provenance=provenance.collect(opts.model_name, opts.model_dir, argv=opts.argv),
+        roofline=rl, probe=probed,
     )
+
+
+def _decode_steps(prof: Any, model: Any, shape: dict[str, Any], B: int, L: int,
+                  steps: int) -> None:
+    """``steps`` greedy decode steps after a length-``L`` prefill (tagged ``run=decode``;
+    the prefill ``run=decode_prefill``, one warm-up step ``run=decode_warmup``): decode
+    attention over a real KV cache."""
+    import torch
+
+    ids = _ids(shape["vocab_size"], B, L, seed=3)
+    with prof.tag(padded=False, seq_len=L, run="decode_prefill"):
+        out = _forward(model, ids)
+    cache = out.past_key_values
+    nxt = out.logits[:, -1:].argmax(-1)
+    del out
+    # The first step is a new shape class (the capture explains its kernel choice once):
+    # untimed for the roofline.
+    for run in ["decode_warmup"] + ["decode"] * steps:
+        with prof.tag(padded=False, seq_len=L, run=run), torch.no_grad():
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    del cache
+
+
+def _roofline(records: Any, dtype: str, causal: bool) -> tuple[Any, Any, list[str]]:
+    """The probe (bandwidth, matmul peak in the model's dtype) and the roofline of the timed
+    prefill runs and the decode steps; (None, None, [error]) when the probe fails.
+    ``causal``: prefill FLOPs count only the pairs the causal mask keeps."""
+    from attnprof.analyze import roofline
+    from attnprof.tools.probe import probe
+
+    try:
+        probed = probe(dtype=dtype)
+    except Exception as exc:  # a roofline is not worth failing a minutes-long profile
+        return None, None, [f"probe: {type(exc).__name__}: {exc}"]
+    work = [roofline.call_work(r.phase, r.layer_idx, r.batch, r.q_len, r.kv_len, r.num_heads,
+                               r.num_kv_heads, r.head_dim, r.head_dim_v, r.dtype, r.elapsed_s,
+                               causal=causal and r.phase != "decode")
+            for r in records
+            if str(r.tags.get("run", "")).startswith("time") or r.tags.get("run") == "decode"]
+    note = ("prefill: the timed forwards at every --seq-lens"
+            + (" (causal: masked pairs not counted)" if causal else "")
+            + "; decode: steps after the longest prefill")
+    return roofline.roofline(work, probed, note), probed, []
 
 
 @dataclass(frozen=True)
