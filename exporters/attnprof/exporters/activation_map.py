@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from attnprof.contracts.profile import ActivationRow, ProfileReport
 from attnprof.contracts.snapshot import KernelGroup, LayerProfile, Snapshot
+from attnprof.facts.shape import layer_label, site_order
 
 __all__ = [
     "DEFAULT_PALETTE",
@@ -115,6 +116,13 @@ class Grid:
     """Reason code -> its message (the first one seen), for the legend."""
     details: Mapping[str, str] = field(default_factory=dict)
     """Kernel -> longer name (vLLM kernel variants), for the legend."""
+    labels: tuple[str, ...] = ()
+    """Row names when layer indices alone are ambiguous (encoder-decoder models:
+    ``encoder.L0``, ``decoder.L0``, ``decoder.L0.cross``); empty: ``L<index>``."""
+
+    def row_label(self, i: int) -> str:
+        """Row ``i``'s name in the picture and the table."""
+        return self.labels[i] if self.labels else f"L{self.layers[i]}"
 
     def kinds(self) -> list[tuple[str, bool]]:
         """Distinct (kernel, fused) pairs, fused first, then by name."""
@@ -175,23 +183,32 @@ def grid_from_rows(rows: Sequence[ActivationRow], title: str,
     implementations in one layer and class), the one with more calls is shown."""
     with_dtype = len({r.dtype for r in rows}) > 1
     columns = sorted({_column_key(r, with_dtype) for r in rows}, key=_column_order)
-    seen_layers = {r.layer_idx for r in rows}
-    n = max([num_layers or 0, *(i + 1 for i in seen_layers)])
-    layers = tuple(range(n))
+    # One row per attention site; encoder-decoder models (or any cross-attention) have
+    # several sites per index, named apart (facts.shape.layer_label).
+    labelled = any(r.stack is not None or r.kind != "self" for r in rows)
+    if labelled:
+        sites = sorted({(r.stack, r.layer_idx, r.kind) for r in rows},
+                       key=lambda s: site_order(*s))
+    else:
+        n = max([num_layers or 0, *(r.layer_idx + 1 for r in rows)])
+        sites = [(None, i, "self") for i in range(n)]
+    row_of = {s: i for i, s in enumerate(sites)}
     col_index = {c: j for j, c in enumerate(columns)}
     best: dict[tuple[int, int], ActivationRow] = {}
     messages: dict[str, str] = {}
     for r in rows:
-        at = (r.layer_idx, col_index[_column_key(r, with_dtype)])
+        at = (row_of[(r.stack, r.layer_idx, r.kind)] if labelled else r.layer_idx,
+              col_index[_column_key(r, with_dtype)])
         if at not in best or r.calls > best[at].calls:
             best[at] = r
         for reason in r.reasons:
             messages.setdefault(reason.code, reason.message)
     cells = tuple(
         tuple(_row_cell(best[(i, j)]) if (i, j) in best else None for j in range(len(columns)))
-        for i in layers)
-    return Grid(title=title, layers=layers, columns=tuple(columns), cells=cells,
-                reasons=messages)
+        for i in range(len(sites)))
+    return Grid(title=title, layers=tuple(s[1] for s in sites), columns=tuple(columns),
+                cells=cells, reasons=messages,
+                labels=tuple(layer_label(s[1], s[0], s[2]) for s in sites) if labelled else ())
 
 
 def _row_cell(r: ActivationRow) -> Cell:
@@ -292,6 +309,9 @@ def _column_runs(grid: Grid, j: int) -> list[tuple[int, int]]:
 
 
 def _span(grid: Grid, a: int, b: int) -> str:
+    if grid.labels:
+        na, nb = grid.labels[a], grid.labels[b]
+        return f"layer {na}" if a == b else f"layers {na} to {nb}"
     la, lb = grid.layers[a], grid.layers[b]
     return f"layer {la}" if a == b else f"layers {la}-{lb}"
 
@@ -356,14 +376,20 @@ def layout(grid: Grid) -> Layout:
     """The figure's geometry for ``grid`` (pure: no matplotlib)."""
     nrows, ncols = max(1, len(grid.layers)), max(1, len(grid.columns))
     legend_h = 0.35 + 0.17 * _legend_lines(grid)
-    width = LEFT + ncols * CELL_W + RIGHT
+    # Room for the longest row name (~0.6 em per character at the tick font size).
+    left = max(LEFT, 0.15 + max((len(x) for x in grid.labels), default=0) * 0.6
+               * (FONT - 0.5) / 72)
+    # And for the bracket names right of the grid ("layers encoder.L0 to encoder.L1").
+    right = max(RIGHT, 0.3 + max((len(_span(grid, a, b)) for a, b in row_groups(grid)),
+                                 default=0) * 0.6 * FONT / 72)
+    width = left + ncols * CELL_W + right
     # Room for the title (~0.55 em per character) and the legend's reason messages.
     width = max(width, 6.0, 0.4 + len(grid.title) * 0.55 * (FONT + 2.5) / 72)
     grid_h = nrows * CELL_H
     height = TITLE_H + HEADER_H + grid_h + legend_h
     ax_w = ncols * CELL_W
     return Layout(width_in=width, height_in=height,
-                  axes=(LEFT / width, legend_h / height, ax_w / width, grid_h / height),
+                  axes=(left / width, legend_h / height, ax_w / width, grid_h / height),
                   nrows=nrows, ncols=ncols)
 
 
@@ -400,7 +426,7 @@ def render(grid: Grid, fmt: Literal["png", "svg"] = "png",
                   [c.label for c in grid.columns] or [""], fontsize=FONT + 0.5)
     ax.xaxis.tick_top()
     ax.set_yticks([i + 0.5 for i in range(len(grid.layers))],
-                  [f"L{n}" for n in grid.layers], fontsize=FONT - 0.5)
+                  [grid.row_label(i) for i in range(len(grid.layers))], fontsize=FONT - 0.5)
     ax.tick_params(length=0, pad=2)
     for s in ax.spines.values():
         s.set_visible(False)

@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "FUSED_OPS",
+    "OpRecorder",
     "SDPACall",
     "SDPAChoice",
     "SDPASpy",
@@ -263,3 +264,42 @@ class SDPASpy:
         except Exception as exc:  # describing must never break the host call
             self._fail("describe", exc)
             return None
+
+
+class OpRecorder:
+    """Context manager recording the names of the first aten ops that run inside it (a
+    ``TorchDispatchMode`` that passes every op through unchanged). For attention modules
+    that do not go through transformers' registry: their ops are the ground truth of what
+    ran. A failure of its own is kept in ``errors``; the op still runs exactly once."""
+
+    def __init__(self, limit: int = _MAX_OPS) -> None:
+        self.ops: list[str] = []
+        self.errors: list[str] = []
+        self.limit = limit
+        self._mode: Any = None
+
+    def __enter__(self) -> OpRecorder:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+
+        class _Ops(TorchDispatchMode):  # type: ignore[misc]
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                try:
+                    if len(rec.ops) < rec.limit:
+                        rec.ops.append(func.__name__.split(".")[0])
+                except Exception as exc:
+                    if len(rec.errors) < _MAX_ERRORS:
+                        rec.errors.append(f"ops: {type(exc).__name__}: {exc}")
+                return func(*args, **(kwargs or {}))
+
+        mode = _Ops()
+        mode.__enter__()
+        self._mode = mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)

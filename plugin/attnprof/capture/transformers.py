@@ -23,6 +23,25 @@ aggregates only. Every attnprof step of a wrapped call runs under one guard: an 
 attnprof's own code is counted in ``Profile.error_count`` (first messages in ``errors``) and
 dropped, and the original attention still runs exactly once with the original arguments.
 Timing waits for the device at most once per call (CUDA: one event synchronize; CPU: none).
+
+Layer identity is (stack, layer index, kind): ``stack`` is "encoder"/"decoder" in
+encoder-decoder models (BART, T5, ...) and None elsewhere; ``kind`` is "cross" for
+cross-attention modules (whose keys and values come from the encoder: no causal mask, KV
+length the encoder's) and "self" otherwise. Encoder-decoder models number the layers of
+each stack from 0, so the index alone would merge an encoder layer with the decoder's self-
+and cross-attention of the same number. :func:`attnprof.facts.shape.layer_label` names a
+site the same way in every output (``L3``, ``encoder.L3``, ``decoder.L3.cross``).
+
+Families whose attention modules do not call the registry (their modeling file has no
+``ALL_ATTENTION_FUNCTIONS``: GPT-Neo, GPT-J, Bloom, DeBERTa, ... in transformers 5.x) take a
+second route, the *module route*: the innermost ``*Attention`` module's ``forward`` is
+wrapped on the instance (restored by ``uninstrument``). On the first call of a shape class
+the SDPA spy and an aten-op recorder run inside it, so the activation map still says which
+kernel ran (the fused SDPA op, or the module's own softmax/matmuls) with
+``impl="module"`` and the reason code ``no_registry``; its time includes the module's
+projections, its shape class comes from the hidden states (length bucket of the query
+length), and it makes no per-call :class:`CallRecord` (those need the query and key tensors
+that only the registry hands over).
 """
 
 from __future__ import annotations
@@ -38,8 +57,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from attnprof.facts.shape import layer_label, site_order
+
 __all__ = [
     "DEFAULT_MAX_RECORDS",
+    "NO_REGISTRY_REASON",
     "AttentionCallEvent",
     "CallRecord",
     "KernelEntry",
@@ -57,6 +79,20 @@ _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 DEFAULT_MAX_RECORDS = 4096
 _MAX_ERROR_MESSAGES = 100
 
+# Module-name segments of cross-attention in transformers' modeling files (BART/Marian/
+# Whisper/mBART: encoder_attn; BERT/RoBERTa as decoders: crossattention; T5: EncDecAttention;
+# others: cross_attn / cross_attention), lower-cased.
+_CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attn", "cross_attention",
+                          "encdecattention"})
+_STACKS = ("encoder", "decoder")
+
+NO_REGISTRY_REASON = {
+    "code": "no_registry",
+    "backend": "transformers",
+    "message": "this attention module does not call transformers' attention registry "
+               "(no attn_implementation); attnprof wraps its forward and reads the aten ops "
+               "it ran",
+}
 EAGER_REASON = {
     "code": "eager",
     "backend": "transformers",
@@ -89,6 +125,8 @@ class AttentionCallEvent:
     elapsed_s: float = 0.0
     kernel: str | None = None
     fused: bool | None = None
+    stack: str | None = None
+    kind: str = "self"
 
 
 @dataclass
@@ -115,6 +153,14 @@ class CallRecord:
     tags: dict[str, Any] = field(default_factory=dict)
     start_ns: int = 0
     """``time.perf_counter_ns()`` just before the call's clock started (places it in a trace)."""
+    stack: str | None = None
+    """"encoder"/"decoder" in encoder-decoder models, else None."""
+    kind: str = "self"
+    """"cross" for cross-attention (keys/values from the encoder), else "self"."""
+
+    @property
+    def label(self) -> str:
+        return layer_label(self.layer_idx, self.stack, self.kind)
 
 
 @dataclass
@@ -135,6 +181,12 @@ class KernelEntry:
     calls: int = 0
     time_s: float = 0.0
     tags: dict[str, Any] = field(default_factory=dict)
+    stack: str | None = None
+    kind: str = "self"
+
+    @property
+    def label(self) -> str:
+        return layer_label(self.layer_idx, self.stack, self.kind)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +204,37 @@ def _mask_kind(mask: Any) -> str:
     if dt is None:
         return "block_mask" if type(mask).__name__ == "BlockMask" else type(mask).__name__
     return "bool" if str(dt) == "torch.bool" else "float"
+
+
+def _site(name: str, module: Any, two_stacks: bool) -> tuple[int, str | None, str]:
+    """(layer index from the name, stack, kind) of the module at ``name``."""
+    m = _LAYER_RE.search(name)
+    parts = name.split(".")
+    stack = next((p for p in parts if p in _STACKS), None) if two_stacks else None
+    cross = (getattr(module, "is_cross_attention", False) is True
+             or any(p.lower() in _CROSS_NAMES for p in parts))
+    return (int(m.group(1)) if m else -1, stack, "cross" if cross else "self")
+
+
+def _unrouted(mod: Any) -> bool:
+    """An attention module whose modeling file does not use the registry."""
+    if not type(mod).__name__.endswith("Attention") or not hasattr(mod, "forward"):
+        return False
+    owner = sys.modules.get(type(mod).__module__)
+    return owner is not None and str(getattr(owner, "__name__", "")).startswith(
+        "transformers.models.") and not hasattr(owner, "ALL_ATTENTION_FUNCTIONS")
+
+
+def _attention_ops(ops: list[str]) -> list[str]:
+    """The ops of the attention maths among a module's ops (projections dropped), first 12."""
+    keep = ("bmm", "baddbmm", "matmul", "softmax", "_softmax", "masked_fill", "where",
+            "dropout", "native_dropout", "scaled_dot_product")
+    return [o for o in ops if o.startswith(keep)][:12]
+
+
+def _encoder_decoder(model: Any) -> bool:
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "is_encoder_decoder", False))
 
 
 def _configs(model: Any) -> list[Any]:
@@ -224,7 +307,7 @@ def _clock(torch: Any, query: Any) -> _HostClock | _CudaClock:
 class _Pending:
     """What the guarded set-up of one wrapped call hands to its guarded bookkeeping."""
 
-    layer: int
+    site: tuple[int, str | None, str]
     ckey: tuple[Any, ...]
     entry: KernelEntry | None
     spy: Any
@@ -270,7 +353,11 @@ class Profile:
         self._tags: dict[str, Any] = {}
         self._saved: list[tuple[Any, Any]] = []
         self._keys: list[str] = []
-        self._layer_of: dict[int, int] = {}
+        self._site_of: dict[int, tuple[int, str | None, str]] = {}
+        self._wrapped: list[Any] = []
+        self.module_route: list[str] = []
+        """Names of the attention modules profiled by the module route (see the module
+        docstring); empty when every one goes through the registry."""
         self._installed = False
 
     # ----- installation -----
@@ -282,10 +369,14 @@ class Profile:
 
         attn_map = AttentionInterface._global_mapping
         mask_map = AttentionMaskInterface._global_mapping
+        two_stacks = _encoder_decoder(self.model)
         for name, mod in self.model.named_modules():
-            m = _LAYER_RE.search(name)
-            if m:
-                self._layer_of[id(mod)] = int(m.group(1))
+            self._site_of[id(mod)] = _site(name, mod, two_stacks)
+        self.module_route = []
+        for name, mod in self.model.named_modules():
+            if _unrouted(mod) and not any(_unrouted(c) for c in mod.modules() if c is not mod):
+                self._wrap_module(mod)
+                self.module_route.append(name)
         n = next(_counter)
         keys: dict[str, str] = {}
         eager_missing = self._eager_missing()
@@ -336,6 +427,9 @@ class Profile:
         for key in self._keys:
             AttentionInterface._global_mapping.pop(key, None)
             AttentionMaskInterface._global_mapping.pop(key, None)
+        for mod in self._wrapped:
+            mod.__dict__.pop("forward", None)  # the class's forward again
+        self._wrapped.clear()
         self._saved.clear()
         self._keys.clear()
         self._installed = False
@@ -367,11 +461,12 @@ class Profile:
         return self.records_total - len(self.records) if self.keep_records else 0
 
     # ----- the wrapper -----
-    def _layer_idx(self, module: Any) -> int:
+    def _layer_idx(self, module: Any) -> tuple[int, str | None, str]:
+        """(layer index, stack, kind): the module's own ``layer_idx`` when it has one, else
+        the number in its name; stack and kind from its name (see the module docstring)."""
+        layer, stack, kind = self._site_of.get(id(module), (-1, None, "self"))
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int):
-            return idx
-        return self._layer_of.get(id(module), -1)
+        return (idx if isinstance(idx, int) else layer), stack, kind
 
     def _make_wrapper(self, base: str) -> Callable[..., Any]:
         from transformers.modeling_utils import AttentionInterface
@@ -389,10 +484,88 @@ class Profile:
 
         return attnprof_attention
 
-    def _class_key(self, layer: int, base: str, query: Any, key: Any, mask: Any,
-                   kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    # ----- the module route (attention modules outside the registry) -----
+    def _wrap_module(self, mod: Any) -> None:
+        orig = mod.forward  # the bound class method
+        prof = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not prof.enabled:
+                return orig(*args, **kwargs)
+            return prof._module_call(mod, orig, args, kwargs)
+
+        mod.forward = forward
+        self._wrapped.append(mod)
+
+    def _module_call(self, mod: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+        """Run the module's own forward exactly once; attnprof's steps around it guarded
+        as in :meth:`_call`."""
+        import torch
+
+        stack = ExitStack()
+        try:
+            site = self._layer_idx(mod)
+            hs: Any = kwargs.get("hidden_states", args[0] if args else None)
+            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            q_len = int(hs.shape[-2])
+            ckey = (site, "module", "prefill" if q_len > 1 else "decode", _mask_kind(mask),
+                    length_bucket(q_len), str(hs.dtype), False,
+                    tuple(sorted((k, v) for k, v in self._tags.items()
+                                 if k in self.class_tags)))
+            entry = self.kernels.get(ckey)
+            probes: tuple[Any, Any] | None = None
+            stack.enter_context(torch.profiler.record_function(
+                f"attn::{layer_label(*site)}::module"))
+            if entry is None:
+                from attnprof.capture.sdpa import OpRecorder, SDPASpy
+
+                probes = (stack.enter_context(OpRecorder()),
+                          stack.enter_context(SDPASpy(explain=self.explain)))
+            clock = _clock(torch, hs)
+        except Exception as exc:
+            self._error("setup", exc)
+            self._close(stack)
+            return fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            self._close(stack)
+            raise
+        try:
+            dt = clock.stop()
+            self._close(stack)
+            failed = [m for p in probes or () for m in p.errors]
+            for msg in failed:
+                self._error("spy", msg)
+            if not failed:
+                if entry is None and probes is not None:
+                    entry = self.kernels[ckey] = self._resolve_module(ckey, *probes)
+                if entry is not None:
+                    entry.calls += 1
+                    entry.time_s += dt
+        except Exception as exc:
+            self._close(stack)
+            self._error("record", exc)
+        return out
+
+    def _resolve_module(self, ckey: tuple[Any, ...], rec: Any, spy: Any) -> KernelEntry:
+        """The module route's row: the SDPA call it made, if any, else its own ops."""
+        if spy.calls:
+            entry = self._resolve(ckey, "module", spy)
+            entry.reasons.append(dict(NO_REGISTRY_REASON))
+            return entry
+        (layer, stack, kind), _b, phase, mask, bucket, dtype, _d, tags = ckey
+        return KernelEntry(layer_idx=layer, impl="module", phase=phase, mask=mask,
+                           length_bucket=bucket, dtype=dtype.removeprefix("torch."),
+                           kernel="eager", fused=False, reasons=[dict(NO_REGISTRY_REASON)],
+                           sdpa_args=None, ops=_attention_ops(rec.ops), tags=dict(tags),
+                           stack=stack, kind=kind)
+
+    def _class_key(self, site: tuple[int, str | None, str], base: str, query: Any, key: Any,
+                   mask: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
         q_len, kv_len = int(query.shape[-2]), int(key.shape[-2])
-        return (layer, base, "prefill" if q_len > 1 else "decode", _mask_kind(mask),
+        return (site, base, "prefill" if q_len > 1 else "decode", _mask_kind(mask),
                 length_bucket(kv_len), str(query.dtype), float(kwargs.get("dropout", 0.0) or 0.0)
                 > 0, tuple(sorted((k, v) for k, v in self._tags.items() if k in self.class_tags)))
 
@@ -426,8 +599,8 @@ class Profile:
                mask: Any, kwargs: dict[str, Any]) -> _Pending:
         import torch
 
-        layer = self._layer_idx(module)
-        ckey = self._class_key(layer, base, query, key, mask, kwargs)
+        site = self._layer_idx(module)
+        ckey = self._class_key(site, base, query, key, mask, kwargs)
         entry = self.kernels.get(ckey)
         spy = None
         if entry is None and base not in ("eager",):
@@ -435,12 +608,12 @@ class Profile:
             from attnprof.capture.sdpa import SDPASpy
 
             spy = SDPASpy(explain=self.explain)
-        stack.enter_context(torch.profiler.record_function(f"attn::L{layer}::{base}"))
+        stack.enter_context(torch.profiler.record_function(f"attn::{layer_label(*site)}::{base}"))
         if spy is not None:
             stack.enter_context(spy)
         # Last, so that the timed region is the call itself (its start read just before).
         start_ns = time.perf_counter_ns()
-        return _Pending(layer, ckey, entry, spy, _clock(torch, query), start_ns)
+        return _Pending(site, ckey, entry, spy, _clock(torch, query), start_ns)
 
     def _finish(self, p: _Pending, stack: ExitStack, base: str, module: Any, query: Any,
                 key: Any, value: Any, mask: Any, kwargs: dict[str, Any], out: Any) -> None:
@@ -468,7 +641,7 @@ class Profile:
                 entry.calls += 1
                 entry.time_s += dt
                 if self.keep_records:
-                    self.records.append(self._record(p.layer, base, query, key, value, mask,
+                    self.records.append(self._record(p.site, base, query, key, value, mask,
                                                      kwargs, dt, entry, p.start_ns))
                     self.records_total += 1
             except Exception as exc:  # bookkeeping must never break the model
@@ -478,8 +651,9 @@ class Profile:
                 attn_out, weights = (out if isinstance(out, tuple) and len(out) == 2
                                      else (out, None))
                 self.on_call(AttentionCallEvent(
-                    p.layer, module, query, key, value, mask, kwargs, base, attn_out, weights,
-                    dt or 0.0, entry.kernel if entry else None, entry.fused if entry else None))
+                    p.site[0], module, query, key, value, mask, kwargs, base, attn_out, weights,
+                    dt or 0.0, entry.kernel if entry else None, entry.fused if entry else None,
+                    p.site[1], p.site[2]))
             except Exception as exc:
                 self._error("on_call", exc)
 
@@ -503,10 +677,10 @@ class Profile:
             pass
 
     def _resolve(self, ckey: tuple[Any, ...], base: str, spy: Any) -> KernelEntry:
-        layer, _base, phase, mask, bucket, dtype, _drop, tags = ckey
+        (layer, stack, kind), _base, phase, mask, bucket, dtype, _drop, tags = ckey
         dtype = dtype.removeprefix("torch.")
         common = dict(layer_idx=layer, impl=base, phase=phase, mask=mask, length_bucket=bucket,
-                      dtype=dtype, tags=dict(tags))
+                      dtype=dtype, tags=dict(tags), stack=stack, kind=kind)
         if base == "eager":
             return KernelEntry(kernel="eager", fused=False, reasons=[dict(EAGER_REASON)],
                                sdpa_args=None, ops=["matmul", "softmax", "matmul"], **common)
@@ -530,10 +704,11 @@ class Profile:
                                ops=["flex_attention"], **common)
         return KernelEntry(kernel=base, fused=True, reasons=[], sdpa_args=None, ops=[], **common)
 
-    def _record(self, layer: int, base: str, q: Any, k: Any, v: Any, mask: Any,
-                kwargs: dict[str, Any], dt: float, entry: KernelEntry,
+    def _record(self, site: tuple[int, str | None, str], base: str, q: Any, k: Any, v: Any,
+                mask: Any, kwargs: dict[str, Any], dt: float, entry: KernelEntry,
                 start_ns: int = 0) -> CallRecord:
         sw = kwargs.get("sliding_window")
+        layer, stack, kind = site
         return CallRecord(
             layer_idx=layer, impl=base, phase="prefill" if int(q.shape[-2]) > 1 else "decode",
             mask=_mask_kind(mask), batch=int(q.shape[0]), q_len=int(q.shape[-2]),
@@ -542,22 +717,27 @@ class Profile:
             dtype=str(q.dtype).removeprefix("torch."),
             sliding_window=int(sw) if isinstance(sw, int) and sw > 0 else None,
             dropout=float(kwargs.get("dropout", 0.0) or 0.0), elapsed_s=dt,
-            kernel=entry.kernel, fused=entry.fused, tags=dict(self._tags), start_ns=start_ns)
+            kernel=entry.kernel, fused=entry.fused, tags=dict(self._tags), start_ns=start_ns,
+            stack=stack, kind=kind)
 
     # ----- results -----
     def activation_map(self) -> list[dict[str, Any]]:
-        """One row per (layer, implementation, phase, mask kind, length bucket, dtype)."""
+        """One row per (layer site, implementation, phase, mask kind, length bucket, dtype);
+        a site is (stack, layer index, kind), in model order (encoder before decoder)."""
         rows = [e.as_dict() for e in self.kernels.values()]
-        rows.sort(key=lambda r: (r["layer_idx"], r["phase"], r["mask"], r["length_bucket"]))
+        rows.sort(key=lambda r: (*site_order(r["stack"], r["layer_idx"], r["kind"]),
+                                 r["phase"], r["mask"], r["length_bucket"]))
         return rows
 
     def layers(self) -> list[dict[str, Any]]:
-        """Per layer: kernels seen, whether all calls were fused, reasons, calls and time."""
-        out: dict[int, dict[str, Any]] = {}
+        """Per layer site: kernels seen, whether all calls were fused, reasons, calls and
+        time (``stack``/``kind``/``label`` tell encoder, decoder and cross-attention apart)."""
+        out: dict[tuple[Any, ...], dict[str, Any]] = {}
         for e in self.kernels.values():
-            d = out.setdefault(e.layer_idx, {"layer": e.layer_idx, "impl": e.impl,
-                                             "kernels": [], "fused": True, "reasons": [],
-                                             "calls": 0, "time_s": 0.0})
+            d = out.setdefault(site_order(e.stack, e.layer_idx, e.kind), {
+                "layer": e.layer_idx, "stack": e.stack, "kind": e.kind, "label": e.label,
+                "impl": e.impl, "kernels": [], "fused": True, "reasons": [], "calls": 0,
+                "time_s": 0.0})
             if e.kernel not in d["kernels"]:
                 d["kernels"].append(e.kernel)
             d["fused"] = d["fused"] and e.fused

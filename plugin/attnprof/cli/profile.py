@@ -35,6 +35,7 @@ from attnprof.cli._common import (
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.profile import ProfileReport
 from attnprof.exporters.scaling_plot import scaling_png
+from attnprof.facts.shape import layer_label
 
 __all__ = ["add_parser", "parse_bytes", "parse_seq_lens", "read_profile", "show_profile"]
 
@@ -293,17 +294,32 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
              f"attn_implementation={m.attn_implementation}", ""]
     lines.append("Kernel activation map (per shape class; same for every layer unless listed):")
     groups: dict[tuple[Any, ...], list[int]] = {}
+    # Encoder-decoder models: encoder, decoder and cross-attention sites named apart.
+    sites = {(r.stack, r.layer_idx, r.kind): layer_label(r.layer_idx, r.stack, r.kind)
+             for r in res.activation_map if r.stack is not None or r.kind != "self"}
+    site_groups: dict[tuple[Any, ...], list[str]] = {}
     for r in res.activation_map:
         key = (r.phase, r.mask, r.length_bucket, r.kernel, r.fused,
                "; ".join(x.code for x in r.reasons))
         groups.setdefault(key, []).append(r.layer_idx)
+        site_groups.setdefault(key, []).append(layer_label(r.layer_idx, r.stack, r.kind))
     lines.append(f"{'phase':<8} {'mask':<6} {'bucket':>6}  {'kernel':<10} {'fused':<5} "
                  f"{'layers':<10} reasons")
     for (ph, mk, bk, kern, fu, why), lays in sorted(groups.items(), key=lambda kv: kv[0][:3]):
         lay = "all" if len(set(lays)) == m.num_layers else ",".join(map(str, sorted(
             set(lays))))[:10]
+        if sites:
+            named = site_groups[(ph, mk, bk, kern, fu, why)]
+            lay = "all" if set(named) == set(sites.values()) else ",".join(
+                dict.fromkeys(named))
         lines.append(f"{ph:<8} {mk:<6} {bk:>6}  {kern:<10} {'yes' if fu else 'no':<5} "
                      f"{lay:<10} {why or '-'}")
+    routed = sorted({layer_label(r.layer_idx, r.stack, r.kind) for r in res.activation_map
+                     if r.impl == "module"})
+    if routed:
+        lines.append(f"note: {len(routed)} attention module(s) do not call transformers' "
+                     "attention registry; profiled by wrapping their forward (time includes "
+                     "their projections; no per-call records): " + ",".join(routed))
     lines += ["", f"Scaling (model forward, batch {res.run.batch_size}):",
               f"{'seq_len':>8} {'forward s':>10} {'attn s':>8} {'peak':>11} {'KV cache':>11}"]
     for row in res.scaling.by_seq_len:

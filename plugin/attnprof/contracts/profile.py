@@ -141,6 +141,10 @@ class PeakRow(Record):
     analytic_peak_bytes: int
     analytic_score_bytes: int = 0
     rel_error: float | None = None
+    q_len: int | None = None
+    """Query length of the call the analytic peak is for (the decoder's for cross-attention)."""
+    kv_len: int | None = None
+    """Key/value length of that call (the encoder's for cross-attention)."""
 
 
 @dataclass
@@ -165,6 +169,10 @@ class LayerReport(Record):
     sliding_window: int | None = None
     layer_type: str | None = None
     shape_classes: list[ShapeClass] = field(default_factory=list)
+    stack: Literal["encoder", "decoder"] | None = None
+    """"encoder"/"decoder" in encoder-decoder models (each numbers its layers from 0)."""
+    kind: Literal["self", "cross"] = "self"
+    """"cross" for cross-attention (keys/values from the encoder, no causal mask)."""
 
 
 @dataclass
@@ -187,6 +195,10 @@ class ActivationRow(Record):
     time_s: float = 0.0
     tags: dict[str, Any] = field(default_factory=dict)
     device: str | None = None
+    stack: Literal["encoder", "decoder"] | None = None
+    """"encoder"/"decoder" in encoder-decoder models, else None."""
+    kind: Literal["self", "cross"] = "self"
+    """"cross" for cross-attention, else "self"."""
 
 
 @dataclass

@@ -40,7 +40,24 @@ from typing import Any
 
 from attnprof.facts.dtypes import dtype_bytes, dtype_name
 
-__all__ = ["FAMILIES", "AttentionShape", "Family", "ShapeError", "layer_windows"]
+__all__ = ["FAMILIES", "AttentionShape", "Family", "ShapeError", "layer_label", "layer_windows",
+           "site_order"]
+
+_STACK_ORDER = {None: 0, "encoder": 1, "decoder": 2}
+
+
+def layer_label(index: int, stack: str | None = None, kind: str = "self") -> str:
+    """One attention site's name in every output: ``L3`` (one stack, self-attention),
+    ``encoder.L3``/``decoder.L3`` (encoder-decoder self-attention), ``decoder.L3.cross``
+    (cross-attention), ``L3.cross`` (cross-attention in a single-stack model)."""
+    out = f"L{index}" if stack is None else f"{stack}.L{index}"
+    return out if kind == "self" else f"{out}.{kind}"
+
+
+def site_order(stack: str | None, index: int, kind: str = "self") -> tuple[int, str, int, int]:
+    """Sort key of a site in model order: encoder layers, then each decoder layer's
+    self-attention followed by its cross-attention."""
+    return (_STACK_ORDER.get(stack, 3), stack or "", index, 0 if kind == "self" else 1)
 
 
 class ShapeError(ValueError):
@@ -53,6 +70,11 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
     to_dict = getattr(cfg, "to_dict", None)
     if callable(to_dict):
         d = dict(to_dict())
+        # Canonical names of renamed fields (GPT-2's n_layer, T5's d_kv, BART's encoder_*):
+        # transformers maps them through the class's attribute_map, not in to_dict().
+        for k, src in (getattr(cfg, "attribute_map", None) or {}).items():
+            if d.get(k) is None and d.get(src) is not None:
+                d[k] = d[src]
         # Derived attributes (layer_types, ...) live on the object, not always in to_dict().
         for k in ("layer_types", "sliding_window", "head_dim", "text_config"):
             v = getattr(cfg, k, None)
@@ -60,6 +82,17 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
                 d[k] = v.to_dict() if k == "text_config" and hasattr(v, "to_dict") else v
         return d
     return dict(vars(cfg))
+
+
+# Field names of families that predate transformers' common names, as their config classes'
+# ``attribute_map`` aliases them (GPT-2; T5; BART and other encoder-decoders: the encoder's).
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_hidden_layers": ("n_layer", "num_layers", "encoder_layers"),
+    "num_attention_heads": ("n_head", "num_heads", "encoder_attention_heads"),
+    "hidden_size": ("n_embd", "d_model"),
+    "head_dim": ("d_kv",),
+    "max_position_embeddings": ("n_positions",),
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +137,10 @@ class AttentionShape:
         outer = _as_dict(cfg)
         text = outer.get("text_config")
         c = {**_as_dict(text)} if text else outer
+        for name, aliases in _ALIASES.items():  # config.json keeps the family's own names
+            alias = next((a for a in aliases if c.get(a) is not None), None)
+            if c.get(name) is None and alias is not None:
+                c[name] = c[alias]
         try:
             layers = int(c["num_hidden_layers"])
             hq = int(c["num_attention_heads"])

@@ -32,7 +32,7 @@ from attnprof.contracts.profile import (
     Scaling,
 )
 from attnprof.facts.shape import AttentionShape
-from attnprof.tools import provenance
+from attnprof.tools import model_inputs, provenance
 
 __all__ = ["ProfileOptions", "environment", "run_profile", "write_trace"]
 
@@ -87,13 +87,20 @@ def _load(opts: ProfileOptions) -> Any:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(opts.model_dir)
+    model_inputs.check_seq_lens(cfg, opts.seq_lens)  # before loading: fail fast
     kw: dict[str, Any] = {"dtype": torch.float32}
     if opts.attn_implementation:
         kw["attn_implementation"] = opts.attn_implementation
     if opts.attention_dropout is not None:
         kw["attention_dropout"] = opts.attention_dropout
     try:
-        model = AutoModelForCausalLM.from_pretrained(opts.model_dir, **kw)
+        if model_inputs.model_kind(cfg) == "encoder_decoder":
+            # Not AutoModelForCausalLM: for BART it builds the decoder alone.
+            from transformers import AutoModelForSeq2SeqLM
+
+            model = AutoModelForSeq2SeqLM.from_pretrained(opts.model_dir, **kw)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(opts.model_dir, **kw)
     except ValueError:  # encoder-only checkpoints
         model = AutoModel.from_pretrained(opts.model_dir, **kw)
     # Training mode turns attention dropout on (and SDPA off its fused CPU kernel).
@@ -122,14 +129,14 @@ def _ids(vocab: int, batch: int, length: int, seed: int = 0) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=g)
+    return torch.randint(0, max(1, vocab), (batch, length), generator=g)
 
 
 def _forward(model: Any, ids: Any, mask: Any = None) -> Any:
     import torch
 
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, use_cache=True)
+        return model(**model_inputs.forward_kwargs(model, ids, mask))
 
 
 def _static_bytes(model: Any) -> int:
@@ -173,8 +180,10 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         #    is a range of trace.json with its layers' attention calls inside.
         forwards: list[_Forward] = []
         per_len: dict[int, dict[str, Any]] = {}
-        layer_time: dict[int, dict[int, list[float]]] = {}
-        layer_peak: dict[int, dict[int, int]] = {}
+        # Keyed by layer label (facts.shape.layer_label): encoder, decoder and cross-attention
+        # sites of one index stay apart.
+        layer_time: dict[str, dict[int, list[float]]] = {}
+        layer_peak: dict[str, dict[int, int]] = {}
         for L in opts.seq_lens:
             ids = _ids(shape["vocab_size"], B, L, seed=L)
             with prof.tag(padded=False, seq_len=L, run="memory"), \
@@ -184,13 +193,15 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 forwards.append(_Forward(f"forward L={L} (memory profile)", s0,
                                          time.perf_counter_ns(), f0, len(prof.records)))
             total_peak, ranges = memory.peak_in_ranges(tp, TRACE_PREFIX)
-            kv_real = memory.cache_bytes(out.past_key_values) if getattr(
+            kv_real = _cache_bytes(out.past_key_values) if getattr(
                 out, "past_key_values", None) is not None else None
             del out
             for name, peaks in ranges.items():
-                layer = int(name.split("::")[1].removeprefix("L"))
-                layer_peak.setdefault(layer, {})[L] = max(peaks)
+                site = name.split("::")[1]  # the layer label (L3, decoder.L3.cross, ...)
+                layer_peak.setdefault(site, {})[L] = max(peaks)
             n0 = len(prof.records)
+            kv_cross = (_kv_cross(prof.records[f0:n0], dtype) if model_inputs.model_kind(cfg)
+                        == "encoder_decoder" else None)
             times = []
             for r in range(opts.repeats):
                 with prof.tag(padded=False, seq_len=L, run=f"time{r}"):
@@ -202,7 +213,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                                              time.perf_counter_ns(), f0, len(prof.records)))
             attn_by_run: dict[str, float] = {}
             for rec in prof.records[n0:]:
-                layer_time.setdefault(rec.layer_idx, {}).setdefault(L, []).append(rec.elapsed_s)
+                layer_time.setdefault(rec.label, {}).setdefault(L, []).append(rec.elapsed_s)
                 attn_by_run[rec.tags.get("run", "")] = attn_by_run.get(
                     rec.tags.get("run", ""), 0.0) + rec.elapsed_s
             per_len[L] = {
@@ -210,7 +221,8 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 "attention_s": min(attn_by_run.values()) if attn_by_run else 0.0,
                 "peak_extra_bytes": total_peak, "peak_total_bytes": static + total_peak,
                 "kv_cache_bytes_measured": kv_real,
-                "kv_cache_bytes_analytic": _kv_total(shape, dtype, B, L),
+                "kv_cache_bytes_analytic": (
+                    kv_cross if kv_cross is not None else _kv_total(shape, dtype, B, L)),
             }
             say(f"model L={L}")
         if opts.trace_path is not None:
@@ -247,9 +259,14 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     amap = prof.activation_map()
     for row in amap:
         row["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap)
+    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, causal=is_causal_lm)
     sc = _scaling(per_len, bench, layer_time)
     oom = _oom(sc, bench, per_len, static, opts, shape, dtype)
+    if oom.get("validation", {}).get("planned") and not model_inputs.can_run(
+            cfg, int(oom["max_seq_len"])):
+        oom["validation"] = {"planned": False, "skipped": (
+            f"a vision model's sequence is n^2 patches + 1; L={oom['max_seq_len']} is not "
+            "one, so it cannot be run as predicted")}
     if oom.get("validation", {}).get("planned"):
         L = int(oom["max_seq_len"])
         say(f"validating at L={L}")
@@ -271,7 +288,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         environment=Environment.from_json(environment()),
         run=RunInfo(seq_lens=list(opts.seq_lens), batch_size=B, repeats=opts.repeats,
                     memory_budget_bytes=opts.memory_budget, paths=list(opts.paths),
-                    inputs="random token ids (no text)", train=opts.train,
+                    inputs=model_inputs.inputs_note(cfg), train=opts.train,
                     attention_dropout=opts.attention_dropout),
         layers=[LayerReport.from_json(x) for x in layers],
         activation_map=[ActivationRow.from_json(x) for x in amap],
@@ -366,7 +383,25 @@ def write_trace(path: Path, records: Any, forwards: list[_Forward], model_name: 
                        other={"attnprof": {"kind": "attnprof.profile_trace",
                                            "model": model_name}},
                        sample_rate_counter=False)
+    _label_sites(doc, [sorted((r for r in records[f.first:f.end] if r.start_ns),
+                              key=lambda r: r.start_ns) for f in forwards])
     path.write_text(dumps(doc))
+
+
+def _label_sites(doc: dict[str, Any], calls: list[list[Any]]) -> None:
+    """Name encoder-decoder attention ranges by site (``attn::decoder.L0.cross::sdpa``, with
+    ``stack``/``kind`` args), as the capture's own record_function ranges are: the shared
+    trace writer knows layer indices only. ``calls`` are each forward's records in the
+    order the writer emits their ranges (by start)."""
+    flat = [r for step in calls for r in step]
+    if not any(r.stack is not None or r.kind != "self" for r in flat):
+        return
+    events = [e for e in doc.get("traceEvents", []) if e.get("cat") == "attention"]
+    if len(events) != len(flat):
+        return  # not the shape this was written for: leave the indices
+    for e, r in zip(events, flat, strict=True):
+        e["name"] = f"attn::{r.label}::{r.impl}"
+        e.setdefault("args", {}).update(stack=r.stack, kind=r.kind)
 
 
 def _available_bytes() -> int:
@@ -385,41 +420,82 @@ def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
     return sum(per * B * (L if w is None else min(L, int(w))) for w in windows)
 
 
+def _cache_bytes(cache: Any) -> int:
+    """Real KV-cache bytes; an encoder-decoder cache is its decoder self-attention cache
+    plus its cross-attention (encoder keys/values) cache."""
+    parts = [getattr(cache, k, None) for k in ("self_attention_cache", "cross_attention_cache")]
+    if all(p is not None for p in parts):
+        return sum(memory.cache_bytes(p) for p in parts)
+    return memory.cache_bytes(cache)
+
+
+def _kv_cross(records: Any, dtype: str) -> int:
+    """Encoder-decoder KV-cache bytes after one forward: each decoder self-attention layer
+    keeps its keys and values over the decoder length, each cross-attention layer over the
+    encoder length (from the calls' own shapes); the encoder keeps none."""
+    from attnprof.facts.dtypes import dtype_bytes
+
+    per_site: dict[str, int] = {}
+    for r in records:
+        if r.stack != "encoder":
+            per_site[r.label] = 2 * r.batch * r.kv_len * r.num_kv_heads * r.head_dim * \
+                dtype_bytes(dtype)
+    return sum(per_site.values())
+
+
 def _layers(prof: Any, shape: dict[str, Any], dtype: str,
-            layer_time: dict[int, dict[int, list[float]]], layer_peak: dict[int, dict[int, int]],
-            B: int, amap: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            layer_time: dict[str, dict[int, list[float]]], layer_peak: dict[str, dict[int, int]],
+            B: int, amap: list[dict[str, Any]], causal: bool = True) -> list[dict[str, Any]]:
     kv = memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype,
                                    shape["num_heads"])
     out = []
-    windows: dict[int, int | None] = {}
+    windows: dict[str, int | None] = {}
+    # The memory run's call per site and length: its own q/kv lengths and heads (a cross-
+    # attention call's kv length is the encoder's, its q length the decoder's).
+    calls: dict[str, dict[int, Any]] = {}
     for rec in prof.records:
-        windows.setdefault(rec.layer_idx, rec.sliding_window)
+        windows.setdefault(rec.label, rec.sliding_window)
+        if rec.tags.get("run") == "memory":
+            calls.setdefault(rec.label, {}).setdefault(int(rec.tags["seq_len"]), rec)
     for lay in prof.layers():
-        i = lay["layer"]
+        i, site = lay["layer"], lay["label"]
         kernels = lay["kernels"]
         path = "eager" if "eager" in kernels else ("math" if "math" in kernels else "flash_cpu")
         mem_rows = []
-        for L, measured in sorted(layer_peak.get(i, {}).items()):
-            a = memory.analytic_attention_peak(memory.AttnShape(
+        for L, measured in sorted(layer_peak.get(site, {}).items()):
+            c = calls.get(site, {}).get(L)
+            ashape = memory.AttnShape(
                 B, shape["num_heads"], shape["num_kv_heads"], L, L, shape["head_dim"],
-                shape["head_dim"], dtype), path)
+                shape["head_dim"], dtype) if c is None else memory.AttnShape(
+                c.batch, c.num_heads, c.num_kv_heads, c.q_len, c.kv_len, c.head_dim,
+                c.head_dim_v, dtype)
+            # Only a decoder's self-attention is causal (cross and encoder layers see all).
+            is_causal = lay["kind"] == "self" and lay["stack"] != "encoder" and (
+                lay["stack"] == "decoder" or causal)
+            a = memory.analytic_attention_peak(ashape, path, causal=is_causal,
+                                               masked=c is not None and c.mask != "none")
             mem_rows.append({"seq_len": L, "measured_peak_bytes": measured,
                              "analytic_peak_bytes": int(a["total"]),
                              "analytic_score_bytes": int(a["scores"]),
                              "rel_error": round(memory.rel_err(a["total"], measured), 4)
-                             if measured else None})
+                             if measured else None,
+                             "q_len": ashape.q_len, "kv_len": ashape.kv_len})
+        plain = lay["stack"] is None and lay["kind"] == "self"
         out.append({
-            "layer": i, "backend": lay["impl"], "kernels": kernels, "fused": lay["fused"],
-            "reasons": lay["reasons"], "sliding_window": windows.get(i),
-            "layer_type": (shape["layer_types"][i] if i < len(shape["layer_types"]) else None),
+            "layer": i, "stack": lay["stack"], "kind": lay["kind"],
+            "backend": lay["impl"], "kernels": kernels, "fused": lay["fused"],
+            "reasons": lay["reasons"], "sliding_window": windows.get(site),
+            "layer_type": (shape["layer_types"][i] if plain and 0 <= i < len(
+                shape["layer_types"]) else None),
             "shape_classes": [
                 {k: r[k] for k in ("phase", "mask", "length_bucket", "kernel", "fused", "tags")}
-                for r in amap if r["layer_idx"] == i],
+                for r in amap if (r["layer_idx"], r["stack"], r["kind"]) == (
+                    i, lay["stack"], lay["kind"])],
             "timing": {"calls": lay["calls"], "total_s": lay["time_s"],
                        "median_s_by_seq_len": {str(L): statistics.median(v) for L, v in
-                                               sorted(layer_time.get(i, {}).items())},
+                                               sorted(layer_time.get(site, {}).items())},
                        "samples_s_by_seq_len": {str(L): list(v) for L, v in
-                                                sorted(layer_time.get(i, {}).items())}},
+                                                sorted(layer_time.get(site, {}).items())}},
             "memory": {"kv_cache_bytes_per_token": kv["per_layer"],
                        "kv_cache_bytes_per_token_per_kv_head": kv["per_kv_head"],
                        "kv_cache_bytes_per_token_per_query_head": kv["per_query_head"],
@@ -429,7 +505,7 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
 
 
 def _scaling(per_len: dict[int, dict[str, Any]], bench: dict[str, Any],
-             layer_time: dict[int, dict[int, list[float]]]) -> dict[str, Any]:
+             layer_time: dict[str, dict[int, list[float]]]) -> dict[str, Any]:
     Ls = sorted(per_len)
     res: dict[str, Any] = {"by_seq_len": [per_len[L] for L in Ls], "paths": {}, "fits": {}}
     if len(Ls) >= 2:
