@@ -216,3 +216,18 @@ def test_snapshot_without_a_probe_says_how_to_get_one(tmp_path: Path) -> None:
     with pytest.raises(CliError, match="ATTNPROF_PROBE=1"):
         _write_roofline(snap, tmp_path / "r.png", "http://x")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_a_point_above_a_roof_says_why() -> None:
+    from attnprof.exporters.roofline_plot import summary_lines
+
+    rl = roofline.place([roofline.PhaseWork("prefill", 1, 1.0, 2e12, 1e9, 1e8, 0),
+                         roofline.PhaseWork("decode", 1, 1.0, 1e9, 1e9, 5e8, 0)],
+                        peak_bw=10e9, peak_flops=1e12, note="live")
+    assert rl.phases["prefill"].compute_utilization == pytest.approx(2.0)
+    assert rl.note == "live; " + roofline.OVER_ROOF.format("prefill")
+    lines = summary_lines(rl)
+    assert lines[1].endswith("(above the roof: see note)") and lines[-1].startswith("note: ")
+    assert not lines[0].endswith("see note)")  # decode at 5%: no caveat
+    ok = roofline.place([roofline.PhaseWork("decode", 1, 1.0, 1e9, 1e9, 5e8, 0)], 10e9, 1e12)
+    assert ok.note == "" and len(summary_lines(ok)) == 1

@@ -38,8 +38,12 @@ def summary_lines(rl: Roofline) -> list[str]:
                 f"{_si(p.achieved_flops_per_second, 'FLOP/s')} = "
                 f"{_pct(p.compute_utilization)} of matmul peak")
         inten = p.intensity_flops_per_byte
+        util = p.bandwidth_utilization if phase == "decode" else p.compute_utilization
         out.append(f"{phase}: {'-' if inten is None else f'{inten:.3g}'} FLOP/B "
-                   f"({p.bound}-bound side, ridge {rl.ridge_flops_per_byte:.3g}), {head}")
+                   f"({p.bound}-bound side, ridge {rl.ridge_flops_per_byte:.3g}), {head}"
+                   + (" (above the roof: see note)" if util is not None and util > 1 else ""))
+    if any(line.endswith("see note)") for line in out):
+        out.append(f"note: {rl.note}")
     return out
 
 

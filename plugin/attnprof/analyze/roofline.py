@@ -19,8 +19,8 @@ from attnprof.contracts.roofline import MemoryProbe, Roofline, RooflinePoint
 from attnprof.contracts.snapshot import LayerProfile, WorkerSnapshot
 from attnprof.facts.dtypes import dtype_bytes
 
-__all__ = ["PhaseWork", "call_work", "from_snapshot", "place", "place_point", "roofline",
-           "work_from_layers"]
+__all__ = ["OVER_ROOF", "PhaseWork", "call_work", "from_snapshot", "place", "place_point",
+           "roofline", "work_from_layers"]
 
 
 @dataclass
@@ -101,6 +101,10 @@ def place_point(w: PhaseWork, peak_bw: float, peak_flops: float) -> RooflinePoin
         bound="memory" if intensity is not None and intensity < ridge else "compute")
 
 
+OVER_ROOF = ("{} above the probed roof: the probe ran under other load (live on a CPU it "
+             "shares the cores with serving), the KV fits a cache, or FLOPs are counted dense")
+
+
 def place(work: Iterable[PhaseWork], peak_bw: float, peak_flops: float,
           device: str = "cpu", note: str = "") -> Roofline:
     """Every (layer, phase) piece and each phase's total (summed bytes over summed time:
@@ -116,11 +120,15 @@ def place(work: Iterable[PhaseWork], peak_bw: float, peak_flops: float,
         lw.add(w)
     keyed = sorted((p, lay, w) for (lay, p), w in by_layer.items() if lay is not None)
     layers = [place_point(w, peak_bw, peak_flops) for _p, _lay, w in keyed]
+    phases = {p: place_point(w, peak_bw, peak_flops) for p, w in sorted(totals.items())}
+    over = [p for p, pt in phases.items() if max(pt.bandwidth_utilization or 0.0,
+                                                 pt.compute_utilization or 0.0) > 1.0]
+    if over:  # say why a point can sit above a roof rather than let it pass as a fact
+        note = "; ".join(x for x in (note, OVER_ROOF.format(", ".join(over))) if x)
     return Roofline(
         peak_bandwidth_bytes_per_second=peak_bw, peak_flops_per_second=peak_flops,
         ridge_flops_per_byte=peak_flops / peak_bw if peak_bw > 0 else 0.0,
-        phases={p: place_point(w, peak_bw, peak_flops) for p, w in sorted(totals.items())},
-        layers=layers, device=device, note=note)
+        phases=phases, layers=layers, device=device, note=note)
 
 
 def roofline(work: Iterable[PhaseWork], probe: MemoryProbe, note: str = "") -> Roofline:

@@ -33,7 +33,8 @@ MAX_CPU_ARRAY = 512 << 20
 2-core Xeon with a 480 MiB shared L3 we measured on, copy runs flat from 64 MiB up: the
 cache a few cores get is far smaller than the L3 reported)."""
 GPU_ARRAY = 1 << 30
-"""1 GiB per array on the GPU (L2 is 40-60 MB on A100/H100/H200)."""
+"""1 GiB per array on the GPU (L2 is 40-60 MB on A100/H100/H200), or 1/8 of the free memory
+when less (at least 64 MiB)."""
 
 
 def llc_bytes() -> int | None:
@@ -51,7 +52,11 @@ def llc_bytes() -> int | None:
 def default_array_bytes(device: str) -> int:
     """Bytes per probe array on ``device`` (cpu or cuda)."""
     if device == "cuda":
-        return GPU_ARRAY
+        import torch
+
+        # Inside a server most of the memory is the KV cache: take at most 1/8 of what is free.
+        free = int(torch.cuda.mem_get_info()[0])
+        return max(64 << 20, min(GPU_ARRAY, free // 8))
     llc = llc_bytes() or 0
     return max(MIN_CPU_ARRAY, min(MAX_CPU_ARRAY, 2 * llc))
 

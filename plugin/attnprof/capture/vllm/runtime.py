@@ -164,8 +164,13 @@ def _start_probe(state: State) -> None:
     from attnprof.tools.probe import start_background
 
     def model_dtype() -> str | None:
-        cap = state.capture
-        layers = list(getattr(getattr(cap, "aggs", None), "layers", {}).values())
+        # Only once a decode step has been recorded: the server is then serving, past vLLM's
+        # memory profiling and CUDA-graph capture, which GPU work from another thread could
+        # disturb (a capture refuses foreign kernels; a transient 3 GiB skews KV sizing).
+        aggs = getattr(state.capture, "aggs", None)
+        if aggs is None or not any(ph == "decode" for _i, ph in list(aggs.agg)):
+            return None
+        layers = list(aggs.layers.values())
         return str(layers[0].dtype) if layers else None
 
     def done(result: Any) -> None:
