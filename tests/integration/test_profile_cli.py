@@ -176,6 +176,34 @@ def test_profile_smollm2_end_to_end_and_oom_check(smollm2_dir: Path, tmp_path: P
     assert v["planned"] and v["seq_len"] == o["max_seq_len"]
     assert v["rel_error"] < 0.05, v
     assert v["fits_budget"]
+    assert o["confidence"] == "high"  # validated at the predicted length
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "path", "limit"), [
+    # Default SDPA: the math what-if was 93,950 tokens in 24 GiB (318 GB of scores per call).
+    (["--seq-lens", "128,256"], "flash_cpu", {"math": (24 << 30) / (9 * 9 + 4)}),
+    # Every layer eager: two fp32 score matrices; the headline was 102,990.
+    (["--attn-implementation", "eager", "--seq-lens", "256,512"], "eager",
+     {"eager": (24 << 30) / (9 * 2 * 4)}),
+])
+def test_profile_smollm2_predictions_physics_allows(smollm2_dir: Path, tmp_path: Path,
+                                                     args: list[str], path: str,
+                                                     limit: dict[str, float]) -> None:
+    """The issue's two examples: predictions within the score matrices' limit, for the path
+    the model ran, with their extrapolation factor and confidence."""
+    out = tmp_path / "out"
+    assert main(["profile", "smollm2", *args, "--out", str(out), "--repeats", "1",
+                 "--no-validate"]) == 0
+    o = validate_outputs(out)["oom_prediction"]
+    assert o["attention_paths"] == {path: list(range(30))}
+    preds = {path: o, **o["if_attention_path"]}
+    for p, cap in limit.items():
+        assert 10_000 < preds[p]["max_seq_len"] <= min(cap**0.5, preds[p]["analytic_max_seq_len"])
+    for p in preds.values():
+        assert p["max_seq_len"] <= p["analytic_max_seq_len"]
+        assert p["extrapolation"] is True and p["confidence"] == "low"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

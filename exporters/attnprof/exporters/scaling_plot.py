@@ -44,15 +44,30 @@ def scaling_png(res: ProfileReport) -> bytes:
     o = res.oom_prediction
     ax_m.axhline(o.memory_budget_bytes / 2**20, color="black", ls="--", lw=1,
                  label=f"budget {o.memory_budget_bytes / 2**30:.2f} GiB")
-    fit = res.scaling.fits.get("model_peak_total_bytes")
-    if fit is not None and o.max_seq_len and o.max_seq_len <= 64 * max(xs):
-        # Extrapolate the fitted model peak out to the predicted OOM length.
-        f = fit.to_json()
+    if o.max_seq_len and o.max_seq_len <= 64 * max(xs):
+        # The analytic floor the prediction never passes: weights + KV cache + the attention
+        # peaks of the paths the model ran, out to the predicted OOM length.
+        from attnprof.analyze.scaling import forward_floor
+
+        m = res.model
+        paths = [""] * m.num_layers
+        for p, layers in o.attention_paths.items():
+            for i in layers:
+                if i < len(paths):
+                    paths[i] = p
+        paths = [p or "flash_cpu" for p in paths]
         grid = _grid([min(xs), int(o.max_seq_len * 1.3)])
-        ax_m.plot(grid, [eval_poly2(f, x) / 2**20 for x in grid], "--", color="tab:blue",
-                  lw=1, label="model fit (extrapolated)")
+        ax_m.plot(grid, [forward_floor(int(x), static_bytes=o.static_bytes,
+                                       batch=res.run.batch_size, num_heads=m.num_heads,
+                                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                       dtype=m.dtype, layer_paths=paths,
+                                       layer_windows=m.layer_windows) / 2**20 for x in grid],
+                  "--", color="tab:blue", lw=1, label="analytic floor (paths as run)")
+        how = "" if o.confidence is None else (
+            f" ({'extrapolated ' if o.extrapolation else ''}"
+            f"{o.extrapolation_factor or 0:g}x, confidence {o.confidence})")
         ax_m.axvline(o.max_seq_len, color="black", ls=":", lw=1,
-                     label=f"predicted OOM at L={o.max_seq_len}")
+                     label=f"predicted OOM at L={o.max_seq_len}{how}")
     ax_t.set(xlabel="sequence length", ylabel="ms per attention call", title="Attention time",
              xscale="log", yscale="log")
     ax_m.set(xlabel="sequence length", ylabel="MiB (peak)", title="Memory vs length",

@@ -161,6 +161,8 @@ class _Side:
     run's own yardstick for machine speed."""
     memory: dict[str, float] = field(default_factory=dict)
     oom: int | None = None
+    oom_how: str = ""
+    """How sure the prediction is: its extrapolation factor and confidence (profiles)."""
     kv_bytes: int | None = None
     window: dict[str, Any] | None = None
     context: tuple[list[float], list[int]] | None = None
@@ -191,6 +193,11 @@ def _profile_side(rep: ProfileReport, name: str, raw: Mapping[str, Any]) -> _Sid
         groups = t.samples_s_by_seq_len or {k: [v] for k, v in t.median_s_by_seq_len.items()}
         s.times[lay.layer] = {f"L={k}": list(v) for k, v in groups.items()}
     s.oom = rep.oom_prediction.max_seq_len
+    o = rep.oom_prediction
+    if o.confidence is not None and o.extrapolation_factor is not None:
+        s.oom_how = (f"{'an extrapolation, ' if o.extrapolation else ''}"
+                     f"{o.extrapolation_factor:g}x the longest measured length, "
+                     f"confidence {o.confidence}")
     if rep.window_advice is not None:
         s.window = rep.window_advice.to_json()
     s.side = DiffSide(file=name, kind=s.kind, schema_version=str(raw.get("schema_version")),
@@ -500,7 +507,8 @@ def _memory_findings(b: _Side, n: _Side, th: Mapping[str, float | None]) -> list
                "improvement" if ch > (lim or 0.10) else "info")
         out.append(Finding(kind="oom", severity=_sev(sev),
                            title=f"predicted max sequence length: {b.oom:,} -> {n.oom:,} "
-                                 f"({ch:+.0%})",
+                                 f"({ch:+.0%})"
+                                 + (f"; new: {n.oom_how}" if n.oom_how else ""),
                            base=b.oom, new=n.oom, change=round(ch, 4), threshold="oom"))
     elif (b.oom is None) != (n.oom is None) and b.kind == "attnprof.profile":
         out.append(Finding(kind="oom", severity="info",

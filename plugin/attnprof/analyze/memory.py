@@ -35,6 +35,7 @@ __all__ = [
     "kv_bytes_per_token",
     "measure_peak",
     "memory_profile",
+    "model_mask_bytes",
     "peak_in_ranges",
     "rel_err",
 ]
@@ -124,6 +125,13 @@ def analytic_attention_peak(shape: AttnShape, path: str, *, masked: bool = False
     return {"total": scores + out_b + other, "scores": scores, "output": out_b, "other": other}
 
 
+def model_mask_bytes(batch: int, q_len: int, kv_len: int, path: str, dtype: Any) -> float:
+    """Bytes of the attention mask a transformers model builds once per forward and holds
+    through every layer: eager gets a float additive ``B x 1 x Lq x Lk`` mask in the model's
+    dtype; SDPA and fused paths get none for an unpadded causal prefill (is_causal instead)."""
+    return float(batch * q_len * kv_len * dtype_bytes(dtype)) if path == "eager" else 0.0
+
+
 def cache_bytes(cache: Any) -> int:
     """Real bytes of a transformers cache (sum over its layers' key/value tensors)."""
     total = 0
@@ -199,9 +207,11 @@ def measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, peak
 
 
-def peak_in_ranges(prof: Any, prefix: str) -> tuple[int, dict[str, list[int]]]:
+def peak_in_ranges(prof: Any, prefix: str, absolute: bool = False
+                   ) -> tuple[int, dict[str, list[int]]]:
     """Overall peak of a profiled region and, per ``record_function`` range whose name starts
-    with ``prefix``, the peak bytes allocated above the level at the range's start."""
+    with ``prefix``, the peak bytes allocated above the level at the range's start (with
+    ``absolute``: above the region's start, i.e. everything held at that range's peak)."""
     mem = _memory_events(prof)
     ranges = []
     for e in prof.profiler.kineto_results.events():
@@ -212,16 +222,19 @@ def peak_in_ranges(prof: Any, prefix: str) -> tuple[int, dict[str, list[int]]]:
     out: dict[str, list[int]] = {}
     cur = peak = 0
     levels = []
+    before = [0]  # before[i]: bytes held just before event i
     for t, nb in mem:
         cur += nb
         peak = max(peak, cur)
         levels.append((t, nb))
+        before.append(cur)
     i = 0
     for start, end, name in ranges:
         # Memory events are time-ordered: walk the ones inside [start, end].
         while i < len(levels) and levels[i][0] < start:
             i += 1
-        j, held, top = i, 0, 0
+        base = before[i] if absolute else 0
+        j, held, top = i, base, base
         while j < len(levels) and levels[j][0] <= end:
             held += levels[j][1]
             top = max(top, held)

@@ -4,6 +4,17 @@ Time and memory of attention grow as ``a + b*L + c*L^2``: fused paths have c (ti
 QK^T/PV FLOPs but no quadratic memory; unfused paths (math, eager) hold the score matrix, so
 memory has a quadratic term too. :func:`fit_poly2` fits the three terms by least squares
 (non-negative c); :func:`predict_max` inverts a fitted memory curve against a budget.
+
+OOM predictions (:func:`predict_oom`) never rest on the fit alone. A fit through a few short
+lengths cannot see the score matrices an unfused path must hold at long lengths (two points
+give no L^2 term at all), so the analytic memory model (:mod:`attnprof.analyze.memory`) sets a
+floor under the predicted peak: weights + the KV cache held up to each layer + that layer's
+modeled attention peak on the path it actually ran (+ eager's model-level mask). The predicted
+peak is ``max(floor(L) + R(L), F(L))``: ``R`` fits what the measured attention-moment peaks hold
+beyond the floor (hidden states; non-negative, so never below the floor), ``F`` fits the
+whole forward's peak linearly (logits and MLP activations, which grow with L only). The
+prediction is thus never past the analytic bound (the largest L the floor alone allows).
+Each prediction carries its extrapolation factor and a confidence (:func:`confidence`).
 """
 
 from __future__ import annotations
@@ -13,16 +24,29 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from attnprof.analyze.memory import measure_peak
+from attnprof.analyze.memory import (
+    AttnShape,
+    analytic_attention_peak,
+    kv_bytes_per_token,
+    measure_peak,
+    model_mask_bytes,
+)
 
 __all__ = [
+    "CONFIDENCE_RULE",
+    "EXTRAPOLATION_LIMIT",
     "PATHS",
+    "analytic_path",
     "bench_path",
+    "confidence",
     "eval_poly2",
     "fit_poly2",
+    "forward_floor",
     "make_inputs",
     "predict_max",
+    "predict_oom",
     "run_path",
+    "run_paths",
 ]
 
 PATHS = ("flash_cpu", "math", "eager")
@@ -168,3 +192,131 @@ def doubling_ratio(fit: dict[str, float], x: float) -> float:
     """How much y grows when x doubles (2 = linear, 4 = quadratic)."""
     y1, y2 = eval_poly2(fit, x), eval_poly2(fit, 2 * x)
     return y2 / y1 if y1 > 0 else math.nan
+
+
+# --- OOM prediction bounded by the analytic memory model -----------------------------------
+
+EXTRAPOLATION_LIMIT = 4.0
+"""Beyond this extrapolation factor (predicted length / longest measured length) every output
+says the prediction is an extrapolation, and its confidence is low."""
+
+CONFIDENCE_RULE = (
+    "high: validated by a run at the predicted length (measured peak within 5% and under the "
+    "budget), or at most 2x the longest measured length; medium: at most "
+    f"{EXTRAPOLATION_LIMIT:g}x; low: beyond {EXTRAPOLATION_LIMIT:g}x (an extrapolation), or "
+    "no length fits the budget; one level lower when the analytic attention model misses the "
+    "measured attention peaks by more than 10%")
+
+_FUSED = {"flash_cpu", "flash", "efficient", "cudnn", "flex_attention", "overrideable"}
+
+
+def analytic_path(kernel: str | None) -> str:
+    """The memory model's path for a kernel-map kernel: eager, math, or flash_cpu (every
+    fused kernel holds no score matrix; the CPU tiles bound the GPU ones from above)."""
+    if kernel in ("eager", "math"):
+        return str(kernel)
+    return "flash_cpu"
+
+
+def run_paths(activation_map: Sequence[dict[str, Any]], num_layers: int) -> list[str]:
+    """The attention path each layer ran for an unpadded prefill (the calls the scaling runs
+    make), from the kernel map; the longest length bucket wins (the dispatcher may change
+    kernel with length). Layers without such a row take their costliest kernel seen."""
+    best: dict[int, tuple[int, str]] = {}
+    seen: dict[int, set[str]] = {}
+    for r in activation_map:
+        i = int(r["layer_idx"])
+        seen.setdefault(i, set()).add(analytic_path(r.get("kernel")))
+        if r.get("phase") == "prefill" and r.get("mask") == "none":
+            b = int(r.get("length_bucket") or 0)
+            if i not in best or b >= best[i][0]:
+                best[i] = (b, analytic_path(r.get("kernel")))
+    order = {"eager": 0, "math": 1, "flash_cpu": 2}
+    out = []
+    for i in range(num_layers):
+        if i in best:
+            out.append(best[i][1])
+        else:
+            out.append(min(seen.get(i, {"flash_cpu"}), key=order.__getitem__))
+    return out
+
+
+def forward_floor(L: int, *, static_bytes: float, batch: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, dtype: str, layer_paths: Sequence[str],
+                  layer_windows: Sequence[int | None] | None = None,
+                  threads: int | None = None) -> float:
+    """Analytic lower bound of a length-L prefill forward's peak: weights + max over layers
+    of (KV cache written up to that layer + its modeled attention peak) + eager's mask."""
+    per_tok = kv_bytes_per_token(num_kv_heads, head_dim, dtype)["per_layer"] * batch
+    shape = AttnShape(batch, num_heads, num_kv_heads, L, L, head_dim, head_dim, dtype)
+    attn: dict[str, float] = {}
+    kv = top = 0.0
+    wins = list(layer_windows or [])
+    for i, path in enumerate(layer_paths):
+        w = wins[i] if i < len(wins) else None
+        kv += per_tok * (L if w is None else min(L, int(w)))
+        if path not in attn:
+            attn[path] = analytic_attention_peak(shape, path, threads=threads)["total"]
+        top = max(top, kv + attn[path])
+    mask = max((model_mask_bytes(batch, L, L, p, dtype) for p in set(layer_paths)), default=0.0)
+    return float(static_bytes) + top + mask
+
+
+def confidence(factor: float | None, *, validated: bool = False,
+               model_error: float | None = None) -> str:
+    """high / medium / low by :data:`CONFIDENCE_RULE`."""
+    if factor is None or factor <= 0:
+        return "low"
+    if validated:
+        return "high"
+    levels = ["low", "medium", "high"]
+    i = 2 if factor <= 2 else (1 if factor <= EXTRAPOLATION_LIMIT else 0)
+    if model_error is not None and model_error > 0.10:
+        i = max(0, i - 1)
+    return levels[i]
+
+
+def predict_oom(lengths: Sequence[int], peaks: Sequence[float], budget: float,
+                floor: Callable[[int], float], *,
+                attention_peaks: Sequence[float] | None = None,
+                model_error: float | None = None, hi: int = 1 << 24) -> dict[str, Any]:
+    """The longest length whose predicted peak fits ``budget``, never past what the analytic
+    ``floor`` allows.
+
+    ``peaks``: measured peak bytes per length (whole forward, or one call); ``attention_peaks``:
+    what was held at the highest attention call of each forward (default ``peaks``). Returns
+    ``max_seq_len``, ``predicted_peak_bytes_at_max``, ``analytic_max_seq_len`` (the bound),
+    ``fit_max_seq_len`` (the plain ``a + b*L + c*L^2`` fit's answer, for comparison),
+    ``extrapolation_factor``, ``extrapolation``, ``confidence`` and a ``note``.
+    """
+    xs = [int(x) for x in lengths]
+    att = list(attention_peaks) if attention_peaks is not None else list(peaks)
+    # What the attention moment holds beyond the floor (non-negative terms; c only with 3+
+    # lengths); the rest of the forward grows linearly with L.
+    rest = fit_poly2(xs, [a - floor(x) for x, a in zip(xs, att, strict=True)])
+    lin = fit_poly2(xs, list(peaks), quadratic=False)
+
+    def est(x: int) -> float:
+        return max(floor(x) + eval_poly2(rest, x), eval_poly2(lin, x))
+
+    plain = fit_poly2(xs, list(peaks))
+    L = predict_max(rest, budget, hi=hi, f=est)
+    bound = predict_max(rest, budget, hi=hi, f=floor)
+    fit_only = predict_max(plain, budget, hi=hi)
+    longest = max(xs)
+    factor = round(L / longest, 2) if L else None
+    out: dict[str, Any] = {
+        "max_seq_len": L, "predicted_peak_bytes_at_max": est(L) if L else None,
+        "analytic_max_seq_len": bound, "fit_max_seq_len": fit_only,
+        "extrapolation_factor": factor,
+        "extrapolation": bool(factor is not None and factor > EXTRAPOLATION_LIMIT),
+        "confidence": confidence(factor, model_error=model_error), "note": None,
+    }
+    if fit_only > bound:
+        c_need = (floor(2 * longest) - 2 * floor(longest) + floor(0)) / (2.0 * longest**2)
+        out["note"] = (
+            f"the fit of the measured peaks alone (L^2 term {plain['c']:.1f} B/token^2 from "
+            f"{len(xs)} lengths) would allow {fit_only:,} tokens, which the analytic model "
+            f"rules out: the attention path must hold ~{c_need:.1f} B/token^2")
+    return out
+

@@ -282,6 +282,23 @@ def _advice_inputs(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any,
     return dist, load_arch(str(model_dir)), stats
 
 
+def _n(x: int | None) -> str:
+    return "?" if x is None else f"{x:,}"
+
+
+def _how_sure(factor: float | None, extrapolation: bool | None, confidence: str | None,
+              longest: int) -> str:
+    """" (EXTRAPOLATION: 71x the longest measured length (256), confidence low)"; empty for
+    profiles written before predictions carried these."""
+    if confidence is None:
+        return ""
+    if factor is None:
+        return f" (confidence {confidence})"
+    word = "EXTRAPOLATION: " if extrapolation else ""
+    return (f" ({word}{factor:g}x the longest measured length ({longest}), "
+            f"confidence {confidence})")
+
+
 def _gib(b: float | None) -> str:
     return "-" if b is None else f"{b / 2**30:.2f} GiB"
 
@@ -335,10 +352,21 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
             lines.append(f"{path:<10} {L:>8} {t * 1e3:>9.2f} {pk / 2**20:>9.1f} "
                          f"{an / 2**20:>9.1f}")
     o = res.oom_prediction
-    lines += ["", f"OOM prediction for a {_gib(o.memory_budget_bytes)} budget: "
-                  f"max seq_len {o.max_seq_len} at batch {o.batch_size}"]
+    longest = max(res.run.seq_lens) if res.run.seq_lens else 0
+    ran = "; ".join(f"{p}: {'all' if len(ls) == m.num_layers else len(ls)} layers"
+                    for p, ls in o.attention_paths.items())
+    lines += ["", f"OOM prediction for a {_gib(o.memory_budget_bytes)} budget"
+                  f"{f' (attention as this model ran it: {ran})' if ran else ''}: "
+                  f"max seq_len {_n(o.max_seq_len)} at batch {o.batch_size}"
+                  f"{_how_sure(o.extrapolation_factor, o.extrapolation, o.confidence, longest)}"]
+    if o.analytic_max_seq_len is not None:
+        lines.append(f"  analytic bound (weights + KV cache + attention peaks alone): "
+                     f"{_n(o.analytic_max_seq_len)}")
+    if o.note:
+        lines.append(f"  note: {o.note}")
     for path, w in o.if_attention_path.items():
-        lines.append(f"  if attention ran on {path}: max seq_len {w.max_seq_len}")
+        lines.append(f"  if attention ran on {path}: max seq_len {_n(w.max_seq_len)}"
+                     f"{_how_sure(w.extrapolation_factor, w.extrapolation, w.confidence, longest)}")
     v = o.validation
     if v is not None and v.measured_peak_bytes is not None:
         lines.append(f"  validated at L={v.seq_len}: measured {_gib(v.measured_peak_bytes)}"

@@ -223,6 +223,9 @@ class LengthResult(Record):
     kv_cache_bytes_analytic: int
     peak_extra_bytes: int = 0
     kv_cache_bytes_measured: int | None = None
+    attention_peak_total_bytes: int | None = None
+    """Weights + everything held at the forward's highest attention call (its own peak
+    included): the attention moment the OOM prediction extrapolates."""
 
 
 @dataclass
@@ -264,6 +267,14 @@ class Validation(Record):
 @dataclass
 class WhatIf(Record):
     max_seq_len: int | None
+    extrapolation_factor: float | None = None
+    """max_seq_len / the longest measured length."""
+    extrapolation: bool | None = None
+    """True beyond ``extrapolation_limit`` (the output then says it is an extrapolation)."""
+    confidence: Literal["high", "medium", "low"] | None = None
+    analytic_max_seq_len: int | None = None
+    """The bound: the longest length the analytic memory model alone allows on this path."""
+    predicted_peak_bytes_at_max: float | None = None
 
 
 @dataclass
@@ -281,6 +292,21 @@ class OomPrediction(Record):
     """The same prediction if attention fell back to another path."""
     validation: Validation | None = None
     extrapolation_factor: float | None = None
+    extrapolation: bool | None = None
+    """True when extrapolation_factor exceeds extrapolation_limit: the prediction is an
+    extrapolation and every output says so."""
+    extrapolation_limit: float | None = None
+    confidence: Literal["high", "medium", "low"] | None = None
+    confidence_rule: str | None = None
+    """How the confidence level is set (high/medium/low)."""
+    attention_paths: dict[str, list[int]] = field(default_factory=dict)
+    """The attention path each layer ran (kernel map) -> its layers: what max_seq_len is for."""
+    analytic_max_seq_len: int | None = None
+    """The bound: the longest length the analytic memory model (weights, KV cache, the run
+    paths' attention peaks) allows; max_seq_len never exceeds it."""
+    fit_max_seq_len: int | None = None
+    """What a plain a + b*L + c*L^2 fit of the measured peaks alone would predict (shown for
+    comparison; not used when it exceeds the bound)."""
 
 
 @dataclass

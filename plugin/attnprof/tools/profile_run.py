@@ -193,6 +193,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 forwards.append(_Forward(f"forward L={L} (memory profile)", s0,
                                          time.perf_counter_ns(), f0, len(prof.records)))
             total_peak, ranges = memory.peak_in_ranges(tp, TRACE_PREFIX)
+            _, held = memory.peak_in_ranges(tp, TRACE_PREFIX, absolute=True)
             kv_real = _cache_bytes(out.past_key_values) if getattr(
                 out, "past_key_values", None) is not None else None
             del out
@@ -221,6 +222,8 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 "attention_s": min(attn_by_run.values()) if attn_by_run else 0.0,
                 "peak_extra_bytes": total_peak, "peak_total_bytes": static + total_peak,
                 "kv_cache_bytes_measured": kv_real,
+                "attention_peak_total_bytes": static + max(
+                    (max(v) for v in held.values()), default=0) if held else None,
                 "kv_cache_bytes_analytic": (
                     kv_cross if kv_cross is not None else _kv_total(shape, dtype, B, L)),
             }
@@ -261,7 +264,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         row["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, causal=is_causal_lm)
     sc = _scaling(per_len, bench, layer_time)
-    oom = _oom(sc, bench, per_len, static, opts, shape, dtype)
+    oom = _oom(sc, bench, per_len, static, opts, shape, dtype, amap=amap, layers=layers)
     if oom.get("validation", {}).get("planned") and not model_inputs.can_run(
             cfg, int(oom["max_seq_len"])):
         oom["validation"] = {"planned": False, "skipped": (
@@ -271,6 +274,10 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         L = int(oom["max_seq_len"])
         say(f"validating at L={L}")
         oom["validation"] = _validate(model, shape, B, L, static, oom)
+        v = oom["validation"]
+        oom["confidence"] = scaling.confidence(oom["extrapolation_factor"], validated=bool(
+            v["fits_budget"] and v["rel_error"] <= 0.05), model_error=oom.get("_model_error"))
+    oom.pop("_model_error", None)
     adv = advice_mod.advise(amap, {"time_s": {p: {int(k): v for k, v in d.items()}
                                               for p, d in bench["time_s"].items()},
                                    "peak_bytes": {p: {int(k): v for k, v in d.items()}
@@ -535,55 +542,82 @@ def _scaling(per_len: dict[int, dict[str, Any]], bench: dict[str, Any],
 
 
 def _oom(sc: dict[str, Any], bench: dict[str, Any], per_len: dict[int, dict[str, Any]],
-         static: int, opts: ProfileOptions, shape: dict[str, Any], dtype: str
+         static: int, opts: ProfileOptions, shape: dict[str, Any], dtype: str, *,
+         amap: list[dict[str, Any]] | None = None, layers: list[dict[str, Any]] | None = None
          ) -> dict[str, Any]:
     budget = opts.memory_budget
-    fit = sc["fits"].get("model_peak_total_bytes")
-    out: dict[str, Any] = {"memory_budget_bytes": budget, "batch_size": opts.batch_size,
-                           "static_bytes": static, "method": (
-                               "fit peak_total(L) = a + b*L + c*L^2 to the measured forward "
-                               "peaks (weights + allocator peak), solve for the budget")}
-    if fit is None:
+    B = opts.batch_size
+    paths = scaling.run_paths(amap or [], int(shape["num_layers"]))
+    by_path: dict[str, list[int]] = {}
+    for i, p in enumerate(paths):
+        by_path.setdefault(p, []).append(i)
+    out: dict[str, Any] = {
+        "memory_budget_bytes": budget, "batch_size": B, "static_bytes": static,
+        "method": (
+            "largest L whose predicted peak fits the budget; predicted peak = max(analytic "
+            "floor(L) + fitted remainder of the attention-moment peaks, linear fit of the "
+            "forward peaks); floor = weights + KV cache + each layer's modeled attention peak "
+            "on the path it ran (kernel map) + eager's mask. Never past the analytic bound."),
+        "attention_paths": by_path, "extrapolation_limit": scaling.EXTRAPOLATION_LIMIT,
+        "confidence_rule": scaling.CONFIDENCE_RULE}
+    Ls = sorted(per_len)
+    if len(Ls) < 2:
         out.update(max_seq_len=None, note="need at least two --seq-lens to fit")
         return out
     if static >= budget:
-        out.update(max_seq_len=0, note="the weights alone exceed the budget")
+        out.update(max_seq_len=0, note="the weights alone exceed the budget",
+                   confidence="high", extrapolation=False)
         return out
-    Lmax = scaling.predict_max(fit, budget)
-    out["max_seq_len"] = Lmax
-    out["predicted_peak_bytes_at_max"] = scaling.eval_poly2(fit, Lmax) if Lmax else None
+    peaks = [float(per_len[L]["peak_total_bytes"]) for L in Ls]
+    held = [per_len[L].get("attention_peak_total_bytes") for L in Ls]
+    att = None if any(h is None for h in held) else [float(h or 0) for h in held]
+    # How far the analytic attention model is from the measured per-layer peaks (run paths).
+    errs = [float(p["rel_error"]) for lay in (layers or [])
+            for p in lay.get("memory", {}).get("attention_peak", [])
+            if p.get("rel_error") is not None]
+    model_error = max(errs) if errs else None
+    windows = shape.get("layer_windows") or None
+
+    def floor_for(layer_paths: list[str]) -> Callable[[int], float]:
+        return lambda x: scaling.forward_floor(
+            x, static_bytes=static, batch=B, num_heads=shape["num_heads"],
+            num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], dtype=dtype,
+            layer_paths=layer_paths, layer_windows=windows)
+
+    head = scaling.predict_oom(Ls, peaks, budget, floor_for(paths), attention_peaks=att,
+                               model_error=model_error)
+    out.update(head)
+    Lmax = int(head["max_seq_len"])
     # Max batch at each measured length: activations scale ~linearly with batch.
     out["max_batch_by_seq_len"] = {
-        str(L): max(0, int((budget - static) // max(1, (r["peak_total_bytes"] - static)
-                                                    / opts.batch_size)))
+        str(L): max(0, int((budget - static) // max(1, (r["peak_total_bytes"] - static) / B)))
         for L, r in sorted(per_len.items())}
-    # What-if: the same model with its attention on another path (one layer's attention is
-    # live at a time, so swap the fused call's peak for the path's).
-    fused_fit = sc["paths"].get("flash_cpu", {}).get("memory_fit")
+    # What-if: every layer on another path; the rest of the forward as measured.
+    rest = [a - floor_for(paths)(x) for x, a in zip(Ls, att or peaks, strict=True)]
     what_if: dict[str, Any] = {}
-    for path in ("math", "eager"):
-        pf = sc["paths"].get(path, {}).get("memory_fit")
-        if pf is None or fused_fit is None:
+    for path in scaling.PATHS:
+        if set(paths) == {path}:
             continue
-        ff: dict[str, float] = fused_fit
-
-        def f(x: int, pf: dict[str, float] = pf, ff: dict[str, float] = ff) -> float:
-            return (scaling.eval_poly2(fit, x) - scaling.eval_poly2(ff, x)
-                    + scaling.eval_poly2(pf, x))
-
-        what_if[path] = {"max_seq_len": scaling.predict_max(fit, budget, f=f)}
+        fl = floor_for([path] * len(paths))
+        w = scaling.predict_oom(Ls, peaks, budget, fl,
+                                attention_peaks=[fl(x) + r for x, r in zip(Ls, rest,
+                                                                           strict=True)])
+        what_if[path] = {k: w[k] for k in ("max_seq_len", "extrapolation_factor",
+                                           "extrapolation", "confidence",
+                                           "analytic_max_seq_len",
+                                           "predicted_peak_bytes_at_max")}
     out["if_attention_path"] = what_if
-    Lmeas = max(per_len)
     est_t = scaling.eval_poly2(sc["fits"]["forward_time_s"], Lmax) if Lmax else math.inf
     affordable = (opts.validate and Lmax > 0 and est_t <= opts.validate_max_seconds
-                  and scaling.eval_poly2(fit, Lmax) - static < 0.5 * _available_bytes())
+                  and float(head["predicted_peak_bytes_at_max"]) - static
+                  < 0.5 * _available_bytes())
     out["validation"] = {"planned": affordable, "estimated_forward_s": est_t if Lmax else None}
     if not affordable:
         out["validation"]["skipped"] = (
             "disabled (--no-validate)" if not opts.validate else
             f"running at L={Lmax} is not affordable here (estimated {est_t:.0f} s forward, "
             f"limit {opts.validate_max_seconds:.0f} s, or over half the free memory)")
-    out["extrapolation_factor"] = round(Lmax / Lmeas, 2) if Lmax else None
+    out["_model_error"] = model_error
     return out
 
 
