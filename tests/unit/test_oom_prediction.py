@@ -138,6 +138,10 @@ def test_default_sdpa_math_what_if_is_physically_possible(
     line = next(x for x in text.splitlines() if x.startswith("OOM prediction"))
     assert "flash_cpu: all layers" in line and "confidence" in line
     assert f"if attention ran on math: max seq_len {w['max_seq_len']:,} (EXTRAPOLATION" in text
+    # The fused headline (~100k tokens) is past the model's 8,192 positions: said plainly.
+    assert o["model_max_context"] == 8192 and o["max_seq_len"] > 8192
+    assert (f"beyond the model's maximum context (8,192 tokens): memory would allow "
+            f"{o['max_seq_len']:,}") in text
 
 
 def test_eager_headline_is_for_the_eager_path_it_ran(

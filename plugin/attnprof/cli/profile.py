@@ -359,6 +359,9 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
                   f"{f' (attention as this model ran it: {ran})' if ran else ''}: "
                   f"max seq_len {_n(o.max_seq_len)} at batch {o.batch_size}"
                   f"{_how_sure(o.extrapolation_factor, o.extrapolation, o.confidence, longest)}"]
+    if o.max_seq_len and o.model_max_context and o.max_seq_len > o.model_max_context:
+        lines.append(f"  beyond the model's maximum context ({_n(o.model_max_context)} tokens): "
+                     f"memory would allow {_n(o.max_seq_len)}, the model's positions do not")
     if o.analytic_max_seq_len is not None:
         lines.append(f"  analytic bound (weights + KV cache + attention peaks alone): "
                      f"{_n(o.analytic_max_seq_len)}")

@@ -307,6 +307,9 @@ class OomPrediction(Record):
     fit_max_seq_len: int | None = None
     """What a plain a + b*L + c*L^2 fit of the measured peaks alone would predict (shown for
     comparison; not used when it exceeds the bound)."""
+    model_max_context: int | None = None
+    """The model's ``max_position_embeddings``: a max_seq_len above it is what memory would
+    allow, not a length the model serves (every output says so)."""
 
 
 @dataclass

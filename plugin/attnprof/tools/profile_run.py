@@ -265,6 +265,9 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, causal=is_causal_lm)
     sc = _scaling(per_len, bench, layer_time)
     oom = _oom(sc, bench, per_len, static, opts, shape, dtype, amap=amap, layers=layers)
+    # Memory is not the only limit: past the model's trained positions the prediction says
+    # what memory allows, not a length the model can serve.
+    oom["model_max_context"] = AttentionShape.from_config(cfg).max_position_embeddings
     if oom.get("validation", {}).get("planned") and not model_inputs.can_run(
             cfg, int(oom["max_seq_len"])):
         oom["validation"] = {"planned": False, "skipped": (
