@@ -70,6 +70,7 @@ bench: model
 	$(PY) benchmarks/serving_safety.py --only gets --only synthetic --only calibration
 	$(PY) benchmarks/serving_safety.py --only refresh
 	$(PY) benchmarks/regression_tools.py
+	$(PY) benchmarks/roofline.py
 
 clean-venv:
 	rm -rf $(VENV)
