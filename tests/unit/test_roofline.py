@@ -231,3 +231,85 @@ def test_a_point_above_a_roof_says_why() -> None:
     assert not lines[0].endswith("see note)")  # decode at 5%: no caveat
     ok = roofline.place([roofline.PhaseWork("decode", 1, 1.0, 1e9, 1e9, 5e8, 0)], 10e9, 1e12)
     assert ok.note == "" and len(summary_lines(ok)) == 1
+
+
+def _md(q_lens: list[int], seq_lens: list[int]) -> object:
+    """vLLM attention metadata as batch_shape reads it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return SimpleNamespace(num_actual_tokens=starts[-1], max_query_len=max(q_lens),
+                           seq_lens=torch.tensor(seq_lens),
+                           query_start_loc=torch.tensor(starts))
+
+
+def _live_work(info: LayerInfo, md: object) -> roofline.PhaseWork:
+    """One sampled step of ``info`` over ``md`` through the live capture's own path."""
+    from attnprof.capture.vllm.hooks import batch_shape
+
+    aggs = WorkerAggregates()
+    aggs.add_layer(info)
+    aggs.record_step(StepRecord("sampled", 0.01, [LayerCall(info, batch_shape(md), 0.002)]))
+    (work,) = roofline.work_from_layers(aggs.layer_profiles())
+    return work
+
+
+def _windowed(index: int, window: int | None) -> LayerInfo:
+    info = _info(index)
+    info.sliding_window = window
+    return info
+
+
+def test_windowed_decode_reads_only_its_window() -> None:
+    """Mistral/Gemma-2 style: a decode over 100, 30 and 700 keys on a layer with a 64-token
+    window reads 64 + 30 + 64 keys (the full layer 830), and computes as many pairs; so
+    its bandwidth utilisation is not inflated by 830/158."""
+    md = _md([1, 1, 1], [100, 30, 700])
+    per_key = 3 * 128 * 2  # KV heads x (D + Dv) x bf16
+    per_pair = 2 * 9 * 128
+    full = _live_work(_windowed(0, None), md)
+    win = _live_work(_windowed(1, 64), md)
+    assert full.kv_bytes == 830 * per_key and full.flops == 830 * per_pair
+    assert win.kv_bytes == 158 * per_key and win.flops == 158 * per_pair
+    same = roofline.call_work("decode", 1, 1, 1, 700, 9, 3, 64, 64, "bfloat16", 0.002,
+                              causal=True, sliding_window=64)
+    assert same.kv_bytes == 64 * per_key and same.flops == 64 * per_pair
+
+
+def test_live_prefill_counts_causal_and_windowed_pairs() -> None:
+    """A chunk of 2 new queries at context 8 (positions 6, 7: 7 + 8 pairs, not 2 x 8) and a
+    whole 5-token prompt (1+..+5 = 15, not 25), live as in attnprof profile; with a 4-token
+    window the chunk's queries see 4 keys each and need keys 3..7 (5), the prompt 1+2+3+4+4."""
+    md = _md([2, 5], [8, 5])
+    per_pair, per_key = 2 * 9 * 128, 3 * 128 * 2
+    full = _live_work(_windowed(0, None), md)
+    assert full.flops == (15 + 15) * per_pair and full.kv_bytes == 13 * per_key
+    win = _live_work(_windowed(0, 4), md)
+    assert win.flops == (8 + 14) * per_pair and win.kv_bytes == (5 + 5) * per_key
+    chunk = roofline.call_work("prefill", 0, 1, 2, 8, 9, 3, 64, 64, "bfloat16", 1.0,
+                               causal=True, sliding_window=4)
+    assert chunk.flops == 8 * per_pair and chunk.kv_bytes == 5 * per_key
+
+
+def test_causal_window_counts_match_the_mask() -> None:
+    """The closed forms against counting the causal sliding-window mask itself."""
+    import numpy as np
+
+    from attnprof.aggregate.layers import causal_pairs, keys_read
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        s = int(rng.integers(1, 60))
+        q = int(rng.integers(1, s + 1))
+        w = None if rng.random() < 0.2 else int(rng.integers(1, 70))
+        pos = np.arange(s)
+        keep = pos[None, :] <= pos[:, None]
+        if w is not None:
+            keep &= pos[None, :] > pos[:, None] - w
+        rows = keep[s - q:]
+        assert causal_pairs(q, s, w) == int(rows.sum())
+        assert keys_read(q, s, w) == int(rows.any(axis=0).sum())

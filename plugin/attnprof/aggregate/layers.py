@@ -16,6 +16,7 @@ from typing import Literal
 
 from attnprof.contracts.snapshot import LayerFacts, LayerProfile, PhaseStats, StepPhaseStats
 from attnprof.facts.dtypes import dtype_bytes
+from attnprof.facts.kv import kv_element_bytes
 
 __all__ = [
     "PHASES",
@@ -28,7 +29,11 @@ __all__ = [
     "WorkerAggregates",
     "attention_bytes",
     "attention_flops",
+    "causal_pairs",
+    "keys_read",
+    "kv_read_bytes",
     "layer_index",
+    "q_o_bytes",
 ]
 
 Phase = Literal["prefill", "decode", "mixed"]
@@ -59,24 +64,79 @@ class LayerInfo(LayerFacts):
     @property
     def kv_element_bytes(self) -> int:
         """Bytes per KV-cache element: the cache dtype (e.g. fp8) when set, else the model's."""
-        model = dtype_bytes(self.dtype, 2)
-        return model if self.kv_cache_dtype == "auto" else dtype_bytes(self.kv_cache_dtype, model)
+        return kv_element_bytes(self.kv_cache_dtype, self.dtype)
+
+
+def causal_pairs(q: int, s: int, window: int | None = None) -> int:
+    """(query, key) pairs a causal mask keeps when the ``q`` queries are the last ``q`` of
+    ``s`` positions (a chunked prefill: sum over i < q of s-q+i+1, not q*s). With a sliding
+    window ``w`` position p sees its w most recent keys, itself included: min(p+1, w)
+    (transformers' and vLLM's window, ``analyze.sparsity.savings.pairs_window`` without
+    sinks)."""
+    q = min(q, s)
+
+    def upto(t: int) -> int:  # pairs of positions 0..t-1
+        if window is None or t <= window:
+            return t * (t + 1) // 2
+        return window * (window + 1) // 2 + (t - window) * window
+
+    return upto(s) - upto(s - q)
+
+
+def keys_read(q: int, s: int, window: int | None = None) -> int:
+    """Key positions the last ``q`` queries of ``s`` need: all of them, or with a window
+    ``w`` the last q+w-1 (decode: min(s, w)); a paged kernel skips the blocks outside."""
+    return s if window is None else min(s, q + window - 1)
 
 
 @dataclass(slots=True)
 class BatchShape:
-    """What one attention-metadata object says about the batch (computed once per step)."""
+    """What one attention-metadata object says about the batch (computed once per step, on
+    sampled steps only)."""
 
     phase: Phase
     num_tokens: int
     pairs: int
     """Sum over requests of query_len * seq_len (dense, no causal discount)."""
     kv_tokens: int
-    """Sum of seq_lens."""
+    """Sum of seq_lens (the context, whatever a layer's window)."""
     num_reqs: int
     max_seq_len: int
     whole_prompts: tuple[tuple[int, int], ...] = ()
     """(start, length) of requests whose entire context is computed in this step."""
+    q_lens: tuple[int, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+    """Per request: new queries and context (new included). Empty on a hand-made shape,
+    whose ``pairs`` and ``kv_tokens`` are then taken as given."""
+    _counts: dict[tuple[int | None, bool], tuple[int, int]] = field(
+        default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, q_lens: tuple[int, ...], seq_lens: tuple[int, ...], num_tokens: int,
+           whole_prompts: tuple[tuple[int, int], ...] = ()) -> BatchShape:
+        n_dec = sum(1 for q in q_lens if q <= 1)
+        phase: Phase = ("decode" if n_dec == len(q_lens) else
+                        "prefill" if n_dec == 0 else "mixed")
+        pairs = sum(q * s for q, s in zip(q_lens, seq_lens, strict=False))
+        return cls(phase, num_tokens, pairs, sum(seq_lens), len(seq_lens),
+                   max(seq_lens, default=0), whole_prompts, q_lens, seq_lens)
+
+    def counts(self, window: int | None, causal: bool) -> tuple[int, int]:
+        """(query-key pairs computed, key positions read) by a layer with this ``window``
+        (None: full), causal or not; once per distinct (window, causal) per step."""
+        if not self.seq_lens:
+            return self.pairs, self.kv_tokens
+        key = (window, causal)
+        got = self._counts.get(key)
+        if got is None:
+            if causal:
+                qs = list(zip(self.q_lens, self.seq_lens, strict=False))
+                got = (sum(causal_pairs(q, s, window) for q, s in qs),
+                       sum(keys_read(q, s, window) for q, s in qs))
+            else:  # encoder / cross-attention: every query sees every key
+                got = (self.pairs, self.kv_tokens)
+            self._counts[key] = got
+        return got
 
 
 @dataclass(slots=True)
@@ -97,16 +157,31 @@ class StepRecord:
     calls: list[LayerCall] = field(default_factory=list)
 
 
+def _counts(info: LayerInfo, shape: BatchShape) -> tuple[int, int]:
+    return shape.counts(info.sliding_window, info.attn_type == "decoder")
+
+
 def attention_flops(info: LayerInfo, shape: BatchShape) -> int:
-    """QK^T: 2*D and PV: 2*Dv FLOPs per (query, key) pair and query head."""
-    return 2 * info.num_heads * (info.head_size + info.head_size_v) * shape.pairs
+    """QK^T: 2*D and PV: 2*Dv FLOPs per (query, key) pair and query head, over the pairs
+    the layer's mask keeps (causal, and its sliding window)."""
+    return 2 * info.num_heads * (info.head_size + info.head_size_v) * _counts(info, shape)[0]
+
+
+def q_o_bytes(facts: LayerFacts, tokens: int) -> int:
+    """Q read + O written: model-dtype bytes x query tokens x query heads x (D + Dv)."""
+    return (dtype_bytes(facts.dtype, 2) * tokens * facts.num_heads
+            * (facts.head_size + facts.head_size_v))
+
+
+def kv_read_bytes(info: LayerInfo, shape: BatchShape) -> int:
+    """K and V read per key position the layer needs (a windowed layer: its window)."""
+    return (info.kv_element_bytes * _counts(info, shape)[1] * info.num_kv_heads
+            * (info.head_size + info.head_size_v))
 
 
 def attention_bytes(info: LayerInfo, shape: BatchShape) -> int:
-    """Q read + O written per query token; K and V read per key position."""
-    d = info.head_size + info.head_size_v
-    return (dtype_bytes(info.dtype, 2) * shape.num_tokens * info.num_heads * d
-            + info.kv_element_bytes * shape.kv_tokens * info.num_kv_heads * d)
+    """Q read + O written per query token; K and V read per key position needed."""
+    return q_o_bytes(info, shape.num_tokens) + kv_read_bytes(info, shape)
 
 
 RECENT_CALLS = 64

@@ -3,10 +3,10 @@ against the probed memory bandwidth and matmul peak, and the arithmetic intensit
 
 Pure: typed inputs (the snapshot's :class:`LayerProfile` s, or the profile's per-call shapes,
 and a :class:`MemoryProbe`), a typed :class:`Roofline` out. FLOPs and bytes are attnprof's
-analytic counts (:func:`attnprof.aggregate.layers.attention_flops` / ``attention_bytes``).
-The live capture counts FLOPs dense (no causal discount: a batch's per-request split is not
-kept), so a live causal prefill point sits up to 2x high on the FLOP/s axis; ``attnprof
-profile`` knows each call's shape and counts only the pairs the causal mask keeps.
+analytic counts (:func:`attnprof.aggregate.layers.attention_flops` / ``attention_bytes``),
+live and in ``attnprof profile`` alike: only the (query, key) pairs a layer's causal mask and
+sliding window keep, and only the key positions its window needs (a windowed decode reads
+min(seq, w) keys per request, not seq).
 """
 
 from __future__ import annotations
@@ -14,10 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from attnprof.aggregate.layers import BatchShape, LayerInfo, attention_bytes, attention_flops
+from attnprof.aggregate.layers import (
+    BatchShape,
+    LayerInfo,
+    attention_bytes,
+    attention_flops,
+    kv_read_bytes,
+    q_o_bytes,
+)
 from attnprof.contracts.roofline import MemoryProbe, Roofline, RooflinePoint
 from attnprof.contracts.snapshot import LayerProfile, WorkerSnapshot
-from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = ["OVER_ROOF", "PhaseWork", "call_work", "from_snapshot", "place", "place_point",
            "roofline", "work_from_layers"]
@@ -45,15 +51,14 @@ class PhaseWork:
 
 def work_from_layers(layers: Iterable[LayerProfile]) -> list[PhaseWork]:
     """Per (layer, phase) work from snapshot layers. The KV part of the bytes is what is left
-    when Q and O (``dtype`` bytes x query tokens x query heads x (D + Dv)) are taken out."""
+    when Q and O (:func:`attnprof.aggregate.layers.q_o_bytes` of the query tokens) are taken
+    out: the capture's counts already read only each layer's window."""
     out = []
     for lay in layers:
-        d = lay.head_size + lay.head_size_v
-        q_o = dtype_bytes(lay.dtype, 2) * lay.num_heads * d
         for phase, st in lay.phases.items():
             if st.calls <= 0:
                 continue
-            kv = max(0, st.bytes - q_o * st.tokens)
+            kv = max(0, st.bytes - q_o_bytes(lay, st.tokens))
             out.append(PhaseWork(phase, st.calls, st.time_s, float(st.flops), float(st.bytes),
                                  float(kv), lay.index))
     return out
@@ -61,24 +66,21 @@ def work_from_layers(layers: Iterable[LayerProfile]) -> list[PhaseWork]:
 
 def call_work(phase: str, layer: int, batch: int, q_len: int, kv_len: int, num_heads: int,
               num_kv_heads: int, head_dim: int, head_dim_v: int, dtype: str, time_s: float,
-              kv_cache_dtype: str = "auto", causal: bool = False) -> PhaseWork:
+              kv_cache_dtype: str = "auto", causal: bool = False,
+              sliding_window: int | None = None) -> PhaseWork:
     """One attention call's work by the same analytic counts the live capture uses
     (``batch`` sequences of ``q_len`` queries over ``kv_len`` keys each). ``causal``: the
-    queries are the last ``q_len`` positions under a causal mask, and only the (query, key)
-    pairs the mask keeps are counted (the useful FLOPs; a kernel that skips masked blocks
-    does about these, one that does not wastes the rest)."""
+    queries are the last ``q_len`` positions under a causal mask (optionally a
+    ``sliding_window``), and only the (query, key) pairs the mask keeps and the keys it needs
+    are counted (the useful work; a kernel that skips masked blocks does about this)."""
     info = LayerInfo(name="", index=layer, backend="", impl="", num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_size=head_dim, head_size_v=head_dim_v,
-                     sliding_window=None, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                     fused=True)
-    pairs = q_len * kv_len - (q_len * (q_len - 1) // 2 if causal and q_len <= kv_len else 0)
-    shape = BatchShape(phase="decode" if phase == "decode" else "prefill",
-                       num_tokens=batch * q_len, pairs=batch * pairs,
-                       kv_tokens=batch * kv_len, num_reqs=batch, max_seq_len=kv_len)
-    nbytes = attention_bytes(info, shape)
-    kv = info.kv_element_bytes * batch * kv_len * num_kv_heads * (head_dim + head_dim_v)
-    return PhaseWork(phase, 1, time_s, float(attention_flops(info, shape)), float(nbytes),
-                     float(kv), layer)
+                     sliding_window=sliding_window, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                     fused=True, attn_type="decoder" if causal else "encoder_only")
+    shape = BatchShape.of((q_len,) * batch, (kv_len,) * batch, batch * q_len)
+    return PhaseWork(phase, 1, time_s, float(attention_flops(info, shape)),
+                     float(attention_bytes(info, shape)), float(kv_read_bytes(info, shape)),
+                     layer)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -102,7 +104,7 @@ def place_point(w: PhaseWork, peak_bw: float, peak_flops: float) -> RooflinePoin
 
 
 OVER_ROOF = ("{} above the probed roof: the probe ran under other load (live on a CPU it "
-             "shares the cores with serving), the KV fits a cache, or FLOPs are counted dense")
+             "shares the cores with serving) or the KV fits a cache")
 
 
 def place(work: Iterable[PhaseWork], peak_bw: float, peak_flops: float,
@@ -144,6 +146,5 @@ def from_snapshot(workers: Iterable[WorkerSnapshot]) -> Roofline | None:
     for w in workers:
         if w.probe is not None:
             return roofline(work_from_layers(w.layers), w.probe,
-                            f"live: worker pid {w.pid}, sampled steps; FLOPs dense (no causal "
-                            "discount)")
+                            f"live: worker pid {w.pid}, sampled steps")
     return None

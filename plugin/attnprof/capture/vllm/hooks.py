@@ -31,7 +31,6 @@ from attnprof.aggregate.layers import (
     BatchShape,
     LayerCall,
     LayerInfo,
-    Phase,
     StepRecord,
     WorkerAggregates,
     layer_index,
@@ -110,11 +109,9 @@ def batch_shape(md: Any) -> BatchShape:
         qlens = [b - a for a, b in itertools.pairwise(starts)]
         whole = tuple((a, q) for a, q, s in zip(starts, qlens, seq, strict=False)
                       if q == s and q > 1)
-    n_dec = sum(1 for q in qlens if q <= 1)
-    phase: Phase = ("decode" if n_dec == len(qlens) else
-                    "prefill" if n_dec == 0 else "mixed")
-    pairs = sum(q * s for q, s in zip(qlens, seq, strict=False))
-    return BatchShape(phase, num_tokens, pairs, sum(seq), n, max(seq, default=0), whole)
+    # Per-request lengths kept: each layer's FLOPs and KV reads follow its causal mask and
+    # window (BatchShape.counts, once per distinct window per step).
+    return BatchShape.of(tuple(qlens), tuple(seq), num_tokens, whole)
 
 
 def _to_host(x: Any) -> Any:
