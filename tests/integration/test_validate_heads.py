@@ -126,6 +126,23 @@ def test_nothing_to_validate(tiny: tuple[Path, Path], tmp_path: Path,
     assert "nothing to validate" in err and len(err.strip().splitlines()) == 1
 
 
+def test_head_stats_without_the_dormant_sinks_is_one_line(
+        tiny: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Statistics whose sinks grid lacks the dormant test's 4 first tokens: an input error,
+    not a traceback, and nothing written."""
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+
+    model, prompts = tiny
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps(HeadStatsAccumulator(2, 2, 2, sinks_grid=(1, 2)).to_dict()))
+    out_file = tmp_path / "never.json"
+    rc, out, err = _run(["validate-heads", "--model", str(model), "--prompts", str(prompts),
+                         "--head-stats", str(stats), "--out", str(out_file)], capsys)
+    assert rc == 2 and out == "" and not out_file.exists()
+    assert err.startswith("attnprof: error: --head-stats: sinks=4")
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.smollm2
 @pytest.mark.slow
 def test_smollm2_finding_with_replay_numbers(tmp_path: Path,

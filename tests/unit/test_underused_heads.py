@@ -218,3 +218,20 @@ def test_findings_reach_the_window_advice(built: tuple[Any, HeadStatsAccumulator
     text = render(rec | {"replay": None})
     assert "underused heads: 1 dormant, 0 near-uniform, 1 redundant of 8 query heads" in text
     assert recommend(LengthDistribution.from_lengths([160]), arch)["underused_heads"] is None
+
+
+def test_replay_mask_is_built_on_the_query_device() -> None:
+    """The replay's causal/window mask lives where q is (CUDA in real use; the meta device
+    here, which refuses to mix with a CPU mask exactly as CUDA does)."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_utils import AttentionInterface
+
+    from attnprof.tools.validate_heads import _IMPL, _register, _State
+
+    _register(_State())
+    attn = AttentionInterface()[_IMPL]
+    q = torch.empty(1, 4, 6, HEAD_DIM, device="meta")
+    kv = torch.empty(1, 2, 6, HEAD_DIM, device="meta")
+    out, _ = attn(SimpleNamespace(layer_idx=0), q, kv, kv, None, sliding_window=3)
+    assert out.device == q.device and out.shape == (1, 6, 4, HEAD_DIM)

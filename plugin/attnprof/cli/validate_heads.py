@@ -155,9 +155,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def _findings(stats: Any, arch: Any, dist: Any, limit: int) -> dict[str, Any]:
     """Underused heads, or :class:`CliError` when there is nothing to validate."""
-    from attnprof.analyze.sparsity.underused import find_underused
+    from attnprof.analyze.sparsity.underused import UnderusedThresholds, find_underused
 
-    found = find_underused(stats, arch=arch, dist=dist)
+    th = UnderusedThresholds()
+    try:  # statistics collected with another sinks grid cannot be read at these thresholds
+        th.validate(stats)
+    except ValueError as err:
+        raise CliError(f"--head-stats: {err}") from None
+    found = find_underused(stats, th, arch=arch, dist=dist)
     if not found["findings"]:
         raise CliError(f"nothing to validate: no underused heads found in "
                        f"{found['heads_checked']} query heads with statistics (give --heads "

@@ -112,8 +112,8 @@ def _register(state: _State) -> None:
         if getattr(module, "sinks", None) is not None:
             raise ReplayError("head replay does not support learned attention sinks")
         lq, lk = q.shape[2], k.shape[2]
-        pos = torch.arange(lk - lq, lk)[:, None]
-        j = torch.arange(lk)[None, :]
+        pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        j = torch.arange(lk, device=q.device)[None, :]
         allowed = j <= pos
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             allowed = allowed & attention_mask[..., -lk:]
