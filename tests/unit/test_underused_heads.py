@@ -235,3 +235,55 @@ def test_replay_mask_is_built_on_the_query_device() -> None:
     kv = torch.empty(1, 2, 6, HEAD_DIM, device="meta")
     out, _ = attn(SimpleNamespace(layer_idx=0), q, kv, kv, None, sliding_window=3)
     assert out.device == q.device and out.shape == (1, 6, 4, HEAD_DIM)
+
+
+def _pair_js_loop(p: Any) -> np.ndarray:
+    """The per-head loop _pair_js ran before it was batched (the reference)."""
+    import math
+
+    hq = p.shape[0]
+    out = np.zeros((hq, hq))
+    for a in range(hq - 1):
+        pa, pb = p[a:a + 1], p[a + 1:]
+        m = (pa + pb).clamp(min=1e-38)
+        js = 0.5 * (torch.xlogy(pa, 2 * pa / m) + torch.xlogy(pb, 2 * pb / m)).sum(-1)
+        out[a, a + 1:] = (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt().double().numpy()
+    return out
+
+
+class _CountingTensor(torch.Tensor):
+    """Counts device-to-host reads (``.cpu()``, ``.tolist()``, ``.item()``; ``.numpy()``
+    needs a CPU tensor): one per detail query is the goal, not one per head."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item):
+            cls.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("chunk", [None, 7 * 33])
+def test_pair_js_is_batched_and_matches_the_loop(chunk: int | None) -> None:
+    """Random rows (some identical, some with zeros) of one detail query: the batched [hq,
+    hq] matrix equals the old per-head loop's, identical rows give exactly 0, and the device
+    is read once for all pairs, whether or not the pairs are chunked."""
+    rng = np.random.default_rng(5)
+    hq, n = 9, 33
+    x = rng.random((hq, n)) ** 4
+    x[:, rng.random(n) < 0.2] = 0.0
+    x[4] = x[1]  # twins
+    p = torch.from_numpy(x / x.sum(-1, keepdims=True)).float()
+    ref = _pair_js_loop(p)
+    acc = HeadStatsAccumulator(3, 3, 3)
+    kw = {} if chunk is None else {"chunk_elements": chunk}
+    _CountingTensor.reads = 0
+    acc._pair_js(2, p.as_subclass(_CountingTensor), 0.5, **kw)
+    assert _CountingTensor.reads == 1
+    iu = np.triu_indices(hq, 1)
+    np.testing.assert_array_equal(acc.js_sum[2][iu], 0.5 * ref[iu])  # same ops, same order
+    assert acc.js_sum[2][1, 4] == 0.0 and (acc.js_sum[2][iu] > 0).sum() == len(iu[0]) - 1
+    assert (acc.js_n[2][iu] == 0.5).all() and (acc.js_k[2][iu] == 1).all()
+    assert not acc.js_sum[:2].any() and not np.tril(acc.js_n[2]).any()

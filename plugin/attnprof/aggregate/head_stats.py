@@ -65,6 +65,9 @@ put all of it there)."""
 JS_FAR = 0.1
 """Jensen-Shannon distance (base 2, in [0, 1]) above which a detail query counts as one
 where two heads clearly differ."""
+JS_CHUNK_ELEMENTS = 1 << 22
+"""Head pairs x keys computed at once for the pairwise JS distances (bounds the scratch: a
+few float32 buffers of this size, 16 MiB each)."""
 _ENTROPY_BINS = 20
 _BLOCK = 32  # keys per block for range sums
 _SCHEMA = "attnprof.head_stats/2"
@@ -427,26 +430,32 @@ class HeadStatsAccumulator:
         self.sink_hist[layer] += (onehot * ew[:, None, :, None]).sum(0)
         self.sink_n[layer] += elig.sum(0)[None, :]
 
-    def _pair_js(self, layer: int, p: Any, weight: float = 1.0) -> None:
+    def _pair_js(self, layer: int, p: Any, weight: float = 1.0,
+                 chunk_elements: int = JS_CHUNK_ELEMENTS) -> None:
         """Jensen-Shannon distance (base 2) between every pair of query heads' rows ``p``
         [hq, n] of one detail query, upper triangle only. Summed term by term
-        (p log 2p/(p+q)) so identical rows give exactly 0; cost O(hq^2 n)."""
+        (p log 2p/(p+q)) so identical rows give exactly 0; cost O(hq^2 n). All pairs are
+        computed where ``p`` lives, ``chunk_elements`` (pairs x keys) at a time so scratch
+        stays bounded, and read back once: no device sync per head."""
         import torch
 
-        hq = p.shape[0]
+        hq, n = p.shape[0], p.shape[1]
         if hq < 2:
             return
-        out = np.zeros((hq, hq))
-        for a in range(hq - 1):
-            pa, pb = p[a:a + 1], p[a + 1:]
+        ia, ib = torch.triu_indices(hq, hq, 1, device=p.device)  # row-major, as numpy's
+        step = max(1, chunk_elements // max(n, 1))
+        parts = []
+        for c in range(0, ia.numel(), step):
+            pa, pb = p[ia[c:c + step]], p[ib[c:c + step]]
             m = (pa + pb).clamp(min=1e-38)
-            js = 0.5 * (torch.xlogy(pa, 2 * pa / m) + torch.xlogy(pb, 2 * pb / m)).sum(-1)
-            out[a, a + 1:] = (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt() \
-                .double().cpu().numpy()
+            parts.append(0.5 * (torch.xlogy(pa, 2 * pa / m) + torch.xlogy(pb, 2 * pb / m))
+                         .sum(-1))
+        js = torch.cat(parts)
+        d = (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt().double().cpu().numpy()
         iu = np.triu_indices(hq, 1)
-        self.js_sum[layer][iu] += weight * out[iu]
+        self.js_sum[layer][iu] += weight * d
         self.js_n[layer][iu] += weight
-        self.js_far[layer][iu] += weight * (out[iu] > JS_FAR)
+        self.js_far[layer][iu] += weight * (d > JS_FAR)
         self.js_k[layer][iu] += 1
 
     def js_mean(self) -> Any:
