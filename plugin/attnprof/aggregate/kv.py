@@ -4,6 +4,12 @@ logger once per engine output batch (docs/kv-pressure.md).
 Bounded memory: a time-weighted histogram of KV usage on fixed edges (0.9 is one, so the
 time above 90% is exact), a few running totals, and block-seconds per request-length class.
 Nothing per request is kept; no ids, no text.
+
+Several engines (data parallelism: vLLM makes one stat logger per engine, each with its own
+KV cache) feed one :class:`KvPressure`. Each engine's last stats batch is kept apart, so an
+interval is always one engine's own; the histogram and totals are the engines' series summed
+in time (``busy_seconds`` is engine-seconds), the peak is the highest usage any one engine's
+cache reached, and ``current`` the fullest engine's latest usage.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from attnprof.contracts.snapshot import KvLayer, KvPressureStats
+from attnprof.facts.kv import held_tokens
 
-__all__ = ["CLASS_BOUNDS", "CLASS_NAMES", "HIGH_USAGE", "USAGE_BOUNDS", "FinishedRequest",
-           "KvPressure", "block_seconds"]
+__all__ = ["CLASS_BOUNDS", "CLASS_NAMES", "HIGH_USAGE", "MAX_ENGINES", "USAGE_BOUNDS",
+           "FinishedRequest", "KvPressure", "block_seconds"]
 
 USAGE_BOUNDS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9,
                                    0.95, 0.98, 1.0)
@@ -27,6 +34,8 @@ CLASS_NAMES: tuple[str, ...] = ("short", "medium", "long")
 CLASS_BOUNDS: tuple[int, ...] = (512, 2048)
 """Context length (prompt + generated tokens) classes: short <= 512 (chat turns),
 medium 513-2048, long > 2048 (documents)."""
+MAX_ENGINES = 1024
+"""Engines tracked apart (bounded memory); further engine indices share one slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +53,9 @@ def block_seconds(r: FinishedRequest, block_size: int, window: int | None = None
     time, then prompt plus half its generated tokens (they grow linearly) for the decode
     time, divided by the block size. ``window``: every layer keeps at most that many tokens.
     Queued time holds no blocks; a preempted request's recomputation is not counted."""
-    def held(tokens: float) -> float:
-        return min(tokens, float(window)) if window else tokens
-
-    tok_s = (held(r.prompt_tokens) * max(0.0, r.prefill_time_s)
-             + held(r.prompt_tokens + r.generation_tokens / 2) * max(0.0, r.decode_time_s))
+    tok_s = (held_tokens(float(r.prompt_tokens), window) * max(0.0, r.prefill_time_s)
+             + held_tokens(r.prompt_tokens + r.generation_tokens / 2, window)
+             * max(0.0, r.decode_time_s))
     return tok_s / max(1, block_size)
 
 
@@ -73,7 +80,8 @@ class KvPressure:
         self.num_blocks: int | None = None
         self.kv_dtype: str | None = None
         self.layers: list[KvLayer] = []
-        self._last: tuple[float, float, int, int] | None = None  # t, usage, running, waiting
+        # engine index -> its last batch: t, usage, running, waiting
+        self._last: dict[int, tuple[float, float, int, int]] = {}
 
     def configure(self, *, max_num_seqs: int | None = None, block_size: int | None = None,
                   num_blocks: int | None = None, kv_dtype: str | None = None,
@@ -98,12 +106,16 @@ class KvPressure:
         return max(w for w in ws if w) if ws and all(ws) else None  # type: ignore[type-var]
 
     def record(self, now: float, usage: float | None, running: int, waiting: int,
-               preempted: int, finished: Sequence[FinishedRequest] = ()) -> None:
-        """One stats batch at monotonic time ``now``: the time since the previous batch is
-        attributed to the previous state (usage, running, waiting)."""
+               preempted: int, finished: Sequence[FinishedRequest] = (), engine: int = 0
+               ) -> None:
+        """One stats batch of engine ``engine`` at monotonic time ``now``: the time since that
+        engine's previous batch is attributed to its previous state (usage, running,
+        waiting)."""
         with self.lock:
             self.preemptions += max(0, preempted)
-            last = self._last
+            if engine not in self._last and len(self._last) >= MAX_ENGINES:
+                engine = -1
+            last = self._last.get(engine)
             if last is not None:
                 t0, u0, r0, w0 = last
                 dt = max(0.0, now - t0)
@@ -112,9 +124,9 @@ class KvPressure:
                 # else: idle, not counted (vLLM sends nothing while idle)
             if usage is not None:
                 u = min(1.0, max(0.0, usage))
-                self.current = u
                 self.peak = u if self.peak is None else max(self.peak, u)
-                self._last = (now, u, running, waiting)
+                self._last[engine] = (now, u, running, waiting)
+                self.current = max(x[1] for x in self._last.values())
             bs = self.block_size or 16
             win = self._window()
             for r in finished:

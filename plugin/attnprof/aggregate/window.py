@@ -128,9 +128,25 @@ def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestSt
     return out, n
 
 
+def _kv_restarted(a: KvPressureStats, b: KvPressureStats) -> bool:
+    """A running total went down: the API server (and its stat logger) restarted in between,
+    whatever its request count says."""
+    return (b.busy_seconds < a.busy_seconds or b.preemptions < a.preemptions
+            or (len(a.usage_seconds) == len(b.usage_seconds)
+                and any(y < x for x, y in zip(a.usage_seconds, b.usage_seconds, strict=True)))
+            or (len(a.class_requests) == len(b.class_requests)
+                and any(y < x for x, y in zip(a.class_requests, b.class_requests,
+                                              strict=True))))
+
+
 def _kv(a: KvPressureStats, b: KvPressureStats) -> KvPressureStats:
     """KV pressure inside the window: seconds, preemptions and block-seconds subtracted; the
-    peak is the end's, capped by the highest usage bucket the window spent time in."""
+    peak is the end's, capped by the highest usage bucket the window spent time in, and None
+    when the window had no busy time (nothing ran: the lifetime peak is not the window's).
+    After a restart the totals are the new server's, taken as they are."""
+    if _kv_restarted(a, b):
+        return dataclasses.replace(b)
+
     def sub(x: float, y: float) -> float:
         return max(0.0, y - x)
 
@@ -139,11 +155,12 @@ def _kv(a: KvPressureStats, b: KvPressureStats) -> KvPressureStats:
         out.usage_seconds = [sub(x, y) for x, y in zip(a.usage_seconds, b.usage_seconds,
                                                        strict=True)]
         top = [bd for bd, t in zip(b.usage_bounds, out.usage_seconds, strict=False) if t > 0]
-        if top and b.peak is not None:
-            out.peak = min(b.peak, top[-1])
+        out.peak = min(b.peak, top[-1]) if top and b.peak is not None else None
     for k in ("busy_seconds", "waiting_seconds", "waiting_kv_high_seconds",
               "saturated_seconds", "running_request_seconds"):
         setattr(out, k, sub(getattr(a, k), getattr(b, k)))
+    if out.busy_seconds <= 0:
+        out.peak = None
     out.preemptions = max(0, b.preemptions - a.preemptions)
     if a.class_names == b.class_names and len(a.class_requests) == len(b.class_requests):
         out.class_requests = [max(0, y - x) for x, y in zip(a.class_requests, b.class_requests,

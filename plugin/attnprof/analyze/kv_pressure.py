@@ -18,19 +18,21 @@ finished requests, else ``low``. Never raises on well-typed input; never imports
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import cast
 
 from attnprof.aggregate.histogram import bucket_quantile
+from attnprof.aggregate.kv import HIGH_USAGE
 from attnprof.analyze.memory import kv_bytes_per_token
 from attnprof.contracts.snapshot import KvAssessment, KvLayer, KvPressureStats, RequestStats
-from attnprof.facts.dtypes import dtype_name, normalize
+from attnprof.facts.kv import blocks_held, held_tokens
 from attnprof.facts.shape import AttentionShape
 
 __all__ = ["ABOVE_90_FRACTION", "CONFIDENT_BUSY_S", "CONFIDENT_REQUESTS", "LOW_USAGE",
            "MIN_BUSY_S", "PREEMPTIONS_PER_REQUEST", "SATURATED_FRACTION", "VERDICTS",
-           "WAITING_FRACTION", "assess", "capacity_sequences", "head_bytes", "kv_dtype",
-           "kv_layers", "layer_shares"]
+           "WAITING_FRACTION", "assess", "capacity_sequences", "head_bytes",
+           "kv_layers", "layer_shares", "usable_blocks"]
 
 VERDICTS = ("kv_bound", "compute_bound", "neither")
 ABOVE_90_FRACTION = 0.10
@@ -41,17 +43,6 @@ SATURATED_FRACTION = 0.50
 MIN_BUSY_S = 2.0
 CONFIDENT_BUSY_S = 30.0
 CONFIDENT_REQUESTS = 20
-
-
-def kv_dtype(cache_dtype: object, model_dtype: object) -> str:
-    """vLLM's ``kv_cache_dtype`` (``auto`` means the model's dtype; ``fp8``, ``fp8_e4m3``,
-    ... are one byte) as a canonical short name; the raw name when unknown."""
-    name = dtype_name(cache_dtype)
-    src = model_dtype if name in ("auto", "", "none") else cache_dtype
-    try:
-        return normalize(src)
-    except ValueError:
-        return dtype_name(src)
 
 
 def kv_layers(shape: AttentionShape, kv_cache_dtype: str) -> list[KvLayer]:
@@ -65,28 +56,40 @@ def kv_layers(shape: AttentionShape, kv_cache_dtype: str) -> list[KvLayer]:
             for i in range(shape.num_layers)]
 
 
-def _held(lay: KvLayer, context: float) -> float:
-    """Tokens a layer keeps for one sequence of ``context`` tokens."""
-    return min(context, float(lay.window)) if lay.window else context
-
-
 def capacity_sequences(stats: KvPressureStats, context: float) -> float | None:
-    """Sequences of ``context`` tokens that fit at once: the cache's bytes (``num_blocks *
-    block_size`` tokens of every layer) over one sequence's bytes, where a windowed layer
-    keeps only its window. None without the cache size or a context."""
-    if not stats.num_blocks or not stats.block_size or context <= 0:
+    """Sequences of ``context`` tokens that fit in the cache at once, in whole sequences.
+
+    vLLM allocates whole blocks: one sequence takes ``blocks_held(context, window, block_size)``
+    blocks of each layer (:func:`attnprof.facts.kv.blocks_held`: ``ceil(min(L, w) / bs)``, one
+    more for a window that straddles a block edge), out of :func:`usable_blocks`. When every
+    layer takes the same number (no windows, or one window for all) this is exactly
+    ``usable // blocks``. A hybrid model's windowed layers take fewer: the usable blocks of
+    every layer, in bytes, over one sequence's block bytes (``sum(bytes_per_token x
+    blocks)``), rounded down; an upper bound, since vLLM pages groups of layers separately
+    there. None without the cache size or a context."""
+    usable = usable_blocks(stats)
+    if not usable or not stats.block_size or context <= 0:
         return None
-    tokens = float(stats.num_blocks * stats.block_size)
+    bs = stats.block_size
     if not stats.layers:
-        return tokens / context
-    per_token = sum(lay.bytes_per_token for lay in stats.layers)
-    per_seq = sum(lay.bytes_per_token * _held(lay, context) for lay in stats.layers)
-    return tokens * per_token / per_seq if per_seq > 0 else None
+        return float(usable // blocks_held(context, None, bs))
+    per_block = sum(lay.bytes_per_token for lay in stats.layers)
+    per_seq = sum(lay.bytes_per_token * blocks_held(context, lay.window, bs)
+                  for lay in stats.layers)
+    # Bytes are floats: a ratio that is a whole number must not round down below it.
+    return float(math.floor(usable * per_block / per_seq + 1e-9)) if per_seq > 0 else None
+
+
+def usable_blocks(stats: KvPressureStats) -> int | None:
+    """Blocks requests can hold: vLLM's block pool keeps one of ``num_blocks`` as its null
+    block, and its usage (``kv_cache_usage``) is the share of the others in use."""
+    return max(0, stats.num_blocks - 1) if stats.num_blocks else None
 
 
 def layer_shares(layers: Sequence[KvLayer], context: float) -> dict[int, float]:
     """Share of one sequence's KV each layer holds at ``context`` tokens (windows honoured)."""
-    held = {lay.layer: lay.bytes_per_token * _held(lay, max(1.0, context)) for lay in layers}
+    held = {lay.layer: lay.bytes_per_token * held_tokens(max(1.0, context), lay.window)
+            for lay in layers}
     total = sum(held.values())
     return {k: v / total for k, v in held.items()} if total > 0 else {}
 
@@ -94,9 +97,10 @@ def layer_shares(layers: Sequence[KvLayer], context: float) -> dict[int, float]:
 def head_bytes(stats: KvPressureStats, usage: float | None, context: float) -> dict[int, float]:
     """KV bytes each KV head of each layer holds at ``usage`` of the cache, the cache's bytes
     split by :func:`layer_shares` at ``context`` (a query-head group shares these bytes)."""
-    if usage is None or not stats.num_blocks or not stats.block_size or not stats.layers:
+    usable = usable_blocks(stats)
+    if usage is None or not usable or not stats.block_size or not stats.layers:
         return {}
-    cache = stats.num_blocks * stats.block_size * sum(lay.bytes_per_token for lay in stats.layers)
+    cache = usable * stats.block_size * sum(lay.bytes_per_token for lay in stats.layers)
     shares = layer_shares(stats.layers, context)
     return {lay.layer: usage * cache * shares.get(lay.layer, 0.0) / max(1, lay.num_kv_heads)
             for lay in stats.layers}
@@ -109,7 +113,7 @@ def _p95(stats: KvPressureStats) -> float | None:
 
 def _above_90(stats: KvPressureStats) -> float:
     return sum(s for b, s in zip(stats.usage_bounds, stats.usage_seconds, strict=False)
-               if b > 0.9 + 1e-12)
+               if b > HIGH_USAGE + 1e-12)
 
 
 def _pct(x: float) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from attnprof.aggregate.quantiles import nearest_rank
+from attnprof.facts.kv import held_tokens
 from attnprof.facts.shape import AttentionShape
 
 __all__ = [
@@ -50,8 +51,9 @@ def pairs_full(t: Any) -> Any:
 
 
 def kv_tokens(t: Any, w: int | None, s: int = 0) -> Any:
-    t = np.asarray(t, dtype=np.float64)
-    return t if w is None else np.minimum(t, w + s)
+    """KV tokens a layer with window ``w`` (None: full) and ``s`` sinks keeps for requests of
+    ``t`` tokens (:func:`attnprof.facts.kv.held_tokens` over a numpy array)."""
+    return held_tokens(np.asarray(t, dtype=np.float64), w, s)
 
 
 @dataclass(frozen=True)

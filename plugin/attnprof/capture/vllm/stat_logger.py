@@ -84,12 +84,14 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
     def _configure_kv(self, vllm_config: Any) -> None:
         """Engine facts for KV pressure: batch limit, block size, KV dtype, bytes per token
         per layer (the cache's block count is known only once the engine has started)."""
-        from attnprof.analyze.kv_pressure import kv_dtype, kv_layers
+        from attnprof.analyze.kv_pressure import kv_layers
+        from attnprof.facts.kv import kv_cache_dtype
         from attnprof.facts.shape import AttentionShape
 
         mc, cc = vllm_config.model_config, vllm_config.cache_config
         sc = getattr(vllm_config, "scheduler_config", None)
-        dt = kv_dtype(getattr(cc, "cache_dtype", "auto"), getattr(mc, "dtype", "bfloat16"))
+        dt = kv_cache_dtype(getattr(cc, "cache_dtype", "auto"),
+                            getattr(mc, "dtype", "bfloat16"))
         shape = AttentionShape.from_config(getattr(mc, "hf_text_config", None) or mc.hf_config)
         pc = getattr(vllm_config, "parallel_config", None)
         tp = max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))
@@ -135,8 +137,10 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
                         float(getattr(fr, "decode_time", 0.0) or 0.0)))
             if self.requests.kv.num_blocks is None:
                 self.log_engine_initialized()
+            # One KvPressure serves every engine's logger (vLLM makes one per engine_idx):
+            # keyed by engine, an interval is never credited across engines.
             self.requests.kv.record(time.monotonic(), usage if have_usage else None, running,
-                                    waiting, preempted, finished)
+                                    waiting, preempted, finished, engine=int(engine_idx))
         except Exception as exc:
             self.state.errors.record("stat_logger", exc)
 
