@@ -153,7 +153,8 @@ def test_weighted_state_merges_serializes_and_reads_old_state() -> None:
 
 def test_confidence_margin_and_reported_sampling_error() -> None:
     """One query in 30 misses the window: the point estimate (1/30 <= 0.05) passes, but with
-    30 effective queries its standard error (0.033) is too large for a z = 1 margin."""
+    30 effective queries the Wilson interval (z = 1: 0.013..0.084) straddles 0.05, so the
+    window is undecided, not passed (and not a head at risk either)."""
     from attnprof.analyze.sparsity.classify import Thresholds, classify
     from attnprof.analyze.sparsity.recommend import evaluate, format_summary, recommend
     from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
@@ -177,6 +178,123 @@ def test_confidence_margin_and_reported_sampling_error() -> None:
     arch = Arch(1, 1, 1, 2, 4)
     dist = LengthDistribution.from_lengths([150, 200, 400])
     ev = evaluate(dist, arch, 8, 4, head_stats=acc)
-    assert ev["heads_at_risk"][0]["n_eff"] == 30.0 and ev["sampling"]["min_n_eff"] == 30.0
+    assert ev["heads_at_risk_count"] == 0 and ev["heads_undecided_count"] == 1
+    assert ev["heads_undecided"][0]["n_eff"] == 30.0 and ev["sampling"]["min_n_eff"] == 30.0
+    assert strict["decision"]["8"] == "undecided" and loose["decision"]["8"] == "pass"
     rec = recommend(dist, arch, acc, thresholds=Thresholds(confidence_z=0.0))
     assert rec["window"] == 8 and "effective n >= 30" in format_summary(rec)
+
+
+# ---------------------------------------------------------------- three-valued decisions
+# One KV head per query head (group 1), s = 4, w = 64. Every query attends locally (e^-1 per
+# ~3 tokens) except a chosen, evenly spread share of the eligible queries, which put all
+# their mass on a "needle" key far back (coverage ~0). Head 0: no such query; head 1: 30% of
+# them; head 2: 4% (passes on all queries, but a sample of ~55 cannot tell it from 0.05).
+TT, W3, NEEDLE = 600, 64, 4  # key 4: past the sinks, outside every window
+SHARES = (0.0, 0.3, 0.04)
+
+
+def _needle_attention(t: int = TT) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    pos = torch.arange(t, dtype=torch.float32)
+    k = torch.zeros(t, len(SHARES), 4)
+    k[:, :, 0] = (pos / t)[:, None]
+    k[:, :, 1] = 1.0
+    k[NEEDLE, :, 2] = 1.0
+    q = torch.zeros(t, len(SHARES), 4)
+    q[:, :, 0] = 200.0
+    q[:, :, 1] = (-200.0 * pos / t)[:, None]
+    elig = np.flatnonzero(np.arange(t) + 1 > 4 + W3)
+    exact = []
+    for h, f in enumerate(SHARES):
+        far = elig[np.floor(np.arange(len(elig)) * f) != np.floor((np.arange(len(elig)) + 1) * f)]
+        q[far, h, 2] = 400.0  # the needle's logit dwarfs every local one
+        exact.append(len(far) / len(elig))
+    return q, k, exact
+
+
+def _acc(**kw: object) -> HeadStatsAccumulator:
+    return HeadStatsAccumulator(1, len(SHARES), 1, sinks_grid=(0, 4), window_grid=(W3,),
+                                **kw)  # type: ignore[arg-type]
+
+
+def _decisions(acc: HeadStatsAccumulator, z: float = 1.0) -> list[str | None]:
+    from attnprof.analyze.sparsity.classify import Thresholds, classify
+
+    out = classify(acc, Thresholds(confidence_z=z))
+    return [k["decision"][str(W3)] for k in out["layers"][0]["kv_heads"]]
+
+
+def test_wilson_bound_is_one_sided_and_never_zero() -> None:
+    from attnprof.analyze.sparsity.confidence import wilson_bounds, wilson_low
+
+    low, high = wilson_bounds(np.array([0.0, 3.0]), np.array([30.0, 30.0]), 1.0)
+    assert low[0] == 0.0 and high[0] == pytest.approx(1 / 31)  # z^2 / (n + z^2)
+    assert 0 < low[1] < 0.1 < high[1] < 0.2
+    assert np.isnan(wilson_bounds(0.0, 0.0, 1.0)[1]) and math.isnan(wilson_low(1, 0))
+
+
+def test_window_decisions_pass_fail_and_undecided() -> None:
+    """Sampled (64 queries, ~55 eligible): the clean head passes, the 30% head fails, the 4%
+    head is undecided and therefore not windowed; the all-query census decides it (pass)."""
+    from attnprof.analyze.sparsity.classify import Thresholds, classify, head_windows
+
+    q, k, exact = _needle_attention()
+    assert exact[0] == 0 and exact[1] == pytest.approx(0.3, abs=0.01) \
+        and exact[2] == pytest.approx(0.04, abs=0.005)
+    acc = _acc()
+    acc.update(0, q, k, 1.0, q_start=0)
+    assert _decisions(acc) == ["pass", "fail", "undecided"]
+    out = classify(acc, Thresholds())
+    assert out["undecided"] == {str(W3): 1}
+    kv2 = out["layers"][0]["kv_heads"][2]
+    assert 0 < kv2["fail_share"][str(W3)] < kv2["fail_share_upper"][str(W3)]
+    assert kv2["fail_share_upper"][str(W3)] > 0.05
+    assert not kv2["exact"] and kv2["window"] != W3  # undecided never passes
+    assert not np.isfinite(head_windows(acc, Thresholds())[0, 2])
+
+    census = _acc()
+    census.update(0, q, k, 1.0, q_start=0, sample=torch.arange(TT))
+    acc.set_exact(census, [0])
+    assert _decisions(acc) == ["pass", "fail", "pass"]  # 4% <= 5%, no sampling error
+    p, se = acc.fail_share(0.9)
+    np.testing.assert_allclose(p[0, :, 1, 0], exact, atol=1e-12)
+    assert np.all(se[0, :, 1, 0] == 0) and np.all(acc.coverage_se()[0, :, 1, 0] == 0)
+    out = classify(acc, Thresholds())
+    assert out["undecided"] == {} and out["decided_exactly_kv_heads"] == 3
+    assert out["layers"][0]["kv_heads"][2]["window"] == W3
+
+
+def test_a_sample_with_no_failures_is_not_proof() -> None:
+    """12 eligible queries, none failing: the point estimate is 0 with zero standard error,
+    but 12 queries cannot show a share <= 0.05 (Wilson upper 1/13): undecided, not pass."""
+    q, k, _ = _needle_attention(t=4 + W3 + 12)
+    acc = _acc()
+    acc.update(0, q[:, :1].repeat(1, 3, 1), k, 1.0, q_start=0, sample=range(4 + W3, len(q)))
+    assert acc.cov_n[0, 0, 1, 0] == 12
+    assert _decisions(acc) == ["undecided"] * 3
+
+
+def test_exact_flag_survives_serialization_and_merging_clears_it() -> None:
+    q, k, _ = _needle_attention()
+    census = _acc()
+    census.update(0, q, k, 1.0, q_start=0, sample=torch.arange(TT))
+    acc = _acc()
+    acc.update(0, q, k, 1.0, q_start=0)
+    with pytest.raises(ValueError):
+        acc.set_exact(census, [1])
+    acc.set_exact(census, [0])
+    assert acc.exact.all()
+    back = HeadStatsAccumulator.from_dict(acc.to_dict())
+    assert back.exact.all() and _decisions(back) == ["pass", "fail", "pass"]
+    clone = HeadStatsAccumulator.from_dict(acc.to_dict())
+    got = HeadStatsAccumulator.from_bytes(clone.take_bytes())
+    assert got.exact.all() and not clone.exact.any()  # a take restarts from zero
+    merged = HeadStatsAccumulator.from_dict(acc.to_dict()).merge(_acc())
+    assert not merged.exact.any()
+    glob = _acc()
+    glob.add_at(HeadStatsAccumulator.from_dict(acc.to_dict()))
+    assert not glob.exact.any()
+    # state written before the flag existed reads as sampled
+    old = acc.to_dict()
+    del old["exact"]
+    assert not HeadStatsAccumulator.from_dict(old).exact.any()

@@ -145,6 +145,9 @@ class HeadStatsAccumulator:
         self.js_n = np.zeros(hh)
         self.js_far = np.zeros(hh)
         self.js_k = np.zeros(hh)  # detail queries per pair (raw count)
+        # rows whose coverage statistics (``_COV_FIELDS``) come from every query of the
+        # prompts, weight 1 (:meth:`set_exact`): their failing share has no sampling error
+        self.exact: Any = np.zeros(lh, dtype=bool)
 
     @property
     def num_q_heads(self) -> int:
@@ -497,7 +500,8 @@ class HeadStatsAccumulator:
             share = from_top / np.maximum(n, 1e-300)[..., None]
             if z > 0:
                 neff = self.n_eff()[..., None]
-                share = share + z * np.sqrt(share * (1 - share) / np.maximum(neff, 1e-300))
+                margin = z * np.sqrt(share * (1 - share) / np.maximum(neff, 1e-300))
+                share = share + np.where(self._exact4()[..., None], 0.0, margin)
         # first bin from the top where the share from the top exceeds q
         k = np.argmax(share > q * (1 + 1e-12), axis=-1)
         bin_idx = hist.shape[-1] - 1 - k
@@ -509,10 +513,14 @@ class HeadStatsAccumulator:
         return np.where(n > 0, out, np.nan)
 
     def n_eff(self) -> Any:
-        """Effective sample size (sum w)^2 / sum w^2 per [layer, q head, s, w] (0: none)."""
+        """Effective sample size (sum w)^2 / sum w^2 per [layer, q head, s, w] (0: none).
+        Exact rows (every query, weight 1) read as their query count; their errors are 0."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.cov_w2 > 0, self.cov_w ** 2 / np.maximum(self.cov_w2, 1e-300),
                             0.0)
+
+    def _exact4(self) -> Any:
+        return self.exact[:, :, None, None]
 
     def coverage_mean(self) -> Any:
         """All-query mean of C(s, w) (weighted), per [layer, q head, s, w]."""
@@ -527,8 +535,9 @@ class HeadStatsAccumulator:
         with np.errstate(invalid="ignore", divide="ignore"):
             var = np.maximum(self.cov_sq / np.maximum(self.cov_w, 1e-300) - mean ** 2, 0.0)
             neff = self.n_eff()
-            return np.where(self.cov_n >= 2, np.sqrt(var / np.maximum(neff - 1, 1e-300)),
-                            np.nan)
+            se = np.where(self.cov_n >= 2, np.sqrt(var / np.maximum(neff - 1, 1e-300)),
+                          np.nan)
+        return np.where(self._exact4() & (self.cov_n > 0), 0.0, se)
 
     def fail_share(self, tau: float) -> tuple[Any, Any]:
         """(estimated share of all eligible queries with C < ``tau``, its standard error)
@@ -542,7 +551,23 @@ class HeadStatsAccumulator:
             p = np.where(n > 0, self.cov_hist[..., idx:].sum(-1) / np.maximum(n, 1e-300),
                          np.nan)
             se = np.sqrt(p * (1 - p) / np.maximum(self.n_eff(), 1e-300))
+        se = np.where(self._exact4(), 0.0, se)
         return p, np.where(n > 0, se, np.nan)
+
+    def fail_share_range(self, tau: float) -> tuple[Any, Any]:
+        """(share of eligible queries surely below ``tau``, share possibly below it) per
+        [layer, q head, s, w], weighted (NaN: none). Equal when 1 - ``tau`` is an edge of
+        the loss histogram; otherwise the bin holding 1 - tau counts only in the second."""
+        edges = np.asarray(COVERAGE_LOSS_EDGES)
+        edge = 1.0 - tau
+        lo = int(np.searchsorted(edges, edge + 1e-9, side="right")) - 1  # edge <= 1 - tau
+        hi = int(np.searchsorted(edges, edge - 1e-9, side="left"))  # edge >= 1 - tau
+        lo, hi = max(lo, 0), min(hi, len(edges) - 1)
+        n = self.cov_hist.sum(-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sure = self.cov_hist[..., hi:].sum(-1) / np.maximum(n, 1e-300)
+            maybe = self.cov_hist[..., lo:].sum(-1) / np.maximum(n, 1e-300)
+        return np.where(n > 0, sure, np.nan), np.where(n > 0, maybe, np.nan)
 
     def per_head_means(self) -> dict[str, Any]:
         """All-query means (weighted): sink mass [L, Hq, S], entropy, max weight, top-k
@@ -585,7 +610,27 @@ class HeadStatsAccumulator:
         for f in self._SUM_FIELDS:
             getattr(self, f).__iadd__(getattr(other, f))
         self.cov_min = np.minimum(self.cov_min, other.cov_min)
+        # a sum of an exact census and anything else is a census of neither: sampled again
+        self.exact[...] = False
         return self
+
+    _COV_FIELDS = ("cov_n", "cov_w", "cov_w2", "cov_sum", "cov_sq", "cov_min", "cov_hist",
+                   "top1_out")
+    """Per-(layer, q head, s, w) statistics behind window decisions: what :meth:`set_exact`
+    replaces."""
+
+    def set_exact(self, other: HeadStatsAccumulator, layers: Iterable[int]) -> None:
+        """Replace the coverage statistics of every query head of ``layers`` by ``other``'s,
+        which must hold every query of the same prompts at weight 1 (``update(...,
+        sample=all)``), and mark those rows exact. Other statistics (entropy, sink mass,
+        pairs) stay sampled."""
+        self._check_compatible(other)
+        ls = sorted({int(x) for x in layers})
+        if any(not 0 <= x < self.num_layers for x in ls):
+            raise ValueError(f"layers must be in 0..{self.num_layers - 1}")
+        for f in self._COV_FIELDS:
+            getattr(self, f)[ls] = getattr(other, f)[ls]
+        self.exact[ls] = True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe state; arrays are stored sparsely (most histogram bins are empty)."""
@@ -603,6 +648,7 @@ class HeadStatsAccumulator:
             "n_last": self.n_last, "n_random": self.n_random, "n_detail": self.n_detail,
             "mass_gamma": self.mass_gamma,
             "coverage_loss_edges": list(COVERAGE_LOSS_EDGES), "arrays": arrays,
+            "exact": np.flatnonzero(self.exact).tolist(),
         }
 
     @classmethod
@@ -625,6 +671,10 @@ class HeadStatsAccumulator:
             flat = a.reshape(-1)
             flat[np.asarray(spec["index"], dtype=np.int64)] = np.asarray(spec["value"],
                                                                           dtype=np.float64)
+        ex = np.asarray(d.get("exact") or [], dtype=np.int64)
+        if ex.size and (ex.min() < 0 or ex.max() >= acc.exact.size):
+            raise ValueError("head statistics exact rows out of range")
+        acc.exact.reshape(-1)[ex] = True
         if old:  # unweighted sums: every sampled query had weight 1
             acc.weight_sum[...] = acc.queries
             acc.detail_w[...] = acc.detail_n
@@ -662,6 +712,8 @@ class HeadStatsAccumulator:
             arrays[f + ".i"] = nz.astype(np.uint32 if a.size < 1 << 32 else np.uint64)
             arrays[f + ".v"] = a.ravel()[nz]
             a.fill(fill)
+        arrays["exact.i"] = np.flatnonzero(self.exact).astype(np.uint32)
+        self.exact.fill(False)
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         return buf.getvalue()
@@ -680,6 +732,8 @@ class HeadStatsAccumulator:
                 for f in (*cls._SUM_FIELDS, "cov_min"):
                     flat = getattr(acc, f).reshape(-1)
                     flat[z[f + ".i"].astype(np.int64)] = z[f + ".v"]
+                if "exact.i" in z.files:  # absent in deltas of earlier versions
+                    acc.exact.reshape(-1)[z["exact.i"].astype(np.int64)] = True
         except (OSError, EOFError, KeyError, IndexError, TypeError, ValueError) as err:
             raise ValueError(f"not a head-statistics delta: {err!r}") from None
         return acc
@@ -708,6 +762,7 @@ class HeadStatsAccumulator:
                 continue
             getattr(self, f)[lay, heads] += getattr(other, f)
         self.cov_min[lay, heads] = np.minimum(self.cov_min[lay, heads], other.cov_min)
+        self.exact[lay, heads] = False  # merged: see merge
         return self
 
     @classmethod
@@ -718,6 +773,14 @@ class HeadStatsAccumulator:
 
         shape = AttentionShape.from_config(cfg)
         return cls(shape.num_layers, shape.num_kv_heads, shape.group_size, **kw)
+
+    def empty_like(self) -> HeadStatsAccumulator:
+        """A zeroed accumulator with this one's shape, grids and sampling settings."""
+        return type(self)(self.num_layers, self.num_kv_heads, self.group_size,
+                          self.sinks_grid, self.window_grid, n_last=self.n_last,
+                          n_random=self.n_random, n_detail=self.n_detail,
+                          chunk_queries=self.chunk_queries, mass_gamma=self.mass_gamma,
+                          seed=self.seed)
 
     def layers_with_data(self) -> Iterable[int]:
         return (i for i in range(self.num_layers) if self.queries[i].sum() > 0)

@@ -193,13 +193,23 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
         raise CliError(f"{source}: bad length distribution ({type(err).__name__})") from None
 
 
-def _collect(args: argparse.Namespace) -> Any:
+def _thresholds(args: argparse.Namespace, sinks: int, stats: Any) -> Any:
+    from attnprof.analyze.sparsity.classify import Thresholds
+
+    return Thresholds(tau=args.tau, quantile=args.quantile,
+                      sinks=sinks if stats is None or sinks in stats.sinks_grid else 4)
+
+
+def _collect(args: argparse.Namespace, sinks: int) -> tuple[Any, dict[str, Any]]:
+    """(head statistics of the prompts, the refinement report): the sampled pass, then the
+    KV heads it leaves undecided are decided on every query (their layers rerun exactly)."""
     from attnprof.tools.replay import (
         ReplayError,
         collect_head_stats,
         default_prompts,
         load_model,
         read_prompts,
+        refine_head_stats,
     )
 
     try:
@@ -207,7 +217,13 @@ def _collect(args: argparse.Namespace) -> Any:
         prompts = read_prompts(args.prompts) if args.prompts else default_prompts(tok)
         print(f"attnprof: collecting head statistics on {len(prompts)} prompts",
               file=sys.stderr)
-        return collect_head_stats(model, tok, prompts)
+        acc = collect_head_stats(model, tok, prompts)
+        refined = refine_head_stats(model, tok, prompts, acc, _thresholds(args, sinks, acc))
+        if refined["layers"]:
+            print(f"attnprof: {sum(refined['undecided_before'].values())} undecided KV-head "
+                  f"windows decided on every query ({len(refined['layers'])} layers rerun, "
+                  f"{refined['seconds']:.1f} s)", file=sys.stderr)
+        return acc, refined
     except ReplayError as err:
         raise CliError(str(err)) from None
 
@@ -234,7 +250,6 @@ def _validate(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any] |
 
 
 def _run(args: argparse.Namespace) -> int:
-    from attnprof.analyze.sparsity.classify import Thresholds
     from attnprof.analyze.sparsity.recommend import evaluate, recommend
 
     if args.window is not None:
@@ -255,16 +270,16 @@ def _run(args: argparse.Namespace) -> int:
     dist, stats = _distribution(args)
     if args.head_stats is not None:
         stats = load_head_stats(args.head_stats)
+    sinks = 4 if args.sinks is None else args.sinks
+    refinement = None
     if args.collect_stats:
-        stats = _collect(args)
+        stats, refinement = _collect(args, sinks)
     if stats is not None and (stats.num_layers, stats.num_q_heads) != (arch.num_layers,
                                                                         arch.num_q_heads):
         raise CliError(f"head statistics are for {stats.num_layers} layers x "
                        f"{stats.num_q_heads} heads, the model has {arch.num_layers} x "
                        f"{arch.num_q_heads}")
-    sinks = 4 if args.sinks is None else args.sinks
-    th = Thresholds(tau=args.tau, quantile=args.quantile,
-                    sinks=sinks if stats is None or sinks in stats.sinks_grid else 4)
+    th = _thresholds(args, sinks, stats)
     if args.window is not None:
         out = evaluate(dist, arch, args.window, sinks, head_stats=stats, thresholds=th,
                        layers=layers)
@@ -275,9 +290,10 @@ def _run(args: argparse.Namespace) -> int:
         if layers is not None:  # user-fixed layers: re-score the chosen window on them
             keep = {k: out[k] for k in ("pareto", "per_layer", "classification",
                                         "head_level_split", "dynamic_sparse_prefill",
-                                        "native_windows", "basis")}
+                                        "native_windows", "basis", "undecided")}
             out = evaluate(dist, arch, out["window"], sinks, head_stats=stats, thresholds=th,
                            layers=layers) | keep
+    out["refinement"] = refinement
     out["replay"] = _validate(args, out) if args.validate else None
     out["safe"] = bool(out["replay"] and out["replay"]["safe"])
     if args.stats_out is not None and stats is not None:
@@ -337,21 +353,29 @@ def render(out: dict[str, Any]) -> str:
                  f"(not used) {out['naive_mean_request_saving']:.1%}")
     if out.get("heads_at_risk_count") is not None:
         lines.append(f"heads at risk (coverage below target): {out['heads_at_risk_count']}; "
+                     f"undecided (within sampling error): {out.get('heads_undecided_count')}; "
                      f"unverified (no long enough sample): {out['heads_unverified_count']}")
         for r in (out.get("heads_at_risk") or [])[:10]:
             lines.append(f"  layer {r['layer']} kv head {r['kv_head']}: "
                          f"coverage {r['coverage_q']:.3f}")
     else:
         lines.append("heads at risk: unknown (no head statistics)")
+    ref = out.get("refinement")
+    if ref is not None:
+        left = sum(ref["undecided_after"].values())
+        lines.append(f"exact refinement: {len(ref['layers'])} layers rerun on every query in "
+                     f"{ref['seconds']:.1f} s; undecided KV-head windows "
+                     f"{sum(ref['undecided_before'].values())} -> {left}")
     if out.get("pareto"):
         lines.append("")
         lines.append(f"{'window':>8} {'layers':>6} {'attn FLOPs':>11} {'KV mem':>8} "
-                     f"{'exact':>7} {'at risk':>7}")
+                     f"{'exact':>7} {'at risk':>7} {'undecided':>9}")
         for e in out["pareto"]:
             risk = "-" if e["heads_at_risk_count"] is None else str(e["heads_at_risk_count"])
+            und = "-" if e.get("heads_undecided") is None else str(e["heads_undecided"])
             lines.append(f"{e['window']:>8} {e['layers']:>6} "
                          f"{e['attention_flop_saving']:>10.1%} {e['kv_memory_saving']:>7.1%} "
-                         f"{e['exact_request_fraction']:>6.1%} {risk:>7}")
+                         f"{e['exact_request_fraction']:>6.1%} {risk:>7} {und:>9}")
     if out.get("classification"):
         cls = out["classification"]
         lines.append("")

@@ -79,6 +79,8 @@ class ParetoPoint(Record):
     heads_at_risk_count: int | None
     layers: int
     """Number of layers windowed at this window."""
+    heads_undecided: int | None = None
+    """KV heads undecided at this window (sampling error straddles the target)."""
 
 
 @dataclass
@@ -154,6 +156,12 @@ class WindowAdvice(Document):
     underused_heads: list[UnderusedHead] | None = None
     """Dormant, near-uniform and redundant query heads found in the head statistics, with
     their KV shares (null: no head statistics; not replayed: ``safe`` is false)."""
+    heads_undecided: dict[str, int] | None = None
+    """KV heads of full-attention layers whose window decision the sample cannot make (the
+    sampling error straddles the coverage target), per grid window; never windowed (null:
+    no head statistics)."""
+    min_n_eff: float | None = None
+    """Fewest effective sampled queries behind a windowed layer's KV head (sampling error)."""
 
 
 @dataclass

@@ -3,6 +3,9 @@
 * :func:`collect_head_stats` runs prompts through the model with
   :func:`attnprof.capture.transformers.instrument` and feeds each prefill's
   post-RoPE q/k to a :class:`HeadStatsAccumulator`.
+* :func:`refine_head_stats` decides the KV heads a sampled pass left undecided on every
+  query: it reruns the prompts, computing exact statistics (each query, weight 1) for the
+  layers holding undecided heads only, and marks those rows exact.
 * :func:`replay` runs each prompt twice through one registered attention function, once with
   the causal mask and once with sinks + window applied as a mask (keys keep their original
   positions, like vLLM/HF sliding windows; no StreamingLLM re-rotation), and compares the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,7 @@ __all__ = [
     "default_prompts",
     "load_model",
     "read_prompts",
+    "refine_head_stats",
     "replay",
 ]
 
@@ -112,9 +117,11 @@ def _encode(tokenizer: Any, prompt: str, max_tokens: int) -> Any:
 def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[Any],
                        acc: HeadStatsAccumulator | None = None, *, max_tokens: int = 4096,
                        progress: Callable[[int], None] | None = None,
+                       layers: Iterable[int] | None = None, every_query: bool = False,
                        **acc_kw: Any) -> HeadStatsAccumulator:
     """Head statistics over each prompt's prefill (one forward per prompt, no cache);
-    a prompt is a string or a [1, L] tensor of token ids."""
+    a prompt is a string or a [1, L] tensor of token ids. ``layers``: only these layers
+    (default all); ``every_query``: every query at weight 1 instead of the sample."""
     import torch
 
     from attnprof.capture.transformers import instrument
@@ -124,10 +131,11 @@ def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[Any],
     if acc is None:
         acc = HeadStatsAccumulator.for_config(cfg.to_dict(), **acc_kw)
     failures: list[str] = []
+    only = None if layers is None else frozenset(int(x) for x in layers)
 
     def on_call(ev: Any) -> None:
         q, k = ev.query, ev.key
-        if q.shape[2] < 2:  # prefill only
+        if q.shape[2] < 2 or (only is not None and ev.layer_idx not in only):  # prefill only
             return
         scale = ev.kwargs.get("scaling") or getattr(ev.module, "scaling", None) \
             or 1 / math.sqrt(q.shape[-1])
@@ -135,7 +143,8 @@ def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[Any],
         try:
             acc.update_hf(ev.layer_idx, q, k, float(scale), v=ev.value,
                           softcap=ev.kwargs.get("softcap"),
-                          sink_logits=None if sinks is None else sinks.detach())
+                          sink_logits=None if sinks is None else sinks.detach(),
+                          sample=torch.arange(q.shape[2]) if every_query else None)
         except Exception as exc:  # surfaced below: a statistics bug must not look like data
             failures.append(f"{type(exc).__name__}: {exc}")
             raise
@@ -154,6 +163,40 @@ def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[Any],
     finally:
         prof.uninstrument()
     return acc
+
+
+def refine_head_stats(model: Any, tokenizer: Any, prompts: Sequence[Any],
+                      acc: HeadStatsAccumulator, thresholds: Any = None, *,
+                      max_tokens: int = 4096) -> dict[str, Any]:
+    """Decide on every query the KV heads that ``acc`` (sampled from the same ``prompts``)
+    leaves undecided at some grid window: rerun the prompts computing exact statistics for
+    the layers holding such heads only, and replace those layers' coverage rows in ``acc``
+    (marked exact). Returns what it did and what it cost (seconds, layers rerun)."""
+    import numpy as np
+
+    from attnprof.analyze.sparsity.classify import Thresholds, kv_decisions, window_decisions
+
+    th = thresholds if thresholds is not None else Thresholds()
+
+    def undecided() -> Any:
+        return kv_decisions(window_decisions(acc, th)["decision"], acc.group_size) == 0
+
+    before = undecided()  # [layer, KV head, window]
+    layers = [int(x) for x in np.flatnonzero(before.any((1, 2)))]
+    t0 = time.perf_counter()
+    if layers:
+        exact = collect_head_stats(model, tokenizer, prompts, acc.empty_like(),
+                                   max_tokens=max_tokens, layers=layers, every_query=True)
+        acc.set_exact(exact, layers)
+    after = undecided()
+    grid = acc.window_grid
+    return {"layers": layers, "seconds": round(time.perf_counter() - t0, 2),
+            "prompts": len(prompts), "sinks": th.sinks,
+            "undecided_before": {str(w): int(before[..., i].sum()) for i, w in enumerate(grid)
+                                 if before[..., i].any()},
+            "undecided_after": {str(w): int(after[..., i].sum()) for i, w in enumerate(grid)
+                                if after[..., i].any()},
+            "exact_kv_heads": len(layers) * acc.num_kv_heads}
 
 
 @dataclass

@@ -16,8 +16,16 @@ sampled queries that see more than s + w keys:
 * ``unknown``: the sampled queries were too short to test any window, or every window they
   could test fails while larger ones stay untested (and no far top-1 reads were seen)
 
+Window decisions are three-valued (:func:`window_decisions`): with p the estimated share of
+eligible queries whose coverage is below tau and n the effective sample size, a window
+*passes* when the one-sided Wilson upper bound of p (``confidence_z``) is <= ``quantile``,
+*fails* when the lower bound is > ``quantile``, and is *undecided* otherwise (the sampling
+error straddles the target). Undecided never passes. Rows marked exact (every query of the
+prompts, :meth:`HeadStatsAccumulator.set_exact`) have no sampling error: pass iff p <= q.
+
 Under GQA the KV cache is per KV head: a KV head takes the largest w* and the most severe
-class of its query heads; a layer-wide window is the max over its KV heads.
+class of its query heads; a layer-wide window is the max over its KV heads. A KV head's
+window decision is fail if any query head fails, else undecided if any is undecided.
 """
 
 from __future__ import annotations
@@ -29,8 +37,13 @@ from typing import Any
 import numpy as np
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.analyze.sparsity.confidence import wilson_bounds
 
-__all__ = ["CLASSES", "Thresholds", "classify", "head_windows"]
+__all__ = ["CLASSES", "DECISIONS", "Thresholds", "classify", "head_windows", "kv_decisions",
+           "window_decisions"]
+
+DECISIONS = {1: "pass", 0: "undecided", -1: "fail"}
+"""Codes of :func:`window_decisions` (NaN: no evidence, fewer than ``min_queries``)."""
 
 # Most to least severe: a KV head gets the first class any of its query heads has.
 CLASSES = ("unknown", "retrieval", "near_uniform", "local", "streaming", "sink")
@@ -57,8 +70,9 @@ class Thresholds:
     min_queries: int = 8
     """Sampled queries a (head, s, w) cell needs to count as evidence."""
     confidence_z: float = 1.0
-    """Sampling margin: a window passes only when the estimated share of queries below tau,
-    plus ``confidence_z`` standard errors (effective sample size), stays <= ``quantile``."""
+    """One-sided Wilson bound (on the effective sample size) on the share of queries below
+    tau: a window passes when the upper bound is <= ``quantile``, fails when the lower bound
+    is above it, and is undecided otherwise."""
 
     def validate(self) -> Thresholds:
         if not 0 < self.tau <= 1 or not 0 <= self.quantile < 1:
@@ -74,12 +88,43 @@ def _sink_index(acc: HeadStatsAccumulator, sinks: int) -> int:
     return acc.sinks_grid.index(sinks)
 
 
-def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = None) -> Any:
-    """w* per [layer, query head] (inf: no grid window reaches tau; nan: no evidence)."""
+def window_decisions(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = None
+                     ) -> dict[str, Any]:
+    """Three-valued window decisions per [layer, query head, window] at ``sinks``.
+
+    Returns ``decision`` (1 pass, 0 undecided, -1 fail, NaN no evidence), ``share`` (the
+    estimated share of eligible queries with coverage below tau), its Wilson bounds
+    ``low``/``high`` (equal to the share on exact rows) and ``n_eff``."""
     si = _sink_index(acc, th.sinks if sinks is None else sinks)
-    cq = acc.coverage_quantile(th.quantile, th.confidence_z)[:, :, si, :]  # [L, Hq, W]
+    sure, maybe = acc.fail_share_range(th.tau)
+    sure, maybe = sure[:, :, si, :], maybe[:, :, si, :]
+    neff = acc.n_eff()[:, :, si, :]
+    low, _ = wilson_bounds(sure * neff, neff, th.confidence_z)
+    _, high = wilson_bounds(maybe * neff, neff, th.confidence_z)
+    exact = acc.exact[:, :, None] & np.isfinite(maybe)
+    low, high = np.where(exact, sure, low), np.where(exact, maybe, high)
     enough = acc.cov_n[:, :, si, :] >= th.min_queries
-    ok = enough & (cq >= th.tau - 1e-12)
+    q = th.quantile * (1 + 1e-12)
+    dec = np.where(high <= q, 1.0, np.where(low > q, -1.0, 0.0))
+    return {"decision": np.where(enough & np.isfinite(high), dec, np.nan), "share": maybe,
+            "low": low, "high": high, "n_eff": neff}
+
+
+def kv_decisions(decision: Any, group_size: int) -> Any:
+    """[layer, KV head, window] from [layer, query head, window] codes: no evidence if any
+    query head has none, else fail if any fails, else undecided if any is undecided."""
+    d = decision.reshape(decision.shape[0], -1, group_size, decision.shape[-1])
+    with np.errstate(invalid="ignore"):
+        worst = np.min(np.nan_to_num(d, nan=-2.0), axis=2)
+    return np.where(np.isnan(d).any(2), np.nan, worst)
+
+
+def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = None) -> Any:
+    """w* per [layer, query head]: the smallest grid window that passes (inf: none passes;
+    nan: no evidence). Undecided windows never pass."""
+    dec = window_decisions(acc, th, sinks)["decision"]  # [L, Hq, W]
+    enough = ~np.isnan(dec)
+    ok = dec == 1
     grid = np.asarray(acc.window_grid, dtype=float)
     first = np.argmax(ok, axis=-1)
     w = np.where(ok.any(-1), grid[first], math.inf)
@@ -97,6 +142,8 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
     neff = acc.n_eff()[:, :, si, :]
     with np.errstate(invalid="ignore"):
         cse = acc.coverage_se()[:, :, si, :]
+    wd = window_decisions(acc, th)
+    kvd = kv_decisions(wd["decision"], acc.group_size)  # [L, KV, W]
     grid = list(acc.window_grid)
     g = acc.group_size
     layers: list[dict[str, Any]] = []
@@ -159,6 +206,14 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
                 "topk_fraction": _r(float(np.mean([means["topk_fraction"][layer, h]
                                                    for h in hs]))),
                 "q_head_classes": [qclass[h] for h in hs],
+                # three-valued decision per window and the failing share behind it (the
+                # group's worst query head; upper: its Wilson bound, = share when exact)
+                "decision": {str(w): _decision(kvd[layer, kv, i]) for i, w in enumerate(grid)},
+                "fail_share": {str(w): _rmax(wd["share"][layer, list(hs), i])
+                               for i, w in enumerate(grid)},
+                "fail_share_upper": {str(w): _rmax(wd["high"][layer, list(hs), i])
+                                     for i, w in enumerate(grid)},
+                "exact": bool(acc.exact[layer, list(hs)].all()),
             })
         ws_layer = [k["window"] for k in kv_heads]
         layers.append({
@@ -170,8 +225,22 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
             "sink_mass": _r(float(means["sink_mass"][layer, :, si].mean())),
             "kv_heads": kv_heads,
         })
+    undecided = {str(w): int((kvd[..., i] == 0).sum()) for i, w in enumerate(grid)}
     return {"thresholds": asdict(th), "window_grid": grid,
-            "class_counts": {c: n for c, n in totals.items() if n}, "layers": layers}
+            "class_counts": {c: n for c, n in totals.items() if n}, "layers": layers,
+            # KV heads per window whose sampling error straddles the target (never passed)
+            "undecided": {w: n for w, n in undecided.items() if n},
+            "decided_exactly_kv_heads": int(acc.exact.reshape(acc.num_layers, -1,
+                                                              acc.group_size).all(-1).sum())}
+
+
+def _decision(code: float) -> str | None:
+    return None if math.isnan(code) else DECISIONS[int(code)]
+
+
+def _rmax(x: Any) -> float | None:
+    x = np.asarray(x, dtype=float)
+    return _r(float(np.nanmax(x))) if np.isfinite(x).any() else None
 
 
 def _layer_window(ws: list[Any]) -> int | str | None:

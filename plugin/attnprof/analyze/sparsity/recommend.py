@@ -3,7 +3,9 @@
 ``evaluate`` scores one (sinks, window) configuration; ``recommend`` scores a grid of windows,
 picks one and returns a Pareto table; ``format_summary`` is the one-line demo sentence.
 Savings are ratios of expectations over requests (cost-weighted), exactness is
-P(T <= s + w), and heads at risk are KV heads whose low-quantile coverage is below tau.
+P(T <= s + w). Each KV head's window decision is three-valued (:func:`.classify.window_decisions`):
+heads at risk fail the coverage target, undecided heads are within sampling error of it
+(never windowed: "need more traffic"), the rest pass.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Any
 import numpy as np
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
-from attnprof.analyze.sparsity.classify import Thresholds, classify
+from attnprof.analyze.sparsity.classify import (
+    Thresholds,
+    classify,
+    kv_decisions,
+    window_decisions,
+)
 from attnprof.analyze.sparsity.savings import (
     Arch,
     LengthDistribution,
@@ -78,6 +85,17 @@ def kv_coverage(acc: HeadStatsAccumulator, th: Thresholds, sinks: int, window: i
     with np.errstate(invalid="ignore"):
         # a KV head serves its whole group: its coverage is the worst query head's
         return np.where(np.isnan(cq).any(-1), np.nan, np.nanmin(np.nan_to_num(cq, nan=1), -1))
+
+
+def _kv_decision(acc: HeadStatsAccumulator, th: Thresholds, sinks: int, window: int) -> Any:
+    """Three-valued decision per [layer, KV head] at the grid point :func:`kv_coverage`
+    bounds (sinks, window) by (1 pass, 0 undecided, -1 fail, NaN no evidence)."""
+    s_ok = [s for s in acc.sinks_grid if s <= sinks]
+    w_ok = [w for w in acc.window_grid if w <= window]
+    if not s_ok or not w_ok:
+        return np.full((acc.num_layers, acc.num_kv_heads), np.nan)
+    d = window_decisions(acc, th, max(s_ok))["decision"]
+    return kv_decisions(d, acc.group_size)[:, :, acc.window_grid.index(max(w_ok))]
 
 
 def _kv_n_eff(acc: HeadStatsAccumulator, sinks: int, window: int) -> Any:
@@ -147,23 +165,29 @@ def evaluate(lengths: Any, arch: Arch, window: int, sinks: int, *,
         "heads_at_risk": None,
         "heads_at_risk_count": None,
         "heads_unverified_count": None,
+        "heads_undecided_count": None,
     }
     if head_stats is not None:
         cov = kv_coverage(head_stats, th, sinks, window)
         neff = _kv_n_eff(head_stats, sinks, window)
+        dec = _kv_decision(head_stats, th, sinks, window)
         risk: list[dict[str, Any]] = []
+        undecided: list[dict[str, Any]] = []
         unverified = 0
         for layer in chosen:
             for kv in range(head_stats.num_kv_heads):
-                v = cov[layer, kv]
-                if math.isnan(v):
+                v, d = cov[layer, kv], dec[layer, kv]
+                if math.isnan(d) or math.isnan(v):
                     unverified += 1
-                elif v < th.tau - 1e-12:
-                    risk.append({"layer": layer, "kv_head": kv, "coverage_q": round(float(v), 4),
-                                 "n_eff": round(float(neff[layer, kv]), 1)})
+                elif d < 1:  # fails, or within sampling error of the target: not covered
+                    (risk if d < 0 else undecided).append(
+                        {"layer": layer, "kv_head": kv, "coverage_q": round(float(v), 4),
+                         "n_eff": round(float(neff[layer, kv]), 1)})
         out["heads_at_risk_count"] = len(risk)
         out["heads_at_risk"] = sorted(risk, key=lambda r: r["coverage_q"])[:_MAX_LISTED_HEADS]
         out["heads_unverified_count"] = unverified
+        out["heads_undecided_count"] = len(undecided)
+        out["heads_undecided"] = undecided[:_MAX_LISTED_HEADS]
         out["coverage_target"] = {"tau": th.tau, "quantile": th.quantile,
                                   "confidence_z": th.confidence_z}
         ok = [float(neff[x, kv]) for x in chosen for kv in range(head_stats.num_kv_heads)
@@ -297,10 +321,18 @@ def recommend(lengths: Any, arch: Arch, head_stats: HeadStatsAccumulator | None 
                  f"{min_exact:.0%} of requests exact; coverage risk unknown")
     rec = dict(best)
     rec["basis"] = basis
+    # KV heads (full-attention layers) whose decision the sample cannot make, per window:
+    # they keep their layer full until more queries (traffic, or offline refinement) decide
+    rec["undecided"] = None if cls is None else {
+        str(w): n for w in cls["window_grid"]
+        if (n := sum(k["decision"].get(str(w)) == "undecided" for x in cls["layers"]
+                     if arch.native_window(x["layer"]) is None for k in x["kv_heads"]))}
     rec["binds"] = best["exact_request_fraction"] < 1.0 and bool(best["layers"])
     rec["pareto"] = [{k: e[k] for k in ("window", "sinks", "attention_flop_saving",
                                         "kv_memory_saving", "exact_request_fraction",
                                         "heads_at_risk_count")} | {"layers": len(e["layers"])}
+                     | {"heads_undecided": None if rec["undecided"] is None
+                        else rec["undecided"].get(str(e["window"]), 0)}
                      for e in pareto]
     rec["per_layer"] = None if cls is None else [
         {"layer": x["layer"], "window": x["window"], "classes": x["classes"],
@@ -328,6 +360,9 @@ def _underused(acc: HeadStatsAccumulator | None, arch: Arch, dist: LengthDistrib
 def _advice(rec: Mapping[str, Any]) -> list[str]:
     """Where something other than the chosen layer-wide window would save more."""
     out: list[str] = []
+    und = _undecided_phrase(rec)
+    if und:
+        out.append(und)
     nw = rec.get("native_windows")
     if nw:
         for g in nw["sliding"]:
@@ -352,6 +387,18 @@ def _advice(rec: Mapping[str, Any]) -> list[str]:
                    "prefill applies there" + (f", expected saving {exp:.1%} of attention "
                                               "FLOPs" if exp is not None else ""))
     return out
+
+
+def _undecided_phrase(rec: Mapping[str, Any]) -> str | None:
+    """'3 KV heads undecided at w=1024, 1 at w=512: need more traffic' (None: none)."""
+    und = rec.get("undecided") or {}
+    if not und:
+        return None
+    items = sorted(((int(w), n) for w, n in und.items()), reverse=True)
+    parts = [f"{n} KV head{'s' if n != 1 else ''} undecided at w={w}" if i == 0
+             else f"{n} at w={w}" for i, (w, n) in enumerate(items)]
+    return (", ".join(parts) + ": need more traffic (their sampled failing share is within "
+            "sampling error of the target; undecided heads are never windowed)")
 
 
 def _layer_ranges(layers: Sequence[int]) -> str:
@@ -393,6 +440,10 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     if smp and smp.get("min_n_eff") is not None:
         parts.append(f"coverage from sampled queries (effective n >= {smp['min_n_eff']:g} per "
                      "head, z = {:g} margin)".format(rec["coverage_target"]["confidence_z"]))
+    und = rec.get("undecided") or {}
+    if und:
+        w_show = str(rec["window"]) if str(rec["window"]) in und else max(und, key=int)
+        parts.append(f"{und[w_show]} KV heads undecided at w={w_show}: need more traffic")
     if replay is None:
         parts.append("replay: not run (not validated)")
     else:
@@ -431,6 +482,8 @@ def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         kv_memory_saving=rec["kv_memory_saving"],
         exact_request_fraction=rec["exact_request_fraction"],
         heads_at_risk_count=rec.get("heads_at_risk_count"),
+        heads_undecided=None if rec.get("undecided") is None else dict(rec["undecided"]),
+        min_n_eff=(rec.get("sampling") or {}).get("min_n_eff"),
         basis=rec.get("basis"),
         traffic=AdviceTraffic(requests=tr["requests"], p50=tr["p50"], p90=tr["p90"],
                               p99=tr["p99"], max=tr["max"]),

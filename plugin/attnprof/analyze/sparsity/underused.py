@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from attnprof.aggregate.head_stats import JS_FAR, SINK_MASS_EDGES, HeadStatsAccumulator
+from attnprof.analyze.sparsity.confidence import wilson_low as _wilson_low
 
 __all__ = ["KINDS", "UnderusedThresholds", "find_underused", "format_findings", "kv_shares"]
 
@@ -106,17 +107,6 @@ def kv_shares(num_layers: int, num_kv_heads: int, arch: Any = None, dist: Any = 
         basis = "every layer holds the same KV per head (full attention, any traffic)"
     total = tokens.sum() * num_kv_heads
     return tokens / total if total > 0 else np.full(num_layers, math.nan), basis
-
-
-def _wilson_low(k: float, n: float, z: float = 1.96) -> float:
-    """Lower end of the 95% Wilson interval for k successes in n (the share's confidence)."""
-    if n <= 0:
-        return math.nan
-    p = k / n
-    d = 1 + z * z / n
-    c = p + z * z / (2 * n)
-    r = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (c - r) / d
 
 
 def find_underused(acc: HeadStatsAccumulator, th: UnderusedThresholds | None = None, *,
