@@ -11,6 +11,7 @@ and against the tolerance the decisions need. A sample weighted towards the prom
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -151,12 +152,23 @@ def test_weighted_state_merges_serializes_and_reads_old_state() -> None:
     assert np.all(np.isfinite(back.coverage_se()[back.cov_n >= 2]))
 
 
+def rec_pareto(rec: dict[str, Any]) -> list[Any]:
+    from attnprof.contracts.advice import ParetoPoint
+
+    return [ParetoPoint.from_json(p) for p in rec["pareto"]]
+
+
 def test_confidence_margin_and_reported_sampling_error() -> None:
     """One query in 30 misses the window: the point estimate (1/30 <= 0.05) passes, but with
     30 effective queries the Wilson interval (z = 1: 0.013..0.084) straddles 0.05, so the
     window is undecided, not passed (and not a head at risk either)."""
     from attnprof.analyze.sparsity.classify import Thresholds, classify
-    from attnprof.analyze.sparsity.recommend import evaluate, format_summary, recommend
+    from attnprof.analyze.sparsity.recommend import (
+        evaluate,
+        export_summary,
+        format_summary,
+        recommend,
+    )
     from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
 
     n = 200
@@ -183,6 +195,16 @@ def test_confidence_margin_and_reported_sampling_error() -> None:
     assert strict["decision"]["8"] == "undecided" and loose["decision"]["8"] == "pass"
     rec = recommend(dist, arch, acc, thresholds=Thresholds(confidence_z=0.0))
     assert rec["window"] == 8 and "effective n >= 30" in format_summary(rec)
+    # at z = 1 the head is undecided at both windows: nothing is windowed, and the advice
+    # and the sentence say why
+    rec = recommend(dist, arch, acc)
+    assert rec["layers"] == [] and rec["undecided"] == {"8": 1, "16": 1}
+    assert rec["advice"][0].startswith("1 KV head undecided at w=16, 1 at w=8: need more "
+                                       "traffic")
+    assert "1 KV head undecided at w=16, 1 at w=8: need more traffic" in format_summary(rec)
+    adv = export_summary(rec)
+    assert adv.heads_undecided == {"8": 1, "16": 1}
+    assert [p.heads_undecided for p in rec_pareto(rec)] == [1, 1]
 
 
 # ---------------------------------------------------------------- three-valued decisions

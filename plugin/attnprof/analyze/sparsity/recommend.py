@@ -430,6 +430,9 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         else:
             parts.append("suggestion: keep full attention (no layer has every KV head "
                          "covered by a window in the grid; see the head-level split)")
+        phrase = _undecided_phrase(rec)
+        if phrase:
+            parts.append(phrase.split(" (", 1)[0])
         return "; ".join(parts)
     parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
               f"{_layer_ranges(layers)} ({len(layers)} of {n_layers})",
@@ -443,7 +446,9 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     und = rec.get("undecided") or {}
     if und:
         w_show = str(rec["window"]) if str(rec["window"]) in und else max(und, key=int)
-        parts.append(f"{und[w_show]} KV heads undecided at w={w_show}: need more traffic")
+        n = und[w_show]
+        parts.append(f"{n} KV head{'s' if n != 1 else ''} undecided at w={w_show}: need more "
+                     "traffic")
     if replay is None:
         parts.append("replay: not run (not validated)")
     else:
