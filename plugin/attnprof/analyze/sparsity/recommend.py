@@ -441,8 +441,10 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
               f"{rec['exact_request_fraction']:.1%} of requests unchanged"]
     smp = rec.get("sampling")
     if smp and smp.get("min_n_eff") is not None:
+        exact = (rec.get("classification") or {}).get("decided_exactly_kv_heads") or 0
         parts.append(f"coverage from sampled queries (effective n >= {smp['min_n_eff']:g} per "
-                     "head, z = {:g} margin)".format(rec["coverage_target"]["confidence_z"]))
+                     "head, z = {:g} Wilson bound)".format(rec["coverage_target"]["confidence_z"])
+                     + (f", {exact} KV heads decided on every query" if exact else ""))
     und = rec.get("undecided") or {}
     if und:
         w_show = str(rec["window"]) if str(rec["window"]) in und else max(und, key=int)
