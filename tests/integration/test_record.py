@@ -47,7 +47,7 @@ def test_record_holds_the_window_only_and_diffs_clean_against_itself(
     assert proc.returncode == 0, stderr
     assert f"wrote {out}" in stdout
     rec = json.loads(out.read_text())
-    assert rec["schema_version"] == "attnprof.snapshot/1.5"
+    assert rec["schema_version"] == "attnprof.snapshot/1.6"
     w = rec["window"]
     assert 5.5 <= w["duration_s"] <= 30 and w["requests"] == sent, w
     assert rec["requests"]["requests"] == sent

@@ -95,7 +95,7 @@ def test_window_advice_validates_and_round_trips(head_stats: bool) -> None:
     assert isinstance(adv, WindowAdvice)
     assert (adv.per_layer is not None) == head_stats
     doc = json.loads(json.dumps(adv.to_json()))
-    assert doc["schema_version"] == "attnprof.window_advice/1.0"
+    assert doc["schema_version"] == "attnprof.window_advice/1.1"
     _validate(doc, "window_advice.schema.json")
     assert WindowAdvice.from_json(doc) == adv
     # Field names of the bounded view that dashboards and exporters read are unchanged.
@@ -141,7 +141,7 @@ def test_snapshot_with_each_advice_state(kind: str) -> None:
     if kind == "unavailable":
         assert doc["window_advice"] == {"error": "no requests yet"}  # wire form as before
     if kind == "advice":
-        assert doc["window_advice"]["schema_version"] == "attnprof.window_advice/1.0"
+        assert doc["window_advice"]["schema_version"] == "attnprof.window_advice/1.1"
     back = Snapshot.from_json(doc)
     assert back == snap
     assert type(back.window_advice) is type(advice)
@@ -251,7 +251,7 @@ def test_legacy_profile_json_reads_and_rewrites_valid() -> None:
     assert rep.oom_prediction.validation is not None
     assert rep.oom_prediction.validation.skipped == "disabled (--no-validate)"
     doc = json.loads(json.dumps(rep.to_json()))
-    assert doc["schema_version"] == "attnprof.profile/1.2"
+    assert doc["schema_version"] == "attnprof.profile/1.3"
     _validate(doc, "profile.schema.json")
     _validate(LEGACY_PROFILE, "profile.schema.json")  # old files still validate
     assert ProfileReport.from_json(doc) == rep

@@ -6,6 +6,9 @@ windows): no lengths of individual requests, no text.
 
 When the advice cannot be computed (no local checkpoint, no finished requests yet) the live
 snapshot carries :class:`AdviceUnavailable` instead, ``{"error": "..."}`` on the wire.
+
+1.1 adds ``underused_heads`` (dormant / near-uniform / redundant heads with their KV share),
+``heads_undecided`` and ``min_n_eff`` (the sampling error of the window decisions).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class WindowAdvice(Document):
     """Sinks + sliding window suggested for the traffic, its savings and the evidence."""
 
     KIND = "attnprof.window_advice"
-    VERSION = (1, 0)
+    VERSION = (1, 1)
 
     sinks: NonNegative
     window: int

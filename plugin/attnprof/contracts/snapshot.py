@@ -16,7 +16,8 @@ only), ``PhaseStats.recent_time_s`` (the last calls' seconds, what ``attnprof di
 and ``RequestStats.context_histogram`` (bucket counts: subtractable over a window, and the
 distribution ``attnprof diff`` measures a shift on); 1.6 adds ``RequestStats.kv_pressure``
 (KV usage over time, preemptions, waiting, block-seconds by length class, bytes per token
-per layer) and the top-level ``kv_pressure`` verdict.
+per layer, per KV head), the top-level ``kv_pressure`` verdict, each worker's bandwidth/matmul
+``probe`` and the top-level ``roofline`` (``ATTNPROF_PROBE=1``), and ``window_advice`` 1.1.
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 5)
+    VERSION = (1, 6)
 
     time: float
     model: str
