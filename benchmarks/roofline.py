@@ -8,9 +8,9 @@
 - ``decode``: decode attention on SmolLM2's attention shape (9/3 heads x 64, fp32) through the
   transformers capture, at several KV-cache sizes: attnprof's bandwidth utilisation (analytic
   KV bytes / captured time / probed peak) against the independent one (the K and V tensors'
-  bytes / a plain timing of the same attention function / a torch copy of those bytes),
-  paired round by round. A KV cache that fits a core's cache runs above the DRAM peak: the
-  utilisation is then > 1 on both sides.
+  bytes / a plain timing of the same attention function / the better of a torch copy and
+  triad of those bytes, the probe's own estimator), paired round by round
+  (``tests.integration.test_probe.decode_rounds``, the test's own rounds).
 
 Writes benchmarks/results/roofline.json and the results table in docs/roofline.md.
 Run: ``.venv/bin/python benchmarks/roofline.py [--rounds N]`` (~2-4 minutes).
@@ -68,49 +68,13 @@ def bench_probe_vs_numpy(rounds: int) -> dict[str, Any]:
 
 
 def bench_decode(kv_len: int, rounds: int) -> dict[str, Any]:
-    import torch
-    from tests.integration.test_probe import _decode_model, _timed
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from tests.integration.test_probe import decode_rounds
 
-    from attnprof.analyze import roofline
-    from attnprof.capture.transformers import instrument
-    from attnprof.tools.probe import probe, write_allocates
-
-    model, _cache, step = _decode_model(kv_len)
-    events: list[Any] = []
-    prof = instrument(model, on_call=events.append, max_records=None)
-    ours, theirs, ratios, t_hook, t_plain = [], [], [], [], []
-    try:
-        step()
-        step()
-        ev = events[-1]
-        kv = ev.key.nbytes + ev.value.nbytes
-        moved = 3 if write_allocates("cpu") else 2
-        src = torch.ones(kv // 4)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        for _ in range(rounds):
-            peak = probe(device="cpu", repeats=1, matmul_n=64)
-            n0 = len(prof.records)
-            step()
-            rec = prof.records[n0]
-            w = roofline.call_work(rec.phase, rec.layer_idx, rec.batch, rec.q_len, rec.kv_len,
-                                   rec.num_heads, rec.num_kv_heads, rec.head_dim,
-                                   rec.head_dim_v, rec.dtype, rec.elapsed_s)
-            u = roofline.roofline([w], peak).phases["decode"].bandwidth_utilization or 0.0
-            tp = _timed(lambda: sdpa_attention_forward(ev.module, ev.query, ev.key, ev.value,
-                                                       ev.attention_mask, **ev.kwargs))
-            bw = moved * kv / _timed(lambda: dst.copy_(src))
-            ours.append(u)
-            theirs.append(kv / tp / bw)
-            ratios.append(u / theirs[-1])
-            t_hook.append(rec.elapsed_s)
-            t_plain.append(tp)
-    finally:
-        prof.uninstrument()
-    return {"kv_len": kv_len, "kv_bytes": kv, "utilisation_attnprof": _q(ours),
-            "utilisation_independent": _q(theirs), "ratio": _q(ratios),
-            "attention_s_captured": _q(t_hook), "attention_s_plain": _q(t_plain)}
+    r = decode_rounds(kv_len, rounds)
+    return {"kv_len": kv_len, "kv_bytes": r["kv_bytes"],
+            "utilisation_attnprof": _q(r["ours"]), "utilisation_independent": _q(r["theirs"]),
+            "ratio": _q(r["ratio"]), "attention_s_captured": _q(r["captured_s"]),
+            "attention_s_plain": _q(r["plain_s"])}
 
 
 def markdown(res: dict[str, Any]) -> str:

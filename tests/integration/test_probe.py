@@ -52,6 +52,29 @@ def _numpy_copy_bandwidth(nbytes: int, threads: int) -> Callable[[], float]:
     return run
 
 
+def _kv_sized_peak(nbytes: int) -> Callable[[], float]:
+    """The independent side's peak: plain torch calls on arrays of exactly ``nbytes`` (the
+    KV's bytes), estimated as the probe estimates its own: the better of one copy and one
+    triad per round, the bytes that move counted the same way (write-allocate on CPU). A
+    single copy against the probe's best of two kernels is a biased pair (the maximum of
+    two noisy samples sits above one sample), whatever the load."""
+    from attnprof.tools.probe import write_allocates
+
+    wa = 1 if write_allocates("cpu") else 0
+    n = max(1, nbytes // 4)
+    a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
+    kernels: tuple[tuple[int, Callable[[], Any]], ...] = (
+        ((2 + wa) * 4 * n, lambda: a.copy_(b)),
+        ((3 + wa) * 4 * n, lambda: torch.add(b, c, alpha=3.0, out=a)))
+    for _moved, fn in kernels:
+        fn()  # first touch
+
+    def run() -> float:
+        return max(moved / _timed(fn) for moved, fn in kernels)
+
+    return run
+
+
 def test_probe_copy_matches_an_independent_numpy_copy() -> None:
     from attnprof.tools.probe import default_array_bytes, probe
 
@@ -108,62 +131,73 @@ def _decode_model(kv_len: int) -> tuple[Any, Any, Callable[[], None]]:
     return model, cache, step
 
 
-def test_decode_bandwidth_utilisation_matches_an_independent_measurement() -> None:
-    """attnprof's figure: analytic KV bytes of the captured call / the capture's time / the
-    probe's peak. The independent one: the bytes of the K and V tensors the kernel actually
-    got / a plain timing of the same attention function on those tensors (no attnprof) /
-    a plain torch copy of a tensor of exactly those bytes (bytes moved counted as the probe
-    counts them).
-    64K tokens = 96 MiB of KV: above the cache a core gets here, as a real KV cache is."""
+def decode_rounds(kv_len: int, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Paired rounds of decode-attention bandwidth utilisation at ``kv_len`` tokens of KV
+    (the test's and benchmarks/roofline.py's one definition).
+
+    attnprof's figure: the analytic KV bytes of the captured calls / the capture's time /
+    the probe's peak (``roofline``'s own arithmetic). The independent one: the
+    bytes of the K and V tensors the kernel actually got / a plain timing of the same
+    attention function on those tensors (no attnprof) / the peak of plain torch copy and
+    triad on tensors of exactly those bytes, estimated as the probe estimates its own
+    (:func:`_kv_sized_peak`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from attnprof.analyze import roofline
     from attnprof.capture.transformers import instrument
-    from attnprof.tools.probe import probe, write_allocates
+    from attnprof.tools.probe import probe
 
-    kv_len = 1 << 16
     model, _cache, step = _decode_model(kv_len)
     events: list[Any] = []
     prof = instrument(model, on_call=events.append, max_records=None)
+    out: dict[str, Any] = {k: [] for k in ("ours", "theirs", "ratio", "captured_s",
+                                           "plain_s")}
     try:
         step()
         step()
         ev = events[-1]
-        kv_actual = ev.key.nbytes + ev.value.nbytes
-        # Bytes a copy moves per byte copied, counted as the probe counts (write-allocate).
-        moved = 3 if write_allocates("cpu") else 2
-        src = torch.ones(kv_actual // 4)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
+        kv = ev.key.nbytes + ev.value.nbytes
+        kv_peak = _kv_sized_peak(kv)
 
         def plain() -> None:
             sdpa_attention_forward(ev.module, ev.query, ev.key, ev.value, ev.attention_mask,
                                    **ev.kwargs)
 
-        ratios, utils = [], []
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             peak = probe(device="cpu", repeats=1, matmul_n=64)
             n0 = len(prof.records)
             step()
-            rec = prof.records[n0]
+            (rec,) = prof.records[n0:]
             assert rec.phase == "decode" and rec.kv_len == kv_len + 1
             w = roofline.call_work(rec.phase, rec.layer_idx, rec.batch, rec.q_len, rec.kv_len,
                                    rec.num_heads, rec.num_kv_heads, rec.head_dim,
                                    rec.head_dim_v, rec.dtype, rec.elapsed_s)
             ours = roofline.roofline([w], peak).phases["decode"].bandwidth_utilization
-            t_plain = _timed(plain)
-            copy_bw = moved * kv_actual / _timed(lambda: dst.copy_(src))
-            theirs = kv_actual / t_plain / copy_bw
             assert ours is not None
-            ratios.append(ours / theirs)
-            utils.append(ours)
+            t_plain = _timed(plain)  # right after the captured call: the same context
+            theirs = kv / t_plain / kv_peak()
+            out["ours"].append(ours)
+            out["theirs"].append(theirs)
+            out["ratio"].append(ours / theirs)
+            out["captured_s"].append(rec.elapsed_s)
+            out["plain_s"].append(t_plain)
     finally:
         prof.uninstrument()
-    assert w.kv_bytes == kv_actual  # the analytic count is the tensors' bytes exactly
-    med = statistics.median(ratios)
+    out.update(kv_len=kv_len, kv_bytes=kv, analytic_kv_bytes=w.kv_bytes)
+    return out
+
+
+def test_decode_bandwidth_utilisation_matches_an_independent_measurement() -> None:
+    """attnprof's decode utilisation within 10% of the independent one (:func:`decode_rounds`),
+    median of paired rounds. 64K tokens = 96 MiB of KV: above the cache a core gets here, as
+    a real KV cache is (benchmarks/roofline.py records 12 and 384 MiB too)."""
+    res = decode_rounds(1 << 16)
+    # the analytic count is the tensors' bytes exactly
+    assert res["analytic_kv_bytes"] == res["kv_bytes"]
+    med = statistics.median(res["ratio"])
     assert abs(med - 1) < GOAL, (f"attnprof / independent utilisation = {med:.3f}; "
-                                 f"rounds {[round(r, 3) for r in ratios]}, "
-                                 f"utilisation {[round(u, 3) for u in utils]}")
+                                 f"rounds {[round(r, 3) for r in res['ratio']]}, "
+                                 f"utilisation {[round(u, 3) for u in res['ours']]}")
 
 
 @pytest.mark.vllm
