@@ -313,3 +313,30 @@ def test_causal_window_counts_match_the_mask() -> None:
         rows = keep[s - q:]
         assert causal_pairs(q, s, w) == int(rows.sum())
         assert keys_read(q, s, w) == int(rows.any(axis=0).sum())
+
+
+def test_profile_roofline_counts_each_layers_own_mask() -> None:
+    """attnprof profile's roofline: a decoder layer's sliding window and causal mask limit its
+    pairs, while encoder self-attention and cross-attention are dense (brute-force counts)."""
+    from attnprof.capture.transformers import CallRecord
+    from attnprof.tools.profile_run import _roofline
+
+    def rec(layer: int, q: int, kv: int, window: int | None, stack: str | None,
+            kind: str = "self") -> CallRecord:
+        return CallRecord(layer_idx=layer, impl="sdpa", phase="prefill", mask="none", batch=1,
+                          q_len=q, kv_len=kv, num_heads=4, num_kv_heads=2, head_dim=16,
+                          head_dim_v=16, dtype="float32", sliding_window=window, dropout=0.0,
+                          elapsed_s=1e-3, kernel="k", fused=True, tags={"run": "time@64"},
+                          stack=stack, kind=kind)
+
+    L, w = 64, 16
+    records = [rec(0, L, L, None, "encoder"), rec(1, L, L, w, "decoder"),
+               rec(2, L, L, None, "decoder"), rec(3, 8, L, None, "decoder", "cross")]
+    rl, _, err = _roofline(records, "float32", causal=True)
+    assert not err and rl is not None
+    flops = {p.layer: p.flops for p in rl.layers if p.phase == "prefill"}
+    windowed = sum(min(i + 1, w) for i in range(L))
+    causal_pairs = sum(i + 1 for i in range(L))
+    assert flops[1] / flops[0] == pytest.approx(windowed / L**2)
+    assert flops[2] / flops[0] == pytest.approx(causal_pairs / L**2)
+    assert flops[3] / flops[0] == pytest.approx(8 * L / L**2)

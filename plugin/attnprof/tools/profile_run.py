@@ -346,7 +346,9 @@ def _roofline(records: Any, dtype: str, causal: bool) -> tuple[Any, Any, list[st
         return None, None, [f"probe: {type(exc).__name__}: {exc}"]
     work = [roofline.call_work(r.phase, r.layer_idx, r.batch, r.q_len, r.kv_len, r.num_heads,
                                r.num_kv_heads, r.head_dim, r.head_dim_v, r.dtype, r.elapsed_s,
-                               causal=causal and r.phase != "decode")
+                               causal=(causal and r.phase != "decode" and r.kind == "self"
+                                       and r.stack != "encoder"),
+                               sliding_window=r.sliding_window)
             for r in records
             if str(r.tags.get("run", "")).startswith("time") or r.tags.get("run") == "decode"]
     note = ("prefill: the timed forwards at every --seq-lens"
