@@ -340,3 +340,20 @@ def test_profile_roofline_counts_each_layers_own_mask() -> None:
     assert flops[1] / flops[0] == pytest.approx(windowed / L**2)
     assert flops[2] / flops[0] == pytest.approx(causal_pairs / L**2)
     assert flops[3] / flops[0] == pytest.approx(8 * L / L**2)
+
+
+def test_probe_waits_for_an_idle_worker() -> None:
+    """The live probe runs at the worker's first idle gap (a probe under load reads low), and
+    says so in its note when the worker never idles."""
+    from attnprof.tools.probe import wait_idle
+
+    busy_until = [0]
+
+    def steps_busy_then_idle() -> int:  # 5 more steps, then none
+        busy_until[0] += 1
+        return min(busy_until[0], 5)
+
+    assert wait_idle(steps_busy_then_idle, idle_s=0.05, max_wait_s=5.0, poll_s=0.01)
+    assert busy_until[0] > 5  # it kept watching while steps were still coming
+    ticks = iter(range(10**9))
+    assert not wait_idle(lambda: next(ticks), idle_s=0.05, max_wait_s=0.3, poll_s=0.01)

@@ -156,6 +156,12 @@ def _run(args: argparse.Namespace) -> int:
         if failed:
             raise CliError(f"{len(failed)} of {len(results)} demo requests failed: "
                            f"{failed[0].error}")
+        # The workers probe their peaks at their first idle second after serving (a probe
+        # under load reads low): give them a few seconds once the traffic has stopped.
+        deadline = time.monotonic() + 20.0
+        while (fetch_snapshot(srv.base_url).get("roofline") is None
+               and time.monotonic() < deadline):
+            time.sleep(1.0)
         snap = fetch_snapshot(srv.base_url, head_stats=True)
         try:
             metrics = http.get(srv.base_url + "/metrics").decode("utf-8", "replace")

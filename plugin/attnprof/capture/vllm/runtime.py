@@ -178,7 +178,8 @@ def _start_probe(state: State) -> None:
         state.export_source("roofline", lambda: _roofline_samples(state))
 
     try:
-        start_background(done, lambda exc: state.errors.note("probe", exc), model_dtype)
+        start_background(done, lambda exc: state.errors.note("probe", exc), model_dtype,
+                         steps=lambda: int(getattr(state.capture, "seen", 0)))
     except Exception as exc:  # a thread that cannot start: counted, never raised
         state.errors.note("probe", exc)
 
