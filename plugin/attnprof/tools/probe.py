@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,28 +201,6 @@ def spec_check(name: str | None, bandwidth: float, flops: float, dtype: str
                      if dtype in ("bfloat16", "float16") else None))
 
 
-@contextlib.contextmanager
-def _cpu_threads_of_process() -> Iterator[None]:
-    """A new thread's OpenMP team starts at its default (1 in a vLLM CPU worker, whose own
-    threads are set per thread), so a probe from a background thread would time one core
-    against attention that ran on all of them. Use the process's cores for the probe, then
-    restore the setting; the probe runs while the worker is idle."""
-    import torch
-
-    prev = torch.get_num_threads()
-    try:
-        want = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        want = os.cpu_count() or prev
-    if want > prev:
-        torch.set_num_threads(want)
-    try:
-        yield
-    finally:
-        if want > prev:
-            torch.set_num_threads(prev)
-
-
 def wait_idle(steps: Callable[[], int], idle_s: float = 1.0, max_wait_s: float = 120.0,
               poll_s: float = 0.1) -> bool:
     """Wait until ``steps()`` (a count of model steps) stays unchanged for ``idle_s``: the
@@ -265,8 +242,10 @@ def start_background(done: Callable[[MemoryProbe], None], on_error: Callable[[Ex
             if dt is None:
                 return
             idle = True if steps is None else wait_idle(steps, max_wait_s=idle_wait_s)
-            with _cpu_threads_of_process():
-                result = probe(dtype=dt)
+            # With the thread's own torch/OpenMP threads: torch.set_num_threads would also
+            # change MKL's and the thread pool's process-wide settings under the serving
+            # thread (a guest never retunes its host).
+            result = probe(dtype=dt)
             if not idle:
                 busy = (f"probed under load: the worker never idled for 1 s within "
                         f"{idle_wait_s:.0f} s, so the peaks may read low")
