@@ -67,7 +67,10 @@ def add_parser(sub: Any) -> None:
                    help="replay --prompts with the suggestion vs full attention (see "
                         "validate-window); 'safe' is printed only when the replay meets its "
                         "target")
-    p.add_argument("--tau", type=float, default=0.9, help="coverage target (default 0.9)")
+    p.add_argument("--tau", type=float, default=0.9,
+                   help="coverage target (default 0.9); 1 - tau on the statistics' loss "
+                        "edges (e.g. 0.9, 0.95, 0.99) is decided exactly, another tau by "
+                        "its histogram bin, which can leave heads undecided")
     p.add_argument("--quantile", type=float, default=0.05,
                    help="low quantile of coverage compared with tau (default 0.05)")
     p.add_argument("--min-exact", type=float, default=0.9,
