@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 
 from attnprof.aggregate.window import window_between
-from attnprof.analyze.diff import Incomparable, compare, format_layers, parse_fail_on
+from attnprof.analyze.diff import (
+    Incomparable,
+    compare,
+    format_layers,
+    format_sites,
+    parse_fail_on,
+)
 from attnprof.analyze.twosample import distribution_distance, mann_whitney, ratio_test
 from attnprof.contracts.diff import DiffReport
+from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
 from attnprof.contracts.snapshot import (
     ContextHistogram,
@@ -337,3 +344,68 @@ def test_renderers_lead_with_the_verdict() -> None:
     same = _diff(_snap(), _snap())
     assert render_text(same).startswith("attnprof diff: no regression")
     assert render_markdown(same).startswith("### attnprof diff: no regression")
+
+
+# ----- encoder-decoder sites -----
+_SITES = [("encoder", "self"), ("decoder", "cross"), ("decoder", "self")]
+"""BART-like: every stack numbers its layers from 0, so all three sites are layer 0 (the
+cross row sits between the others: a diff keyed by index alone keeps the last)."""
+
+
+def _enc_dec_profile(cross_kernel: str = "flash_cpu", cross_slow: float = 1.0,
+                     seed: int = 0) -> ProfileReport:
+    import copy
+
+    from tests.unit.test_contracts import LEGACY_PROFILE
+
+    rng = random.Random(seed)
+    doc = copy.deepcopy(LEGACY_PROFILE)
+    doc.pop("window_advice")
+    base_layer = doc["layers"][0]
+    layers, rows = [], []
+    for stack, kind in _SITES:
+        slow = cross_slow if kind == "cross" else 1.0
+        lay = copy.deepcopy(base_layer)
+        lay.update(stack=stack, kind=kind, sliding_window=None, layer_type=None)
+        lay["timing"]["samples_s_by_seq_len"] = {
+            "32": [slow * 4e-4 * rng.uniform(0.95, 1.05) for _ in range(12)]}
+        layers.append(lay)
+        row = copy.deepcopy(doc["activation_map"][0])
+        kernel = cross_kernel if kind == "cross" else "flash_cpu"
+        row.update(stack=stack, kind=kind, impl="sdpa", kernel=kernel,
+                   fused=kernel == "flash_cpu", reasons=[] if kernel == "flash_cpu" else
+                   row["reasons"])
+        rows.append(row)
+    doc["layers"], doc["activation_map"] = layers, rows
+    return ProfileReport.from_json(doc)
+
+
+def test_diff_keeps_encoder_decoder_and_cross_layers_apart() -> None:
+    """Only decoder.L0.cross changes kernel and slows down: the diff names exactly that site,
+    not "layer 0" (which encoder.L0 and decoder.L0 share), and tests each site's time."""
+    base = _enc_dec_profile(seed=1)
+    new = _enc_dec_profile(cross_kernel="math", cross_slow=2.0, seed=2)
+    rep = compare(base, new)
+    kern = [f for f in rep.findings if f.kind == "kernel"]
+    assert len(kern) == 1
+    assert kern[0].sites == ["decoder.L0.cross"] and kern[0].layers == [0]
+    assert kern[0].title.startswith("decoder.L0.cross: flash_cpu -> math (fallback)")
+    assert kern[0].severity == "regression"
+    times = {f.sites[0]: f for f in rep.findings if f.kind == "layer_time"}
+    assert set(times) == {"encoder.L0", "decoder.L0", "decoder.L0.cross"}
+    assert times["decoder.L0.cross"].severity == "regression"
+    assert times["decoder.L0.cross"].title.startswith("decoder.L0.cross: +")
+    assert times["encoder.L0"].severity == times["decoder.L0"].severity == "info"
+    assert "decoder.L0.cross" in render_text(rep)
+    # Unchanged: nothing to report, and no site compared against another.
+    same = compare(base, _enc_dec_profile(seed=3))
+    assert not [f for f in same.findings if f.kind == "kernel"] and not same.regression
+
+
+def test_format_sites_ranges_plain_layers_and_names_the_rest() -> None:
+    assert format_sites(["L0", "L1", "L2", "L5"]) == "layers 0-2, 5"
+    assert format_sites(["L3"]) == "layer 3"
+    assert format_sites(["encoder.L0", "decoder.L0", "decoder.L0.cross"]) == \
+        "encoder.L0, decoder.L0, decoder.L0.cross"
+    assert format_sites(["L1", "L1.cross", "L2"]) == "layers 1-2, L1.cross"
+    assert format_sites([]) == "no layers"

@@ -357,3 +357,47 @@ def test_probe_waits_for_an_idle_worker() -> None:
     assert busy_until[0] > 5  # it kept watching while steps were still coming
     ticks = iter(range(10**9))
     assert not wait_idle(lambda: next(ticks), idle_s=0.05, max_wait_s=0.3, poll_s=0.01)
+
+
+def test_profile_roofline_keeps_encoder_decoder_and_cross_sites_apart() -> None:
+    """An encoder-decoder numbers each stack from 0: encoder.L0, decoder.L0 and
+    decoder.L0.cross are three roofline points with their own work, not one merged layer 0."""
+    from attnprof.capture.transformers import CallRecord
+    from attnprof.tools.profile_run import _roofline
+
+    def rec(layer: int, q: int, kv: int, stack: str, kind: str = "self",
+            elapsed: float = 1e-3) -> CallRecord:
+        return CallRecord(layer_idx=layer, impl="sdpa", phase="prefill", mask="none", batch=1,
+                          q_len=q, kv_len=kv, num_heads=4, num_kv_heads=4, head_dim=16,
+                          head_dim_v=16, dtype="float32", sliding_window=None, dropout=0.0,
+                          elapsed_s=elapsed, kernel="k", fused=True, tags={"run": "time@32"},
+                          stack=stack, kind=kind)
+
+    records = [rec(0, 32, 32, "encoder"), rec(1, 32, 32, "encoder"),
+               rec(0, 8, 8, "decoder", elapsed=2e-3), rec(0, 8, 32, "decoder", "cross",
+                                                          elapsed=3e-3),
+               rec(1, 8, 8, "decoder"), rec(1, 8, 32, "decoder", "cross")]
+    rl, _, err = _roofline(records, "float32", causal=False)
+    assert not err and rl is not None
+    pts = [p for p in rl.layers if p.phase == "prefill"]
+    assert [p.site for p in pts] == ["encoder.L0", "decoder.L0", "decoder.L0.cross",
+                                     "encoder.L1", "decoder.L1", "decoder.L1.cross"]
+    by = {p.site: p for p in pts}
+    assert all(p.calls == 1 for p in pts)
+    assert [by[s].time_s for s in ("encoder.L0", "decoder.L0", "decoder.L0.cross")] == \
+        pytest.approx([1e-3, 2e-3, 3e-3])
+    # Dense pairs each: 32x32 encoder, 8x8 decoder self, 8x32 cross.
+    assert by["decoder.L0"].flops / by["encoder.L0"].flops == pytest.approx(64 / 1024)
+    assert by["decoder.L0.cross"].flops / by["encoder.L0"].flops == pytest.approx(256 / 1024)
+    assert by["encoder.L0"].layer == 0 and by["decoder.L0.cross"].layer == 0
+    # The phase total still sums every site.
+    assert rl.phases["prefill"].calls == 6
+
+
+def test_live_roofline_stays_keyed_by_layer() -> None:
+    """Live (vLLM) work has no site label: one point per (layer, phase), as before."""
+    work = [roofline.PhaseWork("decode", 2, 0.5, 1e9, 1e9, 5e8, layer=1),
+            roofline.PhaseWork("decode", 2, 0.5, 1e9, 1e9, 5e8, layer=1),
+            roofline.PhaseWork("decode", 1, 0.5, 1e9, 1e9, 5e8, layer=0)]
+    rl = roofline.place(work, 10e9, 1e12)
+    assert [(p.layer, p.site, p.calls) for p in rl.layers] == [(0, None, 1), (1, None, 4)]

@@ -34,14 +34,17 @@ def _collapse(items: list[Finding]) -> list[Finding]:
     per = [f for f in items if f.kind == "layer_time"]
     if len(per) <= 3:
         return items
-    from attnprof.analyze.diff import format_layers
+    from attnprof.analyze.diff import format_layers, format_sites
 
     lo = min(f.change or 0.0 for f in per)
     hi = max(f.change or 0.0 for f in per)
     layers = sorted(x for f in per for x in f.layers)
+    # Site labels when the findings have them (encoder.L0 and decoder.L0 are not one layer).
+    sites = [x for f in per for x in f.sites] if all(f.sites for f in per) else []
     one = Finding(kind="layer_time", severity=per[0].severity, threshold=per[0].threshold,
-                  layers=layers,
-                  title=(f"{format_layers(layers)}: attention time {lo:+.0%} to {hi:+.0%} per "
+                  layers=layers, sites=sites,
+                  title=(f"{format_sites(sites) if sites else format_layers(layers)}: "
+                         f"attention time {lo:+.0%} to {hi:+.0%} per "
                          f"layer (each with p below 0.01; see --json for intervals)"))
     first = items.index(per[0])
     rest = [f for f in items if f.kind != "layer_time"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -24,12 +25,14 @@ from attnprof.contracts.diff import Change, DiffReport, DiffSide, Finding, Sever
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.snapshot import Snapshot
+from attnprof.facts.shape import layer_label, site_order
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
     "Incomparable",
     "compare",
     "format_layers",
+    "format_sites",
     "parse_fail_on",
 ]
 
@@ -132,6 +135,34 @@ def format_layers(layers: Iterable[int]) -> str:
     return ("layer " if len(xs) == 1 else "layers ") + ", ".join(parts)
 
 
+Site = tuple[str | None, int, str]
+"""(stack, layer index, kind): one attention site (an encoder-decoder numbers each stack
+from 0, so the index alone would merge encoder.L0, decoder.L0 and decoder.L0.cross)."""
+
+
+def _order(site: Site) -> tuple[int, str, int, int]:
+    return site_order(*site)
+
+
+def _label(site: Site) -> str:
+    return layer_label(site[1], site[0], site[2])
+
+
+_PLAIN = re.compile(r"L(\d+)")
+
+
+def format_sites(labels: Iterable[str]) -> str:
+    """Site labels (:func:`attnprof.facts.shape.layer_label`, in model order): plain
+    one-stack layers as ranges, every other site by its label, in the order given:
+    ``["L0", "L1", "L2", "L5"]`` -> ``"layers 0-2, 5"``; ``["encoder.L0",
+    "decoder.L0.cross"]`` -> ``"encoder.L0, decoder.L0.cross"``."""
+    xs = list(dict.fromkeys(labels))
+    plain = [int(m.group(1)) for x in xs if (m := _PLAIN.fullmatch(x))]
+    parts = ([format_layers(plain)] if plain else []) + \
+        [x for x in xs if not _PLAIN.fullmatch(x)]
+    return ", ".join(parts) if parts else "no layers"
+
+
 # ----- one side, whatever the document -----
 @dataclass
 class _Cell:
@@ -154,8 +185,8 @@ class _Side:
     calls: list[tuple[bool, int, float]] = field(default_factory=list)
     """(fused, calls, time_s) per layer x shape class."""
     shares: dict[str, float] = field(default_factory=dict)
-    times: dict[int, dict[str, list[float]]] = field(default_factory=dict)
-    """layer -> group (seq_len or phase) -> per-call seconds."""
+    times: dict[Site, dict[str, list[float]]] = field(default_factory=dict)
+    """site -> group (seq_len or phase) -> per-call seconds."""
     other: dict[str, float] = field(default_factory=dict)
     """group -> seconds of the model's non-attention work (per forward or per step): the
     run's own yardstick for machine speed."""
@@ -180,7 +211,8 @@ def _profile_side(rep: ProfileReport, name: str, raw: Mapping[str, Any]) -> _Sid
         for k in ("dropout_p", "is_causal", "enable_gqa"):
             if k in args:
                 inputs[k] = args[k]
-        cls = (r.layer_idx, r.phase, r.length_bucket, bool(r.tags.get("padded", False)))
+        cls = ((r.stack, r.layer_idx, r.kind), r.phase, r.length_bucket,
+               bool(r.tags.get("padded", False)))
         s.cells[cls] = _Cell(r.kernel, r.fused, [x.code for x in r.reasons], inputs)
     s.calls = kernel_rows(rep)
     s.shares = step_shares(rep)
@@ -191,7 +223,7 @@ def _profile_side(rep: ProfileReport, name: str, raw: Mapping[str, Any]) -> _Sid
     for lay in rep.layers:
         t = lay.timing
         groups = t.samples_s_by_seq_len or {k: [v] for k, v in t.median_s_by_seq_len.items()}
-        s.times[lay.layer] = {f"L={k}": list(v) for k, v in groups.items()}
+        s.times[(lay.stack, lay.layer, lay.kind)] = {f"L={k}": list(v) for k, v in groups.items()}
     s.oom = rep.oom_prediction.max_seq_len
     o = rep.oom_prediction
     if o.confidence is not None and o.extrapolation_factor is not None:
@@ -222,11 +254,12 @@ def _snapshot_side(snap: Snapshot, name: str, raw: Mapping[str, Any]) -> _Side:
                   "sliding_window": lay.sliding_window, "attn_type": lay.attn_type,
                   "has_sink": lay.has_sink}
         for phase, st in lay.phases.items():
-            s.cells[(lay.index, phase)] = _Cell(kernel, lay.fused, [], inputs)
+            s.cells[((None, lay.index, "self"), phase)] = _Cell(kernel, lay.fused, [], inputs)
             if st.recent_time_s:
-                s.times.setdefault(lay.index, {})[phase] = list(st.recent_time_s)
+                s.times.setdefault((None, lay.index, "self"), {})[phase] = \
+                    list(st.recent_time_s)
         if not lay.phases:
-            s.cells[(lay.index, "any")] = _Cell(kernel, lay.fused, [], inputs)
+            s.cells[((None, lay.index, "self"), "any")] = _Cell(kernel, lay.fused, [], inputs)
     s.kv_bytes = kv or None
     s.calls = kernel_rows(snap)
     s.shares = step_shares(snap)
@@ -306,7 +339,8 @@ def _kernel_findings(b: _Side, n: _Side, on: bool) -> tuple[list[Finding], list[
                 g["codes"].append(c)
     out = []
     for (kb, fb, kn, fn, sev), g in groups.items():
-        layers = sorted({c[0] for c in g["classes"]})
+        sites = sorted({c[0] for c in g["classes"]}, key=_order)
+        layers = sorted({c[1] for c in sites})
         shapes = sorted({"/".join(str(x) for x in c[1:]) for c in g["classes"]})
         why = [f"{k} " + ", ".join(f"{a} -> {z}" for a, z in pairs)
                for k, pairs in g["inputs"].items()]
@@ -319,8 +353,9 @@ def _kernel_findings(b: _Side, n: _Side, on: bool) -> tuple[list[Finding], list[
 
         out.append(Finding(
             kind="kernel", severity=_sev(sev if on or sev != "regression" else "info"),
-            title=f"{format_layers(layers)}: {label(kb, fb)} -> {label(kn, fn)}{reason}",
-            layers=layers, base=kb, new=kn, threshold="kernel",
+            title=(f"{format_sites(_label(x) for x in sites)}: {label(kb, fb)} -> "
+                   f"{label(kn, fn)}{reason}"),
+            layers=layers, sites=[_label(x) for x in sites], base=kb, new=kn, threshold="kernel",
             evidence={"shape_classes": shapes[:20], "inputs_changed": why,
                       "reason_codes": list(g["codes"])}))
     missing = len(set(b.cells) ^ set(n.cells))
@@ -365,7 +400,7 @@ def _share_findings(b: _Side, n: _Side, limit: float | None,
     return out
 
 
-def _normalised(b: _Side, n: _Side, layer: int, relative: bool
+def _normalised(b: _Side, n: _Side, layer: Site, relative: bool
                 ) -> tuple[list[float], list[float]]:
     """Both sides' calls of one layer, each divided by the base median of its group (a
     sequence length or a phase), so groups of different lengths pool into one test.
@@ -412,15 +447,18 @@ def _time_findings(b: _Side, n: _Side, limit: float | None) -> tuple[list[Findin
     relative = speed is not None
     out = []
     small = 0
-    for layer in sorted(set(b.times) & set(n.times)):
-        xb, xn = _normalised(b, n, layer, relative)
+    for site in sorted(set(b.times) & set(n.times), key=_order):
+        xb, xn = _normalised(b, n, site, relative)
         small += min(len(xb), len(xn)) < MIN_SAMPLES
-        t = ratio_test(xb, xn, seed=layer, resamples=1000)
+        # A plain layer keeps its index as the bootstrap seed; other sites a stable hash.
+        seed = site[1] if site[0] is None and site[2] == "self" else \
+            zlib.crc32(_label(site).encode())
+        t = ratio_test(xb, xn, seed=seed, resamples=1000)
         if t is None:
             continue
-        raw = ratio_test(*_normalised(b, n, layer, False), resamples=0) if relative else t
-        out.append(_time_finding("layer_time", f"layer {layer}", [layer], t, limit, raw,
-                                 relative))
+        raw = ratio_test(*_normalised(b, n, site, False), resamples=0) if relative else t
+        out.append(_time_finding("layer_time", format_sites([_label(site)]), [site[1]], t,
+                                 limit, raw, relative, sites=[_label(site)]))
     t = ratio_test(*_totals(b, n, relative), seed=10_000)
     if t is not None:
         raw = ratio_test(*_totals(b, n, False), resamples=0) if relative else None
@@ -438,11 +476,11 @@ def _time_findings(b: _Side, n: _Side, limit: float | None) -> tuple[list[Findin
     return out, notes
 
 
-def _sums(groups: dict[int, dict[str, list[float]]], g: str) -> list[float]:
+def _sums(groups: dict[Site, dict[str, list[float]]], g: str) -> list[float]:
     """Per forward (profile repeat) or step (snapshot), the sum of every layer's call in
     group ``g``: the independent unit. The calls of one forward share its machine state,
     so testing pooled calls would overstate the evidence."""
-    lists = [groups[layer][g] for layer in sorted(groups) if g in groups[layer]]
+    lists = [groups[site][g] for site in sorted(groups, key=_order) if g in groups[site]]
     if not lists or len(lists) != len(groups):
         return []
     k = min(len(x) for x in lists)  # the last k calls of each layer: the same forwards
@@ -452,7 +490,7 @@ def _sums(groups: dict[int, dict[str, list[float]]], g: str) -> list[float]:
 def _totals(b: _Side, n: _Side, relative: bool) -> tuple[list[float], list[float]]:
     """Per-forward attention totals of both sides, each group divided by its base median
     (and, ``relative``, the new side by how much slower the rest of the model ran)."""
-    layers = sorted(set(b.times) & set(n.times))
+    layers = sorted(set(b.times) & set(n.times), key=_order)
     tb = {layer: b.times[layer] for layer in layers}
     tn = {layer: n.times[layer] for layer in layers}
     groups = set.intersection(*(set(tb[x]) & set(tn[x]) for x in layers)) if layers else set()
@@ -466,7 +504,7 @@ def _totals(b: _Side, n: _Side, relative: bool) -> tuple[list[float], list[float
 
 
 def _time_finding(kind: str, what: str, layers: list[int], t: Any, limit: float | None,
-                  raw: Any, relative: bool) -> Finding:
+                  raw: Any, relative: bool, sites: list[str] | None = None) -> Finding:
     slower = t.p_value < ALPHA and limit is not None and t.low > 1 + limit
     faster = t.p_value < ALPHA and t.high < 1 - (0.10 if limit is None else limit)
     sev = "regression" if slower else "improvement" if faster else "info"
@@ -482,7 +520,8 @@ def _time_finding(kind: str, what: str, layers: list[int], t: Any, limit: float 
         kind=kind, severity=_sev(sev),
         title=(f"{what}: {t.ratio - 1:+.0%}{rel} (95% CI {t.low - 1:+.0%} to "
                f"{t.high - 1:+.0%}, p={t.p_value:.2g}, n={t.n_base}/{t.n_new})"),
-        layers=layers, base=1.0, new=round(t.ratio, 4), change=round(t.ratio - 1, 4),
+        layers=layers, sites=sites or [], base=1.0, new=round(t.ratio, 4),
+        change=round(t.ratio - 1, 4),
         threshold="time", evidence=ev)
 
 

@@ -31,7 +31,9 @@ __all__ = ["OVER_ROOF", "PhaseWork", "call_work", "from_snapshot", "place", "pla
 
 @dataclass
 class PhaseWork:
-    """Timed attention work of one phase (``layer`` None: summed over layers)."""
+    """Timed attention work of one phase (``layer`` None: summed over layers). ``site``: the
+    attention site's label (:func:`attnprof.facts.shape.layer_label`: ``decoder.L0.cross``)
+    when the layer index alone is ambiguous (encoder-decoder models); None: the layer."""
 
     phase: str
     calls: int
@@ -40,6 +42,7 @@ class PhaseWork:
     bytes: float
     kv_bytes: float
     layer: int | None = None
+    site: str | None = None
 
     def add(self, other: PhaseWork) -> None:
         self.calls += other.calls
@@ -67,12 +70,14 @@ def work_from_layers(layers: Iterable[LayerProfile]) -> list[PhaseWork]:
 def call_work(phase: str, layer: int, batch: int, q_len: int, kv_len: int, num_heads: int,
               num_kv_heads: int, head_dim: int, head_dim_v: int, dtype: str, time_s: float,
               kv_cache_dtype: str = "auto", causal: bool = False,
-              sliding_window: int | None = None) -> PhaseWork:
+              sliding_window: int | None = None, site: str | None = None) -> PhaseWork:
     """One attention call's work by the same analytic counts the live capture uses
     (``batch`` sequences of ``q_len`` queries over ``kv_len`` keys each). ``causal``: the
     queries are the last ``q_len`` positions under a causal mask (optionally a
     ``sliding_window``), and only the (query, key) pairs the mask keeps and the keys it needs
-    are counted (the useful work; a kernel that skips masked blocks does about this)."""
+    are counted (the useful work; a kernel that skips masked blocks does about this).
+    ``site``: the call's site label, which keeps encoder, decoder and cross-attention layers
+    of one index apart."""
     info = LayerInfo(name="", index=layer, backend="", impl="", num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_size=head_dim, head_size_v=head_dim_v,
                      sliding_window=sliding_window, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -80,7 +85,7 @@ def call_work(phase: str, layer: int, batch: int, q_len: int, kv_len: int, num_h
     shape = BatchShape.of((q_len,) * batch, (kv_len,) * batch, batch * q_len)
     return PhaseWork(phase, 1, time_s, float(attention_flops(info, shape)),
                      float(attention_bytes(info, shape)), float(kv_read_bytes(info, shape)),
-                     layer)
+                     layer, site)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -94,7 +99,7 @@ def place_point(w: PhaseWork, peak_bw: float, peak_flops: float) -> RooflinePoin
     kv_s = _ratio(w.kv_bytes, w.time_s)
     ridge = peak_flops / peak_bw if peak_bw > 0 else float("inf")
     return RooflinePoint(
-        phase=w.phase, layer=w.layer, calls=w.calls, time_s=w.time_s, flops=w.flops,
+        phase=w.phase, layer=w.layer, site=w.site, calls=w.calls, time_s=w.time_s, flops=w.flops,
         bytes=w.bytes, kv_bytes=w.kv_bytes, intensity_flops_per_byte=intensity,
         achieved_flops_per_second=flops_s, achieved_bytes_per_second=_ratio(w.bytes, w.time_s),
         kv_bytes_per_second=kv_s,
@@ -103,25 +108,33 @@ def place_point(w: PhaseWork, peak_bw: float, peak_flops: float) -> RooflinePoin
         bound="memory" if intensity is not None and intensity < ridge else "compute")
 
 
+def _site_rank(site: str) -> int:
+    """Model order among the sites of one layer index: encoder, decoder self, cross."""
+    return (0 if site.startswith("encoder.") else 2 if site.endswith(".cross") else 1)
+
+
 OVER_ROOF = ("{} above the probed roof: the probe ran under other load (live on a CPU it "
              "shares the cores with serving) or the KV fits a cache")
 
 
 def place(work: Iterable[PhaseWork], peak_bw: float, peak_flops: float,
           device: str = "cpu", note: str = "") -> Roofline:
-    """Every (layer, phase) piece and each phase's total (summed bytes over summed time:
-    the time-weighted rate) against the roofs."""
+    """Every (site, phase) piece and each phase's total (summed bytes over summed time:
+    the time-weighted rate) against the roofs. A site is the layer index, and the site label
+    where the work has one (an encoder-decoder's encoder.L0, decoder.L0 and decoder.L0.cross
+    are three points)."""
     items = list(work)
     totals: dict[str, PhaseWork] = {}
-    by_layer: dict[tuple[int | None, str], PhaseWork] = {}
+    by_site: dict[tuple[int | None, str, str], PhaseWork] = {}
     for w in items:
         t = totals.setdefault(w.phase, PhaseWork(w.phase, 0, 0.0, 0.0, 0.0, 0.0))
         t.add(w)
-        lw = by_layer.setdefault((w.layer, w.phase), PhaseWork(w.phase, 0, 0.0, 0.0, 0.0,
-                                                                0.0, w.layer))
+        lw = by_site.setdefault((w.layer, w.site or "", w.phase),
+                                PhaseWork(w.phase, 0, 0.0, 0.0, 0.0, 0.0, w.layer, w.site))
         lw.add(w)
-    keyed = sorted((p, lay, w) for (lay, p), w in by_layer.items() if lay is not None)
-    layers = [place_point(w, peak_bw, peak_flops) for _p, _lay, w in keyed]
+    keyed = sorted(((p, lay, _site_rank(site), site), w)
+                   for (lay, site, p), w in by_site.items() if lay is not None)
+    layers = [place_point(w, peak_bw, peak_flops) for _k, w in keyed]
     phases = {p: place_point(w, peak_bw, peak_flops) for p, w in sorted(totals.items())}
     over = [p for p, pt in phases.items() if max(pt.bandwidth_utilization or 0.0,
                                                  pt.compute_utilization or 0.0) > 1.0]

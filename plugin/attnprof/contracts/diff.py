@@ -44,6 +44,9 @@ class Finding(Record):
     title: str
     """One line, e.g. "layers 12-16: flash_cpu -> math: dropout_p 0.0 -> 0.1"."""
     layers: list[int] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
+    """The attention sites' labels (``L3``, ``encoder.L3``, ``decoder.L3.cross``): ``layers``
+    alone merges an encoder-decoder's encoder, decoder and cross layers of one index."""
     base: Any = None
     new: Any = None
     change: float | None = None

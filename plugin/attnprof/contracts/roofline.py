@@ -101,6 +101,10 @@ class RooflinePoint(Record):
     bound: str
     """memory or compute: which side of the ridge the intensity falls on."""
     layer: int | None = None
+    site: str | None = None
+    """The attention site's label when the layer index alone is ambiguous: ``encoder.L0``,
+    ``decoder.L0``, ``decoder.L0.cross`` in encoder-decoder models, ``L0`` otherwise in
+    ``attnprof profile`` (null: live, where ``layer`` is the site)."""
 
 
 @dataclass

@@ -348,7 +348,7 @@ def _roofline(records: Any, dtype: str, causal: bool) -> tuple[Any, Any, list[st
                                r.num_kv_heads, r.head_dim, r.head_dim_v, r.dtype, r.elapsed_s,
                                causal=(causal and r.phase != "decode" and r.kind == "self"
                                        and r.stack != "encoder"),
-                               sliding_window=r.sliding_window)
+                               sliding_window=r.sliding_window, site=r.label)
             for r in records
             if str(r.tags.get("run", "")).startswith("time") or r.tags.get("run") == "decode"]
     note = ("prefill: the timed forwards at every --seq-lens"
