@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from attnprof.analyze.memory import (
@@ -198,7 +199,9 @@ def doubling_ratio(fit: dict[str, float], x: float) -> float:
 
 EXTRAPOLATION_LIMIT = 4.0
 """Beyond this extrapolation factor (predicted length / longest measured length) every output
-says the prediction is an extrapolation, and its confidence is low."""
+says the prediction is an extrapolation. Its confidence is then low unless a run at the
+predicted length validated it (measured peak within 5%, under the budget): a validated
+prediction is high at any factor (see :data:`CONFIDENCE_RULE`)."""
 
 CONFIDENCE_RULE = (
     "high: validated by a run at the predicted length (measured peak within 5% and under the "
@@ -206,9 +209,6 @@ CONFIDENCE_RULE = (
     f"{EXTRAPOLATION_LIMIT:g}x; low: beyond {EXTRAPOLATION_LIMIT:g}x (an extrapolation), or "
     "no length fits the budget; one level lower when the analytic attention model misses the "
     "measured attention peaks by more than 10%")
-
-_FUSED = {"flash_cpu", "flash", "efficient", "cudnn", "flex_attention", "overrideable"}
-
 
 def analytic_path(kernel: str | None) -> str:
     """The memory model's path for a kernel-map kernel: eager, math, or flash_cpu (every
@@ -241,24 +241,86 @@ def run_paths(activation_map: Sequence[dict[str, Any]], num_layers: int) -> list
     return out
 
 
+def run_sites(activation_map: Sequence[dict[str, Any]], num_layers: int
+              ) -> list[dict[str, Any]]:
+    """Each attention site's path (as :func:`run_paths`), in model order: ``stack``,
+    ``layer``, ``kind``, ``label`` and ``path``. Sites are told apart by (stack, layer,
+    kind), so an encoder-decoder's encoder.L0, decoder.L0 and decoder.L0.cross are three
+    sites; a single-stack model without rows for some layers gets them as plain sites."""
+    from attnprof.facts.shape import layer_label, site_order
+
+    best: dict[tuple[Any, ...], tuple[int, str]] = {}
+    seen: dict[tuple[Any, ...], set[str]] = {}
+    for r in activation_map:
+        key = (r.get("stack"), int(r["layer_idx"]), r.get("kind") or "self")
+        seen.setdefault(key, set()).add(analytic_path(r.get("kernel")))
+        if r.get("phase") == "prefill" and r.get("mask") == "none":
+            b = int(r.get("length_bucket") or 0)
+            if key not in best or b >= best[key][0]:
+                best[key] = (b, analytic_path(r.get("kernel")))
+    if not any(k[0] is not None for k in seen):
+        for i in range(num_layers):
+            seen.setdefault((None, i, "self"), set())
+    order = {"eager": 0, "math": 1, "flash_cpu": 2}
+    out = []
+    for key in sorted(seen, key=lambda k: site_order(k[0], k[1], k[2])):
+        stack, i, kind = key
+        path = best[key][1] if key in best else min(seen[key] or {"flash_cpu"},
+                                                    key=order.__getitem__)
+        out.append({"stack": stack, "layer": i, "kind": kind,
+                    "label": layer_label(i, stack, kind), "path": path})
+    return out
+
+
+@dataclass(frozen=True)
+class FloorSite:
+    """One attention site of a prefill forward, in execution order, for
+    :func:`forward_floor`: the path it runs, its own mask, whether it writes a KV cache
+    (decoder self- and cross-attention do; encoder layers hold none), whether its queries
+    are an encoder-decoder's decoder (``decoder_len(L)`` of them) and its keys the
+    encoder's (cross-attention), and its sliding window."""
+
+    path: str
+    causal: bool = True
+    keeps_kv: bool = True
+    decoder: bool = False
+    cross: bool = False
+    window: int | None = None
+
+
 def forward_floor(L: int, *, static_bytes: float, batch: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, dtype: str, layer_paths: Sequence[str],
+                  head_dim: int, dtype: str, layer_paths: Sequence[str] = (),
                   layer_windows: Sequence[int | None] | None = None,
-                  threads: int | None = None) -> float:
-    """Analytic lower bound of a length-L prefill forward's peak: weights + max over layers
-    of (KV cache written up to that layer + its modeled attention peak) + eager's mask."""
+                  threads: int | None = None, sites: Sequence[FloorSite] | None = None,
+                  decoder_len: Callable[[int], int] | None = None) -> float:
+    """Analytic lower bound of a length-L prefill forward's peak: weights + max over sites
+    of (KV cache written up to that site + its modeled attention peak) + eager's mask.
+
+    ``sites`` (default: ``layer_paths``/``layer_windows`` as causal decoder layers) say each
+    site's mask and KV: an encoder's self-attention is dense and keeps no KV, a decoder's
+    self-attention over ``decoder_len(L)`` tokens keeps that many, cross-attention keeps the
+    encoder's ``L``."""
+    if sites is None:
+        wins = list(layer_windows or [])
+        sites = [FloorSite(p, window=wins[i] if i < len(wins) else None)
+                 for i, p in enumerate(layer_paths)]
     per_tok = kv_bytes_per_token(num_kv_heads, head_dim, dtype)["per_layer"] * batch
-    shape = AttnShape(batch, num_heads, num_kv_heads, L, L, head_dim, head_dim, dtype)
-    attn: dict[str, float] = {}
-    kv = top = 0.0
-    wins = list(layer_windows or [])
-    for i, path in enumerate(layer_paths):
-        w = wins[i] if i < len(wins) else None
-        kv += per_tok * (L if w is None else min(L, int(w)))
-        if path not in attn:
-            attn[path] = analytic_attention_peak(shape, path, threads=threads)["total"]
-        top = max(top, kv + attn[path])
-    mask = max((model_mask_bytes(batch, L, L, p, dtype) for p in set(layer_paths)), default=0.0)
+    dec = decoder_len(L) if decoder_len is not None else L
+    attn: dict[tuple[str, int, int, bool], float] = {}
+    kv = top = mask = 0.0
+    for s in sites:
+        q = dec if s.decoder else L
+        k = L if s.cross else q
+        if s.keeps_kv:
+            kv += per_tok * (k if s.window is None else min(k, int(s.window)))
+        key = (s.path, q, k, s.causal)
+        if key not in attn:
+            attn[key] = analytic_attention_peak(
+                AttnShape(batch, num_heads, num_kv_heads, q, k, head_dim, head_dim, dtype),
+                s.path, causal=s.causal, threads=threads)["total"]
+        top = max(top, kv + attn[key])
+        if s.causal:  # eager's model-level float mask for a causal prefill
+            mask = max(mask, model_mask_bytes(batch, q, k, s.path, dtype))
     return float(static_bytes) + top + mask
 
 

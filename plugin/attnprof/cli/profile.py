@@ -287,14 +287,16 @@ def _n(x: int | None) -> str:
 
 
 def _how_sure(factor: float | None, extrapolation: bool | None, confidence: str | None,
-              longest: int) -> str:
+              longest: int, validated: bool = False) -> str:
     """" (EXTRAPOLATION: 71x the longest measured length (256), confidence low)"; empty for
-    profiles written before predictions carried these."""
+    profiles written before predictions carried these. ``validated``: a run at the predicted
+    length agreed within 5%, which is why an extrapolation can be high confidence."""
     if confidence is None:
         return ""
     if factor is None:
         return f" (confidence {confidence})"
-    word = "EXTRAPOLATION: " if extrapolation else ""
+    word = ("EXTRAPOLATION (validated): " if validated else "EXTRAPOLATION: ") \
+        if extrapolation else ""
     return (f" ({word}{factor:g}x the longest measured length ({longest}), "
             f"confidence {confidence})")
 
@@ -353,12 +355,23 @@ def summary(res: ProfileReport, out_dir: Path) -> str:
                          f"{an / 2**20:>9.1f}")
     o = res.oom_prediction
     longest = max(res.run.seq_lens) if res.run.seq_lens else 0
-    ran = "; ".join(f"{p}: {'all' if len(ls) == m.num_layers else len(ls)} layers"
-                    for p, ls in o.attention_paths.items())
+    # Counted per attention site (encoder, decoder and cross-attention apart) when known.
+    per = o.attention_sites or o.attention_paths
+    n_all = sum(len(v) for v in o.attention_sites.values()) if o.attention_sites \
+        else m.num_layers
+    unit = "sites" if o.attention_sites and any(
+        "." in x for v in o.attention_sites.values() for x in v) else "layers"
+    ran = "; ".join(f"{p}: {'all' if len(ls) == n_all else len(ls)} {unit}"
+                    for p, ls in per.items())
+    v = o.validation
+    validated = bool(v is not None and v.fits_budget and v.rel_error is not None
+                     and v.rel_error <= 0.05)
+    how = _how_sure(o.extrapolation_factor, o.extrapolation, o.confidence, longest,
+                    validated=validated)
     lines += ["", f"OOM prediction for a {_gib(o.memory_budget_bytes)} budget"
                   f"{f' (attention as this model ran it: {ran})' if ran else ''}: "
                   f"max seq_len {_n(o.max_seq_len)} at batch {o.batch_size}"
-                  f"{_how_sure(o.extrapolation_factor, o.extrapolation, o.confidence, longest)}"]
+                  f"{how}"]
     if o.max_seq_len and o.model_max_context and o.max_seq_len > o.model_max_context:
         lines.append(f"  beyond the model's maximum context ({_n(o.model_max_context)} tokens): "
                      f"memory would allow {_n(o.max_seq_len)}, the model's positions do not")

@@ -313,7 +313,11 @@ class OomPrediction(Record):
     comparison; not used when it exceeds the bound)."""
     model_max_context: int | None = None
     """The model's ``max_position_embeddings``: a max_seq_len above it is what memory would
-    allow, not a length the model serves (every output says so)."""
+    allow, not a length the model serves (the terminal summary says so; with learned
+    absolute position embeddings the validation run is then skipped, with that reason)."""
+    attention_sites: dict[str, list[str]] = field(default_factory=dict)
+    """Path -> the attention sites that ran it (``L3``; ``encoder.L0``, ``decoder.L0``,
+    ``decoder.L0.cross`` in an encoder-decoder), one entry per site."""
 
 
 @dataclass

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-__all__ = ["Kind", "can_run", "check_seq_lens", "decoder_len", "forward_kwargs", "inputs_note",
-           "model_kind", "patch_grid"]
+__all__ = ["Kind", "can_run", "check_positions", "check_seq_lens", "decoder_len",
+           "forward_kwargs", "inputs_note", "model_kind", "patch_grid", "position_limit"]
 
 Kind = Literal["text", "encoder_decoder", "vision"]
 
@@ -67,6 +67,40 @@ def check_seq_lens(cfg: Any, seq_lens: list[int]) -> None:
                 f"--seq-lens {L}: a vision model's sequence is n^2 patches + 1 class token, "
                 f"set by the image size; use e.g. {near[0]} or {near[1]} (this config's "
                 f"{cfg.image_size}px images give {native})")
+
+
+# Tables indexed by absolute position: GPT-2/GPT-Neo ``wpe``, BERT ``position_embeddings``,
+# BART/OPT ``embed_positions`` (an nn.Embedding with ``offset`` 2).
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
+
+
+def position_limit(model: Any) -> int | None:
+    """The most positions a model with learned absolute position embeddings can index (an
+    ``nn.Embedding`` table looked up by position, less its offset), or None when positions
+    are rotary, relative or interpolated (Llama, T5, ViT) and a longer input still runs."""
+    from torch import nn
+
+    cfg = getattr(model, "config", None)
+    if model_kind(cfg) == "vision":  # a Parameter, interpolated to the image size
+        return None
+    # BERT-style configs keep the table but skip it for relative position types.
+    if getattr(cfg, "position_embedding_type", "absolute") not in (None, "absolute"):
+        return None
+    limits = [int(m.num_embeddings) - int(getattr(m, "offset", 0) or 0)
+              for name, m in model.named_modules()
+              if isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    return min(limits) if limits else None
+
+
+def check_positions(model: Any, seq_lens: list[int]) -> None:
+    """Raise ValueError (one line) for lengths past a learned position table: the forward
+    would index past it."""
+    limit = position_limit(model)
+    over = [L for L in seq_lens if limit is not None and limit < L]
+    if over:
+        raise ValueError(
+            f"--seq-lens {max(over)}: this model has learned absolute position embeddings "
+            f"for {limit} positions; use lengths up to {limit}")
 
 
 def forward_kwargs(model: Any, ids: Any, mask: Any = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,8 @@ def _load(opts: ProfileOptions) -> Any:
         model = AutoModel.from_pretrained(opts.model_dir, **kw)
     # Training mode turns attention dropout on (and SDPA off its fused CPU kernel).
     model.train(opts.train)
+    # Before any forward: past a learned position table the first run would crash minutes in.
+    model_inputs.check_positions(model, opts.seq_lens)
     return model, cfg
 
 
@@ -264,7 +266,8 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         row["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, causal=is_causal_lm)
     sc = _scaling(per_len, bench, layer_time)
-    oom = _oom(sc, bench, per_len, static, opts, shape, dtype, amap=amap, layers=layers)
+    oom = _oom(sc, bench, per_len, static, opts, shape, dtype, amap=amap, layers=layers,
+               causal=is_causal_lm)
     # Memory is not the only limit: past the model's trained positions the prediction says
     # what memory allows, not a length the model can serve.
     oom["model_max_context"] = AttentionShape.from_config(cfg).max_position_embeddings
@@ -273,13 +276,27 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         oom["validation"] = {"planned": False, "skipped": (
             f"a vision model's sequence is n^2 patches + 1; L={oom['max_seq_len']} is not "
             "one, so it cannot be run as predicted")}
+    positions = model_inputs.position_limit(model)
+    if oom.get("validation", {}).get("planned") and positions is not None \
+            and int(oom["max_seq_len"]) > positions:
+        oom["validation"] = {"planned": False, "skipped": (
+            f"L={oom['max_seq_len']} is past the model's {positions} learned absolute "
+            "positions, so it cannot be run as predicted")}
     if oom.get("validation", {}).get("planned"):
         L = int(oom["max_seq_len"])
         say(f"validating at L={L}")
-        oom["validation"] = _validate(model, shape, B, L, static, oom)
+        try:
+            oom["validation"] = _validate(model, shape, B, L, static, oom)
+        except Exception as exc:  # a minutes-long profile never ends in a traceback here
+            msg = (str(exc).strip().splitlines() or [""])[0][:200]
+            oom["validation"] = {"planned": False, "skipped": (
+                f"the run at L={L} failed: {type(exc).__name__}: {msg}")}
         v = oom["validation"]
-        oom["confidence"] = scaling.confidence(oom["extrapolation_factor"], validated=bool(
-            v["fits_budget"] and v["rel_error"] <= 0.05), model_error=oom.get("_model_error"))
+        if v.get("planned"):
+            oom["confidence"] = scaling.confidence(
+                oom["extrapolation_factor"], validated=bool(
+                    v["fits_budget"] and v["rel_error"] <= 0.05),
+                model_error=oom.get("_model_error"))
     oom.pop("_model_error", None)
     adv = advice_mod.advise(amap, {"time_s": {p: {int(k): v for k, v in d.items()}
                                               for p, d in bench["time_s"].items()},
@@ -455,6 +472,27 @@ def _kv_cross(records: Any, dtype: str) -> int:
     return sum(per_site.values())
 
 
+def _site_causal(stack: str | None, kind: str, causal: bool) -> bool:
+    """Only a decoder's self-attention is causal (cross and encoder layers see all keys);
+    ``causal``: whether a single-stack model is a decoder (not BERT/ViT)."""
+    return kind == "self" and stack != "encoder" and (stack == "decoder" or causal)
+
+
+def _floor_sites(sites: list[dict[str, Any]], causal: bool,
+                 windows: list[int | None] | None) -> list[scaling.FloorSite]:
+    """The floor's view of each site: the causal ones and cross-attention write a KV cache
+    (a decoder's); encoder layers (BERT, ViT, an encoder-decoder's encoder) hold none."""
+    out = []
+    for s in sites:
+        c = _site_causal(s["stack"], s["kind"], causal)
+        w = windows[s["layer"]] if s["stack"] is None and windows and \
+            s["layer"] < len(windows) else None
+        out.append(scaling.FloorSite(s["path"], causal=c, keeps_kv=c or s["kind"] == "cross",
+                                     decoder=s["stack"] == "decoder",
+                                     cross=s["kind"] == "cross", window=w))
+    return out
+
+
 def _layers(prof: Any, shape: dict[str, Any], dtype: str,
             layer_time: dict[str, dict[int, list[float]]], layer_peak: dict[str, dict[int, int]],
             B: int, amap: list[dict[str, Any]], causal: bool = True) -> list[dict[str, Any]]:
@@ -481,9 +519,7 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
                 shape["head_dim"], dtype) if c is None else memory.AttnShape(
                 c.batch, c.num_heads, c.num_kv_heads, c.q_len, c.kv_len, c.head_dim,
                 c.head_dim_v, dtype)
-            # Only a decoder's self-attention is causal (cross and encoder layers see all).
-            is_causal = lay["kind"] == "self" and lay["stack"] != "encoder" and (
-                lay["stack"] == "decoder" or causal)
+            is_causal = _site_causal(lay["stack"], lay["kind"], causal)
             a = memory.analytic_attention_peak(ashape, path, causal=is_causal,
                                                masked=c is not None and c.mask != "none")
             mem_rows.append({"seq_len": L, "measured_peak_bytes": measured,
@@ -548,14 +584,20 @@ def _scaling(per_len: dict[int, dict[str, Any]], bench: dict[str, Any],
 
 def _oom(sc: dict[str, Any], bench: dict[str, Any], per_len: dict[int, dict[str, Any]],
          static: int, opts: ProfileOptions, shape: dict[str, Any], dtype: str, *,
-         amap: list[dict[str, Any]] | None = None, layers: list[dict[str, Any]] | None = None
-         ) -> dict[str, Any]:
+         amap: list[dict[str, Any]] | None = None, layers: list[dict[str, Any]] | None = None,
+         causal: bool = True) -> dict[str, Any]:
     budget = opts.memory_budget
     B = opts.batch_size
-    paths = scaling.run_paths(amap or [], int(shape["num_layers"]))
+    # Per site (stack, layer, kind): an encoder-decoder's encoder.L0, decoder.L0 and
+    # decoder.L0.cross are three sites with their own paths, masks and KV.
+    sites = scaling.run_sites(amap or [], int(shape["num_layers"]))
+    paths = [s["path"] for s in sites]
     by_path: dict[str, list[int]] = {}
-    for i, p in enumerate(paths):
-        by_path.setdefault(p, []).append(i)
+    by_site: dict[str, list[str]] = {}
+    for s in sites:
+        if s["layer"] not in by_path.setdefault(s["path"], []):
+            by_path[s["path"]].append(s["layer"])
+        by_site.setdefault(s["path"], []).append(s["label"])
     out: dict[str, Any] = {
         "memory_budget_bytes": budget, "batch_size": B, "static_bytes": static,
         "method": (
@@ -563,7 +605,8 @@ def _oom(sc: dict[str, Any], bench: dict[str, Any], per_len: dict[int, dict[str,
             "floor(L) + fitted remainder of the attention-moment peaks, linear fit of the "
             "forward peaks); floor = weights + KV cache + each layer's modeled attention peak "
             "on the path it ran (kernel map) + eager's mask. Never past the analytic bound."),
-        "attention_paths": by_path, "extrapolation_limit": scaling.EXTRAPOLATION_LIMIT,
+        "attention_paths": by_path, "attention_sites": by_site,
+        "extrapolation_limit": scaling.EXTRAPOLATION_LIMIT,
         "confidence_rule": scaling.CONFIDENCE_RULE}
     Ls = sorted(per_len)
     if len(Ls) < 2:
@@ -583,11 +626,14 @@ def _oom(sc: dict[str, Any], bench: dict[str, Any], per_len: dict[int, dict[str,
     model_error = max(errs) if errs else None
     windows = shape.get("layer_windows") or None
 
+    fsites = _floor_sites(sites, causal, windows)
+
     def floor_for(layer_paths: list[str]) -> Callable[[int], float]:
+        run = [replace(f, path=p) for f, p in zip(fsites, layer_paths, strict=True)]
         return lambda x: scaling.forward_floor(
             x, static_bytes=static, batch=B, num_heads=shape["num_heads"],
             num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], dtype=dtype,
-            layer_paths=layer_paths, layer_windows=windows)
+            sites=run, decoder_len=model_inputs.decoder_len)
 
     head = scaling.predict_oom(Ls, peaks, budget, floor_for(paths), attention_peaks=att,
                                model_error=model_error)
