@@ -31,6 +31,7 @@ __all__ = [
     "Layout",
     "Palette",
     "cell_color",
+    "figure_bytes",
     "grid_from_profile",
     "grid_from_rows",
     "grid_from_snapshot",
@@ -409,9 +410,6 @@ def render(grid: Grid, fmt: Literal["png", "svg"] = "png",
     """The picture as PNG or SVG bytes. Each cell is a rectangle whose SVG id is
     ``cell-<row>-<column>`` (row and column indices into the grid). Needs matplotlib;
     never touches pyplot's global figure state."""
-    from matplotlib import rc_context
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.backends.backend_svg import FigureCanvasSVG
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
@@ -481,12 +479,21 @@ def render(grid: Grid, fmt: Literal["png", "svg"] = "png",
         fig.text(0.02, top, "\n".join(["fallback reasons:"] + [
             "  " + _fit(x, lay.width_in - 0.4, FONT) for x in lines]),
                  ha="left", va="top", fontsize=FONT, linespacing=1.35)
+    return figure_bytes(fig, fmt)
+
+
+def figure_bytes(fig: Any, fmt: Literal["png", "svg"]) -> bytes:
+    """A matplotlib Figure as PNG or SVG bytes, without pyplot's global state. The SVG keeps
+    text as text (searchable, smaller) and has no date or random ids: the same figure gives
+    the same bytes (the activation map, roofline and scaling pictures all use this)."""
+    from matplotlib import rc_context
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_svg import FigureCanvasSVG
+
     buf = io.BytesIO()
     if fmt == "png":
         FigureCanvasAgg(fig).print_png(buf)
     else:
-        # Text as text (searchable, smaller) and no date or random ids: the same grid gives
-        # the same bytes.
         with rc_context({"svg.fonttype": "none", "svg.hashsalt": "attnprof"}):
             FigureCanvasSVG(fig).print_svg(buf, metadata={"Date": None})
     return buf.getvalue()

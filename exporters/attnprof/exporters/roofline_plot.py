@@ -5,7 +5,6 @@ and a small one per layer. Through matplotlib's object API: no pyplot, no global
 
 from __future__ import annotations
 
-import io
 from typing import Literal
 
 from attnprof.contracts.roofline import MemoryProbe, Roofline, RooflinePoint
@@ -79,10 +78,9 @@ def _points(rl: Roofline) -> list[tuple[RooflinePoint, bool]]:
 def render(rl: Roofline, fmt: Literal["png", "svg"] = "png", title: str = "",
            dpi: int = 100) -> bytes:
     """The roofline as PNG or SVG bytes. Needs matplotlib."""
-    from matplotlib import rc_context
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.backends.backend_svg import FigureCanvasSVG
     from matplotlib.figure import Figure
+
+    from attnprof.exporters.activation_map import figure_bytes
 
     bw, peak = rl.peak_bandwidth_bytes_per_second, rl.peak_flops_per_second
     pts = _points(rl)
@@ -117,10 +115,4 @@ def render(rl: Roofline, fmt: Literal["png", "svg"] = "png", title: str = "",
     if rl.note:
         fig.text(0.01, 0.01, rl.note, fontsize=7, color="#444444", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03 if rl.note else 0, 1, 1))
-    buf = io.BytesIO()
-    if fmt == "png":
-        FigureCanvasAgg(fig).print_png(buf)
-    else:
-        with rc_context({"svg.fonttype": "none", "svg.hashsalt": "attnprof"}):
-            FigureCanvasSVG(fig).print_svg(buf, metadata={"Date": None})
-    return buf.getvalue()
+    return figure_bytes(fig, fmt)
