@@ -78,6 +78,20 @@ def rss_bytes(pid: int | str = "self") -> int:
     return proc_memory(pid)["RssAnon"]
 
 
+def settle() -> None:
+    """Collect garbage and hand free heap pages back to the OS (glibc ``malloc_trim``) before
+    a checkpoint: anonymous RSS then counts memory still in use, not free arena space a long
+    process (a pytest run that loaded models before) kept from earlier work. A leak holds
+    its memory, so trimming cannot hide one."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS is read untrimmed
+
+
 def linear_slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys over xs (0.0 for fewer than two points)."""
     if len(xs) < 2:
@@ -196,15 +210,24 @@ class _DirectRecorder:
         state.requests = self.requests
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        from attnprof.aggregate.kv import FinishedRequest
+
+        finished = []
         if scheduler_stats is not None:
             self.requests.set_kv_usage(float(scheduler_stats.kv_cache_usage))
         if iteration_stats is not None:
             for fr in iteration_stats.finished_requests:
                 self.requests.observe(int(fr.num_prompt_tokens), int(fr.num_generation_tokens))
+                finished.append(FinishedRequest(int(fr.num_prompt_tokens),
+                                                int(fr.num_generation_tokens), 0.0, 0.0))
+        # KV pressure over time, as the stat logger keeps it (bounded: fixed histograms).
+        self.requests.kv.record(time.monotonic(), float(scheduler_stats.kv_cache_usage),
+                                int(scheduler_stats.num_running_reqs),
+                                int(scheduler_stats.num_waiting_reqs), 0, finished)
 
 
-def _api_server_side(real_stat_logger: bool, max_len: int, hub_interval: float
-                     ) -> tuple[Any, Any, Any]:
+def _api_server_side(real_stat_logger: bool, max_len: int, hub_interval: float,
+                     layers: int = 4) -> tuple[Any, Any, Any]:
     """(recorder with .record and .requests, the API server's State, its private registry)."""
     from prometheus_client import CollectorRegistry
 
@@ -228,8 +251,20 @@ def _api_server_side(real_stat_logger: bool, max_len: int, hub_interval: float
         st.hub = hub
         from attnprof.capture.vllm.stat_logger import AttnProfStatLogger
 
-        vcfg = SimpleNamespace(model_config=SimpleNamespace(
-            max_model_len=max_len, model="/models/soak", served_model_name="soak"))
+        # What vLLM hands a stat logger: the model's attention shape (the worker side's fake
+        # layers), the cache (blocks, block size, KV dtype) and the scheduler's batch limit.
+        hf = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=HEADS,
+                             num_key_value_heads=KV_HEADS, head_dim=HEAD_SIZE,
+                             hidden_size=HEADS * HEAD_SIZE, vocab_size=32000,
+                             max_position_embeddings=max_len)
+        vcfg = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=max_len, model="/models/soak",
+                                         served_model_name="soak", dtype="bfloat16",
+                                         hf_config=hf, hf_text_config=hf),
+            cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=8192,
+                                         cache_dtype="auto"),
+            scheduler_config=SimpleNamespace(max_num_seqs=256),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1))
         logger = AttnProfStatLogger(vcfg)
         assert logger.enabled and st.requests is logger.requests
         return logger, st, reg
@@ -308,7 +343,8 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
 
     torch.set_num_threads(1)
     rng = random.Random(seed)
-    recorder, api_state, api_reg = _api_server_side(real_stat_logger, max_len, hub_interval)
+    recorder, api_state, api_reg = _api_server_side(real_stat_logger, max_len, hub_interval,
+                                                     layers)
     cap, fake_layers, worker_reg = _worker_side(layers, hub_interval, head_stats_rate)
     max_tokens = 8192
     q_all = torch.randn(max_tokens, HEADS * HEAD_SIZE)
@@ -335,14 +371,14 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
     step_time = rec_time = 0.0
     exports = polls = 0
     marks: list[dict[str, Any]] = []
-    sched = SimpleNamespace(kv_cache_usage=0.0)
+    sched = SimpleNamespace(kv_cache_usage=0.0, num_running_reqs=0, num_waiting_reqs=0)
     clock = time.perf_counter
-    gc.collect()
+    settle()
     rss_start = rss_bytes()
     t_run = 0.0
     for i in range(total):
         if i == warmup:
-            gc.collect()
+            settle()
             step_time = rec_time = 0.0
             base_req = done_req
             marks.append({"iteration": 0, "requests": 0, "rss": rss_bytes(),
@@ -367,6 +403,8 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
                                             num_generation_tokens=log_uniform(
                                                 rng, 1, max_len - p)))
         sched.kv_cache_usage = rng.random()
+        sched.num_running_reqs = rng.randrange(1, 64)
+        sched.num_waiting_reqs = rng.randrange(0, 8)
         iteration = SimpleNamespace(finished_requests=finished)
         t2 = clock()
         recorder.record(sched, iteration)
@@ -383,14 +421,14 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
             recorder.requests.summary(with_state=True).to_json()
             polls += 1
         if i >= warmup and (i + 1 - warmup) % max(1, steps // checkpoints) == 0:
-            gc.collect()
+            settle()
             marks.append({"iteration": i + 1 - warmup, "requests": done_req - base_req,
                           "rss": rss_bytes(), "vm_rss": proc_memory()["VmRSS"],
                           "blocks": sys.getallocatedblocks()})
     wall = clock() - t_run
     cap.state.hub.stop(final_flush=True)
     api_state.hub.stop(final_flush=True)
-    gc.collect()
+    settle()
     marks.append({"iteration": total - warmup, "requests": done_req - base_req,
                   "rss": rss_bytes(), "vm_rss": proc_memory()["VmRSS"],
                   "blocks": sys.getallocatedblocks(), "final": True})
