@@ -84,7 +84,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ATTNPROF_PROBE", "bool", "0",
         "Measure the worker's peak memory bandwidth and matmul FLOP/s once, in a background "
-        "thread after the model is built (a few seconds of copies and GEMMs; `attnprof "
+        "thread at the worker's first idle second after it has served (after 120 s without "
+        "one it probes under load and its note says so; the thread's own torch threads, "
+        "never retuning the host's; a few seconds of copies and GEMMs; `attnprof "
         "probe` runs the same). Adds the probe and the roofline (decode bandwidth and "
         "prefill compute utilisation, arithmetic intensity) to snapshots and metrics.",
     ),

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from attnprof.aggregate.head_stats import _SCHEMA as HEAD_STATS_SCHEMA
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.server import http_get, http_post_json
 from tests.conftest import TINY_API_KEY, dump, get_snapshot, metric_value, poll_metrics
@@ -150,7 +151,7 @@ def test_snapshot_cli_prints_the_layer_table(tiny_server: Any) -> None:
                         "--head-stats", "--url", tiny_server.base_url], capture_output=True,
                        text=True, timeout=60, env=env)
     assert h.returncode == 0, h.stderr
-    assert json.loads(h.stdout)["head_stats"]["schema"] == "attnprof.head_stats/1"
+    assert json.loads(h.stdout)["head_stats"]["schema"] == HEAD_STATS_SCHEMA
 
 
 def test_head_statistics_are_computed_live_on_whole_prompt_prefills(tiny_server: Any) -> None:
