@@ -322,8 +322,13 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     n = len(prompts)
 
     def settled(text: str) -> bool:
+        # Every family the checks below need: the worker's export thread flushes on its own
+        # clock, and head statistics count their queries inside a step while the per-layer
+        # calls are folded at its end, so one flush can carry the first without the second
+        # (seen once in CI: queries > 0, no attnprof_attention_calls_total yet).
         return ((metric_value(text, "attnprof_request_context_tokens_count") or 0) >= n
-                and (metric_value(text, "attnprof_head_stats_queries_total") or 0) > 0)
+                and (metric_value(text, "attnprof_head_stats_queries_total") or 0) > 0
+                and (metric_value(text, "attnprof_attention_calls_total") or 0) > 0)
 
     outputs: dict[str, str] = {}
     deadline = time.monotonic() + 30
