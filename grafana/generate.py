@@ -221,7 +221,7 @@ def panels() -> list[Json]:
                                "/ bandwidth) a phase is memory-bound."),
         stat(72, "Probed peak bandwidth", "Bps",
              f"max(attnprof_memory_bandwidth_peak_bytes_per_second{{{M}}})",
-             "Memory bandwidth the worker's start-up probe measured (copy/triad)."),
+             "Memory bandwidth the worker's start-up probe measured (a read-only stream)."),
         stat(73, "Probed matmul peak", "short",
              f"max(attnprof_matmul_peak_flops_per_second{{{M}}})",
              "Square-GEMM FLOP/s in the model's dtype, measured by the start-up probe."),

@@ -86,7 +86,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Measure the worker's peak memory bandwidth and matmul FLOP/s once, in a background "
         "thread at the worker's first idle second after it has served (after 120 s without "
         "one it probes under load and its note says so; the thread's own torch threads, "
-        "never retuning the host's; a few seconds of copies and GEMMs; `attnprof "
+        "never retuning the host's; a few seconds of reads, copies and GEMMs; `attnprof "
         "probe` runs the same). Adds the probe and the roofline (decode bandwidth and "
         "prefill compute utilisation, arithmetic intensity) to snapshots and metrics.",
     ),

@@ -50,7 +50,7 @@ def check_roofline(out: Path, prof: dict[str, Any]) -> None:
     rl, probe = prof["roofline"], prof["probe"]
     assert rl["peak_bandwidth_bytes_per_second"] == probe["bandwidth_bytes_per_second"] > 0
     assert rl["peak_flops_per_second"] == probe["matmul_flops_per_second"] > 0
-    assert [k["name"] for k in probe["kernels"]] == ["copy", "triad", "matmul"]
+    assert [k["name"] for k in probe["kernels"]] == ["read", "copy", "triad", "matmul"]
     assert "prefill" in rl["phases"]
     for phase, p in rl["phases"].items():
         assert p["time_s"] > 0 and p["flops"] > 0 and p["kv_bytes"] <= p["bytes"]

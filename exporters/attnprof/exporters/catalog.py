@@ -180,7 +180,7 @@ CATALOG: tuple[MetricSpec, ...] = (
                (_M,), "livemostrecent"),
     # --- roofline (worker, ATTNPROF_PROBE=1: probed once after start-up) ---
     MetricSpec("attnprof_memory_bandwidth_peak_bytes_per_second", "gauge",
-               "Peak memory bandwidth the start-up probe measured (copy/triad, bytes moved).",
+               "Peak memory bandwidth the start-up probe measured (a read-only stream).",
                "bytes_per_second", (_M,), "livemostrecent"),
     MetricSpec("attnprof_matmul_peak_flops_per_second", "gauge",
                "Square-GEMM FLOP/s the start-up probe measured in the model's dtype.",

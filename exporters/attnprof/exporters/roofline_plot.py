@@ -55,7 +55,8 @@ def probe_lines(p: MemoryProbe) -> list[str]:
         size = f"n={k.size} {k.dtype}" if k.name == "matmul" else f"{k.size / 2**20:.0f} MiB"
         lines.append(f"  {k.name:<7} {_si(k.median, unit):>14}  (runs {k.runs}, "
                      f"{_si(k.low, unit)} .. {_si(k.high, unit)}, {size})")
-    lines.append(f"peak (best run) bandwidth {_si(p.bandwidth_bytes_per_second, 'B/s')}, "
+    lines.append(f"peak (best run) bandwidth {_si(p.bandwidth_bytes_per_second, 'B/s')} "
+                 "(read stream), "
                  f"matmul {_si(p.matmul_flops_per_second, 'FLOP/s')}")
     s = p.spec
     if s is not None:

@@ -1,7 +1,7 @@
-"""``attnprof probe``: measure this machine's peak memory bandwidth (STREAM-like copy and
-triad) and matmul FLOP/s, the roofs ``attnprof profile`` and the live roofline place
-attention against. Prints the result (``--json``: the ``attnprof.probe`` document); writes
-nothing."""
+"""``attnprof probe``: measure this machine's peak memory bandwidth (a read-only stream,
+STREAM-like copy and triad beside it) and matmul FLOP/s, the roofs ``attnprof profile`` and
+the live roofline place attention against. Prints the result (``--json``: the
+``attnprof.probe`` document); writes nothing."""
 
 from __future__ import annotations
 

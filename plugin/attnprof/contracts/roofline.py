@@ -1,7 +1,7 @@
 """The machine's measured peaks (``attnprof probe``, the start-up probe) and each attention
 phase placed against them (a roofline). Bytes/s and FLOP/s are per second of wall time;
-bandwidths count the bytes that move (copy: read + write, triad: two reads + a write, and
-on CPU the write-allocate read of the destination as well).
+bandwidths count the bytes that move (read: one array read; copy: read + write; triad: two
+reads + a write; on CPU copy and triad also the write-allocate read of the destination).
 
 ``attnprof.probe/1.0`` is a document of its own (``attnprof probe --json``); the snapshot
 (``WorkerSnapshot.probe``, ``Snapshot.roofline``) and profile.json (``roofline``) carry it.
@@ -21,16 +21,16 @@ class ProbeKernel(Record):
     """One timed kernel of the probe, over ``runs`` repetitions."""
 
     name: str
-    """copy, triad (bytes/s) or matmul (FLOP/s)."""
+    """read, copy, triad (bytes/s) or matmul (FLOP/s)."""
     median: float
-    """Bytes/s (copy, triad) or FLOP/s (matmul), the median run."""
+    """Bytes/s (read, copy, triad) or FLOP/s (matmul), the median run."""
     low: float
     """The slowest run's rate."""
     high: float
     """The fastest run's rate."""
     runs: int
     size: int
-    """Bytes per array (copy, triad) or the square matrix's side (matmul)."""
+    """Bytes per array (read, copy, triad) or the square matrix's side (matmul)."""
     dtype: str = "float32"
 
     @property
@@ -63,9 +63,10 @@ class MemoryProbe(Document):
     device: str
     """cpu or cuda."""
     bandwidth_bytes_per_second: float
-    """Peak memory bandwidth: the best run of copy and triad (STREAM's "best rate"),
-    counting the bytes that move (on CPU the write-allocate read too: see
-    ``tools.probe.write_allocates``)."""
+    """Peak memory bandwidth: the best run of the read-only stream (STREAM's "best rate"), the
+    roof for decode attention, which reads the KV and writes almost nothing. Copy and triad
+    are in ``kernels`` beside it; their bytes moved include writes, which overlap reads, so
+    on a CPU they can exceed what any read stream reaches."""
     matmul_flops_per_second: float
     """The best square-GEMM run in the matmul kernel's dtype."""
     kernels: list[ProbeKernel] = field(default_factory=list)
@@ -76,6 +77,10 @@ class MemoryProbe(Document):
     time: float = 0.0
     spec: SpecCheck | None = None
     note: str | None = None
+
+    def kernel(self, name: str) -> ProbeKernel | None:
+        """The kernel called ``name`` (read, copy, triad, matmul), None when absent."""
+        return next((k for k in self.kernels if k.name == name), None)
 
 
 @dataclass
