@@ -32,16 +32,31 @@ STEPS = 4
 """Decode steps per round, each captured call paired with a plain one: a round's figure is
 over all of them (the roofline sums bytes and time), so one call's scheduler hiccup moves
 it a quarter as much."""
-"""Runs per side per round for the probe-vs-numpy comparison: both sides are the same
-estimator, a warm-up run then the best of REPEATS (a single run against a single run was
-within 10% on an idle Xeon but 1.06-1.65 on a busier AMD EPYC, where the host's bandwidth
-moved by 2x between back-to-back runs)."""
 
 
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _best_rate(nbytes: int, fn: Callable[[], Any]) -> float:
+    """Bytes per second of ``fn`` over ``nbytes``, estimated as the probe estimates its own
+    peaks: a warm-up run (page faults; torch's OpenMP threads still spinning from the other
+    side's kernels), then the best of REPEATS."""
+    fn()
+    return max(nbytes / _timed(fn) for _ in range(REPEATS))
+
+
+def _in_turn(i: int, first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+    """Both results, ``first``'s and ``second``'s, run back to back in alternating order by
+    round ``i``: neither side always runs in the other's wake (its cache state, its
+    spinning threads)."""
+    if i % 2:
+        b = second()
+        return first(), b
+    a = first()
+    return a, second()
 
 
 def _numpy_read_bandwidth(nbytes: int, threads: int) -> Callable[[], float]:
@@ -61,16 +76,7 @@ def _numpy_read_bandwidth(nbytes: int, threads: int) -> Callable[[], float]:
     def one(b: tuple[int, int]) -> None:
         src[b[0]:b[1]].max()
 
-    def once() -> float:
-        return float(src.nbytes) / _timed(lambda: list(pool.map(one, bounds)))
-
-    def run() -> float:
-        # As the probe does: a warm-up run, then the best of REPEATS (torch's OpenMP
-        # threads spin for a while after the probe's kernels and slow the first run).
-        once()
-        return max(once() for _ in range(REPEATS))
-
-    return run
+    return lambda: _best_rate(src.nbytes, lambda: list(pool.map(one, bounds)))
 
 
 def _kv_sized_peak(nbytes: int) -> Callable[[], float]:
@@ -80,12 +86,7 @@ def _kv_sized_peak(nbytes: int) -> Callable[[], float]:
     for a core's cache reads faster than DRAM, so the reference must not be the probe's
     larger arrays."""
     b = torch.ones(max(1, nbytes // 4))
-
-    def run() -> float:
-        torch.sum(b)  # warm-up, as the probe's own kernels have
-        return max(b.nbytes / _timed(lambda: torch.sum(b)) for _ in range(REPEATS))
-
-    return run
+    return lambda: _best_rate(b.nbytes, lambda: torch.sum(b))
 
 
 def probe_vs_numpy_rounds(rounds: int = ROUNDS) -> list[float]:
@@ -97,13 +98,12 @@ def probe_vs_numpy_rounds(rounds: int = ROUNDS) -> list[float]:
     numpy_bw = _numpy_read_bandwidth(size, torch.get_num_threads())
     ratios = []
     for i in range(rounds):
-        # alternating which side goes first: neither always runs in the other's wake
-        theirs = numpy_bw() if i % 2 else 0.0
-        p = probe(device="cpu", repeats=REPEATS, matmul_n=64)
+        p, theirs = _in_turn(i, lambda: probe(device="cpu", repeats=REPEATS, matmul_n=64),
+                             numpy_bw)
         read = p.kernel("read")
         assert read is not None and read.size == size
         assert p.bandwidth_bytes_per_second == read.high
-        ratios.append(p.bandwidth_bytes_per_second / (theirs or numpy_bw()))
+        ratios.append(p.bandwidth_bytes_per_second / theirs)
     return ratios
 
 
@@ -189,27 +189,22 @@ def decode_rounds(kv_len: int, rounds: int = ROUNDS) -> dict[str, Any]:
                                    **ev.kwargs)
 
         for r in range(rounds):
-            # The two peaks back to back (the box's bandwidth moves between seconds), in
-            # alternating order; then the calls.
-            ref_peak = kv_peak() if r % 2 else 0.0
-            peak = probe(device="cpu", repeats=REPEATS, matmul_n=64)
-            ref_peak = ref_peak or kv_peak()
+            # The two peaks back to back (the box's bandwidth moves between seconds); then
+            # each captured call with a plain one (the second of two reads finds some of
+            # the KV in cache: hence the alternating order).
+            peak, ref_peak = _in_turn(
+                r, lambda: probe(device="cpu", repeats=REPEATS, matmul_n=64), kv_peak)
             works, t_plain, captured = [], 0.0, 0.0
             for i in range(STEPS):
-                # A captured call and a plain one back to back (the same context), in
-                # alternating order: the second of two reads finds some of the KV in cache.
-                if i % 2:
-                    t_plain += _timed(plain)
                 n0 = len(prof.records)
-                step()
+                _, t = _in_turn(i, step, lambda: _timed(plain))
+                t_plain += t
                 (rec,) = prof.records[n0:]
                 assert rec.phase == "decode" and rec.kv_len == kv_len + 1
                 works.append(roofline.call_work(
                     rec.phase, rec.layer_idx, rec.batch, rec.q_len, rec.kv_len, rec.num_heads,
                     rec.num_kv_heads, rec.head_dim, rec.head_dim_v, rec.dtype, rec.elapsed_s))
                 captured += rec.elapsed_s
-                if not i % 2:
-                    t_plain += _timed(plain)
             ours = roofline.roofline(works, peak).phases["decode"].bandwidth_utilization
             assert ours is not None
             theirs = STEPS * kv / t_plain / ref_peak
