@@ -204,6 +204,7 @@ def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) 
     """One estimator: the same traffic gives the same p50/p90/p99 everywhere it is shown."""
     import re
 
+    from attnprof.aggregate.quantiles import DEFAULT_EXACT_LIMIT
     from attnprof.exporters.terminal import render_snapshot
 
     for n in (3, 9, 27):  # a few more distinct lengths on top of earlier tests' traffic
@@ -211,7 +212,11 @@ def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) 
     snap = _snapshot(tiny_server)  # the snapshot flushes the export loop first
     ctx = snap["requests"]["context_tokens"]
     qs = [ctx["p50"], ctx["p90"], ctx["p99"]]
-    assert all(isinstance(q, (int, float)) for q in qs) and ctx["exact"] is True
+    assert all(isinstance(q, (int, float)) for q in qs)
+    # Exact while the estimator keeps every value; earlier tests' timed traffic (the live
+    # soak's 40 s) can pass the limit on a fast machine, and then every view must still
+    # show the sketch's same answers.
+    assert ctx["exact"] is (ctx["count"] <= DEFAULT_EXACT_LIMIT), ctx
     metrics = http_get(tiny_server.base_url + "/metrics")
     gauges = [metric_value(metrics, "attnprof_request_tokens_quantile", model="tiny",
                            quantity="context", q=q) for q in ("0.5", "0.9", "0.99")]
