@@ -104,6 +104,8 @@ def cpu_array(n: int, fill: float) -> Any:
 
     import torch
 
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no anonymous private mappings
+        return torch.full((n,), fill, dtype=torch.float32)
     m = mmap.mmap(-1, n * 4 + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; before the first touch
         with contextlib.suppress(OSError):
