@@ -3,7 +3,8 @@
 - ``probe``: ``attnprof probe`` on this machine, several rounds: read, copy, triad and
   matmul medians and spreads, and how long the probe takes;
 - ``probe_vs_numpy``: the probe's peak (its read stream) over an independent numpy read of
-  arrays of the same size (numpy's own max loop, split over torch's thread count), paired
+  arrays of the same size (the better of numpy's float max and uint64 bitwise-or loops, on
+  as many threads as torch uses, pinned one per CPU; a fresh array each round), paired
   round by round (``tests.integration.test_probe.probe_vs_numpy_rounds``);
 - ``decode``: decode attention on SmolLM2's attention shape (9/3 heads x 64, fp32) through the
   transformers capture, at several KV-cache sizes: attnprof's bandwidth utilisation (analytic

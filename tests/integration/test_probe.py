@@ -79,8 +79,8 @@ def _numpy_read_bandwidth(nbytes: int, threads: int) -> Callable[[], float]:
     started = itertools.count()
 
     def pin() -> None:
-        # One thread per CPU, as an OpenMP team runs: two unpinned threads sometimes shared
-        # a core for a whole run when the box had bandwidth to spare (a 49 against 61 GB/s).
+        # One thread per CPU, as torch's OpenMP team runs (left to the scheduler, numpy's
+        # max read 49 GB/s where torch's sum read 61 in one high-bandwidth run).
         if cpus:
             os.sched_setaffinity(0, {cpus[next(started) % len(cpus)]})
 
@@ -89,8 +89,8 @@ def _numpy_read_bandwidth(nbytes: int, threads: int) -> Callable[[], float]:
     def rate() -> float:
         # A fresh array each round, as the probe allocates its own each run. The best of two
         # numpy read loops (float max; bitwise or over the same bytes as uint64): a peak is
-        # the best any read reaches, and on this box either loop alone sometimes ran 5-10%
-        # below torch's sum for a whole run, while the best of them tracked it.
+        # the best any read reaches, and the max loop alone, pinned, still ran 10% below
+        # torch's sum for a whole benchmark run (0.98-1.04 with the best of the two).
         src: Any = np.ones(n, dtype=np.float32)
         words = src.view(np.uint64)
         loops = (lambda b: src[b[0]:b[1]].max(),

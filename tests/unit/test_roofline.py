@@ -421,7 +421,7 @@ def _thp_available() -> bool:
 @pytest.mark.skipif(not _thp_available(), reason="needs Linux transparent huge pages")
 def test_probe_arrays_live_in_huge_pages() -> None:
     """The probe's CPU arrays ask for 2 MiB pages (torch's own allocator does not, and on
-    4 KiB pages a read stream was 12-25% slower: the peak would read low)."""
+    4 KiB pages a read stream was 12-23% slower: the peak would read low)."""
     import gc
 
     torch = pytest.importorskip("torch")

@@ -94,7 +94,7 @@ def cpu_array(n: int, fill: float) -> Any:
 
     Why: torch's CPU allocator does not ask for huge pages (unless THP_MEM_ALLOC_ENABLE=1),
     and on a kernel whose THP mode is ``madvise`` (Debian's default, and this project's CI)
-    its large arrays live in 4 KiB pages, which read 12-25% slower here than the same bytes
+    its large arrays live in 4 KiB pages, which read 12-23% slower here than the same bytes
     in 2 MiB pages (a TLB miss every 4 KiB of a stream). A peak is the best the memory
     gives; numpy and STREAM's static arrays get huge pages, so a probe on torch's own pages
     read 0.88x an independent numpy read on a clean CI run. Where the kernel says no (THP
