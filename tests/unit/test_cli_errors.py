@@ -371,3 +371,38 @@ def test_demo_with_its_port_taken_is_one_line_before_any_work(tmp_path: Path) ->
         r = _cli("demo", "--port", str(port), "--out", str(tmp_path / "demo.json"))
     _one_line_error(r, f"port {port}", "already in use")
     assert not (tmp_path / "demo.json").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpu-hour-price", "-1"], "--gpu-hour-price"),
+    (["--gpu-hour-price", "abc"], "not a number"),
+    (["--gpu-hour-price", "nan"], "finite"),
+    (["--replicas", "0"], "--replicas"),
+    ([], "give one source"),
+    (["--url", "http://127.0.0.1:1", "--prometheus", "http://127.0.0.1:2"], "give one source"),
+    (["--range", "1h", "x.json"], "--range go with --prometheus"),
+])
+def test_report_bad_flags(args: list[str], needle: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _one_line_error(_cli("report", *args, "--out", str(out)), needle)
+    assert not out.exists()
+
+
+def test_report_unreachable_sources_and_bad_files(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    port = free_port()
+    _one_line_error(_cli("report", "--url", f"http://127.0.0.1:{port}", "--out", str(out)),
+                    "cannot reach")
+    _one_line_error(_cli("report", "--prometheus", f"http://127.0.0.1:{port}", "--out",
+                         str(out)), "cannot reach")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": "attnprof.diff/1.0"}')
+    _one_line_error(_cli("report", str(bad), "--out", str(out)), "not an attnprof snapshot")
+    bad.write_text("{not json")
+    _one_line_error(_cli("report", str(bad), "--out", str(out)), "not JSON")
+    _one_line_error(_cli("report", str(tmp_path / "missing.json"), "--out", str(out)),
+                    "cannot read")
+    assert not out.exists()
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    _one_line_error(_cli("report", str(bad), "--out", str(afile)), "is a file")

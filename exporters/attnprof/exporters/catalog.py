@@ -83,6 +83,9 @@ CATALOG: tuple[MetricSpec, ...] = (
                "and generated tokens, by the one quantile estimator (the same numbers as the "
                "snapshot, CLI and window advice).", "tokens", (_M, "quantity", "q"),
                "livemostrecent"),
+    MetricSpec("attnprof_max_model_len_tokens", "gauge",
+               "The server's max_model_len (what the context-length distribution is read "
+               "against; attnprof report).", "tokens", (_M,), "livemostrecent"),
     MetricSpec("attnprof_kv_cache_usage_ratio", "gauge",
                "KV-cache blocks in use, 0..1 (from vLLM's scheduler stats).", "ratio", (_M,),
                "livemostrecent"),
@@ -115,6 +118,12 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Maximum concurrent sequences the KV cache holds at the observed p50 and p99 "
                "context (label context), windowed layers honoured.", "sequences",
                (_M, "context"), "livemostrecent"),
+    MetricSpec("attnprof_kv_capacity_tokens", "gauge",
+               "Tokens the KV cache holds in full-attention layers (usable blocks x block "
+               "size).", "tokens", (_M,), "livemostrecent"),
+    MetricSpec("attnprof_kv_cache_dtype_info", "gauge",
+               "1, labelled with the KV cache's dtype (what an FP8 what-if starts from).",
+               "info", (_M, "kv_dtype"), "livemostrecent"),
     MetricSpec("attnprof_kv_bytes_per_token", "gauge",
                "KV-cache bytes one token costs in each layer, in the KV dtype.", "bytes",
                (_M, "layer"), "livemostrecent"),

@@ -130,6 +130,7 @@ def request_samples(model: str, req: Any) -> list[MetricSample]:
     for q, state in req.histogram_states().items():
         name = f"attnprof_request_{q}_tokens"
         out.append(HistogramSample(name, _labels(name, model=model), state))
+    out.append(s("attnprof_max_model_len_tokens", req.max_model_len, model=model))
     if req.kv_cache_usage is not None:
         out.append(s("attnprof_kv_cache_usage_ratio", req.kv_cache_usage, model=model))
     summary = req.summary(with_state=False)
@@ -163,6 +164,10 @@ def kv_samples(model: str, st: Any, a: Any, head_bytes: Mapping[int, float],
         out.append(s("attnprof_kv_cache_usage_peak_ratio", st.peak, model=model))
     if a.p95 is not None:
         out.append(s("attnprof_kv_cache_usage_p95_ratio", a.p95, model=model))
+    if a.capacity_tokens is not None:
+        out.append(s("attnprof_kv_capacity_tokens", a.capacity_tokens, model=model))
+    if st.kv_dtype:
+        out.append(s("attnprof_kv_cache_dtype_info", 1.0, model=model, kv_dtype=st.kv_dtype))
     for name, bsec in zip(st.class_names, st.class_block_seconds, strict=False):
         out.append(s("attnprof_kv_block_seconds_total", bsec, model=model, length_class=name))
     for v in verdicts:

@@ -20,7 +20,8 @@ __all__ = ["CliError", "main"]
 
 # Module names under attnprof.cli, in --help order.
 SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "trace", "env", "profile", "compat",
-               "suggest", "validate", "validate_heads", "tensorboard", "record", "diff", "probe")
+               "suggest", "validate", "validate_heads", "tensorboard", "record", "diff", "probe",
+               "report")
 
 
 class _Parser(argparse.ArgumentParser):

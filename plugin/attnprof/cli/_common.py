@@ -3,6 +3,7 @@ files, optional packages, the model), atomic file writes, progress bars."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -20,6 +21,7 @@ __all__ = [
     "ensure_writable_dir",
     "int_in_range",
     "parse_seconds",
+    "price_arg",
     "progress_bar",
     "read_json",
     "require_module",
@@ -163,3 +165,15 @@ def parse_seconds(text: str, flag: str) -> float:
         raise CliError(f"{flag} must be more than 0 and at most {MAX_SECONDS:.0f} s, "
                        f"got {text[:30]!r}")
     return secs
+
+
+def price_arg(text: str) -> float:
+    """argparse type of a price: a finite number >= 0 (a usage error otherwise)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number (e.g. 2.50)") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: a price must be a finite number "
+                                         ">= 0") from None
+    return x

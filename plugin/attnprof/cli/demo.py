@@ -17,6 +17,7 @@ from attnprof.cli._common import (
     CliError,
     check_out_file,
     int_in_range,
+    price_arg,
     progress_bar,
     require_module,
     resolve_model,
@@ -47,6 +48,8 @@ def add_parser(sub: Any) -> None:
                    help="ATTNPROF_SAMPLE_RATE for the demo server (default 1.0: a short demo "
                         "has few steps; the production default is 0.05)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-hour-price", type=price_arg, default=None, metavar="P",
+                   help="price of one GPU-hour for the cost report (default: GPU-hours)")
     p.add_argument("--no-replay", action="store_true",
                    help="skip the replay that validates the window suggestion (~1 min)")
     p.set_defaults(func=_run)
@@ -213,7 +216,33 @@ def _run(args: argparse.Namespace) -> int:
               f"{(kv.get('evidence') or ['no evidence'])[0]}")
     _print_roofline(snap)
     print(f"Report: {args.out}")
+    _cost_report(snap, srv.base_url, advice, args)
     return 0
+
+
+def _cost_report(snap: dict[str, Any], url: str, advice: WindowAdvice | AdviceUnavailable,
+                 args: argparse.Namespace) -> None:
+    """The cost report of the demo's run (report.html/.md/.json next to the demo's JSON),
+    from the snapshot it took and its replayed window advice; prints the biggest savings."""
+    from attnprof.analyze.cost import Settings
+    from attnprof.cli.report import print_savings
+    from attnprof.contracts.report import ReportSource
+    from attnprof.tools import report as rp
+    from attnprof.tools import report_sources as rs
+
+    t0 = time.monotonic()
+    try:
+        inp, typed = rs.from_snapshot(
+            snap, url, advice=advice if isinstance(advice, WindowAdvice) else None)
+    except rs.ReportInputError as err:
+        raise CliError(str(err)) from None
+    start, dur = rs.snapshot_window(typed)
+    g = rs.Gathered(ReportSource(kind="live", where=[url], start=start, end=typed.time,
+                                 duration_s=dur), [inp], typed.provenance)
+    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
+    rp.write_all(args.out.parent, rp.render_all(rep))
+    print()
+    print_savings(rep, args.out.parent)
 
 
 def _print_roofline(snap: dict[str, Any]) -> None:

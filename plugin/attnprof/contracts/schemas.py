@@ -14,6 +14,7 @@ from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.base import Document, Record, json_schema
 from attnprof.contracts.diff import DiffReport
 from attnprof.contracts.profile import ProfileReport
+from attnprof.contracts.report import Report
 from attnprof.contracts.snapshot import LayerProfile, RequestStats, Snapshot
 
 __all__ = ["DOCUMENTS", "SCHEMA_DIR", "render", "schemas", "stale", "write"]
@@ -25,6 +26,7 @@ DOCUMENTS: dict[str, tuple[type[Record], type[Document] | None]] = {
     "window_advice.schema.json": (WindowAdvice, None),
     "profile.schema.json": (ProfileReport, None),
     "diff.schema.json": (DiffReport, None),
+    "report.schema.json": (Report, None),
 }
 """File name -> (type, the document it is part of when it has no version of its own)."""
 

@@ -1,0 +1,136 @@
+"""``attnprof report``: the cost-optimization report (report.html, report.md, report.json)
+from a live server (``--url``), a fleet's Prometheus (``--prometheus``) or saved snapshot,
+record, demo or profile files."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import CliError, ensure_writable_dir, price_arg
+
+__all__ = ["add_parser", "print_savings"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+    if not 1 <= n <= 100_000:
+        raise argparse.ArgumentTypeError(f"{n} is not in 1..100000") from None
+    return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(x) or not 0 < x <= 4096:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not in (0, 4096]") from None
+    return x
+
+
+def add_parser(sub: Any) -> None:
+    from attnprof.cli.snapshot import add_api_key_flag
+
+    p = sub.add_parser(
+        "report", help="cost-optimization report (HTML, Markdown, JSON) from a server, a "
+                       "fleet's Prometheus or saved files",
+        description="Writes report.html (self-contained), report.md and report.json to --out. "
+                    "Sources: --url (a live server), --prometheus (every replica it scrapes), "
+                    "or FILES (snapshot / record / demo.json files, plus at most one "
+                    "profile.json whose measured fallback gains and replayed window advice "
+                    "are used).")
+    p.add_argument("files", nargs="*", type=Path, metavar="FILE",
+                   help="saved snapshot, record, demo or profile JSON files")
+    p.add_argument("--url", default=None, help="a live server's base URL")
+    add_api_key_flag(p)
+    p.add_argument("--prometheus", default=None, metavar="URL",
+                   help="a Prometheus that scrapes the servers (a fleet)")
+    p.add_argument("--model", default=None,
+                   help="with --prometheus: only this model label (default: every model)")
+    p.add_argument("--range", default=None, dest="range_",
+                   help="with --prometheus: the window, e.g. 24h, 30m (default: all data, at "
+                        "most 24h); longer than the data is an error")
+    p.add_argument("--gpu-hour-price", type=price_arg, default=None, metavar="P",
+                   help="price of one GPU-hour (money figures; without it: GPU-hours)")
+    p.add_argument("--replicas", type=_positive_int, default=None,
+                   help="replicas serving the model (default: counted from Prometheus, or 1)")
+    p.add_argument("--gpus-per-replica", type=_positive_float, default=None,
+                   help="GPUs per replica (default: the workers the source reports)")
+    p.add_argument("--out", type=Path, default=Path("attnprof-out"),
+                   help="output directory (default attnprof-out)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds per HTTP request (default 30)")
+    p.set_defaults(func=_run)
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an --out that cannot become a writable directory, creating nothing (the
+    report is written only once all of it is rendered)."""
+    import os
+
+    if out.exists():
+        if not out.is_dir():
+            raise CliError(f"--out {str(out)!r} is a file; give a directory")
+        if not os.access(out, os.W_OK):
+            raise CliError(f"--out {str(out)!r} is not writable")
+        return
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise CliError(f"--out {str(out)!r} cannot be created ({str(parent)!r} is not a "
+                       "writable directory)")
+
+
+def print_savings(rep: Any, out: Path, n: int = 3) -> None:
+    """The report's path and its ``n`` biggest savings (over every model)."""
+    print(f"Cost report: {out / 'report.html'} (also report.md, report.json)")
+    lines = [(m.model, s) for m in rep.models for s in m.savings]
+    if not lines:
+        print("  no what-if saves anything on this traffic")
+    for i, (model, line) in enumerate(lines[:n], 1):
+        print(f"  {i}. [{model}] {line}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnprof.analyze.cost import Settings
+    from attnprof.tools import report as rp
+    from attnprof.tools import report_sources as rs
+
+    t0 = time.monotonic()
+    chosen = [n for n, v in (("FILE", args.files), ("--url", args.url),
+                             ("--prometheus", args.prometheus)) if v]
+    if len(chosen) != 1:
+        raise CliError("give one source: --url URL, --prometheus URL, or FILE..."
+                       + (f" (got {', '.join(chosen)})" if chosen else ""))
+    if (args.model or args.range_) and not args.prometheus:
+        raise CliError("--model and --range go with --prometheus")
+    if not 0 < args.timeout <= 3600:
+        raise CliError("--timeout must be in (0, 3600] seconds")
+    _check_out_dir(args.out)
+    try:
+        if args.url:
+            g = rs.from_live(args.url, args.api_key, args.replicas, args.gpus_per_replica,
+                             timeout=args.timeout)
+        elif args.prometheus:
+            g = rs.from_prometheus(args.prometheus, args.model, args.range_, args.replicas,
+                                   args.gpus_per_replica, timeout=args.timeout)
+        else:
+            g = rs.from_files(args.files, args.replicas, args.gpus_per_replica)
+    except rs.ReportInputError as err:
+        raise CliError(str(err)) from None
+    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
+    texts = rp.render_all(rep)
+    ensure_writable_dir(args.out)
+    rp.write_all(args.out, texts)
+    print_savings(rep, args.out)
+    print(f"  ({rep.report_seconds:.1f} s)", file=sys.stderr)
+    return 0

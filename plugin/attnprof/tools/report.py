@@ -1,0 +1,69 @@
+"""Assemble ``attnprof report``: gather a source, check flags against the installed vLLM,
+build each model's what-ifs and money, and render report.json / .md / .html together.
+
+Writing is all-or-nothing: the three files are rendered in memory first, then each is
+written through a temp file and renamed, so a failure never leaves half a report.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from attnprof.analyze.cost import FORMULAS, Settings, build_model_report
+from attnprof.contracts.report import Report
+from attnprof.tools.report_sources import Gathered, flag_checks
+
+__all__ = ["FILES", "build_report", "render_all", "write_all"]
+
+FILES = ("report.html", "report.md", "report.json")
+
+
+def _versions(g: Gathered) -> dict[str, str | None]:
+    from attnprof import __version__
+    from attnprof.tools.provenance import package_version
+    from attnprof.tools.vllm_flags import vllm_version
+
+    out: dict[str, str | None] = {"attnprof": __version__, "vllm": vllm_version(),
+                                  "torch": package_version("torch"),
+                                  "transformers": package_version("transformers")}
+    if g.provenance is not None:
+        out.update({"server_attnprof": g.provenance.attnprof, "server_vllm": g.provenance.vllm,
+                    "server_torch": g.provenance.torch})
+    return out
+
+
+def build_report(g: Gathered, settings: Settings, t0: float | None = None) -> Report:
+    """The report document for every model the source holds."""
+    models = []
+    for inp in g.inputs:
+        flags = flag_checks(inp.backends, inp.architecture)
+        models.append(build_model_report(inp, settings, flags))
+    start = time.monotonic() if t0 is None else t0
+    rep = Report(generated_at=time.time(), source=g.source, models=models,
+                 formulas=dict(FORMULAS), versions=_versions(g), provenance=g.provenance)
+    rep.report_seconds = time.monotonic() - start
+    return rep
+
+
+def render_all(rep: Report) -> dict[str, str]:
+    """File name -> text of the three renderings (nothing written)."""
+    import json
+
+    from attnprof.exporters.report_html import render_html
+    from attnprof.exporters.report_md import render_markdown
+
+    return {"report.html": render_html(rep), "report.md": render_markdown(rep),
+            "report.json": json.dumps(rep.to_json(), indent=2) + "\n"}
+
+
+def write_all(out_dir: Path, texts: dict[str, str]) -> list[Path]:
+    """Write every rendering (temp file + rename each, after all rendered)."""
+    from attnprof.cli._common import write_atomic
+
+    paths = []
+    for name, text in texts.items():
+        path = out_dir / name
+        write_atomic(path, text)
+        paths.append(path)
+    return paths

@@ -1,0 +1,165 @@
+"""The cost report's what-ifs and money (analyze/cost.py): each number against its formula,
+computed here by hand from the inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from attnprof.analyze.cost import (
+    CostInputs,
+    FlagChecks,
+    Settings,
+    WindowInputs,
+    build_model_report,
+    kv_element_bytes_of,
+    quantile_from_buckets,
+)
+from attnprof.contracts.advice import ReplayEvidence
+from attnprof.contracts.report import (
+    ContextDistribution,
+    KvMemory,
+    ModelReport,
+    TimeBreakdown,
+    Traffic,
+    WhatIf,
+)
+
+FLAGS = FlagChecks(version="0.32.0", kv_cache_dtype=True, fp8_values=True, backend_fp8=True,
+                   hf_overrides=True, max_model_len=True, layer_types=True,
+                   layer_types_detail="models/llama.py reads layer_types")
+
+
+def _inputs(verdict: str = "neither", window: WindowInputs | None = None,
+            requests: float = 5000.0, dtype: str = "bfloat16") -> CostInputs:
+    # 100 requests <= 128 tokens, 4800 in (128, 1024], 100 in (1024, 4096].
+    bounds = [128.0, 1024.0, 4096.0]
+    counts = [100.0, 4800.0, 100.0, 0.0]
+    ctx = ContextDistribution(bounds=bounds, counts=counts, p50=500.0, p90=900.0, p99=2000.0,
+                              p999=quantile_from_buckets(bounds, counts, 0.999), max=4000.0)
+    traffic = Traffic(requests=requests, requests_per_s=2.0, tokens_per_s=1000.0,
+                      prompt_tokens=1e6, generation_tokens=2e5, max_model_len=8192,
+                      context=ctx)
+    time = TimeBreakdown(attention_share={"prefill": 0.2, "decode": 0.4},
+                         model_time_s={"prefill": 30.0, "decode": 70.0})
+    kv = KvMemory(bytes_per_token=36864.0, kv_dtype=dtype, capacity_tokens=100_000.0,
+                  capacity_sequences={"p50": 200.0, "p99": 50.0}, usage_p95=0.8,
+                  usage_peak=0.95, above_90_fraction=0.3, preemptions=3.0,
+                  waiting_fraction=0.1, verdict=verdict, peak_concurrency=500.0)
+    return CostInputs(model="m", traffic=traffic, time=time, kv=kv, window=window,
+                      architecture="LlamaForCausalLM", num_layers=4, replicas=4,
+                      replicas_basis="--replicas", gpus_per_replica=2.0,
+                      backends=["FLASH_ATTN"])
+
+
+def _window(sinks: int = 4, replay: ReplayEvidence | None = None) -> WindowInputs:
+    return WindowInputs(sinks=sinks, window=1024, layers=[1, 3], flop_saving=0.3,
+                        kv_saving=0.25, exact_fraction=0.9, heads_at_risk=0, replay=replay,
+                        safe=replay is not None and replay.safe, summary="window 1024")
+
+
+def _get(rep: ModelReport, wid: str) -> WhatIf:
+    return next(w for w in rep.what_ifs if w.id == wid)
+
+
+def test_bucket_quantile_interpolates_like_histogram_quantile() -> None:
+    # 10 in (0, 10], 10 in (10, 20]: the median is the first bucket's top, p75 halfway up
+    # the second.
+    assert quantile_from_buckets([10.0, 20.0], [10.0, 10.0, 0.0], 0.5) == pytest.approx(10.0)
+    assert quantile_from_buckets([10.0, 20.0], [10.0, 10.0, 0.0], 0.75) == pytest.approx(15.0)
+    assert quantile_from_buckets([10.0], [0.0, 0.0], 0.5) is None
+
+
+def test_money_now_follows_its_formula() -> None:
+    rep = build_model_report(_inputs(), Settings(gpu_hour_price=2.0), FLAGS)
+    gpus = 4 * 2.0
+    gph = gpus / (1000.0 * 3600) * 1e6
+    assert rep.money.gpu_hours_per_mtok == pytest.approx(gph)
+    assert rep.money.cost_per_mtok == pytest.approx(gph * 2.0)
+    assert rep.money.monthly_cost == pytest.approx(gpus * 730 * 2.0)
+
+
+def test_fp8_on_a_kv_bound_fleet_saves_half_the_fleet() -> None:
+    rep = build_model_report(_inputs("kv_bound"), Settings(gpu_hour_price=2.0), FLAGS)
+    w = _get(rep, "fp8_kv")
+    assert w.kv_saving == pytest.approx(0.5)
+    assert w.kv_bytes_freed_per_token == pytest.approx(36864.0 / 2)
+    assert w.extra_sequences == pytest.approx(200.0)  # 200 x (1/(1-0.5) - 1)
+    # 500 at peak; a replica holds 200/4 = 50 now, 100 after.
+    assert (w.replicas_now, w.replicas_after) == (10, 5)
+    assert w.monthly_saving == pytest.approx(8 * 730 * 2.0 * 0.5)
+    assert w.apply.flags == ["--kv-cache-dtype fp8"] and w.apply.supported
+    assert w.evidence == "estimated"
+
+
+def test_time_saving_sizes_a_fleet_that_is_not_kv_bound() -> None:
+    rep = build_model_report(_inputs("compute_bound", _window(sinks=0)),
+                             Settings(gpu_hour_price=None), FLAGS)
+    w = _get(rep, "window")
+    # prefill: 0.3 of time x 0.2 share x 0.3 FLOP saving; decode: 0.7 x 0.4 x 0.25 KV saving
+    t = 0.3 * 0.2 * 0.3 + 0.7 * 0.4 * 0.25
+    assert w.time_saving == pytest.approx(t)
+    assert w.monthly_gpu_hours_saved == pytest.approx(8 * 730 * t)
+    assert w.monthly_saving is None and rep.money.cost_per_mtok is None
+    assert w.gpu_hours_per_mtok_after == pytest.approx(rep.money.gpu_hours_per_mtok * (1 - t))
+
+
+def test_window_flags_name_the_windowed_layers_and_sinks_need_a_kernel() -> None:
+    rep = build_model_report(_inputs(window=_window(sinks=4)), Settings(), FLAGS)
+    w = _get(rep, "window")
+    assert len(w.apply.flags) == 1 and w.apply.flags[0].startswith("--hf-overrides '")
+    override = json.loads(w.apply.flags[0].split("'")[1])
+    assert override == {"sliding_window": 1024, "layer_types": [
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention"]}
+    assert w.apply.needs_change and "sink" in w.apply.needs_change
+    no_sinks = _get(build_model_report(_inputs(window=_window(sinks=0)), Settings(), FLAGS),
+                    "window")
+    assert no_sinks.apply.needs_change is None and no_sinks.apply.supported
+
+
+def test_a_family_without_layer_types_needs_a_model_change() -> None:
+    flags = FlagChecks(**{**FLAGS.__dict__, "layer_types": False,
+                          "layer_types_detail": "models/gpt2.py does not read layer_types"})
+    w = _get(build_model_report(_inputs(window=_window(sinks=0)), Settings(), flags),
+             "window")
+    assert not w.apply.supported
+    assert w.apply.needs_change and "model change" in w.apply.needs_change
+
+
+def test_replay_evidence_sets_confidence() -> None:
+    ok = ReplayEvidence(agreement=0.995, mean_kl=0.002, positions=400, safe=True,
+                        verdict="safe")
+    w = _get(build_model_report(_inputs(window=_window(replay=ok)), Settings(), FLAGS),
+             "window")
+    assert w.evidence.startswith("replay: 99.5%") and w.confidence == "high"
+    bad = ReplayEvidence(agreement=0.8, mean_kl=0.2, positions=400, safe=False,
+                         verdict="not safe")
+    w = _get(build_model_report(_inputs(window=_window(replay=bad)), Settings(), FLAGS),
+             "window")
+    assert w.confidence == "low" and any("do not apply" in n for n in w.notes)
+
+
+def test_max_model_len_saves_nothing_and_says_why() -> None:
+    rep = build_model_report(_inputs(), Settings(gpu_hour_price=2.0), FLAGS)
+    w = _get(rep, "max_model_len")
+    p999 = quantile_from_buckets([128.0, 1024.0, 4096.0], [100.0, 4800.0, 100.0, 0.0], 0.999)
+    assert p999 is not None
+    new = math.ceil(p999 / 256) * 256
+    assert w.apply.flags == [f"--max-model-len {new}"]
+    assert w.monthly_saving == 0.0 and w.kv_saving == 0.0
+    assert "frees no memory" in w.notes[0]
+    # Share above `new`, linear inside the (1024, 4096] bucket.
+    assert w.inputs["refused_share"] == pytest.approx(100 * (4096 - new) / 3072 / 5000)
+
+
+def test_fp8_absent_when_already_fp8_and_savings_ranked() -> None:
+    rep = build_model_report(_inputs("kv_bound", _window(sinks=0), dtype="fp8_e4m3"),
+                             Settings(gpu_hour_price=1.0), FLAGS)
+    assert all(w.id != "fp8_kv" for w in rep.what_ifs)
+    rep = build_model_report(_inputs("kv_bound", _window(sinks=0)),
+                             Settings(gpu_hour_price=1.0), FLAGS)
+    assert rep.savings[0].startswith("FP8 KV cache")  # 50% beats the window's 25%
+    assert rep.savings[1].startswith("0 sinks + window 1024")
+    assert kv_element_bytes_of("float32") == 4.0 and kv_element_bytes_of("auto") is None
