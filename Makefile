@@ -23,10 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	  || { echo "set-up failed: see the pip output above" >&2; exit 1; }
 	touch $(STAMP)
 
-# Prometheus + promtool (Debian 2.42) for the real-scrape tests; needs root, as CI has.
+# Prometheus + promtool (Debian 2.42) for the real-scrape tests and headless Chromium for
+# checking the cost report as a person sees it; needs root, as CI has.
 $(VENV)/.system-deps:
-	@command -v promtool >/dev/null || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	@{ command -v promtool >/dev/null && command -v chromium >/dev/null; } || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends prometheus chromium; }
 	@mkdir -p $(VENV) && touch $@
 
 setup: $(STAMP) $(VENV)/.system-deps
