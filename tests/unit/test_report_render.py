@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from attnprof.contracts.report import Report, UsagePoint
-from attnprof.exporters import report_md as md
+from attnprof.exporters import report_format as md
 from attnprof.exporters import svg_plot
 from attnprof.exporters.report_html import _bucket_pos, render_html
 from attnprof.exporters.report_md import render_markdown

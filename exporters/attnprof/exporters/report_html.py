@@ -2,7 +2,7 @@
 self-contained page: inline CSS and inline SVG plots, no script, no font, no image, no link
 that makes a request when it is viewed. Every string from the document is HTML-escaped.
 
-The facts and tables are the ones ``report.md`` prints (:mod:`attnprof.exporters.report_md`);
+The facts and tables are the ones ``report.md`` prints (:mod:`attnprof.exporters.report_format`);
 this module adds the layout and the plots (:mod:`attnprof.exporters.svg_plot`).
 """
 
@@ -13,7 +13,7 @@ import re
 from html import escape
 
 from attnprof.contracts.report import ModelReport, Report, WhatIf
-from attnprof.exporters import report_md as md
+from attnprof.exporters import report_format as md
 from attnprof.exporters.svg_plot import Marker, RefLine, bar_chart, line_chart
 
 __all__ = ["render_html"]
