@@ -1,5 +1,6 @@
-"""grafana/: the dashboard and the alert rules query only catalog metrics, pass dashboard-lint
-rules, are valid PromQL (checked by promtool) and the alert rules pass their promtool tests."""
+"""grafana/: the dashboard, the alert rules and the report's recording rules query only catalog
+metrics, pass dashboard-lint rules, are valid PromQL (checked by promtool), and both rule files
+pass their promtool tests."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ import pytest
 import yaml
 
 from attnprof.exporters.catalog import CATALOG
+from attnprof.tools import report_queries as rq
 
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "attnprof.json"
 RULES = GRAFANA / "alerts" / "attnprof-rules.yaml"
 RULE_TESTS = GRAFANA / "alerts" / "attnprof-rules.test.yaml"
+REC_RULES = GRAFANA / "recording" / "attnprof-report-rules.yaml"
+REC_TESTS = GRAFANA / "recording" / "attnprof-report-rules.test.yaml"
 DS_UID = "${datasource}"
 
 _KINDS = {m.name: m.kind for m in CATALOG}
@@ -79,6 +83,11 @@ def dashboard_exprs(dash: dict[str, Any]) -> list[tuple[str, str]]:
 
 def alert_rules() -> list[dict[str, Any]]:
     doc = yaml.safe_load(RULES.read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def recording_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(REC_RULES.read_text())
     return [r for g in doc["groups"] for r in g["rules"]]
 
 
@@ -161,6 +170,14 @@ def test_alert_metrics_exist_in_catalog() -> None:
         assert not not_in_catalog(rule["expr"]), (rule["alert"], not_in_catalog(rule["expr"]))
 
 
+def test_recording_rule_metrics_exist_in_catalog() -> None:
+    rules = recording_rules()
+    assert rules
+    for rule in rules:
+        assert metric_names(rule["expr"]), rule["record"]
+        assert not not_in_catalog(rule["expr"]), (rule["record"], not_in_catalog(rule["expr"]))
+
+
 # --- (b) dashboard lint --------------------------------------------------------------------
 
 def test_committed_dashboard_is_generator_output() -> None:
@@ -206,6 +223,9 @@ def test_targets_refids_datasource_units() -> None:
 
 
 def test_rates_use_rate_interval_and_divisions_guard_zero() -> None:
+    # The Cost row shows the report's own expressions verbatim (the dashboard must show the
+    # report's number), so their zero handling is report_queries.py's, not this lint's.
+    reported = {rq.render(q, sel='model=~"$model"', r="$__rate_interval") for q in rq.QUERIES}
     for where, expr in dashboard_exprs(dashboard()):
         for rng in re.findall(r"\[([^\]]*)\]", expr):
             assert rng == "$__rate_interval", f"{where}: range [{rng}], use $__rate_interval"
@@ -213,6 +233,8 @@ def test_rates_use_rate_interval_and_divisions_guard_zero() -> None:
             assert "[$__rate_interval]" in expr, where
         assert "$__interval" not in expr, where
         for rest in re.split(r"\s/\s", expr)[1:]:
+            if expr in reported:
+                break
             assert rest.startswith("(") and "> 0)" in rest, f"{where}: use a / (b > 0)"
         if "attnprof_plugin_processes" not in expr:  # the one metric without a model label
             assert 'model=~"$model"' in expr, f"{where}: not filtered by $model"
@@ -267,6 +289,89 @@ def test_alert_rules_shape() -> None:
 def test_alert_rules_unit_tests() -> None:
     r = run_promtool("test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cost_row_is_the_report_queries() -> None:
+    """The Cost row runs the report's own queries (raw, so it needs no recording rules)."""
+    dash = dashboard()
+    by_title = {p["title"]: p for p in panels(dash)}
+    assert by_title["Cost"]["type"] == "row"
+
+    def raw(name: str) -> str:
+        return rq.render(rq.by_name(name), sel='model=~"$model"', r="$__rate_interval")
+
+    assert [t["expr"] for t in by_title["GPU-hours per million tokens"]["targets"]] == [
+        raw("gpu_hours_per_mtok")]
+    assert [t["expr"] for t in by_title["KV-bound vs compute-bound"]["targets"]] == [
+        raw("kv_verdict")]
+    assert [t["expr"] for t in by_title["Window savings"]["targets"]] == [
+        raw("window_flop_saving"), raw("window_kv_saving")]
+
+
+# --- (e) recording rules for attnprof report ---------------------------------------------------
+
+def test_committed_recording_rules_are_generator_output() -> None:
+    assert REC_RULES.read_text() == load_generator().render_rules(), (
+        "grafana/recording/attnprof-report-rules.yaml is stale: run python grafana/generate.py")
+
+
+def test_recording_rules_are_the_recorded_report_queries() -> None:
+    doc = yaml.safe_load(REC_RULES.read_text())
+    assert [(g["name"], g["interval"]) for g in doc["groups"]] == [("attnprof-report", "1m")]
+    want = [(q.record, rq.render(q, sel="", r="5m", vsel="")) for q in rq.QUERIES if q.record]
+    assert len(want) >= 8
+    assert [(r["record"], r["expr"]) for r in recording_rules()] == want
+
+
+def test_generator_check_detects_stale_files(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = load_generator()
+    assert gen.main(["--check"]) == 0
+    rules = tmp_path / "rules.yaml"
+    monkeypatch.setattr(gen, "OUT", tmp_path / "attnprof.json")
+    monkeypatch.setattr(gen, "RULES_OUT", rules)
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+    rules.write_text(rules.read_text().replace("5m", "10m"))
+    assert gen.main(["--check"]) == 1
+
+
+def test_recording_rules_check() -> None:
+    r = run_promtool("check", "rules", str(REC_RULES))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(recording_rules())} rules found" in r.stdout
+
+
+def test_recording_rules_unit_tests() -> None:
+    r = run_promtool("test", "rules", REC_TESTS.name, cwd=REC_TESTS.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tested = {case["expr"] for t in yaml.safe_load(REC_TESTS.read_text())["tests"]
+              for case in t.get("promql_expr_test", [])}
+    untested = {r["record"] for r in recording_rules()} - tested
+    assert not untested, f"recording rules without a promtool test: {sorted(untested)}"
+
+
+def test_recording_rule_tests_bite(tmp_path: Path) -> None:
+    """Plausible wrong aggregations make the committed rule tests fail."""
+    tests = tmp_path / REC_TESTS.name
+    shutil.copy(REC_TESTS, tests)
+    mutations = [
+        ('attnprof_plugin_processes{role="worker"}', "attnprof_plugin_processes{}"),
+        ("max by (model) (sum by (model, instance) (attnprof_kv_bytes_per_token{}))",
+         "sum by (model) (attnprof_kv_bytes_per_token{})"),
+        ("max by (model, verdict) (attnprof_kv_verdict{}) == 1",
+         "max by (model, verdict) (attnprof_kv_verdict{})"),
+        ("count by (model) (count by (model, instance) (",
+         "count by (model) (count by (model, job) ("),
+        ("/ (sum by (model, phase) (rate(attnprof_step_time_seconds_total",
+         "/ (max by (model, phase) (rate(attnprof_step_time_seconds_total"),
+        ("[5m]", "[1m]"),
+    ]
+    for old, new in mutations:
+        text = REC_RULES.read_text()
+        assert old in text, old
+        (tmp_path / REC_RULES.name).write_text(text.replace(old, new))
+        r = run_promtool("test", "rules", tests.name, cwd=tmp_path)
+        assert r.returncode != 0, f"recording rule tests still pass with {new!r}"
 
 
 def test_alert_unit_tests_bite(tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ Totals (requests, tokens) are counter differences over the range, not ``increase
 ``increase`` extrapolates to the range's edges, and a fleet report's totals must equal the sum
 of each replica's own ``/metrics``. A series younger than the range counts from zero (the
 counter started there); a replica restarted inside the range is undercounted by what it had
-before the restart (documented in docs/report.md).
+before the restart (documented in docs/report.md). Ratios divide by ``(... > 0)``: an idle
+model records no sample rather than NaN or +Inf, which would skew a downsampled average.
+``workers`` assumes one model per scrape target (vLLM serves one).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ class ReportQuery:
 
 def total(metric: str, by: str = "model", hole: str = "sel") -> str:
     """Exact counter difference over ``{r}`` summed ``by`` (a series younger than the range
-    counts from zero). ``+ 0`` drops the metric name so ``or`` matches on labels only."""
+    counts from zero; a reset inside the range counts from zero too, never negative).
+    ``+ 0`` drops the metric name so ``or`` matches on labels only."""
     m = metric + "{{{" + hole + "}}}"
-    return f"sum by ({by}) (({m} - {m} offset {{r}}) or ({m} + 0))"
+    return f"sum by ({by}) (clamp_min({m} - {m} offset {{r}}, 0) or ({m} + 0))"
 
 
 QUERIES: tuple[ReportQuery, ...] = (
@@ -76,14 +79,14 @@ QUERIES: tuple[ReportQuery, ...] = (
                 "(attnprof_request_context_tokens_count{{{sel}}}) * 0 + 1)) / 3600)"
                 " / ((sum by (model) (rate(attnprof_request_prompt_tokens_sum{{{sel}}}[{r}]))"
                 " + sum by (model) (rate(attnprof_request_generation_tokens_sum{{{sel}}}[{r}])))"
-                " / 1e6)",
+                " / 1e6 > 0)",
                 "GPU-hours (worker-hours) per million tokens at the current rate.",
                 "model:attnprof_gpu_hours_per_mtok:rate5m"),
     # --- where time goes ---
     ReportQuery("attention_share",
                 "sum by (model, phase) (rate(attnprof_step_attention_time_seconds_total"
-                "{{{sel}}}[{r}])) / sum by (model, phase) "
-                "(rate(attnprof_step_time_seconds_total{{{sel}}}[{r}]))",
+                "{{{sel}}}[{r}])) / (sum by (model, phase) "
+                "(rate(attnprof_step_time_seconds_total{{{sel}}}[{r}])) > 0)",
                 "Attention's share of sampled model time, by phase.",
                 "model_phase:attnprof_attention_share:ratio_rate5m"),
     ReportQuery("step_time", total("attnprof_step_time_seconds_total", "model, phase"),
@@ -127,7 +130,8 @@ QUERIES: tuple[ReportQuery, ...] = (
                 "Busy seconds above 90% KV usage in the range."),
     ReportQuery("kv_above_90_ratio",
                 "sum by (model) (rate(attnprof_kv_cache_above_90_seconds_total{{{sel}}}[{r}]))"
-                " / sum by (model) (rate(attnprof_kv_cache_busy_seconds_total{{{sel}}}[{r}]))",
+                " / (sum by (model) (rate(attnprof_kv_cache_busy_seconds_total{{{sel}}}[{r}]))"
+                " > 0)",
                 "Share of busy time above 90% KV usage.",
                 "model:attnprof_kv_above_90:ratio_rate5m"),
     ReportQuery("kv_preemptions", total("attnprof_kv_preemptions_total"),
