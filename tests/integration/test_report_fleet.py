@@ -79,6 +79,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         bases = [f"http://127.0.0.1:{p}" for p in ports]
         for base, proc, log in zip(bases, (a, b), ("a.log", "b.log"), strict=True):
             _wait_ready(base, proc, work / log)
+        (work / "prom").mkdir()
         prom = PrometheusServer([f"127.0.0.1:{p}" for p in ports], work / "prom")
         try:
             yield bases, prom, work
@@ -96,7 +97,7 @@ def _model_label(text: str) -> str:
 def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_model: Path,
                                                            tmp_path: Path) -> None:
     bases, prom, _ = fleet
-    served = tiny_model.name
+    served = json.loads(http_get(bases[0] + "/v1/models"))["data"][0]["id"]
     # Different traffic per replica, so a report reading one replica twice would be wrong.
     for base, n in ((bases[0], 3), (bases[1], 5)):
         for i in range(n):
@@ -169,6 +170,7 @@ def test_prometheus_bad_inputs_are_one_line(fleet: Any, tiny_model: Path,
     _one_line_error(_cli("report", "--prometheus", prom.url, "--range", "1x",
                          "--out", str(out)), "not a duration")
     # A Prometheus that scrapes no attnprof server at all.
+    (work / "empty").mkdir()
     empty = PrometheusServer([f"127.0.0.1:{free_port()}"], work / "empty")
     try:
         empty.wait_for("up", timeout=60)

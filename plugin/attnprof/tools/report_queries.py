@@ -17,9 +17,10 @@ model records no sample rather than NaN or +Inf, which would skew a downsampled 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["QUERIES", "ReportQuery", "by_name", "render", "total"]
+__all__ = ["QUERIES", "ReportQuery", "by_name", "render", "render_since_start", "total"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ QUERIES: tuple[ReportQuery, ...] = (
                 "model_phase:attnprof_attention_share:ratio_rate5m"),
     ReportQuery("step_time", total("attnprof_step_time_seconds_total", "model, phase"),
                 "Sampled model time by phase in the range."),
+    ReportQuery("step_attention_time",
+                total("attnprof_step_attention_time_seconds_total", "model, phase"),
+                "Sampled attention time by phase in the range (the report's share: this over "
+                "step_time)."),
     ReportQuery("attention_time_backend",
                 total("attnprof_attention_time_seconds_total", "model, backend, phase"),
                 "Sampled attention time by backend and phase in the range."),
@@ -181,3 +186,13 @@ def render(q: ReportQuery, sel: str = "", r: str = "5m", vsel: str = "") -> str:
     """The query with its holes filled: ``sel`` attnprof's matchers (``model="m"``), ``vsel``
     vLLM's (``model_name="m"``), ``r`` the range."""
     return q.expr.format(sel=sel, r=r, vsel=vsel)
+
+
+_TOTAL = re.compile(r"clamp_min\((?P<m>[^ ]+) - (?P=m) offset \{r\}, 0\) or \((?P=m) \+ 0\)")
+
+
+def render_since_start(q: ReportQuery, sel: str = "", vsel: str = "") -> str:
+    """A total as counted since each server started (the counter itself: what each replica's
+    /metrics shows), for a report over all the data there is; other queries as
+    :func:`render` over ``5m``."""
+    return _TOTAL.sub(lambda m: m.group("m"), q.expr).format(sel=sel, r="5m", vsel=vsel)

@@ -39,7 +39,7 @@ from attnprof.contracts.report import (
 )
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools import http
-from attnprof.tools.report_queries import by_name, render
+from attnprof.tools.report_queries import by_name, render, render_since_start
 
 __all__ = ["Gathered", "ReportInputError", "flag_checks", "from_files", "from_live",
            "from_prometheus", "from_snapshot", "snapshot_window"]
@@ -492,11 +492,12 @@ def from_prometheus(url: str, model: str | None, range_: str | None, price_repli
         vsel = f"model_name={_label_value(model, '--model')}" if model else ""
     except ValueError as err:
         raise ReportInputError(str(err)) from None
+    explicit = seconds is not None
     if seconds is None:  # all the data there is, at most a day
         day = prom.query_range(f"count(attnprof_request_context_tokens_count{{{sel}}})",
                                end - 86400, end, 10.0)
         first0 = min((float(v[0]) for r in day for v in r.get("values") or []), default=end)
-        seconds = float(max(10, int(end - first0)))
+        seconds = float(max(2, int(end - first0)))
         range_ = f"{int(seconds)}s"
     start = end - seconds
     # The range must be covered by data: its first sample within one step of the start.
@@ -504,20 +505,27 @@ def from_prometheus(url: str, model: str | None, range_: str | None, price_repli
     cover = prom.query_range(f"count(attnprof_request_context_tokens_count{{{sel}}})",
                              start, end, step)
     first = min((float(v[0]) for r in cover for v in r.get("values") or []), default=None)
-    if first is None or first > start + max(2 * step, 0.02 * seconds):
+    if first is None or (explicit and first > start + max(2 * step, 0.02 * seconds)):
         have = end - first if first is not None else 0.0
         raise ReportInputError(f"--range {range_} is longer than the data in {url} "
                                f"(it holds {_human_s(have)} of attnprof series); "
                                f"use --range {max(1, int(have * 0.9))}s or less")
 
-    def q(name: str, r: str = f"{int(seconds)}s", at: float = end) -> list[dict[str, Any]]:
-        return prom.query(render(by_name(name), sel=sel, r=r, vsel=vsel), at)
+    def q(name: str, r: str = f"{int(seconds)}s", at: float = end,
+          since_start: bool = not explicit) -> list[dict[str, Any]]:
+        # Without --range, totals are the counters themselves (each replica's /metrics):
+        # a difference from the first scrape would miss what happened before Prometheus
+        # first saw the server.
+        query = by_name(name)
+        if since_start and "offset {r}" in query.expr:
+            return prom.query(render_since_start(query, sel=sel, vsel=vsel), at)
+        return prom.query(render(query, sel=sel, r=r, vsel=vsel), at)
 
     rs = f"{int(seconds)}s"
     half = f"{max(1, int(seconds / 2))}s"
     got: dict[str, Any] = {}
     for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total",
-                 "max_model_len", "replicas", "workers", "attention_share", "step_time",
+                 "max_model_len", "replicas", "workers", "step_attention_time", "step_time",
                  "attention_time_backend", "attention_time_layer", "layer_info",
                  "kv_bytes_per_token", "kv_dtype", "kv_capacity_tokens",
                  "kv_capacity_sequences", "kv_usage_peak", "kv_usage_p95", "kv_busy_seconds",
@@ -526,14 +534,24 @@ def from_prometheus(url: str, model: str | None, range_: str | None, price_repli
                  "window_layers", "window_flop_saving", "window_kv_saving",
                  "window_exact_ratio", "window_heads_at_risk", "context_buckets"):
         got[name] = q(name, rs)
-    first_half = q("context_buckets", half, end - seconds / 2)
-    second_half = q("context_buckets", half, end)
+    first_half = q("context_buckets", half, end - seconds / 2, since_start=False)
+    second_half = q("context_buckets", half, end, since_start=False)
+    # Rates: over the range, or without one over the longest replica uptime (the counters'
+    # own span; the data span when the servers export no process_start_time_seconds).
+    rate_s: dict[str, float] = {}
+    if not explicit:
+        up = prom.query(
+            "max by (model) (time() - (max by (instance) (process_start_time_seconds) * on "
+            "(instance) group_left (model) (count by (model, instance) "
+            f"(attnprof_request_context_tokens_count{{{sel}}}) * 0 + 1)))", end)
+        rate_s = {k[0]: v for k, v in _by(up, "model").items() if v > 0}
     usage_series = prom.query_range(
         f"max by (model) (attnprof_kv_cache_usage_ratio{{{sel}}})", start, end, step)
     inputs = []
     for name in names if model is None else [model]:
-        inputs.append(_prom_inputs(name, got, first_half, second_half, usage_series, seconds,
-                                   price_replicas, gpus_per_replica))
+        inputs.append(_prom_inputs(name, got, first_half, second_half, usage_series,
+                                   max(seconds, rate_s.get(name, 0.0)), price_replicas,
+                                   gpus_per_replica))
     src = ReportSource(kind="prometheus", where=[url], start=start, end=end,
                        duration_s=seconds, range=range_)
     return Gathered(src, inputs)
@@ -581,8 +599,9 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
                       context=context, drift=d)
     # Where time goes.
     step_t = {k[1]: v for k, v in _by(_for(got["step_time"], model), "model", "phase").items()}
-    share = {k[1]: v for k, v in _by(_for(got["attention_share"], model),
+    att_t = {k[1]: v for k, v in _by(_for(got["step_attention_time"], model),
                                      "model", "phase").items()}
+    share = {p: att_t.get(p, 0.0) / t for p, t in step_t.items() if t > 0}
     bt = _by(_for(got["attention_time_backend"], model), "backend", "phase")
     lt = _by(_for(got["attention_time_layer"], model), "layer")
     info = {(str((r.get("metric") or {}).get("layer"))): r.get("metric") or {}
