@@ -14,8 +14,9 @@ import pytest
 
 from attnprof.tools.server import http_post_json
 from tests.conftest import TINY_API_KEY, get_snapshot
+from tests.report_sample import load_page
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.chromium]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -53,6 +54,10 @@ def test_live_report_reads_the_servers_own_numbers(tiny_server: Any, tmp_path: P
     assert m["money"]["cost_per_mtok"] is None and m["money"]["monthly_gpu_hours"] == 730.0
     html = (out / "report.html").read_text()
     assert "GPU-hours" in html and "$" not in "".join(m["savings"])
+    # The real report, as a person sees it: no console error, no request but the page.
+    page = load_page(out / "report.html")
+    assert page.console_errors == [] and page.failed_requests == [] and page.requests == []
+    assert page.png is not None and page.height > 1500
     # Privacy: no prompt text reaches any of the three files.
     for name in ("report.html", "report.md", "report.json"):
         assert "the model request" not in (out / name).read_text()
