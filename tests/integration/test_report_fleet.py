@@ -149,6 +149,10 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert m["traffic"]["max_model_len"] == 512
     assert 0 < m["time"]["attention_share"]["decode"] < 1
     assert m["kv"]["bytes_per_token"] > 0 and m["kv"]["kv_dtype"]
+    # vLLM's own series, where Prometheus has them (model_name is the same served name).
+    assert m["kv"]["source"] == "vllm:* series" and m["kv"]["preemptions"] == 0
+    assert m["kv"]["peak_concurrency_basis"].startswith("vLLM's peak running requests")
+    assert m["kv"]["usage_over_time"], "the fleet's KV usage over the range"
     for name in ("report.html", "report.md"):
         assert (out / name).stat().st_size > 1000
     # `--model` names it, and `--range` within the data works too.
