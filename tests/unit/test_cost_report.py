@@ -38,7 +38,8 @@ def _inputs(verdict: str = "neither", window: WindowInputs | None = None,
     bounds = [128.0, 1024.0, 4096.0]
     counts = [100.0, 4800.0, 100.0, 0.0]
     ctx = ContextDistribution(bounds=bounds, counts=counts, p50=500.0, p90=900.0, p99=2000.0,
-                              p999=quantile_from_buckets(bounds, counts, 0.999), max=4000.0)
+                              p999=quantile_from_buckets(bounds, counts, 0.999), max=4000.0,
+                              mean=600.0)
     traffic = Traffic(requests=requests, requests_per_s=2.0, tokens_per_s=1000.0,
                       prompt_tokens=1e6, generation_tokens=2e5, max_model_len=8192,
                       context=ctx)
@@ -86,10 +87,11 @@ def test_fp8_on_a_kv_bound_fleet_saves_half_the_fleet() -> None:
     w = _get(rep, "fp8_kv")
     assert w.kv_saving == pytest.approx(0.5)
     assert w.kv_bytes_freed_per_token == pytest.approx(36864.0 / 2)
-    assert w.extra_sequences == pytest.approx(200.0)  # 200 x (1/(1-0.5) - 1)
-    # 500 at peak; a replica holds 200/4 = 50 now, 100 after.
-    assert (w.replicas_now, w.replicas_after) == (10, 5)
-    assert w.monthly_saving == pytest.approx(8 * 730 * 2.0 * 0.5)
+    # 100,000 tokens / 600 mean context = 166.7 sequences; x (1/(1-0.5) - 1) more.
+    assert w.extra_sequences == pytest.approx(100_000 / 600)
+    # 500 at peak; a replica holds 166.7/4 = 41.7 now (12 replicas), 83.3 after (6).
+    assert (w.replicas_now, w.replicas_after) == (12, 6)
+    assert w.monthly_saving == pytest.approx(8 * 730 * 2.0 * (1 - 6 / 12))
     assert w.apply.flags == ["--kv-cache-dtype fp8"] and w.apply.supported
     assert w.evidence == "estimated"
 
@@ -163,3 +165,41 @@ def test_fp8_absent_when_already_fp8_and_savings_ranked() -> None:
     assert rep.savings[0].startswith("FP8 KV cache")  # 50% beats the window's 25%
     assert rep.savings[1].startswith("0 sinks + window 1024")
     assert kv_element_bytes_of("float32") == 4.0 and kv_element_bytes_of("auto") is None
+
+
+def test_a_kv_saving_that_frees_no_whole_replica_saves_nothing() -> None:
+    inp = _inputs("kv_bound")
+    inp.replicas, inp.kv.peak_concurrency = 1, 10.0  # one replica holds 166 sequences
+    w = _get(build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS), "fp8_kv")
+    assert (w.replicas_now, w.replicas_after) == (1, 1)
+    assert w.monthly_saving == 0.0 and w.kv_saving == pytest.approx(0.5)
+
+
+def test_unchecked_family_is_not_called_unsupported() -> None:
+    flags = FlagChecks(**{**FLAGS.__dict__, "layer_types": None,
+                          "layer_types_detail": "architecture unknown: not checked"})
+    w = _get(build_model_report(_inputs(window=_window(sinks=0)), Settings(), flags),
+             "window")
+    assert w.apply.supported is None and w.apply.needs_change is None
+    assert any("not checked" in n for n in w.notes)
+
+
+def test_fallback_evidence_is_measured_only_when_measured() -> None:
+    from attnprof.contracts.report import Fallback
+
+    inp = _inputs()
+    inp.time.fallbacks = [
+        Fallback(["0"], "TORCH_SDPA", "mask", "pass is_causal", "measured: 2.00x faster"),
+        Fallback(["1"], "TORCH_SDPA", "mask", "pass is_causal", "not measured here")]
+    ws = [w for w in build_model_report(inp, Settings(), FLAGS).what_ifs if w.id == "fallback"]
+    assert [w.evidence for w in ws] == ["measured", "estimated"]
+
+
+def test_bucketed_p999_rounds_to_its_bucket_edge() -> None:
+    inp = _inputs()
+    inp.traffic.context.estimated_from_buckets = True
+    w = _get(build_model_report(inp, Settings(), FLAGS), "max_model_len")
+    # p99.9 lies in (1024, 4096]: the edge 4096 is a multiple of 256; the refused share is
+    # then exactly the count above 4096 (none).
+    assert w.apply.flags == ["--max-model-len 4096"]
+    assert w.inputs["refused_share"] == 0.0

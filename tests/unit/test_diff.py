@@ -285,6 +285,18 @@ def test_a_record_window_holds_only_what_happened_inside_it() -> None:
     assert window_between(start, end).requests.requests == 1  # type: ignore[union-attr]
 
 
+def test_a_record_window_subtracts_token_sums() -> None:
+    start, end = _snap(hist=[3, 1, 0, 0], t=100.0), _snap(hist=[5, 4, 1, 0], t=160.0)
+    assert start.requests is not None and end.requests is not None
+    start.requests.prompt_tokens = QuantileSummary(mean=100.0, count=4, p50=90.0)
+    end.requests.prompt_tokens = QuantileSummary(mean=160.0, count=10, p50=150.0)
+    w = window_between(start, end)
+    assert w.requests is not None
+    pt = w.requests.prompt_tokens
+    # (160 x 10 - 100 x 4) / 6 = 200 per request in the window; quantiles stay the end's.
+    assert (pt.count, pt.mean, pt.p50) == (6, pytest.approx(200.0), 150.0)
+
+
 # ----- provenance -----
 def test_secrets_on_the_command_line_are_redacted() -> None:
     argv = ["vllm", "serve", "m", "--api-key", "S3CRET", "--hf-token=T0K", "--port", "8000",

@@ -360,7 +360,9 @@ def badges(w: WhatIf) -> list[tuple[str, str]]:
     conf = w.confidence.strip().lower()
     out.append((f"{conf or 'unknown'} confidence",
                 {"high": "good", "medium": "plain", "low": "warn"}.get(conf, "plain")))
-    if not w.apply.supported:
+    if w.apply.supported is None:
+        out.append(("not checked against vLLM", "warn"))
+    elif not w.apply.supported:
         out.append(("not supported by the installed vLLM", "bad"))
     if w.apply.needs_change:
         out.append(("needs a model or kernel change", "warn"))
@@ -379,7 +381,7 @@ def whatif_numbers(w: WhatIf) -> Facts:
     add("Attention FLOPs saved", w.attention_flop_saving, fmt_pct(w.attention_flop_saving))
     add("KV bytes per token saved", w.kv_saving, fmt_pct(w.kv_saving))
     add("KV freed per token", w.kv_bytes_freed_per_token, fmt_bytes(w.kv_bytes_freed_per_token))
-    add("Extra concurrent sequences (p50 context)", w.extra_sequences,
+    add("Extra concurrent sequences (mean context)", w.extra_sequences,
         f"+{fmt_count(w.extra_sequences)}")
     if w.replicas_now is not None and w.replicas_after is not None:
         out.append(("Replicas at peak", f"{w.replicas_now} → {w.replicas_after}"))

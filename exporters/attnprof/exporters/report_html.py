@@ -201,7 +201,10 @@ def _whatif_card(i: int, w: WhatIf) -> str:
     if w.apply.needs_change:
         out.append(f'<div class="warn-box"><strong>Needs a change no flag gives:</strong> '
                    f"{_e(w.apply.needs_change)}</div>")
-    if not w.apply.supported:
+    if w.apply.supported is None:
+        out.append(f'<div class="warn-box"><strong>Not checked against vLLM:</strong> '
+                   f"{_e(w.apply.checked_against)}.</div>")
+    elif not w.apply.supported:
         out.append(f'<div class="bad-box"><strong>Not supported by the installed vLLM'
                    f"</strong> (checked against {_e(w.apply.checked_against)}).</div>")
     nums = md.whatif_numbers(w)

@@ -123,6 +123,15 @@ def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestSt
         counts = [max(0, y - x) for x, y in zip(ha.counts, hb.counts, strict=True)]
         out.context_histogram = ContextHistogram(bounds=list(hb.bounds), counts=counts)
         out.context_tokens = _quantiles(list(hb.bounds), counts)
+    # Token sums subtract (mean x count): the window's mean and count; its quantiles stay the
+    # end's (a quantile does not subtract).
+    for name in ("prompt_tokens", "generation_tokens"):
+        qa, qb = getattr(a, name), getattr(b, name)
+        if qa.mean is not None and qb.mean is not None and qb.count >= qa.count:
+            cnt = qb.count - qa.count
+            total = max(0.0, qb.mean * qb.count - qa.mean * qa.count)
+            setattr(out, name, dataclasses.replace(qb, count=cnt,
+                                                   mean=total / cnt if cnt else None))
     if a.kv_pressure is not None and b.kv_pressure is not None:
         out.kv_pressure = _kv(a.kv_pressure, b.kv_pressure)
     return out, n

@@ -45,18 +45,21 @@ FORMULAS: dict[str, str] = {
                    "time) x attention share of the phase x attention saving of the phase; "
                    "prefill saving = attention-FLOP saving; decode saving = share of KV bytes "
                    "read saved (decode attention is memory-bound: it reads the KV)",
-    "capacity": "sequences held at context c = KV capacity in tokens / KV tokens one "
-                "sequence holds at c; after a KV saving s: x 1 / (1 - s); extra sequences = "
-                "sequences at the p50 context x (1 / (1 - s) - 1)",
+    "capacity": "sequences held = KV capacity in tokens / mean context (the KV tokens a "
+                "sequence holds on average); after a KV saving s (a ratio of expectations "
+                "over the traffic): x 1 / (1 - s); extra sequences = sequences held x "
+                "(1 / (1 - s) - 1)",
     "replicas_at_peak": "replicas needed = ceil(peak concurrency / sequences one replica "
-                        "holds at the p50 context)",
-    "fleet_saving": "share of GPU-hours saved f = KV saving s when the fleet is KV-bound "
-                    "(memory sizes it), else the time saving t (compute sizes it); "
-                    "GPU-hours per 1M tokens after = now x (1 - f); monthly saving = "
-                    "monthly cost x f",
+                        "holds at the mean context)",
+    "fleet_saving": "share of GPU-hours saved f = 1 - replicas needed after / replicas "
+                    "needed now when the fleet is KV-bound (memory sizes it, in whole "
+                    "replicas; the KV saving s when peak concurrency is unknown), else the "
+                    "time saving t (compute sizes it); GPU-hours per 1M tokens after = now x "
+                    "(1 - f); monthly saving = monthly cost x f",
     "fp8_kv": "KV saving s = 1 - 1 / (bytes per KV element now): FP8 stores 1 byte",
-    "max_model_len": "suggested max_model_len = observed p99.9 context rounded up to a "
-                     "multiple of 256; refused share = requests longer than it; worst-case "
+    "max_model_len": "suggested max_model_len = observed p99.9 context (from buckets: its "
+                     "bucket's upper edge) rounded up to a multiple of 256; refused share = "
+                     "requests longer than it; worst-case "
                      "KV of one sequence = max_model_len x KV bytes per token",
     "peak_concurrency": "peak concurrency = vLLM's peak running requests when the source "
                         "has them, else peak KV usage x KV capacity in tokens / mean context",
@@ -200,8 +203,13 @@ class _Fleet:
                                    if tps and tps > 0 else None)
         self.monthly_gpu_hours = self.gpus * self.hours
         kv = inp.kv
-        p50_cap = kv.capacity_sequences.get("p50")
-        self.cap_per_replica = p50_cap / inp.replicas if p50_cap and inp.replicas else None
+        mean = inp.traffic.context.mean
+        # One basis throughout: sequences at the mean context (the window's KV saving is a
+        # ratio of expectations, so it scales exactly this count).
+        self.cap_seqs = (kv.capacity_tokens / mean
+                         if kv.capacity_tokens and mean and mean > 0 else None)
+        self.cap_per_replica = (self.cap_seqs / inp.replicas
+                                if self.cap_seqs and inp.replicas else None)
         self.kv_bound = kv.verdict == "kv_bound"
 
     def replicas_needed(self, kv_saving: float) -> int | None:
@@ -217,13 +225,21 @@ class _Fleet:
         s = kv_saving or 0.0
         bpt = self.inp.kv.bytes_per_token
         extra = None
-        p50_cap = self.inp.kv.capacity_sequences.get("p50")
-        if p50_cap is not None and s > 0:
-            extra = p50_cap * (1.0 / (1.0 - s) - 1.0)
-        f = s if self.kv_bound else (time_saving or 0.0)
+        if self.cap_seqs is not None and s > 0:
+            extra = self.cap_seqs * (1.0 / (1.0 - s) - 1.0)
+        now, after = self.replicas_needed(0.0), self.replicas_needed(s)
+        f = time_saving or 0.0
         if self.kv_bound:
-            notes = [*notes, "the fleet is KV-bound: memory sizes it, so the KV saving is "
-                             "what it saves"]
+            if now is not None and after is not None:
+                # Whole replicas: a KV saving that does not free one saves nothing.
+                f = max(0.0, 1.0 - after / now)
+                notes = [*notes, f"the fleet is KV-bound: memory sizes it; at the observed "
+                                 f"peak it needs {now} replicas now and {after} after"]
+            else:
+                f = s
+                notes = [*notes, "the fleet is KV-bound: memory sizes it, so the KV saving is "
+                                 "what it saves, realised in whole replicas (peak concurrency "
+                                 "unknown here)"]
         elif self.inp.kv.verdict == "neither" and f > 0:
             notes = [*notes, "the fleet is neither KV- nor compute-bound (it has headroom): "
                              "the saving is per token, realised when the fleet is sized to "
@@ -235,7 +251,7 @@ class _Fleet:
             attention_flop_saving=flop, kv_saving=kv_saving,
             kv_bytes_freed_per_token=bpt * s if bpt is not None and kv_saving else None,
             extra_sequences=extra,
-            replicas_now=self.replicas_needed(0.0), replicas_after=self.replicas_needed(s),
+            replicas_now=now, replicas_after=after,
             time_saving=time_saving,
             gpu_hours_per_mtok_after=gph_after,
             cost_per_mtok_after=gph_after * self.price if gph_after is not None and
@@ -286,7 +302,8 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         notes.append(f"not checked whether vLLM windows this family ({flags.layer_types_detail})"
                      ": run the report where the checkpoint is, or check its vLLM model file "
                      "reads layer_types")
-    supported = bool(flags.hf_overrides and flags.layer_types)
+    supported = (None if flags.layer_types is None and flags.hf_overrides
+                 else bool(flags.hf_overrides and flags.layer_types))
     out.append(fleet.what_if(
         "window", f"{w.sinks} sinks + window {w.window} on {len(w.layers)} layers",
         FORMULAS["time_saving"] + "; " + FORMULAS["capacity"],
@@ -343,7 +360,12 @@ def _max_len_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatI
     cur = inp.traffic.max_model_len
     if ctx.p999 is None or cur is None or inp.traffic.requests <= 0:
         return None
-    new = int(min(cur, math.ceil(ctx.p999 / 256.0) * 256))
+    target = ctx.p999
+    if ctx.estimated_from_buckets:
+        # A bucketed p99.9 is an interpolation: round up to its bucket's upper edge, where
+        # the share above is an exact count.
+        target = min((b for b in ctx.bounds if b >= ctx.p999), default=ctx.p999)
+    new = int(min(cur, math.ceil(target / 256.0) * 256))
     if new >= cur:
         return None
     refused = _share_above(ctx.bounds, ctx.counts, float(new))
@@ -392,7 +414,7 @@ def _fallback_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> lis
             extra_sequences=None, replicas_now=None, replicas_after=None, time_saving=None,
             gpu_hours_per_mtok_after=None, cost_per_mtok_after=None, monthly_saving=None,
             monthly_gpu_hours_saved=None,
-            evidence="measured" if "measured" in fb.gain else "estimated",
+            evidence="measured" if fb.gain.startswith("measured") else "estimated",
             confidence="medium", apply=Apply([], False, fb.fix, f"vllm {flags.version}"),
             notes=[fb.gain]))
     return out

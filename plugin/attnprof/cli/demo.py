@@ -240,7 +240,11 @@ def _cost_report(snap: dict[str, Any], url: str, advice: WindowAdvice | AdviceUn
     g = rs.Gathered(ReportSource(kind="live", where=[url], start=start, end=typed.time,
                                  duration_s=dur), [inp], typed.provenance)
     rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
-    rp.write_all(args.out.parent, rp.render_all(rep))
+    try:
+        rp.write_all(args.out.parent, rp.render_all(rep))
+    except OSError as err:
+        raise CliError(f"cannot write the report into {str(args.out.parent)!r}: "
+                       f"{err.strerror or err}") from None
     print()
     print_savings(rep, args.out.parent)
 

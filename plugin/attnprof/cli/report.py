@@ -130,7 +130,11 @@ def _run(args: argparse.Namespace) -> int:
     rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
     texts = rp.render_all(rep)
     ensure_writable_dir(args.out)
-    rp.write_all(args.out, texts)
+    try:
+        rp.write_all(args.out, texts)
+    except OSError as err:
+        raise CliError(f"cannot write the report into {str(args.out)!r}: "
+                       f"{err.strerror or err}") from None
     print_savings(rep, args.out)
     print(f"  ({rep.report_seconds:.1f} s)", file=sys.stderr)
     return 0

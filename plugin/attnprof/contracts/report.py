@@ -71,6 +71,8 @@ class ContextDistribution(Record):
     p99: float | None = None
     p999: float | None = None
     max: float | None = None
+    mean: float | None = None
+    """Mean context (histogram sum / count: exact from either source)."""
     estimated_from_buckets: bool = False
     """True when the quantiles are interpolated in histogram buckets (Prometheus), False
     when they are the estimator's own (a live snapshot)."""
@@ -171,8 +173,9 @@ class Apply(Record):
 
     flags: list[str]
     """Exact vLLM command-line flags (or HF config overrides) to add."""
-    supported: bool
-    """True when the installed vLLM accepts these flags for this model family."""
+    supported: bool | None
+    """True when the installed vLLM accepts these flags for this model family; None when it
+    could not be checked (the family is unknown to the source, or vLLM is not installed)."""
     needs_change: str | None
     """Set when applying it needs a model or kernel change no flag gives (said plainly)."""
     checked_against: str
@@ -192,7 +195,8 @@ class WhatIf(Record):
     """Share of KV bytes per token freed."""
     kv_bytes_freed_per_token: float | None
     extra_sequences: float | None
-    """Extra concurrent sequences at the observed p50 context (fleet)."""
+    """Extra concurrent sequences at the observed mean context (fleet): capacity in tokens /
+    mean KV tokens per sequence, before and after."""
     replicas_now: int | None
     """Replicas needed at the observed peak concurrency, now."""
     replicas_after: int | None

@@ -58,12 +58,23 @@ def render_all(rep: Report) -> dict[str, str]:
 
 
 def write_all(out_dir: Path, texts: dict[str, str]) -> list[Path]:
-    """Write every rendering (temp file + rename each, after all rendered)."""
-    from attnprof.cli._common import write_atomic
+    """Write every rendering: all temp files first, then the renames, so a failure (a full
+    disk) leaves the previous report whole and no temp file behind. :class:`OSError` for
+    the caller to report in one line."""
+    import os
+    import secrets
 
-    paths = []
-    for name, text in texts.items():
-        path = out_dir / name
-        write_atomic(path, text)
-        paths.append(path)
-    return paths
+    out_dir.mkdir(parents=True, exist_ok=True)
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for name, text in texts.items():
+            tmp = out_dir / f".{name}.{secrets.token_hex(8)}.tmp"
+            temps.append((tmp, out_dir / name))
+            with open(tmp, "x", encoding="utf-8") as f:
+                f.write(text)
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+    return [path for _, path in temps]

@@ -51,6 +51,8 @@ QUERIES: tuple[ReportQuery, ...] = (
                 "Prompt tokens of finished requests in the range."),
     ReportQuery("generation_tokens_total", total("attnprof_request_generation_tokens_sum"),
                 "Generated tokens of finished requests in the range."),
+    ReportQuery("context_tokens_total", total("attnprof_request_context_tokens_sum"),
+                "Context tokens of finished requests in the range (mean = this / requests)."),
     ReportQuery("context_buckets", total("attnprof_request_context_tokens_bucket",
                                          "model, le"),
                 "Context-length histogram of finished requests in the range (cumulative)."),

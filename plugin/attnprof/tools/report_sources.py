@@ -242,7 +242,8 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
     context = ContextDistribution(
         bounds=bounds, counts=counts, p50=ctx.p50 if ctx else None,
         p90=ctx.p90 if ctx else None, p99=ctx.p99 if ctx else None, p999=p999,
-        max=ctx.max if ctx else None, estimated_from_buckets=interp)
+        max=ctx.max if ctx else None, mean=ctx.mean if ctx else None,
+        estimated_from_buckets=interp)
     traffic = Traffic(
         requests=n, requests_per_s=n / dur if dur else None,
         tokens_per_s=(prompt + gen) / dur if dur else None, prompt_tokens=prompt,
@@ -291,7 +292,8 @@ def from_live(url: str, api_key: str | None, replicas: int | None,
         raise ReportInputError(str(err)) from None
     inp, snap = from_snapshot(raw, url, replicas=replicas, gpus_per_replica=gpus_per_replica)
     start, dur = _duration(snap)
-    src = ReportSource(kind="live", where=[url], start=start, end=snap.time, duration_s=dur)
+    src = ReportSource(kind="live", where=[_public(url)], start=start, end=snap.time,
+                       duration_s=dur)
     return Gathered(src, [inp], snap.provenance)
 
 
@@ -347,7 +349,7 @@ def from_files(paths: list[Path], replicas: int | None,
     start = end = None
     dur_total = None
     for items in by_model.values():
-        items.sort(key=lambda s: float(s[1].get("time") or 0.0))
+        items.sort(key=lambda s: _time_of(s[1]))
         path, raw, adv = items[-1]
         inp, snap = from_snapshot(raw, str(path), replicas=replicas, advice=adv,
                                   profile=profile, gpus_per_replica=gpus_per_replica)
@@ -361,6 +363,11 @@ def from_files(paths: list[Path], replicas: int | None,
     src = ReportSource(kind="files", where=[str(p) for p in paths], start=start, end=end,
                        duration_s=dur_total)
     return Gathered(src, inputs, prov or (profile.provenance if profile else None))
+
+
+def _time_of(raw: Mapping[str, Any]) -> float:
+    t = raw.get("time")
+    return float(t) if isinstance(t, (int, float)) and math.isfinite(t) else 0.0
 
 
 def drift(first: ContextDistribution, second: ContextDistribution) -> Drift:
@@ -393,8 +400,11 @@ def range_seconds(text: str) -> float:
         parse_duration(text, "--range")
     except ValueError as err:
         raise ReportInputError(str(err)) from None
-    return float(sum(int(n) * _RANGE_UNITS[u]
-                     for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", text)))
+    seconds = float(sum(int(n) * _RANGE_UNITS[u]
+                        for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", text)))
+    if seconds < 1:
+        raise ReportInputError(f"--range {text} is shorter than a second (e.g. 30m, 24h)")
+    return seconds
 
 
 class _Prom:
@@ -534,27 +544,32 @@ def from_prometheus(url: str, model: str | None, range_: str | None, price_repli
                  "window_layers", "window_flop_saving", "window_kv_saving",
                  "window_exact_ratio", "window_heads_at_risk", "context_buckets"):
         got[name] = q(name, rs)
+    got["context_tokens_total"] = q("context_tokens_total", rs)
+    # Per-second figures are Prometheus' own rates over the range (what it saw happen);
+    # totals without --range are the counters since each server started.
+    got["request_rate"] = q("request_rate", rs)
+    got["token_rate"] = q("token_rate", rs)
     first_half = q("context_buckets", half, end - seconds / 2, since_start=False)
     second_half = q("context_buckets", half, end, since_start=False)
-    # Rates: over the range, or without one over the longest replica uptime (the counters'
-    # own span; the data span when the servers export no process_start_time_seconds).
-    rate_s: dict[str, float] = {}
-    if not explicit:
-        up = prom.query(
-            "max by (model) (time() - (max by (instance) (process_start_time_seconds) * on "
-            "(instance) group_left (model) (count by (model, instance) "
-            f"(attnprof_request_context_tokens_count{{{sel}}}) * 0 + 1)))", end)
-        rate_s = {k[0]: v for k, v in _by(up, "model").items() if v > 0}
     usage_series = prom.query_range(
         f"max by (model) (attnprof_kv_cache_usage_ratio{{{sel}}})", start, end, step)
     inputs = []
     for name in names if model is None else [model]:
         inputs.append(_prom_inputs(name, got, first_half, second_half, usage_series,
-                                   max(seconds, rate_s.get(name, 0.0)), price_replicas,
-                                   gpus_per_replica))
-    src = ReportSource(kind="prometheus", where=[url], start=start, end=end,
+                                   seconds, price_replicas, gpus_per_replica))
+    src = ReportSource(kind="prometheus", where=[_public(url)], start=start, end=end,
                        duration_s=seconds, range=range_)
     return Gathered(src, inputs)
+
+
+def _public(url: str) -> str:
+    """``url`` without any ``user:password@`` (a report is shared; credentials are not)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _human_s(s: float) -> str:
@@ -583,8 +598,10 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
     q = {k: quantile_from_buckets(bounds, counts, v) for k, v in
          (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))}
     mx = max((b for b, c in zip(bounds, counts, strict=False) if c > 0), default=None)
+    ctx_sum = _one(got["context_tokens_total"], model)
     context = ContextDistribution(bounds=bounds, counts=counts, p50=q["p50"], p90=q["p90"],
                                   p99=q["p99"], p999=q["p999"], max=mx,
+                                  mean=ctx_sum / reqs if ctx_sum and reqs else None,
                                   estimated_from_buckets=True)
     fb, fc = _hist(_for(first_half, model))
     sb, sc = _hist(_for(second_half, model))
@@ -593,8 +610,8 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
               ContextDistribution(sb, sc, p50=quantile_from_buckets(sb, sc, 0.5),
                                   p99=quantile_from_buckets(sb, sc, 0.99)))
     mml = _one(got["max_model_len"], model)
-    traffic = Traffic(requests=reqs, requests_per_s=reqs / seconds,
-                      tokens_per_s=(prompt + gen) / seconds, prompt_tokens=prompt,
+    traffic = Traffic(requests=reqs, requests_per_s=_one(got["request_rate"], model) or 0.0,
+                      tokens_per_s=_one(got["token_rate"], model) or 0.0, prompt_tokens=prompt,
                       generation_tokens=gen, max_model_len=int(mml) if mml else None,
                       context=context, drift=d)
     # Where time goes.
@@ -647,8 +664,7 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
     cap_tokens = _one(got["kv_capacity_tokens"], model)
     peak = _one(got["kv_usage_peak"], model)
     vllm_run = _one(got["vllm_running_peak"], model, "model_name")
-    mean_ctx = (sum(b * c for b, c in zip(bounds, counts, strict=False)) / reqs
-                if reqs else None)
+    mean_ctx = context.mean
     if vllm_run is not None:
         conc, basis = vllm_run, ("vLLM's peak running requests (sum of each replica's peak "
                                  "over the range: an upper bound)")
