@@ -155,7 +155,10 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert m["kv"]["usage_over_time"], "the fleet's KV usage over the range"
     for name in ("report.html", "report.md"):
         assert (out / name).stat().st_size > 1000
-    # `--model` names it, and `--range` within the data works too.
+    # `--model` names it, and `--range` within the data works too (once Prometheus holds
+    # more than the range: 8 of 10 one-second scrapes of every series).
+    prom.wait_for("min(count_over_time(attnprof_request_context_tokens_count[10s])) >= 8",
+                  timeout=60)
     r = _cli("report", "--prometheus", prom.url, "--model", label, "--range", "5s",
              "--out", str(tmp_path / "ranged"))
     assert r.returncode == 0, r.stderr
