@@ -10,6 +10,7 @@ import re
 import time
 from collections.abc import Sequence
 
+from attnprof.analyze.diff import runs
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.report import (
     ContextDistribution,
@@ -194,17 +195,8 @@ def layers_text(layers: Sequence[str]) -> str:
     nums = [_LNUM.match(x) for x in layers]
     if not layers or not all(nums):
         return ", ".join(layers) or MISSING
-    xs = sorted({int(m.group(1)) for m in nums if m})
-    parts: list[str] = []
-    start = prev = xs[0]
-    for x in [*xs[1:], None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        parts.append(f"L{start}{_DASH}L{prev}" if prev > start else f"L{start}")
-        if x is not None:
-            start = prev = x
-    return ", ".join(parts)
+    return ", ".join(f"L{x}{_DASH}L{y}" if y > x else f"L{x}"
+                     for x, y in runs(int(m.group(1)) for m in nums if m))
 
 
 # ---------------------------------------------------------------------------------------

@@ -118,21 +118,25 @@ def parse_fail_on(text: str | None) -> dict[str, float | None]:
     return out
 
 
+def runs(values: Iterable[int]) -> list[tuple[int, int]]:
+    """``[5, 0, 1, 2]`` -> ``[(0, 2), (5, 5)]``: distinct values as runs of consecutive ones."""
+    xs = sorted(set(values))
+    out: list[tuple[int, int]] = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return out
+
+
 def format_layers(layers: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"layers 0-2, 5"`` (``"layer 3"`` for one)."""
-    xs = sorted(set(layers))
-    if not xs:
+    rs = runs(layers)
+    if not rs:
         return "no layers"
-    parts = []
-    start = prev = xs[0]
-    for x in [*xs[1:], None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
-        if x is not None:
-            start = prev = x
-    return ("layer " if len(xs) == 1 else "layers ") + ", ".join(parts)
+    parts = [f"{a}-{b}" if b > a else f"{a}" for a, b in rs]
+    return ("layer " if len(rs) == 1 and rs[0][0] == rs[0][1] else "layers ") + ", ".join(parts)
 
 
 Site = tuple[str | None, int, str]
