@@ -203,3 +203,15 @@ def test_bucketed_p999_rounds_to_its_bucket_edge() -> None:
     # then exactly the count above 4096 (none).
     assert w.apply.flags == ["--max-model-len 4096"]
     assert w.inputs["refused_share"] == 0.0
+
+
+def test_drift_says_stable_or_how_far_it_moved() -> None:
+    from attnprof.tools.report_sources import drift
+
+    def dist(p50: float, p99: float) -> ContextDistribution:
+        return ContextDistribution(bounds=[], counts=[], p50=p50, p99=p99)
+
+    assert drift(dist(100, 1000), dist(105, 1050)).shift.startswith("stable")
+    moved = drift(dist(100, 1000), dist(200, 1000)).shift
+    assert moved.startswith("moved") and "+100%" in moved and "+0%" in moved
+    assert "not enough" in drift(dist(100, 1000), ContextDistribution([], [])).shift

@@ -435,7 +435,7 @@ def _money(inp: CostInputs, fleet: _Fleet) -> Money:
         hours_per_month=fleet.hours, note=note)
 
 
-def _saving_line(w: WhatIf, price: float | None, fmt: Callable[[float], str]) -> str:
+def _saving_line(w: WhatIf, fmt: Callable[[float], str]) -> str:
     how = "replay-validated" if w.evidence.startswith("replay") else w.evidence
     money = (f"{fmt(w.monthly_saving)}/month" if w.monthly_saving is not None
              else f"{w.monthly_gpu_hours_saved or 0:,.0f} GPU-hours/month")
@@ -470,7 +470,7 @@ def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -
         return w.monthly_gpu_hours_saved or 0.0
 
     ranked = sorted((w for w in ws if size(w) > 0), key=size, reverse=True)
-    savings = [_saving_line(w, settings.gpu_hour_price, _dollars) for w in ranked]
+    savings = [_saving_line(w, _dollars) for w in ranked]
     warnings = list(inp.warnings)
     if inp.traffic.requests <= 0:
         warnings.append("no finished requests in the window: traffic, capacity and money "

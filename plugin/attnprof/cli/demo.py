@@ -225,28 +225,19 @@ def _cost_report(snap: dict[str, Any], url: str, advice: WindowAdvice | AdviceUn
     """The cost report of the demo's run (report.html/.md/.json next to the demo's JSON),
     from the snapshot it took and its replayed window advice; prints the biggest savings."""
     from attnprof.analyze.cost import Settings
-    from attnprof.cli.report import print_savings
-    from attnprof.contracts.report import ReportSource
+    from attnprof.cli.report import write_report
     from attnprof.tools import report as rp
     from attnprof.tools import report_sources as rs
 
     t0 = time.monotonic()
     try:
-        inp, typed = rs.from_snapshot(
-            snap, url, advice=advice if isinstance(advice, WindowAdvice) else None)
+        g = rs.from_live(snap, url,
+                         advice=advice if isinstance(advice, WindowAdvice) else None)
     except rs.ReportInputError as err:
         raise CliError(str(err)) from None
-    start, dur = rs.snapshot_window(typed)
-    g = rs.Gathered(ReportSource(kind="live", where=[url], start=start, end=typed.time,
-                                 duration_s=dur), [inp], typed.provenance)
     rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
-    try:
-        rp.write_all(args.out.parent, rp.render_all(rep))
-    except OSError as err:
-        raise CliError(f"cannot write the report into {str(args.out.parent)!r}: "
-                       f"{err.strerror or err}") from None
     print()
-    print_savings(rep, args.out.parent)
+    write_report(rep, args.out.parent)
 
 
 def _print_roofline(snap: dict[str, Any]) -> None:

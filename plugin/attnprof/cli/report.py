@@ -13,7 +13,7 @@ from typing import Any
 
 from attnprof.cli._common import CliError, ensure_writable_dir, price_arg
 
-__all__ = ["add_parser", "print_savings"]
+__all__ = ["add_parser", "print_savings", "write_report"]
 
 
 def _positive_int(text: str) -> int:
@@ -90,6 +90,21 @@ def _check_out_dir(out: Path) -> None:
                        "writable directory)")
 
 
+def write_report(rep: Any, out: Path) -> None:
+    """Render and write the three files into ``out``, then print the path and the biggest
+    savings; :class:`CliError` (one line) when they cannot be written."""
+    from attnprof.tools import report as rp
+
+    texts = rp.render_all(rep)
+    ensure_writable_dir(out)
+    try:
+        rp.write_all(out, texts)
+    except OSError as err:
+        raise CliError(f"cannot write the report into {str(out)!r}: "
+                       f"{err.strerror or err}") from None
+    print_savings(rep, out)
+
+
 def print_savings(rep: Any, out: Path, n: int = 3) -> None:
     """The report's path and its ``n`` biggest savings (over every model)."""
     print(f"Cost report: {out / 'report.html'} (also report.md, report.json)")
@@ -118,8 +133,11 @@ def _run(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     try:
         if args.url:
-            g = rs.from_live(args.url, args.api_key, args.replicas, args.gpus_per_replica,
-                             timeout=args.timeout)
+            from attnprof.cli.snapshot import fetch_snapshot
+
+            raw = fetch_snapshot(args.url, timeout=args.timeout, api_key=args.api_key)
+            g = rs.from_live(raw, args.url, replicas=args.replicas,
+                             gpus_per_replica=args.gpus_per_replica)
         elif args.prometheus:
             g = rs.from_prometheus(args.prometheus, args.model, args.range_, args.replicas,
                                    args.gpus_per_replica, timeout=args.timeout)
@@ -128,13 +146,6 @@ def _run(args: argparse.Namespace) -> int:
     except rs.ReportInputError as err:
         raise CliError(str(err)) from None
     rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
-    texts = rp.render_all(rep)
-    ensure_writable_dir(args.out)
-    try:
-        rp.write_all(args.out, texts)
-    except OSError as err:
-        raise CliError(f"cannot write the report into {str(args.out)!r}: "
-                       f"{err.strerror or err}") from None
-    print_savings(rep, args.out)
+    write_report(rep, args.out)
     print(f"  ({rep.report_seconds:.1f} s)", file=sys.stderr)
     return 0

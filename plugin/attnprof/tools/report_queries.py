@@ -43,6 +43,14 @@ def total(metric: str, by: str = "model", hole: str = "sel") -> str:
     return f"sum by ({by}) (clamp_min({m} - {m} offset {{r}}, 0) or ({m} + 0))"
 
 
+# Worker processes (one per GPU) per model: plugin_processes has no model label, so each
+# target's count is joined to the model that target serves.
+_WORKERS = ("sum by (model) (sum by (instance) (attnprof_plugin_processes{{role=\"worker\"}})"
+            " * on (instance) group_left (model) (count by (model, instance) "
+            "(attnprof_request_context_tokens_count{{{sel}}}) * 0 + 1))")
+_TOKEN_RATE = ("sum by (model) (rate(attnprof_request_prompt_tokens_sum{{{sel}}}[{r}]))"
+               " + sum by (model) (rate(attnprof_request_generation_tokens_sum{{{sel}}}[{r}]))")
+
 QUERIES: tuple[ReportQuery, ...] = (
     # --- traffic ---
     ReportQuery("requests_total", total("attnprof_request_context_tokens_count"),
@@ -59,9 +67,7 @@ QUERIES: tuple[ReportQuery, ...] = (
     ReportQuery("request_rate",
                 "sum by (model) (rate(attnprof_request_context_tokens_count{{{sel}}}[{r}]))",
                 "Finished requests per second.", "model:attnprof_requests:rate5m"),
-    ReportQuery("token_rate",
-                "sum by (model) (rate(attnprof_request_prompt_tokens_sum{{{sel}}}[{r}]))"
-                " + sum by (model) (rate(attnprof_request_generation_tokens_sum{{{sel}}}[{r}]))",
+    ReportQuery("token_rate", _TOKEN_RATE,
                 "Prompt + generated tokens per second of finished requests.",
                 "model:attnprof_tokens:rate5m"),
     ReportQuery("max_model_len", "max by (model) (attnprof_max_model_len_tokens{{{sel}}})",
@@ -70,19 +76,10 @@ QUERIES: tuple[ReportQuery, ...] = (
                 "count by (model) (count by (model, instance) "
                 "(attnprof_request_context_tokens_count{{{sel}}}))",
                 "Replicas (scrape targets) serving the model.", "model:attnprof_replicas:count"),
-    ReportQuery("workers",
-                "sum by (model) (sum by (instance) (attnprof_plugin_processes{{role=\"worker\"}})"
-                " * on (instance) group_left (model) (count by (model, instance) "
-                "(attnprof_request_context_tokens_count{{{sel}}}) * 0 + 1))",
+    ReportQuery("workers", _WORKERS,
                 "Model-runner workers (one per GPU) serving the model.",
                 "model:attnprof_workers:count"),
-    ReportQuery("gpu_hours_per_mtok",
-                "(sum by (model) (sum by (instance) (attnprof_plugin_processes{{role=\"worker\"}})"
-                " * on (instance) group_left (model) (count by (model, instance) "
-                "(attnprof_request_context_tokens_count{{{sel}}}) * 0 + 1)) / 3600)"
-                " / ((sum by (model) (rate(attnprof_request_prompt_tokens_sum{{{sel}}}[{r}]))"
-                " + sum by (model) (rate(attnprof_request_generation_tokens_sum{{{sel}}}[{r}])))"
-                " / 1e6 > 0)",
+    ReportQuery("gpu_hours_per_mtok", f"({_WORKERS} / 3600) / (({_TOKEN_RATE}) / 1e6 > 0)",
                 "GPU-hours (worker-hours) per million tokens at the current rate.",
                 "model:attnprof_gpu_hours_per_mtok:rate5m"),
     # --- where time goes ---

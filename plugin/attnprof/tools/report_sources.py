@@ -42,7 +42,7 @@ from attnprof.tools import http
 from attnprof.tools.report_queries import by_name, render, render_since_start
 
 __all__ = ["Gathered", "ReportInputError", "flag_checks", "from_files", "from_live",
-           "from_prometheus", "from_snapshot", "snapshot_window"]
+           "from_prometheus", "from_snapshot"]
 
 
 class ReportInputError(ValueError):
@@ -112,11 +112,6 @@ def _p999(summary: Any, bounds: list[float], counts: list[float]) -> tuple[float
         except (ValueError, KeyError, TypeError):
             pass
     return quantile_from_buckets(bounds, counts, 0.999), True
-
-
-def snapshot_window(snap: Snapshot) -> tuple[float | None, float | None]:
-    """(start, seconds) a snapshot's counters cover."""
-    return _duration(snap)
 
 
 def _duration(snap: Snapshot) -> tuple[float | None, float | None]:
@@ -280,17 +275,14 @@ def _model_name(model: str) -> str:
     return p.name if p.is_absolute() and p.name else model
 
 
-def from_live(url: str, api_key: str | None, replicas: int | None,
-              gpus_per_replica: float | None, timeout: float = 30.0) -> Gathered:
-    """A live server's snapshot (its window advice included)."""
-    from attnprof.cli._common import CliError
-    from attnprof.cli.snapshot import fetch_snapshot
-
-    try:
-        raw = fetch_snapshot(url, timeout=timeout, api_key=api_key)
-    except CliError as err:
-        raise ReportInputError(str(err)) from None
-    inp, snap = from_snapshot(raw, url, replicas=replicas, gpus_per_replica=gpus_per_replica)
+def from_live(raw: Mapping[str, Any], url: str, *, replicas: int | None = None,
+              gpus_per_replica: float | None = None,
+              advice: WindowAdvice | None = None) -> Gathered:
+    """The report source of a snapshot just read from the live server at ``url`` (the
+    caller fetches it: ``attnprof report --url`` and the demo); ``advice`` replaces the
+    snapshot's own window advice (the demo's replayed one)."""
+    inp, snap = from_snapshot(raw, url, replicas=replicas, advice=advice,
+                              gpus_per_replica=gpus_per_replica)
     start, dur = _duration(snap)
     src = ReportSource(kind="live", where=[_public(url)], start=start, end=snap.time,
                        duration_s=dur)
@@ -475,7 +467,7 @@ def _hist(results: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
     return bounds, counts
 
 
-def from_prometheus(url: str, model: str | None, range_: str | None, price_replicas: int | None,
+def from_prometheus(url: str, model: str | None, range_: str | None, replicas: int | None,
                     gpus_per_replica: float | None, timeout: float = 30.0,
                     now: float | None = None) -> Gathered:
     """A fleet: every query of :mod:`attnprof.tools.report_queries` over ``range_``."""
@@ -556,7 +548,7 @@ def from_prometheus(url: str, model: str | None, range_: str | None, price_repli
     inputs = []
     for name in names if model is None else [model]:
         inputs.append(_prom_inputs(name, got, first_half, second_half, usage_series,
-                                   seconds, price_replicas, gpus_per_replica))
+                                   seconds, replicas, gpus_per_replica))
     src = ReportSource(kind="prometheus", where=[_public(url)], start=start, end=end,
                        duration_s=seconds, range=range_)
     return Gathered(src, inputs)
