@@ -236,6 +236,26 @@ def test_wait_ready_never_returns_for_a_foreign_server() -> None:
             srv.stop()
 
 
+def test_wait_ready_ends_early_when_asked_to_stop() -> None:
+    from attnprof.tools.server import StopRequested, VllmServer
+
+    class Stub(VllmServer):
+        def command(self) -> list[str]:  # a "vLLM" that never listens
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    asked = threading.Event()
+    srv = Stub("m", port=free_port(), served_name="tiny")
+    srv.start()
+    try:
+        threading.Timer(0.3, asked.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested):
+            srv.wait_ready(timeout=60, stop=asked.is_set)
+        assert time.monotonic() - t0 < 60  # ended by the flag, not by the timeout
+    finally:
+        srv.stop()
+
+
 # --- process lifecycle with a stand-in tree (fast, no vLLM) ------------------------------
 
 # Like vLLM: the API server spawns a child it does not stop on its own death (EngineCore).
@@ -323,6 +343,39 @@ def _serve_until_ready(model: Path, port: int, log: Path) -> subprocess.Popen[by
             pytest.fail(f"attnprof serve did not get ready:\n{tail}")
         time.sleep(0.5)
     return wrapper
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_proc
+def test_serve_stopped_while_starting_leaves_no_vllm_behind(tiny_model: Path,
+                                                            tmp_path: Path) -> None:
+    """SIGTERM while vLLM is still loading: the wrapper stops it and exits 0 (the stop is a
+    flag the ready-wait reads, so it cannot be lost the way a raised exception can)."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        wrapper = subprocess.Popen([sys.executable, "-m", "attnprof.cli", "serve", "--model",
+                                    str(tiny_model), "--port", str(port), "--eager", "--",
+                                    *VLLM_ARGS], stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    procs: dict[tuple[int, str], str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        # vLLM's API server has been spawned (its group is more than the wrapper) and is
+        # not ready yet.
+        while len(procs := _tree(wrapper.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(procs) >= 2 and "attnprof: ready in" not in log.read_text()
+        os.kill(wrapper.pid, signal.SIGTERM)
+        rc = wrapper.wait(GONE_WITHIN_S + 30)
+        _wait_gone(_tree(wrapper.pid) | procs, port, GONE_WITHIN_S)
+        text = log.read_text(errors="replace")
+        assert rc == 0 and "attnprof: stopping vLLM" in text, text[-2000:]
+    finally:
+        _kill_all(procs)
+        if wrapper.poll() is None:
+            wrapper.kill()
 
 
 @pytest.mark.vllm

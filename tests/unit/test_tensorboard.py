@@ -287,6 +287,45 @@ def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: BearerJsonServer, tm
     assert len(steps) >= 3 and sorted(steps) == list(range(len(steps)))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_a_weakref_callback_still_stops(
+        snap_server: BearerJsonServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        sig: int) -> None:
+    """The CI failure, made deterministic: the signal's handler ran inside a weakref callback,
+    where Python prints an exception as "Exception ignored" and goes on, so a handler that
+    raised KeyboardInterrupt lost the stop and the CLI polled on. Here the third poll runs the
+    installed handler from such a callback; the CLI must stop there, not at --count."""
+    import weakref
+
+    import attnprof.cli.tensorboard as cli_tb
+
+    real = cli_tb.fetch_typed_snapshot
+    calls: list[int] = []
+
+    class Dropped:
+        pass
+
+    def fetch(url: str, key: str | None) -> Snapshot:
+        calls.append(1)
+        if len(calls) == 3:
+            handler = signal.getsignal(sig)
+            assert callable(handler)
+            obj = Dropped()
+            ref = weakref.ref(obj, lambda _r: handler(sig, None))
+            del obj  # the callback runs here; anything it raises is printed and dropped
+            assert ref() is None
+        return real(url, key)
+
+    monkeypatch.setattr(cli_tb, "fetch_typed_snapshot", fetch)
+    before = signal.getsignal(sig)
+    rc = main(["tensorboard", "--url", snap_server.url, "--api-key", "k3y", "--logdir",
+               str(tmp_path), "--interval", "10ms", "--count", "50"])
+    assert rc == 0
+    assert len(calls) == 3  # stopped at the signal, not after 50 polls
+    assert sorted(scalars(accumulator(tmp_path))["context/p50"]) == [0, 1, 2]
+    assert signal.getsignal(sig) is before  # the host's handler is back
+
+
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "attnprof.cli", *args], capture_output=True,
                           text=True, timeout=120, env={**os.environ, **(env or {})})

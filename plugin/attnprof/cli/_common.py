@@ -10,12 +10,15 @@ import math
 import os
 import re
 import secrets
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "MAX_LENGTH",
     "CliError",
+    "StopSignals",
     "check_lengths",
     "check_out_file",
     "ensure_writable_dir",
@@ -177,3 +180,40 @@ def price_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text[:40]!r}: a price must be a finite number "
                                          ">= 0") from None
     return x
+
+
+class StopSignals:
+    """Ctrl-C, SIGTERM (and any other signals named) ask a long-running command to stop by
+    raising a flag its loop reads, never by raising from the handler: an exception raised
+    from a handler lands wherever the interpreter happens to be, and inside a weakref or
+    ``__del__`` callback Python prints it as "Exception ignored" and carries on, so the stop
+    is lost (it was, in CI). SIGINT is installed explicitly since a background job inherits
+    it ignored. The previous handlers come back on exit."""
+
+    def __init__(self, *extra: signal.Signals) -> None:
+        self.signals = (signal.SIGINT, signal.SIGTERM, *extra)
+        self.received: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        self._old = {s: signal.signal(s, self._handler) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    def nap(self, seconds: float) -> bool:
+        """Sleep up to ``seconds`` in 0.1 s slices, so a stop is acted on within 0.1 s
+        (``time.sleep`` resumes after a handler that does not raise); True if asked to stop."""
+        end = time.monotonic() + seconds
+        while not self.received and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
+        return self.requested

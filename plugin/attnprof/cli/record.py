@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, check_out_file, parse_seconds, write_atomic
+from attnprof.cli._common import (
+    CliError,
+    StopSignals,
+    check_out_file,
+    parse_seconds,
+    write_atomic,
+)
 from attnprof.cli.snapshot import add_api_key_flag, fetch_typed_snapshot
 
 __all__ = ["add_parser"]
@@ -41,16 +48,16 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"{args.url}: attnprof is not enabled in that server "
                        f"(ATTNPROF_ENABLED=0?): nothing to record")
     t_end = time.monotonic() + duration
-    early = False
     tty = sys.stderr.isatty()
-    try:
+    with StopSignals() as stop:  # SIGTERM, like Ctrl-C, ends early and still writes
         while (left := t_end - time.monotonic()) > 0:
             msg = f"attnprof record: {duration - left:5.0f}/{duration:.0f} s"
             print(f"\r{msg}" if tty else msg, end="" if tty else "\n", file=sys.stderr,
                   flush=True)
-            time.sleep(min(left, 1.0 if tty else 10.0))
-    except KeyboardInterrupt:
-        early = True
+            if stop.nap(min(left, 1.0 if tty else 10.0)):
+                break
+    early = stop.requested
+    how = "Ctrl-C" if not early or stop.received[0] == signal.SIGINT else "SIGTERM"
     if tty:
         print(file=sys.stderr)
     end = fetch_typed_snapshot(args.url, args.api_key)
@@ -60,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
                        f"server's own URL")
     rec = window_between(start, end)
     if early and rec.window is not None:
-        rec.window.note = f"stopped early by Ctrl-C; {rec.window.note}"
+        rec.window.note = f"stopped early by {how}; {rec.window.note}"
     write_atomic(args.out, json.dumps(rec.to_json(), indent=2) + "\n")
     w = rec.window
     assert w is not None

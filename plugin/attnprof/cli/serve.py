@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import Any
 
-from attnprof.cli._common import CliError
+from attnprof.cli._common import CliError, StopSignals
 
 __all__ = ["add_parser", "resolve_or_fail"]
 
@@ -48,7 +48,7 @@ def check_config() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from attnprof.tools.server import ServerError, VllmServer, port_error
+    from attnprof.tools.server import ServerError, StopRequested, VllmServer, port_error
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port {args.port} is not a TCP port")
@@ -63,36 +63,30 @@ def _run(args: argparse.Namespace) -> int:
     srv = VllmServer(model, port=args.port, host=args.host, served_name=served,
                      extra_args=extra, eager=args.eager)
 
-    def _stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
     # SIGTERM and SIGHUP (terminal closed) stop vLLM like Ctrl-C. Installed before start() so
     # no window leaves the default action; if the wrapper dies anyway (SIGKILL), the
-    # server's watchdog and parent-death signal stop vLLM.
-    stop_signals = [signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
-    for sig in stop_signals:
-        signal.signal(sig, _stop)
-    # Ctrl-C too, explicitly: a wrapper started from a background job inherits SIGINT as
-    # ignored, and Python then installs no KeyboardInterrupt handler of its own.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"attnprof: starting vLLM for {model}", file=sys.stderr)
-    try:
-        srv.start()
-        secs = srv.wait_ready(timeout=900)
-        print(f"attnprof: ready in {secs:.0f} s\n"
-              f"  API:      {srv.base_url}/v1\n"
-              f"  metrics:  {srv.base_url}/metrics\n"
-              f"  snapshot: {srv.base_url}/attnprof/snapshot\n"
-              f"Ctrl-C stops the server and all its processes.", file=sys.stderr)
-        assert srv.proc is not None
-        return srv.proc.wait()
-    except KeyboardInterrupt:
-        print("attnprof: stopping vLLM", file=sys.stderr)
-        return 0
-    except ServerError as err:
-        raise CliError(str(err)) from None
-    finally:
-        # A second signal must not cut stop() short (a traceback, the group half-stopped).
-        for sig in [signal.SIGINT, *stop_signals]:
-            signal.signal(sig, signal.SIG_IGN)
-        srv.stop()
+    # server's watchdog and parent-death signal stop vLLM. A second signal while stopping
+    # only raises the flag again, so it cannot cut stop() short.
+    hup = [signal.SIGHUP] if hasattr(signal, "SIGHUP") else []
+    with StopSignals(*hup) as stop:
+        print(f"attnprof: starting vLLM for {model}", file=sys.stderr)
+        try:
+            srv.start()
+            secs = srv.wait_ready(timeout=900, stop=lambda: stop.requested)
+            print(f"attnprof: ready in {secs:.0f} s\n"
+                  f"  API:      {srv.base_url}/v1\n"
+                  f"  metrics:  {srv.base_url}/metrics\n"
+                  f"  snapshot: {srv.base_url}/attnprof/snapshot\n"
+                  f"Ctrl-C stops the server and all its processes.", file=sys.stderr)
+            assert srv.proc is not None
+            while (rc := srv.proc.poll()) is None:
+                if stop.nap(0.5):
+                    raise StopRequested
+            return rc
+        except StopRequested:
+            print("attnprof: stopping vLLM", file=sys.stderr)
+            return 0
+        except ServerError as err:
+            raise CliError(str(err)) from None
+        finally:
+            srv.stop()

@@ -7,14 +7,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, int_in_range, parse_seconds, require_module
+from attnprof.cli._common import (
+    CliError,
+    StopSignals,
+    int_in_range,
+    parse_seconds,
+    require_module,
+)
 from attnprof.cli.snapshot import add_api_key_flag, fetch_typed_snapshot
 from attnprof.contracts.snapshot import Snapshot
 
@@ -106,46 +111,39 @@ def _run(args: argparse.Namespace) -> int:
     # The first snapshot before anything is created: a wrong URL or key leaves no file.
     first = fetch_typed_snapshot(args.url, args.api_key)
 
-    def _stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    # SIGTERM stops like Ctrl-C (files flushed, exit 0); SIGINT explicitly, since a
-    # background job inherits it ignored.
-    old = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, _stop),
-                                                (signal.SIGINT, signal.default_int_handler))}
     log: _Logger | None = None
     t0 = time.monotonic()
-    try:
-        args.logdir.mkdir(parents=True, exist_ok=True)
-        log = _Logger(args.logdir)
-        snap: Snapshot | None = first
-        tick = 0
-        while True:
-            if snap is not None:
-                log.write(snap)
-            if args.count is not None and log.written >= args.count:
-                break
-            # The next tick still ahead (a slow poll skips ticks rather than bunching them).
-            tick = max(tick + 1, math.floor((time.monotonic() - t0) / interval) + 1)
-            wake = t0 + tick * interval
-            if duration is not None and wake - t0 > duration:
-                break
-            time.sleep(max(0.0, wake - time.monotonic()))
-            try:
-                snap = fetch_typed_snapshot(args.url, args.api_key)
-            except CliError as err:  # a restart or a blip: say so, keep polling
-                print(f"attnprof: warning: snapshot {tick} skipped: {err}", file=sys.stderr)
-                snap = None
-    except KeyboardInterrupt:
-        pass
-    except OSError as err:
-        raise CliError(f"cannot write to --logdir {str(args.logdir)!r}: {err.strerror}") \
-            from None
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if log is not None:
-            log.writer.close()
+    # SIGTERM stops like Ctrl-C: files flushed, exit 0.
+    with StopSignals() as stop:
+        try:
+            args.logdir.mkdir(parents=True, exist_ok=True)
+            log = _Logger(args.logdir)
+            snap: Snapshot | None = first
+            tick = 0
+            while True:
+                if snap is not None:
+                    log.write(snap)
+                if stop.requested or (args.count is not None and log.written >= args.count):
+                    break
+                # The next tick still ahead (a slow poll skips ticks rather than bunching).
+                tick = max(tick + 1, math.floor((time.monotonic() - t0) / interval) + 1)
+                wake = t0 + tick * interval
+                if duration is not None and wake - t0 > duration:
+                    break
+                if stop.nap(wake - time.monotonic()):
+                    break
+                try:
+                    snap = fetch_typed_snapshot(args.url, args.api_key)
+                except CliError as err:  # a restart or a blip: say so, keep polling
+                    print(f"attnprof: warning: snapshot {tick} skipped: {err}",
+                          file=sys.stderr)
+                    snap = None
+        except OSError as err:
+            raise CliError(f"cannot write to --logdir {str(args.logdir)!r}: "
+                           f"{err.strerror}") from None
+        finally:
+            if log is not None:
+                log.writer.close()
     where = log.writer.path if log is not None else args.logdir
     n = log.written if log is not None else 0
     print(f"attnprof tensorboard: {n} snapshot{'s' if n != 1 else ''} written to {where}",

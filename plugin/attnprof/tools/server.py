@@ -31,11 +31,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["PLUGIN_NAMES", "ServerError", "VllmServer", "http_get", "http_post_json",
+__all__ = ["PLUGIN_NAMES", "ServerError", "StopRequested", "VllmServer", "http_get",
+           "http_post_json",
            "is_our_vllm", "on_cpu", "port_error"]
 
 PLUGIN_NAMES = ("attnprof", "attnprof_stats", "attnprof_http")
@@ -43,6 +44,10 @@ PLUGIN_NAMES = ("attnprof", "attnprof_stats", "attnprof_http")
 
 class ServerError(RuntimeError):
     pass
+
+
+class StopRequested(Exception):
+    """A wait ended early because the caller was asked to stop (Ctrl-C, SIGTERM)."""
 
 
 def on_cpu() -> bool:
@@ -407,7 +412,10 @@ class VllmServer:
                 return args[i + 1]
         return self.user_env.get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
-    def wait_ready(self, timeout: float = 300.0) -> float:
+    def wait_ready(self, timeout: float = 300.0,
+                   stop: Callable[[], bool] | None = None) -> float:
+        """Seconds until vLLM answers as this server; ``stop`` (a Ctrl-C flag) ends the wait
+        early with StopRequested."""
         t0 = time.monotonic()
         assert self.proc is not None
         while True:
@@ -422,7 +430,10 @@ class VllmServer:
                 raise ServerError(f"vLLM was not ready after {timeout:.0f} s"
                                   + (f"; last log lines:\n{self.log_tail()}" if self.log_path
                                      else ""))
-            time.sleep(0.5)
+            for _ in range(5):
+                if stop is not None and stop():
+                    raise StopRequested
+                time.sleep(0.1)
 
     def log_tail(self, n: int = 15) -> str:
         if self.log_path is None or not self.log_path.exists():
