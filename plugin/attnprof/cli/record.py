@@ -56,8 +56,6 @@ def _run(args: argparse.Namespace) -> int:
                   flush=True)
             if stop.nap(min(left, 1.0 if tty else 10.0)):
                 break
-    early = stop.requested
-    how = "Ctrl-C" if not early or stop.received[0] == signal.SIGINT else "SIGTERM"
     if tty:
         print(file=sys.stderr)
     end = fetch_typed_snapshot(args.url, args.api_key)
@@ -66,7 +64,8 @@ def _run(args: argparse.Namespace) -> int:
                        f"the end (a load balancer in front of several servers?): record one "
                        f"server's own URL")
     rec = window_between(start, end)
-    if early and rec.window is not None:
+    if stop.requested and rec.window is not None:
+        how = "Ctrl-C" if stop.received[0] == signal.SIGINT else "SIGTERM"
         rec.window.note = f"stopped early by {how}; {rec.window.note}"
     write_atomic(args.out, json.dumps(rec.to_json(), indent=2) + "\n")
     w = rec.window
