@@ -4,7 +4,10 @@ Each query is a template with two holes: ``{sel}``, the label matchers inside a 
 braces (``model="m"`` or empty), and ``{r}``, the range (``24h``; ``5m`` in the recording
 rules). ``grafana/generate.py`` writes ``grafana/recording/attnprof-report-rules.yaml`` from
 this list (a test checks the committed file is current and promtool-tests it), so a Thanos or
-Mimir fleet can downsample exactly what the report reads. Pure data: no I/O.
+Mimir fleet can downsample what the report reads. Three ratios in the list are not read by
+the report, which divides its own totals over the range instead: ``gpu_hours_per_mtok`` (the
+dashboard's Cost row), ``attention_share`` and ``kv_above_90_ratio`` (recording rules only).
+Pure data: no I/O.
 
 Totals (requests, tokens) are counter differences over the range, not ``increase()``:
 ``increase`` extrapolates to the range's edges, and a fleet report's totals must equal the sum
