@@ -163,6 +163,13 @@ class Config:
     """Send every sampled step (with per-layer child spans) as OTLP spans."""
     probe: bool = False
     """Measure peak bandwidth and matmul FLOP/s once per worker after start-up (roofline)."""
+    trace_open: bool = False
+    """``GET /attnprof/trace`` answers without an API key when none is configured."""
+    trace_max_ranges: int = 150_000
+    """Most layer ranges in one live trace, all workers together (80 layers x 8 ranks:
+    under 64 MB of JSON)."""
+    trace_max_ranges_per_worker: int = 40_000
+    """Most layer ranges one worker keeps for one live trace (its memory bound)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -190,4 +197,8 @@ class Config:
             otlp_histogram=otlp_histogram(env),
             otlp_spans=otlp_spans(env),
             probe=_bool(env, "ATTNPROF_PROBE", False),
+            trace_open=_bool(env, "ATTNPROF_TRACE_OPEN", False),
+            trace_max_ranges=_int(env, "ATTNPROF_TRACE_MAX_RANGES", 150_000, 1) or 150_000,
+            trace_max_ranges_per_worker=_int(env, "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER",
+                                             40_000, 1) or 40_000,
         )

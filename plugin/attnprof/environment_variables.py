@@ -140,6 +140,23 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Built after the fact on each worker's export thread, never on the serving path. "
         "Needs an OTLP endpoint; set without one, start-up fails with one line.",
     ),
+    EnvVar(
+        "ATTNPROF_TRACE_OPEN", "bool", "0",
+        "Let `GET /attnprof/trace` answer when no API key is configured at all (by default it "
+        "then answers 403, like `POST /attnprof/sampling`: a trace shows per-step batch sizes "
+        "and sequence lengths, which with one request in a batch are one user's).",
+    ),
+    EnvVar(
+        "ATTNPROF_TRACE_MAX_RANGES", "int >= 1", "150000",
+        "Most layer ranges (one per sampled attention call) in one live trace, all workers "
+        "together; later steps are left out and `truncated` says so. The default keeps an "
+        "80-layer x 8-rank trace under 64 MB of JSON.",
+    ),
+    EnvVar(
+        "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER", "int >= 1", "40000",
+        "Most layer ranges one worker keeps for one live trace (its memory bound while the "
+        "trace records); the worker stops recording there and says so.",
+    ),
 )
 
 
