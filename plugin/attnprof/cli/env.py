@@ -15,13 +15,9 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def _secret(name: str) -> bool:
-    """A variable holding a credential (ATTNPROF_API_KEY): its value is never printed."""
-    return name.endswith(("_KEY", "_TOKEN", "_SECRET", "_PASSWORD"))
-
-
 def _run(args: argparse.Namespace) -> int:
     from attnprof.config import Config, ConfigError
+    from attnprof.contracts.redact import is_secret_name, redact_value
     from attnprof.environment_variables import VARIABLES, markdown_table
 
     if args.markdown:
@@ -29,8 +25,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     for v in VARIABLES:
         cur = os.environ.get(v.name)
-        if cur is not None and _secret(v.name):
-            cur = "(set, not shown)"
+        # A credential (ATTNPROF_API_KEY) is never printed; other values lose URL secrets.
+        if cur is not None:
+            cur = "(set, not shown)" if is_secret_name(v.name) else redact_value(cur)
         print(f"{v.name:30} {('=' + cur) if cur is not None else '(default ' + v.default + ')'}")
     try:
         Config.from_env()

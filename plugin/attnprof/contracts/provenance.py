@@ -3,7 +3,8 @@ source revision, the command line and the time. ``attnprof diff`` reads it to sa
 changed between two runs and to refuse comparing two different models.
 
 Added in profile 1.2 and snapshot 1.5 (older files read it as null). Never holds prompt
-text, token ids or request ids; secrets on the command line are redacted when collected.
+text, token ids or request ids; secrets on the command line are redacted whenever one is
+built or read (:mod:`attnprof.contracts.redact`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from attnprof.contracts.base import Record
+from attnprof.contracts.redact import redact_argv
 
 __all__ = ["GitInfo", "Hardware", "ModelIdentity", "Provenance"]
 
@@ -72,3 +74,8 @@ class Provenance(Record):
     time: float = 0.0
     """Unix time the provenance was taken."""
     time_iso: str = ""
+
+    def __post_init__(self) -> None:
+        # Every Provenance built or read (a file from an older attnprof, a hand-made one)
+        # carries a redacted command, so no report or diff can print a key it was handed.
+        self.command = redact_argv(self.command)

