@@ -242,6 +242,40 @@ def _check_k8s_api_key(docs: list[Doc]) -> None:
                                                                 d.get("stringData"))]
 
 
+# What every container start runs first: this, then the server in its place (exec).
+_CONTAINER_START = ["python3", "-m", "attnprof.cli", "container-start", "--"]
+
+
+def _check_k8s_multiproc_wiped_at_start(docs: list[Doc]) -> None:
+    """The multiprocess emptyDir outlives a container restart in the pod, so the vLLM
+    container's own command (it runs at every start; an init container runs once per pod)
+    empties it through `attnprof container-start` before execing the server
+    (tests/unit/test_container_start.py restarts that command in place)."""
+    spec, vllm = _vllm(docs)
+    cmd = vllm.get("command", [])
+    assert cmd[:len(_CONTAINER_START)] == _CONTAINER_START, \
+        f"the vLLM container does not start through attnprof container-start: {cmd}"
+    assert cmd[len(_CONTAINER_START):] == ["vllm", "serve"], cmd  # the image's entrypoint
+    assert not any("container-start" in c.get("command", [])
+                   for c in spec.get("initContainers", []))
+    mp = _env(vllm)["PROMETHEUS_MULTIPROC_DIR"]["value"]
+    (mount,) = [m for m in vllm["volumeMounts"] if m["mountPath"] == mp]
+    assert not mount.get("readOnly")
+
+
+def _check_compose_multiproc_wiped_at_start(compose: Doc) -> None:
+    """compose.yaml's multiprocess dir is a tmpfs (fresh at each container start), and the
+    server is exec'd through `attnprof container-start` all the same."""
+    vllm = compose["services"]["vllm"]
+    cmd = " ".join(vllm["command"]) if isinstance(vllm["command"], list) else vllm["command"]
+    wrapper = " ".join(_CONTAINER_START)
+    assert re.search(rf"&& exec {re.escape(wrapper)} python3 -m vllm\.", cmd), cmd
+    assert cmd.count(" exec ") == 1
+    mp = _compose_env(vllm)["PROMETHEUS_MULTIPROC_DIR"]
+    tmpfs = vllm.get("tmpfs", [])
+    assert mp in [t.split(":")[0] for t in ([tmpfs] if isinstance(tmpfs, str) else tmpfs)]
+
+
 def _compose_schema() -> Doc:
     path = Path(check_jsonschema.__file__).parent / "builtin_schemas/vendor/compose-spec.json"
     schema: Doc = json.loads(path.read_text())
@@ -339,7 +373,8 @@ def test_k8s_vllm_container_enables_every_plugin_and_multiproc_metrics() -> None
     assert set(env["VLLM_PLUGINS"].split(",")) >= _our_plugin_names()
     mounts = {m["mountPath"]: m["name"] for m in vllm["volumeMounts"]}
     vols = {v["name"]: v for v in spec["volumes"]}
-    # The multiprocess dir must be fresh per pod: an emptyDir mounted where the env points.
+    # The multiprocess dir: an emptyDir mounted where the env points (fresh per pod; the
+    # container's command empties it at every container start, checked below).
     assert "emptyDir" in vols[mounts[env["PROMETHEUS_MULTIPROC_DIR"]]]
     # The init container installs into the directory the server has on PYTHONPATH.
     (init,) = spec["initContainers"]
@@ -402,6 +437,14 @@ def test_k8s_render_fills_every_pin_and_rejects_bad_ones() -> None:
         r = subprocess.run(["bash", render], capture_output=True, text=True,
                            env={**env, **bad}, timeout=30)
         assert r.returncode != 0 and not r.stdout.strip("-\n"), bad
+
+
+def test_k8s_vllm_container_empties_the_multiproc_dir_at_every_start() -> None:
+    _check_k8s_multiproc_wiped_at_start(_k8s())
+
+
+def test_compose_vllm_container_empties_the_multiproc_dir_at_every_start() -> None:
+    _check_compose_multiproc_wiped_at_start(_compose())
 
 
 def test_compose_enables_every_plugin() -> None:
@@ -477,6 +520,11 @@ _K8S_KINDS = ["ConfigMap", "Deployment", "Service", "NetworkPolicy"]
                                           value={"app": "other"})),
     ("k8s_api_key", "k8s", _weaken(*_VLLM, "env", 0, value={"name": "VLLM_API_KEY",
                                                           "value": "sk-123"})),
+    ("k8s_multiproc_wiped_at_start", "k8s", _weaken(*_VLLM, "command", delete=True)),
+    ("k8s_multiproc_wiped_at_start", "k8s", _weaken(*_VLLM, "command",
+                                                    value=["vllm", "serve"])),
+    ("k8s_multiproc_wiped_at_start", "k8s", _weaken(*_VLLM, "volumeMounts", 1, "readOnly",
+                                                    value=True)),
     ("compose_schema", "compose", _weaken("services", "vllm", "read-only", value=True)),
     ("compose_loopback_ports", "compose", _weaken("services", "grafana", "ports",
                                                   value=["3000:3000"])),
@@ -489,6 +537,12 @@ _K8S_KINDS = ["ConfigMap", "Deployment", "Service", "NetworkPolicy"]
                                                       "GF_AUTH_ANONYMOUS_ENABLED": "false"})),
     ("compose_credentials", "compose", _weaken("secrets", "grafana_admin_password", "file",
                                                value="${GRAFANA_ADMIN_PASSWORD_FILE:-./pw}")),
+    ("compose_multiproc_wiped_at_start", "compose", _weaken(
+        "services", "vllm", "command", 0,
+        value="python3 -m pip install -r /r.txt && exec python3 -m vllm.entrypoints.openai"
+              ".api_server --model /models/my-model")),
+    ("compose_multiproc_wiped_at_start", "compose", _weaken(
+        "services", "vllm", "tmpfs", value=["/tmp:exec,mode=1777"])),
     ("compose_attnprof_pin", "compose", _weaken("services", "vllm", "environment",
                                                 WHEEL_HASH_VAR,
                                                 value="${ATTNPROF_WHEEL_SHA256:-}")),
@@ -576,6 +630,21 @@ def test_sidecar_style_install_is_discovered_through_pythonpath(tmp_path: Path) 
     names, path = out.stdout.rsplit(" ", 1)
     assert names == str(sorted(_our_plugin_names()))
     assert path.strip().startswith(str(target))
+    # The vLLM container's command runs from that install too: it empties the multiprocess
+    # dir and execs the server (here a Python saying where its attnprof came from).
+    _, vllm = _vllm(docs)
+    wrapper = [sys.executable if a == "python3" else a
+               for a in vllm["command"][:vllm["command"].index("--") + 1]]
+    mp = tmp_path / "prometheus-multiproc"
+    mp.mkdir()
+    (mp / "counter_1.db").write_bytes(b"stale")
+    out = subprocess.run(
+        [*wrapper, sys.executable, "-c", "import attnprof.cli.container_start as m; "
+                                         "print(m.__file__)"],
+        capture_output=True, text=True, timeout=60,
+        env={**env, "PROMETHEUS_MULTIPROC_DIR": str(mp)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(target)) and not list(mp.iterdir())
 
     # compose.yaml's vLLM container: the same pin in deploy/local, filled by pip itself from
     # the environment (compose passes ATTNPROF_WHEEL_SHA256 through), installed --no-index.
