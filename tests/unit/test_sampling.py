@@ -143,8 +143,8 @@ def test_a_throttled_rate_recovers_by_elapsed_time_without_sampled_steps() -> No
 
 
 def test_checkpoints_leave_the_sampling_law_unchanged() -> None:
-    # Gaps capped at 8 steps with redraws: still rate 0.01 in the long run.
-    s = StepSampler(0.01, seed=11, check_every=8)
+    # An epoch boundary every 8 steps: still rate 0.01 in the long run.
+    s = StepSampler(0.01, seed=11, epoch=8)
     assert _rate(s, 400000) == pytest.approx(0.01, rel=0.06)
 
 
@@ -155,10 +155,138 @@ def test_ranks_with_one_seed_sample_the_same_steps() -> None:
     picks: list[list[int]] = [[], []]
     for i in range(20000):
         for r, got in zip(ranks, picks, strict=True):
-            r.long_prefill(2048)  # the stratum's coin comes from the same stream, in step
-            if r.tick():
+            if r.tick() or (i % 7 == 0 and r.long_prefill(2048)):
                 got.append(i)
     assert picks[0] == picks[1] and len(picks[0]) > 500
+    assert ranks[0].decisions_digest == ranks[1].decisions_digest
+
+
+def test_decisions_are_a_pure_function_of_seed_step_and_rate() -> None:
+    """Step i is sampled iff its hashed coin is below the rate: whatever happened before
+    (other rates, reseeds, set_rate at other steps), the same (seed, i, rate) decides alike."""
+    from attnprof.aggregate.sampler import STREAM_STEP, uniform, uniforms
+
+    assert uniforms(77, STREAM_STEP, 1000, 300) == [uniform(77, STREAM_STEP, i)
+                                                     for i in range(1000, 1300)]
+    s = StepSampler(0.2, seed=77)
+    got = [i for i in range(5000) if s.tick()]
+    assert got == [i for i in range(5000) if uniform(77, STREAM_STEP, i) < 0.2]
+    # Switch the rate at step 2000: the steps after it follow the new rate's coins.
+    s2 = StepSampler(0.2, seed=77)
+    picks = []
+    for i in range(5000):
+        if i == 2000:
+            s2.set_rate(0.05)
+        if s2.tick():
+            picks.append(i)
+    assert picks == [i for i in range(5000)
+                     if uniform(77, STREAM_STEP, i) < (0.2 if i < 2000 else 0.05)]
+
+
+def test_decisions_are_nested_across_rates() -> None:
+    sets = []
+    for rate in (0.01, 0.05, 0.2, 0.7, 1.0):
+        s = StepSampler(rate, seed=5)
+        sets.append({i for i in range(20000) if s.tick()})
+    for low, high in itertools.pairwise(sets):
+        assert low < high  # every step sampled at a rate is sampled at every higher one
+
+
+def test_coins_are_independent_of_each_other_and_uniform() -> None:
+    from attnprof.aggregate.sampler import STREAM_HEAD_STATS, STREAM_LONG, STREAM_STEP, uniforms
+
+    n = 40000
+    a, b, c = (uniforms(3, st, 0, n) for st in (STREAM_STEP, STREAM_LONG, STREAM_HEAD_STATS))
+    for xs in (a, b, c):
+        assert all(0.0 <= x < 1.0 for x in xs)
+        # Deciles within 5 standard errors of n/10.
+        counts = [0] * 10
+        for x in xs:
+            counts[int(x * 10)] += 1
+        assert all(abs(k - n / 10) < 5 * (n * 0.09) ** 0.5 for k in counts)
+    # The streams are not the same coins (nor shifted copies).
+    assert sum(x < 0.5 and y < 0.5 for x, y in zip(a, b, strict=True)) == pytest.approx(
+        n / 4, rel=0.05)
+    assert a[1:] != b[:-1] and a != c
+
+
+class Channel:
+    """The leader's announcements as rank_sync delivers them, with a delay: a follower
+    reads what the leader wrote at the previous boundary."""
+
+    def __init__(self) -> None:
+        self.board: tuple[int, int, float] | None = None
+        self.seq = 0
+        self.published: float | None = None
+
+    def leader(self, step: int, wanted: float) -> tuple[int, int, float] | None:
+        if wanted != self.published:
+            self.seq += 1
+            self.published = wanted
+            self.board = (self.seq, step + 128, wanted)
+            return self.board
+        return None
+
+    def follower(self, step: int, wanted: float) -> tuple[int, int, float] | None:
+        return self.board
+
+
+def test_ranks_throttled_differently_still_decide_the_same_steps() -> None:
+    """Two ranks whose own self times differ (one 10x the other): with the leader's scale
+    announced ahead, the sampled steps are identical, and the leader's throttle holds."""
+    clocks = [FakeClock(), FakeClock()]
+    ranks = [StepSampler(1.0, budget=0.01, seed=9, clock=c) for c in clocks]
+    ch = Channel()
+    ranks[0].sync, ranks[0].sync_role = ch.leader, "leader"
+    ranks[1].sync, ranks[1].sync_role = ch.follower, "follower"
+    picks: list[list[int]] = [[], []]
+    figures_differed = False
+    for i in range(20000):
+        for k, (r, c) in enumerate(zip(ranks, clocks, strict=True)):
+            c.t += 0.01
+            if r.tick():
+                picks[k].append(i)
+                # rank 0 over budget for the first 5000 steps, rank 1 ten times more
+                r.charge((0.002 if i < 5000 else 0.0) * (1 if k == 0 else 10))
+        figures_differed |= ranks[0].wanted != ranks[1].wanted
+    assert figures_differed  # their own budgets disagreed: only the leader's counted
+    assert picks[0] == picks[1]
+    assert ranks[0].throttles > 0 and ranks[0].throttles == ranks[1].throttles
+    assert list(ranks[0].rate_changes) == list(ranks[1].rate_changes)
+    assert ranks[0].late_changes == ranks[1].late_changes == 0
+    # Throttled: the first 5000 steps sampled far less than all; recovered afterwards.
+    assert sum(1 for i in picks[0] if i < 5000) < 2500
+    assert sum(1 for i in picks[0] if i >= 15000) == 5000
+    # Every change took effect at an announced step (a multiple of the epoch, 2 ahead).
+    assert all(st % 64 == 0 for st, _ in ranks[0].rate_changes)
+
+
+def test_without_agreement_throttled_ranks_diverge() -> None:
+    """The same two ranks, each applying its own budget: the sets differ (what the
+    announcements prevent)."""
+    clocks = [FakeClock(), FakeClock()]
+    ranks = [StepSampler(1.0, budget=0.01, seed=9, clock=c) for c in clocks]
+    picks: list[list[int]] = [[], []]
+    for i in range(6000):
+        for k, (r, c) in enumerate(zip(ranks, clocks, strict=True)):
+            c.t += 0.01
+            if r.tick():
+                picks[k].append(i)
+                r.charge((0.002 if i < 5000 else 0.0) * (1 if k == 0 else 10))
+    assert picks[0] != picks[1]
+
+
+def test_a_late_announcement_applies_at_once_and_is_counted() -> None:
+    s = StepSampler(1.0, seed=1)
+    s.sync, s.sync_role = (lambda step, wanted: None), "follower"
+    for _ in range(300):
+        s.tick()
+    s.announce(1, 100, 0.5)  # step 100 is long past
+    assert s.late_changes == 1 and s.scale == 1.0
+    s.tick()
+    assert s.scale == 0.5 and s.rate_changes[-1] == (300, 0.5)
+    s.announce(1, 1000, 0.1)  # an announcement seen before is ignored
+    assert list(s.rate_changes) == [(300, 0.5)]
 
 
 def test_set_rate_switches_immediately_and_rejects_nonsense() -> None:

@@ -6,9 +6,13 @@ effective sample rate and one :class:`LayerRange` per timed attention call) to a
 armed (``GET /attnprof/trace``) and is not full or expired yet, or OpenTelemetry spans are on.
 Unarmed, nothing is built and nothing is kept.
 
-Bounded: an armed trace holds at most ``MAX_STEPS`` steps and ``MAX_RANGES`` layer ranges; the
-span queue at most ``SPAN_QUEUE_MAX`` steps (the oldest are dropped and counted). Records carry
-shapes and timings only: never prompt text, token ids or request ids.
+Bounded: an armed trace holds at most ``MAX_STEPS`` steps and the layer ranges the API server
+allows each worker (``ATTNPROF_TRACE_MAX_RANGES_PER_WORKER``, at most ``MAX_RANGES``); the span
+queue at most ``SPAN_QUEUE_MAX`` steps (the oldest are dropped and counted). The records leave
+in pages (:meth:`TraceBuffer.take` with ``max_ranges``), so no single answer to the API server
+is large. Records carry shapes and timings only: never prompt text, token ids or request ids;
+but a step's request count and sequence lengths, with one request in the batch, are that one
+request's length and timing.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ __all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace
 MAX_STEPS = 1000
 """Most steps one live trace may ask for (the route refuses more)."""
 MAX_RANGES = 200_000
-"""Most layer ranges one worker keeps for one trace (an 80-layer model: 2500 steps)."""
+"""Hard ceiling on the layer ranges one worker keeps for one trace, whatever it is asked."""
 SPAN_QUEUE_MAX = 256
 """Sampled steps waiting for the span exporter; beyond this the oldest is dropped."""
 
@@ -111,6 +115,7 @@ class TraceBuffer:
         self.span_queue: deque[StepTrace] = deque()
         self.span_dropped = 0
         self.truncated = False
+        self.max_ranges = MAX_RANGES
         self._armed = False
 
     @property
@@ -130,10 +135,13 @@ class TraceBuffer:
             return self.spans
         return self._armed or self.spans
 
-    def arm(self, steps: int, timeout_s: float, trace_id: str = "") -> None:
-        """Start a live trace of the next ``steps`` sampled steps (older records dropped);
-        recording stops by itself after ``timeout_s`` even if nobody takes the records."""
+    def arm(self, steps: int, timeout_s: float, trace_id: str = "",
+            max_ranges: int = MAX_RANGES) -> None:
+        """Start a live trace of the next ``steps`` sampled steps (older records dropped),
+        keeping at most ``max_ranges`` layer ranges; recording stops by itself after
+        ``timeout_s`` even if nobody takes the records."""
         with self.lock:
+            self.max_ranges = max(1, min(int(max_ranges), MAX_RANGES))
             self.target = max(1, min(int(steps), MAX_STEPS))
             self.deadline = self.clock() + max(0.0, float(timeout_s))
             self.steps = []
@@ -146,7 +154,7 @@ class TraceBuffer:
         """Keep one step for the armed trace and/or the span queue."""
         with self.lock:
             if self._armed:
-                if self.ranges + len(step.layers) > MAX_RANGES:
+                if self.ranges + len(step.layers) > self.max_ranges:
                     self.truncated = True
                     self._armed = False
                 else:
@@ -160,6 +168,11 @@ class TraceBuffer:
                     self.span_dropped += 1
                 self.span_queue.append(step)
 
+    @property
+    def recording(self) -> bool:
+        """Armed and neither full nor cut short by its bound on layer ranges."""
+        return self._armed
+
     def count(self, trace_id: str = "") -> int:
         """Steps recorded so far for the armed trace (-1: another trace armed since)."""
         with self.lock:
@@ -167,17 +180,30 @@ class TraceBuffer:
                 return -1
             return len(self.steps)
 
-    def take(self, trace_id: str = "") -> tuple[list[StepTrace], bool]:
-        """The recorded steps and whether recording was cut short; disarms and forgets them.
-        A ``trace_id`` that is not the armed one gets nothing (another trace replaced it)."""
+    def take(self, trace_id: str = "", max_ranges: int | None = None
+             ) -> tuple[list[StepTrace], bool, bool]:
+        """The first recorded steps holding at most ``max_ranges`` layer ranges (at least one
+        step; all of them when None), whether recording was cut short, and whether more are
+        left. Taking stops the recording; the last page forgets the trace. A ``trace_id``
+        that is not the armed one gets nothing (another trace replaced it)."""
         with self.lock:
             if trace_id and trace_id != self.trace_id:
-                return [], False
-            out, truncated = self.steps, self.truncated
-            self.steps, self.ranges, self.target = [], 0, 0
+                return [], False, False
             self._armed = False
-            self.trace_id = ""
-            return out, truncated
+            n, ranges = len(self.steps), 0
+            if max_ranges is not None:
+                n = 0
+                for st in self.steps:
+                    if n and ranges + len(st.layers) > max_ranges:
+                        break
+                    ranges += len(st.layers)
+                    n += 1
+            out, self.steps = self.steps[:n], self.steps[n:]
+            more = bool(self.steps)
+            truncated = self.truncated
+            if not more:
+                self.ranges, self.target, self.trace_id = 0, 0, ""
+            return out, truncated, more
 
     def take_spans(self) -> list[StepTrace]:
         """Every step waiting for the span exporter (export thread)."""

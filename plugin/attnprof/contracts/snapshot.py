@@ -17,7 +17,9 @@ and ``RequestStats.context_histogram`` (bucket counts: subtractable over a windo
 distribution ``attnprof diff`` measures a shift on); 1.6 adds ``RequestStats.kv_pressure``
 (KV usage over time, preemptions, waiting, block-seconds by length class, bytes per token
 per layer, per KV head), the top-level ``kv_pressure`` verdict, each worker's bandwidth/matmul
-``probe`` and the top-level ``roofline`` (``ATTNPROF_PROBE=1``), and ``window_advice`` 1.1.
+``probe`` and the top-level ``roofline`` (``ATTNPROF_PROBE=1``), and ``window_advice`` 1.1;
+1.7 adds the sampler's agreement across tensor-parallel ranks (``SamplerStats.step_index``,
+``sync``, ``late_changes``, ``unsynced``, ``decisions_digest``, ``rate_changes``).
 """
 
 from __future__ import annotations
@@ -145,6 +147,19 @@ class SamplerStats(Record):
     self_time_fraction: float = 0.0
     throttles: int = 0
     """Times the overhead budget cut the rate (added in snapshot 1.3)."""
+    step_index: int = 0
+    """Model steps this worker's sampler has decided, warm-ups included (1.7)."""
+    sync: str = "solo"
+    """How the budget's scale is agreed with the other tensor-parallel ranks: ``solo`` (no
+    other rank), ``leader`` (announces it) or ``follower`` (applies the leader's) (1.7)."""
+    late_changes: int = 0
+    """Announced scale changes read after their step: the ranks' decisions may differ (1.7)."""
+    unsynced: int = 0
+    """Epoch boundaries at which a follower could not read the leader's announcements (1.7)."""
+    decisions_digest: str = ""
+    """Digest of every sampled step index: ranks that decided alike show the same (1.7)."""
+    rate_changes: list[list[float]] = field(default_factory=list)
+    """The last changes of the budget's scale: ``[step index, scale]`` (1.7)."""
 
 
 @dataclass
@@ -337,7 +352,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 6)
+    VERSION = (1, 7)
 
     time: float
     model: str

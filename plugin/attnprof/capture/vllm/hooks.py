@@ -35,8 +35,8 @@ from attnprof.aggregate.layers import (
     WorkerAggregates,
     layer_index,
 )
-from attnprof.aggregate.sampler import StepSampler
-from attnprof.aggregate.trace import LayerRange, StepTrace, TraceBuffer
+from attnprof.aggregate.sampler import STREAM_HEAD_STATS, StepSampler
+from attnprof.aggregate.trace import MAX_RANGES, LayerRange, StepTrace, TraceBuffer
 from attnprof.capture.vllm.runtime import State
 from attnprof.contracts.snapshot import (
     HeadStatsCost,
@@ -240,7 +240,8 @@ class Capture:
         # Per-head statistics (sparsity advice) on a share of sampled steps.
         self.hs_rate = cfg.head_stats_rate
         self.hs_min_tokens = cfg.head_stats_min_tokens
-        self.head_stats: Any = None
+        self.hs_buffer: Any = None  # HeadStatsDoubleBuffer, made at the first sampled prompt
+        self.deltas: Any = None  # DeltaFiles: how deltas reach the API server
         self.hs = HeadStatsCost()
         self._hs_step = False
         self._hs_time = 0.0
@@ -367,6 +368,27 @@ class Capture:
             self.rank["pp_rank"] = int(ps.get_pp_group().rank_in_group)
         except Exception:
             pass  # no distributed state (unit tests, a single process): rank 0
+        try:
+            self._sync_ranks(getattr(vc, "instance_id", None))
+        except Exception as exc:
+            self.errors.record("install", exc)
+
+    def _sync_ranks(self, instance: Any) -> None:
+        """Tensor-parallel ranks agree on the budget's scale through the first rank's
+        announcements (:mod:`attnprof.capture.vllm.rank_sync`); alone, a rank applies its own."""
+        if self.rank["tp_size"] <= 1 or self.sampler.sync is not None:
+            return
+        from attnprof.capture.vllm.rank_sync import RateChannel, channel_path
+
+        cfg = self.state.config
+        # Without an instance id, the ranks' common parent (the engine) and shared seed.
+        key = str(instance) if instance else f"{os.getppid()}:{self.sampler.seed}"
+        leader = self.rank["tp_rank"] == 0
+        self.sampler.sync = RateChannel(
+            channel_path(key, self.rank["dp_rank"], self.rank["pp_rank"],
+                         cfg.run_dir if cfg is not None else None),
+            leader, self.sampler.epoch)
+        self.sampler.sync_role = "leader" if leader else "follower"
 
     def _install_layers(self) -> None:
         for w in self.wrapped:
@@ -458,15 +480,17 @@ class Capture:
                     if self.hs_min_tokens <= n <= HEAD_STATS_MAX_TOKENS]
             if not todo or len(args) < 3:
                 return
-            acc = self.head_stats
-            if acc is None:
+            if self.hs_buffer is None:
                 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+                from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
 
-                acc = self.head_stats = HeadStatsAccumulator(
+                # Both halves now (charged to this sampled step), so a pull only swaps.
+                self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsAccumulator(
                     num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
                     num_kv_heads=info.num_kv_heads,
                     group_size=max(1, info.num_heads // max(1, info.num_kv_heads)),
-                    seed=0)
+                    seed=0))
+            acc = self.hs_buffer.active
             q, k = args[1], args[2]
             for a, n in todo:
                 qs = q[a:a + n].view(n, info.num_heads, info.head_size)
@@ -524,7 +548,9 @@ class Capture:
             self._shape_inputs.clear()
             self._hs_seen.clear()
             self._hs_time = 0.0
-            self._hs_step = self.hs_rate > 0 and self.sampler.draw() < self.hs_rate
+            # A coin of its own at this step index: every rank folds the same prompts.
+            self._hs_step = (self.hs_rate > 0
+                             and self.sampler.coin(STREAM_HEAD_STATS) < self.hs_rate)
             self._cuda = _on_cuda(runner)
             capturing = False
             if self._cuda:
@@ -650,24 +676,28 @@ class Capture:
                          first.num_tokens, first.num_reqs, first.max_seq_len,
                          first.kv_tokens / first.num_reqs if first.num_reqs else 0.0, ranges)
 
-    def trace_arm(self, steps: int, timeout_s: float, trace_id: str = "") -> dict[str, Any]:
-        """Record the next ``steps`` sampled steps for a live trace (RPC, between steps);
-        returns this worker's identity. Recording stops by itself after ``timeout_s``."""
-        self.trace.arm(steps, timeout_s, trace_id)
+    def trace_arm(self, steps: int, timeout_s: float, trace_id: str = "",
+                  max_ranges: int = MAX_RANGES) -> dict[str, Any]:
+        """Record the next ``steps`` sampled steps for a live trace, at most ``max_ranges``
+        layer ranges (RPC, between steps); returns this worker's identity. Recording stops
+        by itself after ``timeout_s``."""
+        self.trace.arm(steps, timeout_s, trace_id, max_ranges)
         return {"pid": os.getpid(), "process": multiprocessing.current_process().name,
                 "rank": dict(self.rank), "armed": True}
 
     def trace_count(self, trace_id: str = "") -> dict[str, Any]:
         """Steps recorded so far for the armed trace (tiny: the API server polls it)."""
         self._resolve_pending()  # GPU steps whose events completed are recorded now
-        return {"pid": os.getpid(), "steps": self.trace.count(trace_id)}
+        return {"pid": os.getpid(), "steps": self.trace.count(trace_id),
+                "recording": self.trace.recording}
 
-    def trace_take(self, trace_id: str = "") -> dict[str, Any]:
-        """The recorded steps (compact JSON) and this worker's identity; disarms."""
+    def trace_take(self, trace_id: str = "", page_ranges: int | None = None) -> dict[str, Any]:
+        """One page of the recorded steps (compact JSON, at most ``page_ranges`` layer ranges)
+        and this worker's identity; ``more``: pages are left. Recording stops."""
         self._resolve_pending()
-        steps, truncated = self.trace.take(trace_id)
+        steps, truncated, more = self.trace.take(trace_id, page_ranges)
         return {"pid": os.getpid(), "process": multiprocessing.current_process().name,
-                "rank": dict(self.rank), "truncated": truncated,
+                "rank": dict(self.rank), "truncated": truncated, "more": more,
                 "steps": [s.to_json() for s in steps]}
 
     def set_sampling(self, rate: float | None = None,
@@ -697,7 +727,10 @@ class Capture:
             unsampled=max(0, seen - sum(o.values()) - len(self._pending) - self._in_step),
             base_rate=s.base_rate,
             effective_rate=s.rate, budget=s.budget, self_time_s=s.self_time,
-            self_time_fraction=s.self_time_fraction(), throttles=s.throttles)
+            self_time_fraction=s.self_time_fraction(), throttles=s.throttles,
+            step_index=s.step + 1, sync=s.sync_role, late_changes=s.late_changes,
+            unsynced=getattr(s.sync, "unread", 0), decisions_digest=s.decisions_digest,
+            rate_changes=[[st, sc] for st, sc in s.rate_changes])
 
     def samples(self) -> list[Any]:
         from attnprof.exporters.samples import worker_samples
@@ -746,26 +779,59 @@ class Capture:
             steps=self.aggs.step_stats(), sampler=self.sampler_stats(),
             errors=dict(self.errors.by_place), dropped=dict(self.errors.dropped),
             disabled=self.errors.disabled, head_stats_cost=hs,
-            head_stats=(self.head_stats.to_dict() if self.head_stats is not None
+            head_stats=(self.hs_buffer.active.to_dict() if self.hs_buffer is not None
                         and include_head_stats else None),
             probe=self.state.probe)
 
-    def poll(self, with_head_stats: bool = True) -> dict[str, Any]:
-        """The API server's periodic pull: this worker's snapshot without head statistics,
-        its parallel placement, and the head statistics gathered since the last poll as
-        compact bytes (the worker's accumulator restarts from zero; the API server keeps
-        the merged total). Small and cheap: this runs between model steps."""
+    def poll(self, with_head_stats: bool = True, api_host: str | None = None
+             ) -> dict[str, Any]:
+        """The API server's periodic pull (between model steps, so small and cheap): this
+        worker's snapshot without head statistics, its parallel placement, and the head
+        statistics: the deltas finished since the last pull, and a swap of the accumulator's
+        halves whose delta a later :meth:`head_stats_take` collects (serialized off the
+        engine's path). ``api_host``: the API server's :func:`host_id`; on this machine the
+        deltas travel as files, not in the answer."""
         fault_point("capture")
         # No export flush here: the export thread flushes every second, and a flush (file
         # writes) would lengthen the pause the engine takes for this poll.
         snap = self.snapshot(include_head_stats=False, flush=False).to_json()
-        delta = None
-        acc = self.head_stats
-        if with_head_stats and acc is not None and acc.queries.any():
-            delta = acc.take_bytes()
-        return {"snapshot": snap, "rank": dict(self.rank),
-                "total_kv_heads": self.total_kv_heads, "total_layers": self.total_layers,
-                "head_stats_delta": delta}
+        out = self._placement()
+        out["snapshot"] = snap
+        if with_head_stats:
+            out["head_stats"] = self._take_deltas(api_host, swap=True)
+        return out
+
+    def head_stats_take(self, api_host: str | None = None) -> dict[str, Any]:
+        """The deltas finished since the last pull, with this worker's placement (tiny: the
+        API server asks until none is pending)."""
+        fault_point("capture")
+        out = self._placement()
+        out["head_stats"] = self._take_deltas(api_host, swap=False)
+        return out
+
+    def _placement(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "rank": dict(self.rank),
+                "total_kv_heads": self.total_kv_heads, "total_layers": self.total_layers}
+
+    def _take_deltas(self, api_host: str | None, swap: bool) -> dict[str, Any]:
+        buf = self.hs_buffer
+        if buf is None:
+            return {"deltas": [], "pending": False}
+        if self.deltas is None:
+            from attnprof.capture.vllm.deltas import DeltaFiles
+
+            cfg = self.state.config
+            self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
+        if swap:
+            self.deltas.forget_handed()  # a new pull: the last one's files were read
+        ready = buf.take_ready()
+        if swap:
+            buf.swap(self.deltas.finish_for(api_host))
+        self.deltas.hand(ready)
+        for e in buf.errors:
+            self.errors.record("head_stats", RuntimeError(e))
+        buf.errors.clear()
+        return {"deltas": ready, "pending": buf.draining}
 
 
 def step_hook(cap: Capture, orig_fwd: Any) -> Any:
@@ -871,13 +937,21 @@ def install(state: State) -> Capture | None:
                 state.errors.record("snapshot", exc)
                 return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
-        def attnprof_poll(self: Any, with_head_stats: bool = True) -> dict[str, Any]:
+        def attnprof_poll(self: Any, with_head_stats: bool = True,
+                          api_host: str | None = None) -> dict[str, Any]:
             try:
-                return cap.poll(with_head_stats)
+                return cap.poll(with_head_stats, api_host)
             except Exception as exc:
                 state.errors.record("snapshot", exc)
                 return {"snapshot": {"pid": os.getpid(),
                                      "error": f"{type(exc).__name__}: {exc}"}}
+
+        def attnprof_head_stats(self: Any, api_host: str | None = None) -> dict[str, Any]:
+            try:
+                return cap.head_stats_take(api_host)
+            except Exception as exc:
+                state.errors.record("snapshot", exc)
+                return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
         def attnprof_set_sampling(self: Any, rate: float | None = None,
                                   head_stats_rate: float | None = None) -> dict[str, Any]:
@@ -887,16 +961,21 @@ def install(state: State) -> Capture | None:
                 return {"error": f"{type(exc).__name__}: {exc}"}
 
         def attnprof_trace(self: Any, op: str, trace_id: str = "", steps: int = 0,
-                           timeout_s: float = 0.0) -> dict[str, Any]:
-            """One RPC for the live trace: ``arm``, ``count`` or ``take``."""
+                           timeout_s: float = 0.0, max_ranges: int = MAX_RANGES
+                           ) -> dict[str, Any]:
+            """One RPC for the live trace: ``arm`` (``max_ranges``: this worker's bound),
+            ``count``, ``take`` (one page of at most ``max_ranges`` ranges) or ``drop``."""
             try:
                 fault_point("capture")
                 if op == "arm":
-                    return cap.trace_arm(steps, timeout_s, trace_id)
+                    return cap.trace_arm(steps, timeout_s, trace_id, max_ranges)
                 if op == "count":
                     return cap.trace_count(trace_id)
                 if op == "take":
-                    return cap.trace_take(trace_id)
+                    return cap.trace_take(trace_id, max_ranges)
+                if op == "drop":
+                    cap.trace.take(trace_id)
+                    return {"pid": os.getpid(), "dropped": True}
                 return {"pid": os.getpid(), "error": f"unknown trace op {op!r}"}
             except Exception as exc:
                 state.errors.record("trace", exc)
@@ -905,6 +984,7 @@ def install(state: State) -> Capture | None:
         WorkerBase.attnprof_snapshot = attnprof_snapshot
         WorkerBase.attnprof_trace = attnprof_trace
         WorkerBase.attnprof_poll = attnprof_poll
+        WorkerBase.attnprof_head_stats = attnprof_head_stats
         WorkerBase.attnprof_set_sampling = attnprof_set_sampling
         state.capture = cap
     except Exception as exc:
