@@ -49,8 +49,11 @@ class FakeEngine:
 
 def _answer(pid: int = 11, delta: bytes | None = None, rank: dict[str, int] | None = None,
             **extra: Any) -> dict[str, Any]:
+    """A worker's poll answer; ``delta`` travels inline (a worker on another machine)."""
     return {"snapshot": WorkerSnapshot(pid=pid, process="VllmWorker").to_json(),
-            "rank": rank or {"tp_rank": 0, "tp_size": 1}, "head_stats_delta": delta, **extra}
+            "rank": rank or {"tp_rank": 0, "tp_size": 1},
+            "head_stats": {"deltas": [{"data": delta}] if delta else [], "pending": False},
+            **extra}
 
 
 @pytest.fixture()
@@ -333,7 +336,8 @@ def test_plain_gets_leave_the_head_statistics_on_the_workers(
     app.state.plugin.view.advice = AdviceUnavailable("from the loop")
     asyncio.run(_get(app, "/attnprof/snapshot"))
     asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
-    assert eng.calls == [("attnprof_poll", (False,)), ("attnprof_poll", (True,))]
+    assert [(m, a[0]) for m, a in eng.calls] == [("attnprof_poll", False),
+                                                  ("attnprof_poll", True)]
 
 
 def test_the_sampling_switch_is_refused_when_no_key_is_configured(state: runtime.State) -> None:
@@ -362,6 +366,7 @@ def test_only_the_first_of_several_api_servers_takes_head_statistics(
     app = _app(eng, [KEY])
     (r,) = asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
     body = r.json()
-    assert eng.calls == [("attnprof_poll", (False,))]  # deltas stay for API server 0
+    # deltas stay for API server 0
+    assert [(m, a[0]) for m, a in eng.calls] == [("attnprof_poll", False)]
     assert body["head_stats"] is None and "first API server" in body["truncated"]
     assert "first API server" in body["window_advice"]["error"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import pytest
 
 from attnprof.aggregate.trace import MAX_STEPS, LayerRange, StepTrace, TraceBuffer
 from attnprof.capture.vllm import runtime
-from attnprof.capture.vllm.endpoint import LiveTrace
+from attnprof.capture.vllm.live_trace import LiveTrace
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_steps
 from tests.unit.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
@@ -206,7 +207,7 @@ def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
     st.model_label = "tiny"
     st.requests = SimpleNamespace(kv_cache_usage=0.125)
     monkeypatch.setattr(runtime, "STATE", st)
-    monkeypatch.setattr("attnprof.capture.vllm.endpoint.TRACE_POLL_S", 0.01)
+    monkeypatch.setattr("attnprof.capture.vllm.live_trace.TRACE_POLL_S", 0.01)
     yield st
 
 
@@ -267,9 +268,9 @@ def test_a_client_that_goes_away_frees_the_workers_and_the_slot(state: runtime.S
 
     body = asyncio.run(trace.record(5, timeout=60.0, rpc_timeout=1.0, max_bytes=1 << 20,
                                     gone=gone))
-    assert body == b"" and trace.abandoned == 1
-    assert eng.ops[0] == "arm" and eng.ops[-1] == "take"  # the records were freed at once
-    assert not trace._busy  # the next trace is not refused with 409
+    assert body == [] and trace.abandoned == 1
+    assert eng.ops[0] == "arm" and eng.ops[-1] == "drop"  # the records were freed at once
+    assert not trace.busy  # the next trace is not refused with 409
 
 
 def test_trace_route_times_out_with_what_it_has_and_a_second_trace_gets_409(
@@ -280,10 +281,15 @@ def test_trace_route_times_out_with_what_it_has_and_a_second_trace_gets_409(
                                       "/attnprof/trace?steps=3&timeout=0.3"))
     codes = sorted((first.status_code, second.status_code))
     assert codes == [200, 409]
-    ok = first if first.status_code == 200 else second
+    ok, busy = (first, second) if first.status_code == 200 else (second, first)
     info = ok.json()["otherData"]["attnprof"]
     assert info["timed_out"] and not info["complete"]
     assert eng.ops.count("arm") == 1
+    # The 409 says how long the running trace may still take: its timeout plus the RPC
+    # waits for its pages and render (0.3 + 3 x 1 s here), as a number and Retry-After.
+    wait = busy.json()["retry_after_s"]
+    assert 0.0 < wait <= 3.3 and f"retry in {wait:.1f} s" in busy.json()["error"]
+    assert busy.headers["retry-after"] == str(math.ceil(wait))
 
 
 def test_trace_route_when_disabled_or_tripped(state: runtime.State,

@@ -18,13 +18,13 @@ count): a step record has no prompt text, token ids or request ids to leak.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from attnprof.aggregate.trace import StepTrace
 
-__all__ = ["ChromeTrace", "TraceProcess", "check_trace", "render_steps"]
+__all__ = ["ChromeTrace", "TraceProcess", "check_trace", "render_live_trace", "render_steps"]
 
 STEP_TID = 1
 """The thread track of a process's model steps."""
@@ -79,16 +79,24 @@ class ChromeTrace:
                                         "args": {k: float(v) for k, v in values.items()}}, -1))
 
     def to_json(self, other: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The trace document (``traceEvents``, ``displayTimeUnit``, ``otherData``); events
-        sorted by time, parents before the children that start with them."""
+        """The trace document (``traceEvents``, ``displayTimeUnit``, ``otherData``); each
+        process's events sorted by time, parents before the children that start with them.
+        Sorted per process, not globally: the format does not ask for one order across
+        tracks, and one sort of 150k events holds the GIL for ~100 ms."""
         origin = min((t for t, _, _ in self._timed), default=0)
         events = list(self._meta)
-        for t, ev, dur in sorted(self._timed, key=lambda x: (x[0], -x[2])):
-            ev = dict(ev)
-            ev["ts"] = (t - origin) / 1000
-            if dur >= 0:
-                ev["dur"] = dur / 1000
-            events.append(ev)
+        by_pid: dict[Any, list[tuple[int, dict[str, Any], int]]] = {}
+        for item in self._timed:
+            by_pid.setdefault(item[1]["pid"], []).append(item)
+        for group in by_pid.values():
+            # Mostly in order already (steps and layers are appended as they ran): short.
+            group.sort(key=lambda x: (x[0], -x[2]))
+            for t, ev, dur in group:
+                ev = dict(ev)
+                ev["ts"] = (t - origin) / 1000
+                if dur >= 0:
+                    ev["dur"] = dur / 1000
+                events.append(ev)
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"origin_unix_ns": origin, **(other or {})}}
 
@@ -196,3 +204,65 @@ def check_trace(doc: Any) -> list[str]:
                                 "nesting inside it")
             stack.append((s0, s1, name))
     return problems
+
+
+def render_live_trace(taken: list[dict[str, Any]], kv: list[tuple[int, float]],
+                      meta: dict[str, Any], max_bytes: int,
+                      on_error: Callable[[Exception], None] | None = None) -> list[bytes]:
+    """The live trace's body from the workers' records (``GET /attnprof/trace``), as byte
+    chunks of about :data:`~attnprof.contracts.jsonsafe.CHUNK_BYTES` each, to be streamed
+    as they are: no step of the encoding holds the GIL for long, and the body is never one
+    contiguous copy. ``taken``: one dict per worker (``pid``, ``process``, ``rank``,
+    ``steps`` as :meth:`StepTrace.to_json`, ``truncated``: why that worker's records stop
+    early, if they do); ``kv``: (Unix ns, usage) samples of the API server. Over
+    ``max_bytes`` the later steps of each worker are left out and
+    ``otherData.attnprof.truncated`` says so. A malformed step record is skipped and handed
+    to ``on_error``."""
+    from attnprof.contracts.jsonsafe import dumps_chunks
+
+    procs: list[TraceProcess] = []
+    per_worker: dict[str, int] = {}
+    truncated = meta.get("truncated")
+    answers = [a for a in taken if "error" not in a]  # errors are listed in meta
+    for i, a in enumerate(sorted(answers, key=lambda a: ((a.get("rank") or {}).get(
+            "tp_rank", 0), int(a.get("pid") or 0)))):
+        steps = []
+        for raw in a.get("steps") or []:
+            try:
+                steps.append(StepTrace.from_json(raw))
+            except (KeyError, TypeError, ValueError) as exc:
+                if on_error is not None:
+                    on_error(exc)
+        r = a.get("rank") or {}
+        pid = int(a.get("pid") or 0)
+        name = (f"{a.get('process') or 'vLLM worker'} (tp {r.get('tp_rank', 0)}/"
+                f"{r.get('tp_size', 1)}, pp {r.get('pp_rank', 0)}, dp {r.get('dp_rank', 0)})")
+        procs.append(TraceProcess(pid, name, steps, sort_index=i + 1))
+        per_worker[str(pid)] = len(steps)
+        if a.get("truncated") and not truncated:
+            truncated = str(a["truncated"]) if isinstance(a["truncated"], str) else (
+                "a worker reached its bound on layer ranges "
+                "(ATTNPROF_TRACE_MAX_RANGES_PER_WORKER)")
+    api = int(meta.get("api_pid") or 0)
+    procs.append(TraceProcess(api, "vLLM API server", [], thread_name="scheduler",
+                              sort_index=0))
+    counters = [(api, "KV cache usage", t, {"usage": u}) for t, u in kv]
+    info = {k: v for k, v in meta.items() if k not in ("api_pid", "truncated")}
+    keep = None
+    while True:
+        if keep is not None:
+            for p in procs:
+                p.steps = p.steps[:keep]
+        doc = render_steps(procs, counters, {"attnprof": {
+            **info, "kind": "attnprof.trace", "steps_per_worker": per_worker,
+            "complete": bool(per_worker) and all(n >= info["requested_steps"]
+                                                 for n in per_worker.values()),
+            "truncated": truncated}})
+        chunks = [c.encode() for c in dumps_chunks(doc)]
+        size = sum(len(c) for c in chunks)
+        most = max((len(p.steps) for p in procs), default=0)
+        if size <= max_bytes or most <= 1:
+            return chunks
+        keep = max(1, int(most * max_bytes / size * 0.9))
+        truncated = (f"steps after the first {keep} per worker left out: the body would be "
+                     f"over ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["dumps", "dumps_yielding", "finite"]
+__all__ = ["CHUNK_BYTES", "dumps", "dumps_chunks", "dumps_yielding", "finite"]
+
+CHUNK_BYTES = 256 << 10
+"""Target size of one piece from :func:`dumps_chunks` (one ``json.dumps`` call of ~256 KB
+holds the GIL for a few milliseconds)."""
 
 
 def finite(obj: Any) -> Any:
@@ -65,3 +70,50 @@ def _emit(obj: Any, out: list[str], chunk: int) -> None:
         out.append("]")
     else:
         out.append(dumps(obj))
+
+
+def dumps_chunks(obj: Any, target: int = CHUNK_BYTES) -> Iterator[str]:
+    """:func:`dumps` of ``obj`` as consecutive pieces of about ``target`` characters each
+    (joined, they are the document): long lists are encoded a group of items at a time, the
+    group sized from the last one's output, so no single ``json.dumps`` call, and so no
+    stretch holding the GIL, grows with the document. For bodies of tens of megabytes
+    written from a thread while an event loop runs, and streamed as they come."""
+    buf: list[str] = []
+    size = 0
+    for piece in _pieces(obj, max(64, target)):
+        buf.append(piece)
+        size += len(piece)
+        if size >= target:
+            yield "".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf)
+
+
+def _pieces(obj: Any, target: int) -> Iterator[str]:
+    if isinstance(obj, dict):
+        yield "{"
+        for i, (k, v) in enumerate(obj.items()):
+            yield (", " if i else "") + json.dumps(str(k)) + ": "
+            yield from _pieces(v, target)
+        yield "}"
+    elif isinstance(obj, (list, tuple)) and len(obj) > 16:
+        yield "["
+        i, n, k = 0, len(obj), 16
+        while i < n:
+            piece = dumps(list(obj[i:i + k]))
+            yield (", " if i else "") + piece[1:-1]
+            i += k
+            # The next group: as many items as make about ``target`` characters, growing
+            # at most 2x a step (small items first, like metadata, must not size big ones).
+            k = max(1, min(2 * k, int(k * target / max(1, len(piece)))))
+        yield "]"
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in obj):
+        yield "["
+        for i, v in enumerate(obj):
+            if i:
+                yield ", "
+            yield from _pieces(v, target)
+        yield "]"
+    else:
+        yield dumps(obj)

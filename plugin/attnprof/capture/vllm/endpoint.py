@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
-import os
+import math
 import secrets
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 # FastAPI resolves the handlers' ``Request`` annotation by name in this module's globals
@@ -36,12 +38,16 @@ from fastapi import Request
 
 from attnprof._safety import fault_point
 from attnprof.capture.vllm import runtime, start
+from attnprof.capture.vllm.deltas import host_id, read_delta
+from attnprof.capture.vllm.live_trace import LiveTrace, TraceBusy, trace_params
+from attnprof.capture.vllm.rpc import rpc_all
 from attnprof.config import Config, api_tokens
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.jsonsafe import dumps, dumps_yielding
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
-__all__ = ["SCHEMA_VERSION", "AttnProfEndpoint", "LiveTrace", "LiveView", "TokenCheck"]
+__all__ = ["SAMPLING_MAX_BODY", "SCHEMA_VERSION", "AttnProfEndpoint", "LiveView",
+           "SamplingGate", "TokenCheck", "sampling_body"]
 
 logger = logging.getLogger("attnprof")
 SCHEMA_VERSION = Snapshot.version_tag()
@@ -71,28 +77,6 @@ class TokenCheck:
         return match
 
 
-async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
-    """``collective_rpc`` on every engine: vLLM's data-parallel client answers
-    ``collective_rpc`` with the first engine's workers only, so ask each engine."""
-    core = getattr(engine_client, "engine_core", None)
-    engines = getattr(core, "core_engines", None)
-    one = getattr(core, "_call_utility_async", None)
-    if engines and callable(one):
-        # One engine failing must not lose the others' answers (their deltas are taken).
-        got = await asyncio.gather(*(one("collective_rpc", method, None, args, None,
-                                         engine=e) for e in engines),
-                                   return_exceptions=True)
-        ok = [g for g in got if not isinstance(g, BaseException)]
-        if not ok and got:
-            raise got[0] if isinstance(got[0], Exception) else RuntimeError(str(got[0]))
-        return [w for ws in ok for w in (ws or [])]
-    every = getattr(core, "call_utility_all_async", None)
-    if callable(every):
-        per_engine = await every("collective_rpc", method, None, args, None)
-        return [w for ws in per_engine for w in (ws or [])]
-    return list(await engine_client.collective_rpc(method, args=args))
-
-
 class LiveView:
     """The API server's view of its workers: their last snapshots, the head statistics
     merged from their deltas, the window advice, and the rendered bodies, all refreshed by
@@ -116,6 +100,8 @@ class LiveView:
         self._bodies: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
         # Merges (refresh thread) and renders of ?head_stats=1 (another thread) may overlap.
         self._hs_lock = threading.Lock()
+        # Workers on this machine hand their deltas over as files (not through the engine).
+        self.host = host_id()
 
     # ----- refresh: one RPC in flight at most -----
     async def refresh(self, timeout: float, advice: bool = True,
@@ -143,14 +129,18 @@ class LiveView:
     async def _refresh(self, advice: bool, head_stats: bool = True) -> None:
         answers: list[Any] = []
         error = None
+        timeout = (runtime.STATE.config or Config()).rpc_timeout_s
+        want_hs = head_stats and self.keeps_head_stats
         if self.engine_client is not None:
             self.rpcs += 1
             try:
-                answers = await rpc_all(self.engine_client, "attnprof_poll",
-                                        head_stats and self.keeps_head_stats)
+                answers = await rpc_all(self.engine_client, "attnprof_poll", want_hs,
+                                        self.host, timeout=timeout)
             except Exception as exc:  # the engine may not be ours to query
                 error = f"{type(exc).__name__}: {exc}"
         await asyncio.to_thread(self._fold, answers)
+        if want_hs and error is None:
+            await self._collect_deltas(answers, timeout)
         self.rpc_error = error
         if advice:
             await self._advise()
@@ -159,6 +149,26 @@ class LiveView:
         # This process's exporters too (a thread, off the engine's path), so the request
         # metrics on /metrics agree with the snapshot right away; workers flush every second.
         await asyncio.to_thread(runtime.STATE.flush)
+
+    async def _collect_deltas(self, answers: list[Any], timeout: float) -> None:
+        """The poll swapped each worker's head statistics; their deltas are serialized on
+        the workers' own threads. Ask (a tiny RPC, no swap) until none is pending, with
+        short sleeps in between; what is not ready within ``timeout`` comes with the next
+        refresh."""
+        deadline = time.monotonic() + timeout
+        wait = 0.005
+        while any(isinstance(a, dict) and (a.get("head_stats") or {}).get("pending")
+                  for a in answers) and time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            wait = min(0.1, wait * 2)
+            self.rpcs += 1
+            try:
+                answers = await rpc_all(self.engine_client, "attnprof_head_stats", self.host,
+                                        timeout=timeout)
+            except Exception as exc:  # the engine's state, not attnprof's bug: no breaker
+                runtime.STATE.errors.note("head_stats_rpc", exc)
+                return
+            await asyncio.to_thread(self._fold_deltas, answers)
 
     def _fold(self, answers: list[Any]) -> None:
         """Parse worker answers and merge their head-statistics deltas (thread)."""
@@ -171,14 +181,21 @@ class LiveView:
                 workers.append(WorkerSnapshot.from_json(a.get("snapshot") or {}))
             except Exception as exc:
                 st.errors.record("snapshot_parse", exc)
-            delta = a.get("head_stats_delta")
-            if delta:
+        self.workers = workers
+        self._fold_deltas(answers)
+
+    def _fold_deltas(self, answers: list[Any]) -> None:
+        st = runtime.STATE
+        for a in answers:
+            if not isinstance(a, dict):
+                continue
+            for handle in (a.get("head_stats") or {}).get("deltas") or ():
                 try:
+                    delta = read_delta(handle)
                     with self._hs_lock:
                         self._merge_delta(a, delta)
                 except Exception as exc:
                     st.errors.record("snapshot_parse", exc)
-        self.workers = workers
 
     def _merge_delta(self, answer: dict[str, Any], delta: bytes) -> None:
         """Place one rank's delta at its global layers and heads (shape-checked)."""
@@ -314,197 +331,116 @@ class LiveView:
         if self.engine_client is None:
             return []
         return list(await asyncio.wait_for(
-            rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate),
-            timeout))
+            rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate,
+                    timeout=timeout), timeout))
 
 
-TRACE_DEFAULT_STEPS = 8
-TRACE_DEFAULT_TIMEOUT_S = 30.0
-TRACE_MAX_TIMEOUT_S = 300.0
-TRACE_POLL_S = 0.2
-"""How often the trace route asks the workers how many steps they have (a tiny RPC)."""
+SAMPLING_MAX_BODY = 1024
+"""Largest body ``POST /attnprof/sampling`` reads (a valid one is under 60 bytes)."""
+SAMPLING_MIN_INTERVAL_S = 1.0
+"""At most one sampling switch per this many seconds per API server (429 beyond)."""
+_SAMPLING_KEYS = ("sample_rate", "head_stats_rate")
 
 
-class TraceBusy(RuntimeError):
-    """A live trace is already being recorded by this API server (the route answers 409)."""
+class _TooLarge(ValueError):
+    pass
 
 
-def trace_params(query: Any) -> tuple[int, float]:
-    """``steps`` (1..1000, default 8) and ``timeout`` seconds ((0, 300], default 30) from the
-    query string; ``ValueError`` with a one-line message otherwise."""
-    from attnprof.aggregate.trace import MAX_STEPS
+async def _read_capped(request: Any, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes as it arrives (never buffered whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _TooLarge
+    got = bytearray()
+    async for piece in request.stream():
+        got += piece
+        if len(got) > limit:
+            raise _TooLarge
+    return bytes(got)
 
-    raw = query.get("steps")
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number in [0, 1]")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} given twice")
+        out[k] = v
+    return out
+
+
+def sampling_body(raw: bytes) -> tuple[float | None, float | None]:
+    """``(sample_rate, head_stats_rate)`` from a sampling switch's body, each None when left
+    out. ``ValueError`` with one line for anything else: not UTF-8 JSON, not an object, no
+    known key, an unknown key, a key twice, a value that is not a number in [0, 1] (booleans,
+    null, strings, NaN, infinities, nested values)."""
     try:
-        steps = TRACE_DEFAULT_STEPS if raw is None else int(raw)
-    except ValueError:
-        raise ValueError(f"steps must be an integer in [1, {MAX_STEPS}], got {raw!r}") from None
-    if not 1 <= steps <= MAX_STEPS:
-        raise ValueError(f"steps must be an integer in [1, {MAX_STEPS}], got {raw!r}")
-    raw_t = query.get("timeout")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("the body must be UTF-8 JSON") from None
     try:
-        timeout = TRACE_DEFAULT_TIMEOUT_S if raw_t is None else float(raw_t)
-    except ValueError:
-        timeout = -1.0
-    if not 0.0 < timeout <= TRACE_MAX_TIMEOUT_S:
-        raise ValueError(f"timeout must be seconds in (0, {TRACE_MAX_TIMEOUT_S:g}], "
-                         f"got {raw_t!r}")
-    return steps, timeout
+        body = json.loads(text, parse_constant=_no_constant,
+                          object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError("the body is nested too deeply") from None
+    except ValueError as err:
+        if str(err).endswith("is not a number in [0, 1]") or "given twice" in str(err):
+            raise ValueError(str(err)) from None
+        raise ValueError("the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    extra = sorted(set(body) - set(_SAMPLING_KEYS))
+    if extra:
+        raise ValueError(f"unknown key(s) {', '.join(repr(k)[:40] for k in extra[:3])}; "
+                         f"allowed: {', '.join(_SAMPLING_KEYS)}")
+    if not body:
+        raise ValueError(f"give at least one of {', '.join(_SAMPLING_KEYS)}")
+    out: list[float | None] = []
+    for key in _SAMPLING_KEYS:
+        if key not in body:
+            out.append(None)
+            continue
+        v = body[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok and isinstance(v, int):
+            ok = 0 <= v <= 1  # compared as an int: 10**400 is no float
+        elif ok:
+            ok = math.isfinite(v) and 0.0 <= v <= 1.0
+        if not ok:
+            shown = repr(v) if isinstance(v, (int, float, bool)) or v is None else \
+                type(v).__name__
+            raise ValueError(f"{key} must be a number in [0, 1], got {shown[:40]}")
+        out.append(float(v))
+    return out[0], out[1]
 
 
-class LiveTrace:
-    """``GET /attnprof/trace``: arm every worker, wait (asyncio sleeps, never blocking the
-    loop) until each has recorded the next N sampled steps or the timeout passes, take the
-    records, render them as a Chrome/Perfetto trace in a thread. One trace at a time per API
-    server: a second request while one records gets :class:`TraceBusy` (409)."""
+class SamplingGate:
+    """One sampling switch in flight and one per ``SAMPLING_MIN_INTERVAL_S`` (per API
+    server): each switch is an RPC that pauses the engine, so a key holder cannot make it
+    pause the engine more often than that."""
 
-    def __init__(self, engine_client: Any) -> None:
-        self.engine_client = engine_client
-        self._busy = False
-        self.served = 0
-        self.abandoned = 0
-        """Traces stopped early because the client disconnected."""
+    def __init__(self, min_interval: float = SAMPLING_MIN_INTERVAL_S) -> None:
+        self.min_interval = min_interval
+        self._last = -math.inf
+        self._in_flight = False
 
-    async def record(self, steps: int, timeout: float, rpc_timeout: float,
-                     max_bytes: int, gone: Any = None) -> bytes:
-        """The trace body (JSON bytes). Raises :class:`TraceBusy`, ``TimeoutError`` (a worker
-        RPC did not answer within ``rpc_timeout``), or the RPC's own error. ``gone``: an
-        async callable, true once the client has disconnected (the trace then stops, frees
-        the workers' records and the slot, and renders nothing)."""
-        if self._busy:
-            raise TraceBusy("a trace is already being recorded")
-        self._busy = True
-        try:
-            return await self._record(steps, timeout, rpc_timeout, max_bytes, gone)
-        finally:
-            self._busy = False
+    def wait_s(self) -> float | None:
+        """None: a switch may start now; else the seconds to wait."""
+        if self._in_flight:
+            return self.min_interval
+        left = self._last + self.min_interval - time.monotonic()
+        return left if left > 0 else None
 
-    async def _rpc(self, rpc_timeout: float, *args: Any) -> list[dict[str, Any]]:
-        """Every worker's answer to one trace op. An engine that fails the RPC (dead, not
-        ours) is the host's state, not attnprof's bug: counted without tripping a breaker,
-        and the trace goes on with the answers there are. ``TimeoutError`` passes (504)."""
-        if self.engine_client is None:
-            return []
-        try:
-            got = await asyncio.wait_for(rpc_all(self.engine_client, "attnprof_trace", *args),
-                                         rpc_timeout)
-        except TimeoutError:
-            raise
-        except Exception as exc:
-            runtime.STATE.errors.note("trace_rpc", exc)
-            return [{"error": f"{type(exc).__name__}: {exc}"}]
-        return [a for a in got if isinstance(a, dict)]
+    def __enter__(self) -> SamplingGate:
+        self._in_flight = True
+        self._last = time.monotonic()
+        return self
 
-    async def _record(self, steps: int, timeout: float, rpc_timeout: float,
-                      max_bytes: int, gone: Any = None) -> bytes:
-        st = runtime.STATE
-        trace_id = secrets.token_hex(8)
-        kv: list[tuple[int, float]] = []
-        t_start = time.monotonic()
-        self._kv_sample(kv)
-        # Workers stop recording by themselves a little after our deadline.
-        armed = await self._rpc(rpc_timeout, "arm", trace_id, steps, timeout + rpc_timeout)
-        pids = {a.get("pid") for a in armed if a.get("armed")}
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        poll = TRACE_POLL_S / 8
-        while pids:
-            # Short first waits (a busy server fills N steps in tens of ms), then every
-            # TRACE_POLL_S: a handful of tiny RPCs per trace.
-            await asyncio.sleep(poll)
-            poll = min(TRACE_POLL_S, 2 * poll)
-            self._kv_sample(kv)
-            counts = await self._rpc(rpc_timeout, "count", trace_id)
-            # -1: another API server armed a trace since (ours lost those workers).
-            if all(c.get("steps", 0) >= steps or c.get("steps", 0) < 0 for c in counts
-                   if c.get("pid") in pids):
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            if gone is not None and await gone():
-                # Nobody to answer: free the workers' records and the one-trace slot now
-                # rather than at the deadline (up to 300 s of 409s for everyone else).
-                await self._rpc(rpc_timeout, "take", trace_id)
-                self.abandoned += 1
-                return b""
-        taken = await self._rpc(rpc_timeout, "take", trace_id) if pids else []
-        self._kv_sample(kv)
-        meta = {"model": st.model_label, "requested_steps": steps, "timed_out": timed_out,
-                "timeout_s": timeout, "wall_s": round(time.monotonic() - t_start, 3),
-                "workers_armed": len(pids),
-                "errors": [a["error"] for a in (*armed, *taken) if a.get("error")]}
-        body = await asyncio.to_thread(_render_trace, taken, kv, meta, max_bytes)
-        self.served += 1
-        return body
-
-    @staticmethod
-    def _kv_sample(out: list[tuple[int, float]]) -> None:
-        # The stat logger's latest scheduler KV usage, as of now (API server only).
-        req = runtime.STATE.requests
-        usage = getattr(req, "kv_cache_usage", None) if req is not None else None
-        if isinstance(usage, (int, float)):
-            out.append((time.time_ns(), float(usage)))
-
-
-def _render_trace(taken: list[dict[str, Any]], kv: list[tuple[int, float]],
-                  meta: dict[str, Any], max_bytes: int) -> bytes:
-    """Workers' records -> trace JSON bytes (thread). Over ``max_bytes``, the later steps of
-    each worker are left out (``otherData.attnprof.truncated`` says so)."""
-    from attnprof.aggregate.trace import StepTrace
-    from attnprof.exporters.chrome_trace import TraceProcess, render_steps
-
-    st = runtime.STATE
-    procs: list[TraceProcess] = []
-    per_worker: dict[str, int] = {}
-    truncated: str | None = None
-    answers = [a for a in taken if "error" not in a]  # errors are listed in meta
-    for i, a in enumerate(sorted(answers, key=lambda a: (a.get("rank") or {}).get("tp_rank",
-                                                                                 0))):
-        steps = []
-        for raw in a.get("steps") or []:
-            try:
-                steps.append(StepTrace.from_json(raw))
-            except (KeyError, TypeError, ValueError) as exc:
-                st.errors.record("snapshot_parse", exc)
-        r = a.get("rank") or {}
-        pid = int(a.get("pid") or 0)
-        name = (f"{a.get('process') or 'vLLM worker'} (tp {r.get('tp_rank', 0)}/"
-                f"{r.get('tp_size', 1)}, pp {r.get('pp_rank', 0)}, dp {r.get('dp_rank', 0)})")
-        procs.append(TraceProcess(pid, name, steps, sort_index=i + 1))
-        per_worker[str(pid)] = len(steps)
-        if a.get("truncated"):
-            truncated = "a worker reached its bound on layer ranges"
-    api = os.getpid()
-    procs.append(TraceProcess(api, "vLLM API server", [], thread_name="scheduler",
-                              sort_index=0))
-    counters = [(api, "KV cache usage", t, {"usage": u}) for t, u in kv]
-    keep = None
-    while True:
-        if keep is not None:
-            for p in procs:
-                p.steps = p.steps[:keep]
-        doc = render_steps(procs, counters, {"attnprof": {
-            **meta, "kind": "attnprof.trace", "steps_per_worker": per_worker,
-            "complete": bool(per_worker) and all(n >= meta["requested_steps"]
-                                                 for n in per_worker.values()),
-            "truncated": truncated}})
-        body = dumps_yielding(doc).encode()
-        most = max((len(p.steps) for p in procs), default=0)
-        if len(body) <= max_bytes or most <= 1:
-            return body
-        keep = max(1, int(most * max_bytes / len(body) * 0.9))
-        truncated = (f"steps after the first {keep} per worker left out: the body would be "
-                     f"over ATTNPROF_SNAPSHOT_MAX_BYTES={max_bytes}")
-
-
-def _rate(body: dict[str, Any], key: str) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
-        raise ValueError(f"{key} must be a number in [0, 1], got {v!r}")
-    return float(v)
+    def __exit__(self, *exc: object) -> None:
+        self._in_flight = False
 
 
 _PROVENANCE: dict[tuple[str, str | None], Any] = {}
@@ -533,10 +469,11 @@ class AttnProfEndpoint:
         self.view = LiveView(None)
         self.trace = LiveTrace(None)
         self.auth = TokenCheck(api_tokens())
+        self.gate = SamplingGate()
         self._task: asyncio.Task[None] | None = None
 
     def attach_router(self, app: Any) -> None:
-        from fastapi.responses import JSONResponse, Response
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         plugin = self
 
@@ -579,33 +516,43 @@ class AttnProfEndpoint:
             except Exception as exc:
                 return failed(exc)
 
+        def needs_key(what: str) -> Any:
+            return JSONResponse({"error": f"attnprof: {what} needs an API key (vLLM's "
+                                          "--api-key or ATTNPROF_API_KEY)"}, status_code=403)
+
         @app.get("/attnprof/trace")  # type: ignore[untyped-decorator]
         async def attnprof_trace(request: Request) -> Any:
             """The next ``steps`` sampled steps of every worker as a Chrome/Perfetto trace,
             waiting at most ``timeout`` seconds (``?steps=8&timeout=30``)."""
             if (denied := refuse(request)) is not None:
                 return denied
+            st = runtime.STATE
+            cfg = st.config or Config()
+            if not plugin.auth.required and not cfg.trace_open:
+                # Per-step batch sizes and sequence lengths: with one request in a batch,
+                # one user's length and timing. Never open by default, even where /metrics is.
+                return needs_key("the live trace (or ATTNPROF_TRACE_OPEN=1)")
             if (off := tripped()) is not None:
                 return off
             try:
                 steps, timeout = trace_params(request.query_params)
             except ValueError as err:
                 return JSONResponse({"error": f"attnprof: {err}"}, status_code=400)
-            st = runtime.STATE
             if not st.enabled:
                 return JSONResponse({"traceEvents": [], "otherData": {"attnprof": {
                     "kind": "attnprof.trace", "enabled": False, "model": st.model_label}}})
-            cfg = st.config or Config()
             try:
                 fault_point("endpoint")
-                body = await plugin.trace.record(steps, timeout, cfg.rpc_timeout_s,
-                                                 cfg.snapshot_max_bytes, request.is_disconnected)
-                return Response(body, media_type="application/json",
-                                headers={"Cache-Control": "no-store"})
-            except TraceBusy:
+                chunks = await plugin.trace.record(
+                    steps, timeout, cfg.rpc_timeout_s, cfg.snapshot_max_bytes,
+                    request.is_disconnected, cfg.trace_max_ranges,
+                    cfg.trace_max_ranges_per_worker)
+            except TraceBusy as busy:
+                wait = busy.remaining_s
                 return JSONResponse({"error": "attnprof: a trace is already being recorded "
-                                              "on this server; retry when it is done"},
-                                    status_code=409)
+                                              f"on this server; retry in {wait:.1f} s",
+                                     "retry_after_s": round(wait, 1)}, status_code=409,
+                                    headers={"Retry-After": str(max(1, math.ceil(wait)))})
             except TimeoutError as exc:  # slow workers are not attnprof's bug: no breaker
                 st.errors.note("trace_timeout", exc)
                 return JSONResponse({"error": "attnprof: the workers did not answer the trace "
@@ -614,18 +561,24 @@ class AttnProfEndpoint:
             except Exception as exc:
                 return failed(exc)
 
+            async def stream() -> AsyncIterator[bytes]:
+                for c in chunks:  # rendered in a thread; here only handed to the socket
+                    yield c
+
+            return StreamingResponse(stream(), media_type="application/json",
+                                     headers={"Cache-Control": "no-store"})
+
         @app.post("/attnprof/sampling")  # type: ignore[untyped-decorator]
         async def attnprof_sampling(request: Request) -> Any:
             """Switch the step sample rate and/or head-statistics rate in every worker:
-            ``{"sample_rate": 0.05, "head_stats_rate": 0.1}`` (either key may be left out)."""
+            ``{"sample_rate": 0.05, "head_stats_rate": 0.1}`` (either key may be left out).
+            One switch in flight at most and one a second (429 beyond)."""
             if (denied := refuse(request)) is not None:
                 return denied
             if not plugin.auth.required:
                 # The one route that raises attnprof's cost: never open to anyone who can
                 # reach the port, even where vLLM's own routes are.
-                return JSONResponse({"error": "attnprof: the sampling switch needs an API key "
-                                              "(vLLM's --api-key or ATTNPROF_API_KEY)"},
-                                    status_code=403)
+                return needs_key("the sampling switch")
             if (off := tripped()) is not None:
                 return off
             st = runtime.STATE
@@ -633,17 +586,33 @@ class AttnProfEndpoint:
                 return JSONResponse({"error": "attnprof is disabled (ATTNPROF_ENABLED)"},
                                     status_code=409)
             try:
-                raw = await request.json()
-                if not isinstance(raw, dict):
-                    raise ValueError("the body must be a JSON object")
-                rate, hs = _rate(raw, "sample_rate"), _rate(raw, "head_stats_rate")
+                raw = await _read_capped(request, SAMPLING_MAX_BODY)
+            except _TooLarge:
+                return JSONResponse({"error": f"attnprof: the body must be at most "
+                                              f"{SAMPLING_MAX_BODY} bytes"}, status_code=413)
+            try:
+                rate, hs = sampling_body(raw)
             except ValueError as err:
                 return JSONResponse({"error": f"attnprof: {err}"}, status_code=400)
+            wait = plugin.gate.wait_s()
+            if wait is not None:
+                return JSONResponse({"error": f"attnprof: one sampling switch a second at "
+                                              f"most; retry in {wait:.1f} s",
+                                     "retry_after_s": round(wait, 1)}, status_code=429,
+                                    headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            timeout = (st.config or Config()).rpc_timeout_s
             try:
                 fault_point("endpoint")
-                timeout = (st.config or Config()).rpc_timeout_s
-                workers = await plugin.view.set_sampling(rate, hs, timeout)
+                with plugin.gate:
+                    workers = await plugin.view.set_sampling(rate, hs, timeout)
                 return JSONResponse({"workers": workers})
+            except TimeoutError as exc:
+                # The engine's state, not attnprof's bug: counted, never a breaker, so a
+                # flood of switches cannot take the read-only routes down.
+                st.errors.note("sampling_timeout", exc)
+                return JSONResponse({"error": "attnprof: the workers did not take the switch "
+                                              "within ATTNPROF_RPC_TIMEOUT_S"},
+                                    status_code=504)
             except Exception as exc:
                 st.errors.record("sampling_switch", exc)
                 return JSONResponse({"error": f"attnprof: sampling switch failed: "
