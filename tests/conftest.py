@@ -152,16 +152,17 @@ def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @contextlib.contextmanager
 def running_tiny_server(model: Path, tmp_path_factory: pytest.TempPathFactory, log_name: str,
-                        env: dict[str, str], max_model_len: int, kv_bytes: int
-                        ) -> Iterator[Any]:
-    """A real vLLM server on the tiny model (eager, prefix caching off), stopped on exit."""
+                        env: dict[str, str], max_model_len: int, kv_bytes: int,
+                        extra_args: tuple[str, ...] = ()) -> Iterator[Any]:
+    """A real vLLM server on the tiny model (eager, prefix caching off), stopped on exit;
+    ``extra_args`` go on vLLM's command line after the defaults."""
     from attnprof.tools.server import VllmServer
 
     log = tmp_path_factory.mktemp("logs") / log_name
     srv = VllmServer(model, port=free_port(), served_name="tiny", eager=True, log=log, env=env,
                      extra_args=["--max-model-len", str(max_model_len),
                                  "--kv-cache-memory-bytes", str(kv_bytes),
-                                 "--no-enable-prefix-caching"])
+                                 "--no-enable-prefix-caching", *extra_args])
     srv.start()
     try:
         srv.wait_ready(timeout=300)

@@ -1,26 +1,42 @@
-"""Privacy canary: no prompt text, completion text, token id or request id leaves the process
-through any attnprof export.
+"""Privacy canary: no prompt text, completion text, token id, request id or API key leaves the
+process through any attnprof output.
 
 One real vLLM server (the tiny model, attnprof at sample rate 1 with head statistics on every
-prompt, an OTLP exporter pushing to a loopback receiver that decodes the official protos)
+prompt, OTLP metrics and spans pushed to a loopback receiver that decodes the official protos,
+two API keys on vLLM's command line, ``--api-key K1 K2``, and a third in ``ATTNPROF_API_KEY``)
 serves prompts that carry unique canary words, as text and as token ids. Then every way data
-leaves attnprof is read back and scanned:
+leaves attnprof is read back and scanned, the three keys included:
 
 - ``/metrics`` (vLLM's Prometheus text, where attnprof's metrics live, unauthenticated);
-- every OTLP request the receiver decoded (resource, scope, metric names, descriptions, units,
-  every data point attribute, as a flat list and as the full message in JSON);
-- ``GET /attnprof/snapshot`` with and without ``?head_stats=1``, the answer of
-  ``POST /attnprof/sampling`` and the 401 answer to a request without the token;
-- ``attnprof snapshot --json`` and ``attnprof snapshot`` (table), stdout and stderr;
+- every OTLP request the receiver decoded, metrics and spans (resource, scope, metric and span
+  names, descriptions, units, every data point, span, event and link attribute, as a flat list
+  and as the full message in JSON);
+- ``GET /attnprof/snapshot`` with and without ``?head_stats=1``, ``GET /attnprof/trace`` (the
+  Chrome trace JSON), the answer of ``POST /attnprof/sampling`` and the 401 answer to a request
+  without the token;
+- ``attnprof snapshot --json`` and ``attnprof snapshot`` (table), ``attnprof trace``,
+  ``attnprof record``, ``attnprof report`` (report.html, report.md, report.json) and
+  ``attnprof diff`` (text on stdout, ``--write-markdown``, ``--write-json``): files, stdout,
+  stderr;
+- ``attnprof tensorboard`` (live) and ``attnprof profile --tensorboard`` event files, decoded
+  (every tag, text tensor, plugin metadata, scalar and the images' PNG text chunks) and raw;
 - an offline ``attnprof profile`` of the tiny model fed with that snapshot (its traffic lengths
   and head statistics): ``profile.json``, ``trace.json``, ``scaling.png`` and its stdout/stderr;
 - the files attnprof writes while serving (``PROMETHEUS_MULTIPROC_DIR``, ``ATTNPROF_RUN_DIR``);
 - the server's whole log (API server, EngineCore, worker).
 
+The command line with the keys is in the provenance of the snapshot, the record, the report
+and the diff: each is checked to show ``--api-key <redacted> <redacted>``, so a key would be
+seen there if redaction failed. The diff's base is the live snapshot with its command line as
+an older attnprof wrote it (the second key in clear) for a run on another port: the diff must
+redact it on read, and it prints both sides' command lines because they differ.
+
 How each check would catch a leak (:func:`test_scanner_catches_injected_leaks` injects each of
 these into copies and shows the scanner flags it; a clean copy is not flagged):
 
-- a canary word in any label, attribute, JSON string or log line: case-insensitive substring;
+- a canary word in any label, attribute, span name, TensorBoard tag or text, JSON string or log
+  line: case-insensitive substring;
+- an API key: exact substring, anywhere;
 - a request id (the completion's ``id``, e.g. ``cmpl-<hex>``; vLLM's internal ids extend it):
   the id and its random part, as substrings;
 - token ids: small integers are everywhere (layer indices, counts, lengths), so a single id
@@ -42,6 +58,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import threading
@@ -62,6 +79,12 @@ from tests.conftest import TINY_API_KEY, metric_value, running_tiny_server
 CANARY_WORDS = ("quokkafjord", "xylophonequartz", "zebulonmarigold")
 WINDOW = 5
 """Consecutive canary token ids that count as a leak (single small ints are everywhere)."""
+VLLM_KEYS = ("canary-vllm-key-one-5f1e9c", "canary-vllm-key-two-a7d230")
+"""The two keys on the server's command line (``--api-key K1 K2``): /v1 takes the first, the
+/attnprof routes are sent the second, the CLI uses ``ATTNPROF_API_KEY`` (a third)."""
+REDACTED_KEYS = re.compile(r"--api-key (?:<|&lt;)redacted(?:>|&gt;) (?:<|&lt;)redacted(?:>|&gt;)")
+"""The server's command line as every provenance must show it (HTML and Markdown escape
+the brackets)."""
 
 _SEP = r"[\s,;\"'\[\]()]+"
 _INT_RUN = re.compile(rf"(?<![\w.])\d+(?:{_SEP}\d+(?![\w.]))+")
@@ -73,7 +96,7 @@ class Canary:
     id_seqs: dict[str, list[int]] = field(default_factory=dict)
     request_ids: list[str] = field(default_factory=list)
     secrets: tuple[str, ...] = ()
-    """Strings that must never appear at all (the API key: SECURITY.md says never echoed)."""
+    """Strings that must never appear at all (the API keys: SECURITY.md says never echoed)."""
 
 
 def int_runs(text: str) -> Iterator[str]:
@@ -88,7 +111,7 @@ def leaks(text: str, canary: Canary) -> list[str]:
     found = []
     low = text.lower()
     found += [f"canary word {w!r}" for w in canary.words if w.lower() in low]
-    found += ["the API key" for k in canary.secrets if k and k in text]
+    found += [f"API key {i}" for i, k in enumerate(canary.secrets) if k and k in text]
     for rid in canary.request_ids:
         for part in {rid, rid.split("-", 1)[-1]}:
             if len(part) >= 8 and part in text:
@@ -105,8 +128,9 @@ def leaks(text: str, canary: Canary) -> list[str]:
 
 
 def otlp_texts(requests: Iterable[Any]) -> tuple[list[str], str]:
-    """Every string an OTLP request carries (resource and data point attribute keys and
-    values, scope, metric names, descriptions, units), and all requests in JSON."""
+    """Every string an OTLP request carries, metrics or traces (resource, scope, metric names,
+    descriptions, units, data point and exemplar attributes; span names, trace states, span,
+    event and link attributes, status messages), and all requests in JSON."""
     from google.protobuf.json_format import MessageToJson  # type: ignore[import-untyped]
 
     flat: list[str] = []
@@ -118,6 +142,8 @@ def otlp_texts(requests: Iterable[Any]) -> tuple[list[str], str]:
                 any_value(x)
         elif kind == "kvlist_value":
             attrs(v.kvlist_value.values)
+        elif kind == "bytes_value":
+            flat.append(v.bytes_value.decode("latin-1"))
         elif kind is not None:
             flat.append(str(getattr(v, kind)))
 
@@ -126,14 +152,17 @@ def otlp_texts(requests: Iterable[Any]) -> tuple[list[str], str]:
             flat.append(kv.key)
             any_value(kv.value)
 
+    def scope(sc: Any) -> None:
+        flat.extend([sc.scope.name, sc.scope.version])
+        attrs(sc.scope.attributes)
+
     as_json = []
     for req in requests:
         as_json.append(MessageToJson(req))
-        for rm in req.resource_metrics:
+        for rm in getattr(req, "resource_metrics", ()):
             attrs(rm.resource.attributes)
             for sm in rm.scope_metrics:
-                flat += [sm.scope.name, sm.scope.version]
-                attrs(sm.scope.attributes)
+                scope(sm)
                 for m in sm.metrics:
                     flat += [m.name, m.description, m.unit]
                     kind = m.WhichOneof("data")
@@ -141,7 +170,70 @@ def otlp_texts(requests: Iterable[Any]) -> tuple[list[str], str]:
                         attrs(dp.attributes)
                         for ex in getattr(dp, "exemplars", ()):
                             attrs(ex.filtered_attributes)
+        for rs in getattr(req, "resource_spans", ()):
+            attrs(rs.resource.attributes)
+            for ss in rs.scope_spans:
+                scope(ss)
+                for sp in ss.spans:
+                    flat += [sp.name, sp.trace_state, sp.status.message]
+                    attrs(sp.attributes)
+                    for ev in sp.events:
+                        flat.append(ev.name)
+                        attrs(ev.attributes)
+                    for link in sp.links:
+                        flat.append(link.trace_state)
+                        attrs(link.attributes)
     return flat, "\n".join(as_json)
+
+
+def png_texts(png: bytes) -> list[str]:
+    """The text chunks of a PNG (tEXt/zTXt/iTXt: matplotlib's metadata), as ``key: value``."""
+    import zlib
+
+    out, i = [], 8
+    while i + 8 <= len(png):
+        (n,), kind = struct.unpack(">I", png[i:i + 4]), png[i + 4:i + 8]
+        data = png[i + 8:i + 8 + n]
+        if kind == b"zTXt":
+            key, _, rest = data.partition(b"\0")
+            data = key + b"\0" + zlib.decompress(rest[1:])
+        if kind in (b"tEXt", b"zTXt", b"iTXt"):
+            out.append(data.replace(b"\0", b": ").decode("latin-1"))
+        i += 12 + n
+    return out
+
+
+def tensorboard_texts(logdir: Path) -> tuple[list[str], int]:
+    """Every string in every event file under ``logdir`` (tags, display names, descriptions,
+    plugin names and contents, text tensors, scalar values, log messages, the images' PNG text
+    chunks, any integer tensor as a list) and how many summary values were read."""
+    from tensorboard.compat.proto import event_pb2  # type: ignore[import-untyped]
+
+    flat: list[str] = []
+    values = 0
+    for path in sorted(logdir.rglob("*tfevents*")):
+        data, i = path.read_bytes(), 0
+        while i + 12 <= len(data):  # TFRecord: length u64, crc u32, payload, crc u32
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 16 + n
+            flat += [ev.file_version, ev.log_message.message, ev.session_log.msg]
+            for v in ev.summary.value:
+                values += 1
+                md = v.metadata
+                flat += [v.tag, v.node_name, md.display_name, md.summary_description,
+                         md.plugin_data.plugin_name,
+                         md.plugin_data.content.decode("latin-1")]
+                kind = v.WhichOneof("value")
+                if kind == "simple_value":
+                    flat.append(repr(v.simple_value))
+                elif kind == "tensor":
+                    flat += [b.decode("utf-8", "replace") for b in v.tensor.string_val]
+                    ints = [*v.tensor.int_val, *v.tensor.int64_val]
+                    flat.append(repr(ints) if ints else "")
+                elif kind == "image":
+                    flat += png_texts(v.image.encoded_image_string)
+    return [t for t in flat if t], values
 
 
 # ----------------------------------------------------------------------------- no server
@@ -199,14 +291,92 @@ def test_scanner_catches_injected_leaks() -> None:
     assert leaks("\n".join(otlp_texts([req])[0]), can)
 
 
+def test_scanner_catches_leaks_in_spans_tensorboard_and_provenance(tmp_path: Path) -> None:
+    """The decoders added for spans and TensorBoard expose what they carry: a canary in a span
+    name, a span, event or link attribute, an int array attribute, a TensorBoard tag, a text
+    summary or an image's PNG text is flagged; the clean copies are not. An API key in a
+    provenance command line is flagged; the redacted one is not and matches REDACTED_KEYS."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
+
+    from attnprof.exporters.tensorboard import EventWriter, Scalar
+
+    can = Canary(("quokkafjord",), {"quokkafjord": [223, 83, 87, 81, 77, 77, 331, 76, 263, 70]},
+                 secrets=VLLM_KEYS)
+
+    def span_req() -> Any:
+        req = tpb.ExportTraceServiceRequest()
+        sp = req.resource_spans.add().scope_spans.add().spans.add()
+        sp.name = "attnprof.step"
+        kv = sp.attributes.add()
+        kv.key, kv.value.int_value = "attnprof.step.requests", 3
+        sp.events.add().name = "attnprof.layer"
+        sp.links.add().attributes.add().key = "attnprof.link"
+        return req
+
+    def span_flat(req: Any) -> str:
+        return "\n".join(otlp_texts([req])[0])
+
+    clean = span_req()
+    assert "attnprof.step" in span_flat(clean) and leaks(span_flat(clean), can) == []
+    for inject in ("name", "attr", "event", "link", "ids"):
+        req = span_req()
+        sp = req.resource_spans[0].scope_spans[0].spans[0]
+        if inject == "name":
+            sp.name = "attnprof.step quokkafjord"
+        elif inject == "attr":
+            sp.attributes[0].value.string_value = "the Quokkafjord prompt"
+        elif inject == "event":
+            a = sp.events[0].attributes.add()
+            a.key, a.value.string_value = "prompt", "quokkafjord"
+        elif inject == "link":
+            sp.links[0].attributes[0].value.string_value = VLLM_KEYS[1]
+        else:
+            for i in (83, 87, 81, 77, 77):
+                sp.attributes[0].value.array_value.values.add().int_value = i
+        assert leaks(span_flat(req), can), inject
+        assert inject == "ids" or leaks(otlp_texts([req])[1], can), inject
+
+    def tb(logdir: Path, tag: str, text: str, png_text: bytes = b"Software\0matplotlib") -> str:
+        import zlib
+
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return (struct.pack(">I", len(data)) + kind + data
+                    + struct.pack(">I", zlib.crc32(kind + data)))
+
+        png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 6, 0, 0, 0))
+               + chunk(b"tEXt", png_text) + chunk(b"IEND", b""))
+        with EventWriter(logdir) as w:
+            w.add_scalars([Scalar(tag, 1.5, 0)], 1.0)
+            w.add_text("kernel_map", text, 0, 1.0)
+            w.add_image("activation_map", png, 0, 1.0)
+        flat, n = tensorboard_texts(logdir)
+        assert n == 3 and "kernel_map" in flat, flat
+        assert png_text.replace(b"\0", b": ").decode() in flat, flat
+        return "\n".join(flat)
+
+    ok = tb(tmp_path / "clean", "attention/layer_00/time_ms/prefill", "| layer | kernel |")
+    assert "attention/layer_00/time_ms/prefill" in ok and leaks(ok, can) == []
+    assert leaks(tb(tmp_path / "tag", "attention/quokkafjord", "| layer |"), can)
+    assert leaks(tb(tmp_path / "text", "attention/x", "ids 83 87 81 77 77"), can)
+    assert leaks(tb(tmp_path / "png", "attention/x", "t", b"Title\0quokkafjord"), can)
+    # Provenance: the old redaction's output (second key in clear) is a leak; the new is not.
+    old = f"serve --api-key <redacted> {VLLM_KEYS[1]} --port 1"
+    assert leaks(old, can) and not REDACTED_KEYS.search(old)
+    new = "serve --api-key <redacted> <redacted> --port 1"
+    assert leaks(new, can) == [] and REDACTED_KEYS.search(new)
+    assert REDACTED_KEYS.search(new.replace("<", "&lt;").replace(">", "&gt;"))
+    assert REDACTED_KEYS.search(new.replace("<", "&lt;"))
+
+
 # ----------------------------------------------------------------------------- one server
 
 
 @pytest.fixture(scope="module")
 def canary_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[Any, Any, Path]]:
-    """The one server this module starts: head statistics on every prompt, OTLP to a loopback
-    receiver, the API key required, and attnprof's run files in a directory the test reads."""
+    """The one server this module starts: head statistics on every prompt, OTLP metrics and
+    spans to a loopback receiver, two API keys on vLLM's command line and a third in
+    ATTNPROF_API_KEY, and attnprof's run files in a directory the test reads."""
     from tests.otlp_receiver import OtlpReceiver
 
     files = tmp_path_factory.mktemp("canary-files")
@@ -225,7 +395,8 @@ def canary_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
              # Spans of sampled steps too (to the same receiver's /v1/traces).
              "ATTNPROF_OTLP_SPANS": "1",
              "OTEL_SERVICE_NAME": "attnprof-canary"},
-            max_model_len=512, kv_bytes=64 << 20) as srv:
+            max_model_len=512, kv_bytes=64 << 20,
+            extra_args=("--api-key", *VLLM_KEYS)) as srv:
         yield srv, rx, files
 
 
@@ -242,21 +413,38 @@ def _post(url: str, body: Mapping[str, Any], key: str | None = None) -> tuple[in
         return err.code, err.read().decode()
 
 
-def _get(url: str, key: str | None = None) -> tuple[int, str]:
+def _get(url: str, key: str | None = None, timeout: float = 60) -> tuple[int, str]:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNPROF_", "VLLM_"))}
     env.update({"ATTNPROF_API_KEY": TINY_API_KEY, "HF_HUB_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1"})
-    return subprocess.run([sys.executable, "-m", "attnprof.cli", *args], env=env,
+    return env
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "attnprof.cli", *args], env=_cli_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def _cli_start(*args: str) -> subprocess.Popen[str]:
+    """A CLI command running alongside the test (``.communicate()`` collects it)."""
+    return subprocess.Popen([sys.executable, "-m", "attnprof.cli", *args], env=_cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _collect(proc: subprocess.Popen[str], what: str, ok: tuple[int, ...] = (0,),
+             timeout: float = 120) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode in ok, f"{what}: exit {proc.returncode}: {err[-2000:]}"
+    return out + err
 
 
 def _read_tree(root: Path) -> dict[str, str]:
@@ -265,12 +453,21 @@ def _read_tree(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _command(doc: Mapping[str, Any]) -> str:
+    """The provenance command line of a snapshot, record or report document, as one line."""
+    return " ".join((doc.get("provenance") or {}).get("command") or [])
+
+
 @dataclass
 class Exports:
     canary: Canary
     sent: list[dict[str, Any]]
     answers: list[dict[str, Any]]
     outputs: dict[str, str]
+    tensorboard_values: dict[str, int] = field(default_factory=dict)
+    """Summary values decoded per TensorBoard source (so an empty decode fails)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of each stage of reading the outputs back (printed by the sanity test)."""
 
 
 @pytest.fixture(scope="module")
@@ -283,8 +480,9 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
 
     srv, rx, files = canary_server
     base = srv.base_url
+    v1_key, route_key = VLLM_KEYS
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    canary = Canary(CANARY_WORDS, secrets=(TINY_API_KEY,))
+    canary = Canary(CANARY_WORDS, secrets=(TINY_API_KEY, *VLLM_KEYS))
     for w in CANARY_WORDS:
         for text in (w, " " + w):  # mid-prompt words carry the byte-level space
             canary.id_seqs[repr(text)] = tok(text, add_special_tokens=False)["input_ids"]
@@ -297,6 +495,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
             add_special_tokens=False)["input_ids"],
     ]
     sent, answers = [], []
+    t0 = time.monotonic()
     for i, prompt in enumerate(prompts):
         # vLLM's own answer is the positive control: the first echoes the prompt's text,
         # the others return the prompt's and the completion's token ids. Those sample (seeded):
@@ -304,7 +503,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "min_tokens": 8,
                 "ignore_eos": True, "temperature": 0.0 if i == 0 else 1.0, "seed": 7 + i,
                 "echo": i == 0, "return_token_ids": i > 0}
-        status, text = _post(base + "/v1/completions", body)
+        status, text = _post(base + "/v1/completions", body, v1_key)
         assert status == 200, text[:500]
         out = json.loads(text)
         assert out["usage"]["completion_tokens"] == 8
@@ -331,10 +530,12 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
                 and (metric_value(text, "attnprof_attention_calls_total") or 0) > 0)
 
     outputs: dict[str, str] = {}
+    seconds: dict[str, float] = {"traffic": time.monotonic() - t0}
+    t0 = time.monotonic()
     deadline = time.monotonic() + 30
     while True:
         # The snapshot refresh folds the workers' head-statistics deltas (and flushes).
-        status, snap_hs = _get(base + "/attnprof/snapshot?head_stats=1", TINY_API_KEY)
+        status, snap_hs = _get(base + "/attnprof/snapshot?head_stats=1", route_key)
         assert status == 200, snap_hs[:500]
         status, metrics = _get(base + "/metrics")
         assert status == 200
@@ -343,9 +544,9 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         time.sleep(0.5)
     outputs["/metrics"] = metrics
     outputs["/attnprof/snapshot?head_stats=1"] = snap_hs
-    outputs["/attnprof/snapshot"] = _get(base + "/attnprof/snapshot", TINY_API_KEY)[1]
+    outputs["/attnprof/snapshot"] = _get(base + "/attnprof/snapshot", route_key)[1]
     outputs["/attnprof/snapshot (no token: 401)"] = _get(base + "/attnprof/snapshot")[1]
-    status, switched = _post(base + "/attnprof/sampling", {"sample_rate": 1.0}, TINY_API_KEY)
+    status, switched = _post(base + "/attnprof/sampling", {"sample_rate": 1.0}, route_key)
     assert status == 200, switched
     outputs["POST /attnprof/sampling"] = switched
     # OTLP: wait for an export that carries every request (the API server's histogram).
@@ -357,40 +558,71 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    outputs["OTLP (attributes, names, units)"] = "\n".join(flat)
-    outputs["OTLP (requests as JSON)"] = as_json
-    from google.protobuf.json_format import MessageToJson
+    outputs["OTLP metrics (attributes, names, units)"] = "\n".join(flat)
+    outputs["OTLP metrics (requests as JSON)"] = as_json
+    seconds["metrics, snapshots, OTLP metrics"] = time.monotonic() - t0
+    t0 = time.monotonic()
 
-    rx.wait_for_spans(lambda got: len(got) > 0, timeout=20)
-    outputs["OTLP spans (as JSON)"] = "\n".join(MessageToJson(r) for r in rx.trace_requests)
-    # A live trace, a record window and their diff, taken while canary traffic flows.
-    work = tmp_path_factory.mktemp("canary-trace")
-
+    # While canary traffic flows: a record window alongside the trace route, read directly
+    # and through `attnprof trace` (one trace at a time).
+    work = tmp_path_factory.mktemp("canary-cli")  # every file here is an output, scanned
     done = threading.Event()
 
-    def more_traffic() -> None:  # until the trace and the record are taken (the CLI starts
-        while not done.is_set():  # in a second: traffic must still flow once armed)
+    def more_traffic() -> None:  # until all of them are taken (each CLI takes a second to
+        while not done.is_set():  # start: traffic must still flow once it is armed)
             for prompt in prompts[:2]:
-                _post(base + "/v1/completions", {**sent[0], "prompt": prompt, "echo": False})
+                _post(base + "/v1/completions", {**sent[0], "prompt": prompt, "echo": False},
+                      v1_key)
 
     mover = threading.Thread(target=more_traffic)
     mover.start()
     try:
+        rec = _cli_start("record", "--url", base, "--duration", "2s", "--out",
+                         str(work / "rec.json"))
+        status, trace = _get(base + "/attnprof/trace?steps=2&timeout=60", route_key, 120)
+        assert status == 200, trace[:500]
         tr = _cli("trace", "--url", base, "--steps", "2", "--timeout", "60", "--out",
                   str(work / "trace.json"), timeout=120)
-        rec = _cli("record", "--url", base, "--duration", "2s", "--out",
-                   str(work / "rec.json"), timeout=120)
+        assert tr.returncode == 0, tr.stderr[-2000:]
+        outputs["attnprof record (stdout, stderr)"] = _collect(rec, "attnprof record")
     finally:
         done.set()
         mover.join()
-    assert tr.returncode == 0 and rec.returncode == 0, tr.stderr[-2000:] + rec.stderr[-2000:]
-    dif = _cli("diff", str(work / "rec.json"), str(work / "rec.json"), "--json", timeout=120)
-    assert dif.returncode == 0, dif.stderr[-2000:]
+    outputs["GET /attnprof/trace"] = trace
     outputs["attnprof trace (stdout, stderr)"] = tr.stdout + tr.stderr
-    outputs["attnprof record / diff (stdout, stderr)"] = (rec.stdout + rec.stderr + dif.stdout
-                                                           + dif.stderr)
-    for name, text in _read_tree(work).items():
-        outputs[f"attnprof trace/record: {name}"] = text
+    # The span exporter batches: the spans of the traffic above are in by now.
+    rx.wait_for_spans(lambda got: len(got) > 0, timeout=20)
+    span_flat, span_json = otlp_texts(list(rx.trace_requests))
+    outputs["OTLP spans (names, attributes)"] = "\n".join(span_flat)
+    outputs["OTLP spans (requests as JSON)"] = span_json
+    seconds["record with trace route and attnprof trace"] = time.monotonic() - t0
+    t0 = time.monotonic()
+
+    # The report of the record, and the diff of two documents of this server: the live
+    # snapshot as a baseline run on another port by an older attnprof would have written it
+    # (the second key in clear; kept out of `work`, it is an input), against the record. The
+    # commands differ, so the diff prints both; redaction on read must hide the key.
+    # The live TensorBoard writer needs no traffic (it polls the snapshot): it runs here, in
+    # parallel with the report and the diff, off the busy window above.
+    board = _cli_start("tensorboard", "--url", base, "--logdir", str(work / "tb-live"),
+                       "--count", "2", "--interval", "500ms")
+    report = _cli_start("report", str(work / "rec.json"), "--out", str(work / "report"))
+    inputs = tmp_path_factory.mktemp("canary-inputs")
+    old = json.loads(snap_hs)
+    cmd = old["provenance"]["command"]
+    at = cmd.index("--api-key")
+    cmd[at + 1:at + 3] = ["<redacted>", route_key]
+    cmd[cmd.index("--port") + 1] = "1"
+    (inputs / "older-snapshot.json").write_text(json.dumps(old))
+    dif = _cli_start("diff", str(inputs / "older-snapshot.json"), str(work / "rec.json"),
+                     "--write-markdown", str(work / "diff.md"), "--write-json",
+                     str(work / "diff.json"))
+    # Exit 1 is "regression" (a cumulative snapshot against a 2 s window may be one).
+    outputs["attnprof diff (text on stdout, stderr)"] = _collect(dif, "diff", (0, 1))
+    outputs["attnprof report (stdout, stderr)"] = _collect(report, "report")
+    outputs["attnprof tensorboard (stdout, stderr)"] = _collect(board, "tensorboard")
+    seconds["tensorboard, report, diff (parallel)"] = time.monotonic() - t0
+    t0 = time.monotonic()
     # The CLI against the live server (the key from $ATTNPROF_API_KEY, never on argv).
     cli = _cli("snapshot", "--url", base, "--json", timeout=120)
     assert cli.returncode == 0, cli.stderr[-2000:]
@@ -398,22 +630,33 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     cli = _cli("snapshot", "--url", base, timeout=120)
     assert cli.returncode == 0, cli.stderr[-2000:]
     outputs["attnprof snapshot (table)"] = cli.stdout + cli.stderr
-    # Offline profile fed with the live snapshot (traffic lengths + head statistics).
-    work = tmp_path_factory.mktemp("canary-profile")
-    (work / "snapshot.json").write_text(snap_hs)
+    seconds["attnprof snapshot x2"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    # Offline profile fed with the live snapshot (traffic lengths + head statistics), with its
+    # TensorBoard event file.
+    prof_dir = tmp_path_factory.mktemp("canary-profile")
+    (prof_dir / "snapshot.json").write_text(snap_hs)
     prof = _cli("profile", str(tiny_model), "--seq-lens", "32,64", "--repeats", "1",
                 "--no-validate", "--memory-budget", "64MiB", "--paths", "math",
-                "--out", str(work / "out"), "--lengths", str(work / "snapshot.json"),
-                "--head-stats", str(work / "snapshot.json"))
+                "--out", str(prof_dir / "out"), "--lengths", str(prof_dir / "snapshot.json"),
+                "--head-stats", str(prof_dir / "snapshot.json"),
+                "--tensorboard", str(prof_dir / "out" / "tb"))
     assert prof.returncode == 0, prof.stderr[-2000:]
     outputs["attnprof profile (stdout, stderr)"] = prof.stdout + prof.stderr
-    for name, text in _read_tree(work / "out").items():
+    seconds["attnprof profile"] = time.monotonic() - t0
+    for name, text in _read_tree(prof_dir / "out").items():
         outputs[f"attnprof profile: {name}"] = text
+    for name, text in _read_tree(work).items():
+        outputs[f"attnprof CLI file: {name}"] = text
+    tb_values = {}
+    for what, logdir in (("live", work / "tb-live"), ("profile", prof_dir / "out" / "tb")):
+        flat_tb, tb_values[what] = tensorboard_texts(logdir)
+        outputs[f"TensorBoard {what} (decoded)"] = "\n".join(flat_tb)
     for name, text in _read_tree(files).items():
         outputs[f"run file: {name}"] = text
     assert srv.log_path is not None
     outputs["server log"] = srv.log_path.read_text(errors="replace")
-    return Exports(canary, sent, answers, outputs)
+    return Exports(canary, sent, answers, outputs, tb_values, seconds)
 
 
 @pytest.mark.vllm
@@ -437,6 +680,8 @@ def test_canaries_were_sent_and_exports_are_not_empty(exports: Exports) -> None:
     assert len(set(can.request_ids)) == 3
     assert all(len(can.id_seqs[repr(w)]) >= 9 for w in CANARY_WORDS)
 
+    print("seconds per stage:", {k: round(v, 1) for k, v in exports.seconds.items()})
+
     metrics = out["/metrics"]
     assert (metric_value(metrics, "attnprof_request_context_tokens_count") or 0) >= 3, \
         [ln for ln in metrics.splitlines() if "context_tokens_count" in ln]
@@ -449,13 +694,39 @@ def test_canaries_were_sent_and_exports_are_not_empty(exports: Exports) -> None:
     assert "bearer token" in out["/attnprof/snapshot (no token: 401)"]
     assert json.loads(out["POST /attnprof/sampling"])["workers"]
     assert json.loads(out["attnprof snapshot --json"])["requests"]["context_tokens"]["count"] >= 3
-    assert "attnprof.request.context" in out["OTLP (attributes, names, units)"]
-    assert "gen_ai.request.model" in out["OTLP (attributes, names, units)"]
-    assert "attnprof.step" in out["OTLP spans (as JSON)"]
-    trace = json.loads(out["attnprof trace/record: trace.json"])
-    assert sum(1 for e in trace["traceEvents"] if e.get("ph") == "X") >= 2 * 3
-    rec = json.loads(out["attnprof trace/record: rec.json"])
+    assert "attnprof.request.context" in out["OTLP metrics (attributes, names, units)"]
+    assert "gen_ai.request.model" in out["OTLP metrics (attributes, names, units)"]
+    spans = out["OTLP spans (names, attributes)"].splitlines()
+    assert "attnprof.step" in spans and "attnprof-canary" in spans, spans[:40]
+    assert "attnprof.step" in out["OTLP spans (requests as JSON)"]
+    # Traces: the route's own answer and the CLI's file, Chrome trace events of real steps.
+    for name in ("GET /attnprof/trace", "attnprof CLI file: trace.json"):
+        trace = json.loads(out[name])
+        assert trace["otherData"]["attnprof"]["kind"] == "attnprof.trace", name
+        assert sum(1 for e in trace["traceEvents"] if e.get("ph") == "X") >= 2 * 3, name
+    # The server's command line, with both keys, is in every provenance: redacted.
+    rec = json.loads(out["attnprof CLI file: rec.json"])
     assert rec["window"] and rec["provenance"]["model"]["config_sha256"]
+    for name in ("/attnprof/snapshot", "/attnprof/snapshot?head_stats=1",
+                 "attnprof snapshot --json", "attnprof CLI file: rec.json",
+                 "attnprof CLI file: report/report.json"):
+        assert REDACTED_KEYS.search(_command(json.loads(out[name]))), (name, out[name][:300])
+    for name in ("attnprof CLI file: report/report.md", "attnprof CLI file: report/report.html",
+                 "attnprof diff (text on stdout, stderr)", "attnprof CLI file: diff.md",
+                 "attnprof CLI file: diff.json"):
+        assert REDACTED_KEYS.search(out[name]), (name, out[name][:3000])
+    report = json.loads(out["attnprof CLI file: report/report.json"])
+    assert report["provenance"]["model"]["config_sha256"] == rec["provenance"]["model"][
+        "config_sha256"]
+    diff = json.loads(out["attnprof CLI file: diff.json"])
+    assert any(c["field"] == "command" for c in diff["changes"]), diff["changes"]
+    assert diff["base"]["kind"] == diff["new"]["kind"] == "attnprof.snapshot"
+    # TensorBoard: scalars per layer, the kernel map as text, images (live and profile).
+    assert exports.tensorboard_values["live"] >= 2 and exports.tensorboard_values["profile"] >= 2
+    for what in ("live", "profile"):
+        tb = out[f"TensorBoard {what} (decoded)"].splitlines()
+        assert "kernel_map" in tb and any(t.startswith("attention/layer_") for t in tb), tb[:40]
+    assert any(k.startswith("attnprof CLI file: tb-live/") for k in out), sorted(out)
     prof = json.loads(out["attnprof profile: profile.json"])
     assert prof["layers"] and prof["window_advice"], sorted(prof)
     assert json.loads(out["attnprof profile: trace.json"])["traceEvents"]
@@ -467,11 +738,53 @@ def test_canaries_were_sent_and_exports_are_not_empty(exports: Exports) -> None:
     assert not empty, empty
 
 
+SURFACES: dict[str, tuple[str, ...]] = {
+    "metrics": ("/metrics",),
+    "snapshot-route": ("/attnprof/snapshot",),
+    "sampling-route": ("POST /attnprof/sampling",),
+    "trace-route": ("GET /attnprof/trace",),
+    "otlp-metrics": ("OTLP metrics",),
+    "otlp-spans": ("OTLP spans",),
+    "tensorboard": ("TensorBoard", "attnprof tensorboard", "attnprof CLI file: tb-live/",
+                    "attnprof profile: tb/"),
+    "cli-snapshot": ("attnprof snapshot",),
+    "cli-trace": ("attnprof trace", "attnprof CLI file: trace.json"),
+    "cli-record": ("attnprof record", "attnprof CLI file: rec.json"),
+    "cli-report": ("attnprof report", "attnprof CLI file: report/"),
+    "cli-diff": ("attnprof diff", "attnprof CLI file: diff."),
+    "cli-profile": ("attnprof profile",),
+    "run-files": ("run file: ",),
+    "server-log": ("server log",),
+}
+"""Every output, grouped by the surface SECURITY.md names (one test id per surface)."""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("surface", list(SURFACES))
+def test_surface_leaks_nothing(exports: Exports, surface: str) -> None:
+    """One surface's outputs (non-empty), scanned for canary words, token-id runs, request
+    ids and the three API keys."""
+    texts = {k: v for k, v in exports.outputs.items() if k.startswith(SURFACES[surface])}
+    assert texts and all(v.strip() for v in texts.values()), sorted(texts)
+    found = {k: hits for k, v in texts.items() if (hits := leaks(v, exports.canary))}
+    assert not found, json.dumps(found, indent=1)[:4000]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_every_output_belongs_to_a_surface(exports: Exports) -> None:
+    """No output escapes the per-surface scans (a new output must be named in SURFACES)."""
+    loose = [k for k in exports.outputs
+             if not any(k.startswith(p) for ps in SURFACES.values() for p in ps)]
+    assert not loose, loose
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_no_prompt_text_token_id_or_request_id_in_any_export(exports: Exports) -> None:
-    """Every export, scanned for the canary words, the canaries' token-id runs and the
-    request ids (see the module docstring for how each would be caught)."""
+    """Every export, scanned for the canary words, the canaries' token-id runs, the request
+    ids and the API keys (see the module docstring for how each would be caught)."""
     found = {name: hits for name, text in exports.outputs.items()
              if (hits := leaks(text, exports.canary))}
     assert not found, json.dumps(found, indent=1)[:4000]
