@@ -257,6 +257,16 @@ def test_attnprof_routes_want_the_api_key_vllms_own_routes_do_not_here(tiny_serv
     assert _complete(tiny_server, "the model", 1)["usage"]["completion_tokens"] == 1
 
 
+def _switch(base: str, body: dict[str, Any]) -> tuple[int, str]:
+    """The sampling switch as a client should use it: wait as a 429 says, then retry."""
+    for _ in range(5):
+        code, text = _request(base + "/attnprof/sampling", "POST", body, TINY_API_KEY)
+        if code != 429:
+            return code, text
+        time.sleep(float(json.loads(text)["retry_after_s"]) + 0.05)
+    return code, text
+
+
 def test_sampling_rate_switches_at_run_time_in_every_worker(tiny_server: Any) -> None:
     base = tiny_server.base_url
 
@@ -264,16 +274,18 @@ def test_sampling_rate_switches_at_run_time_in_every_worker(tiny_server: Any) ->
         return int(_snapshot(tiny_server)["workers"][0]["sampler"]["sampled"])
 
     try:
-        code, text = _request(base + "/attnprof/sampling", "POST", {"sample_rate": 0.0},
-                              TINY_API_KEY)
+        code, text = _switch(base, {"sample_rate": 0.0})
         assert code == 200, text
         (worker,) = json.loads(text)["workers"]
         assert worker["old"]["sample_rate"] == 1.0 and worker["new"]["sample_rate"] == 0.0
+        # At once again: one switch a second at most, and the answer says how long to wait.
+        code, text = _request(base + "/attnprof/sampling", "POST", {"sample_rate": 1.0},
+                              TINY_API_KEY)
+        assert code == 429 and 0 < json.loads(text)["retry_after_s"] <= 1.0, text
         before = sampled()
         _complete(tiny_server, "the model request", 4)
         assert sampled() == before  # rate 0: no step sampled
-        code, _ = _request(base + "/attnprof/sampling", "POST", {"sample_rate": 1.0},
-                           TINY_API_KEY)
+        code, _ = _switch(base, {"sample_rate": 1.0})
         assert code == 200
         _complete(tiny_server, "the model request", 4)
         assert sampled() >= before + 4  # rate 1 again: every step
@@ -281,4 +293,4 @@ def test_sampling_rate_switches_at_run_time_in_every_worker(tiny_server: Any) ->
                               TINY_API_KEY)
         assert code == 400 and "[0, 1]" in text
     finally:
-        _request(base + "/attnprof/sampling", "POST", {"sample_rate": 1.0}, TINY_API_KEY)
+        _switch(base, {"sample_rate": 1.0})
