@@ -102,7 +102,13 @@ def otlp_spans(env: Mapping[str, str]) -> bool:
 def default_home(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     raw = env.get("ATTNPROF_HOME")
-    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "attnprof"
+    if not raw:
+        return Path.home() / ".cache" / "attnprof"
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:  # ~user of a user this system does not know
+        raise ConfigError(f"ATTNPROF_HOME={raw!r}: cannot expand its ~ (no such user or no "
+                          "home directory)") from None
 
 
 def api_tokens(env: Mapping[str, str] | None = None, vllm_api_key: object = None) -> list[str]:

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from attnprof.cli._common import CliError
 
@@ -24,13 +24,32 @@ SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "trace", "env", "profile", 
                "report", "container_start")
 
 
+# Control characters (C0, DEL, C1) and Unicode line separators in a message, escaped: an
+# error is one printable line, whatever value or file name it quotes.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _one_line(message: str) -> str:
+    return message.translate(_ESCAPES)
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors (an unknown flag, ``--port abc``) are one line too, naming ``--help``;
     subcommand parsers are of this class as well (argparse reuses the parent's)."""
 
     def error(self, message: str) -> NoReturn:
-        msg = " ".join(message.split())
+        msg = _one_line(" ".join(message.split()))
         self.exit(2, f"attnprof: error: {msg} (see {self.prog} --help)\n")
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # Python < 3.13 drops an option's value that is exactly "--" (``--steps=--``) and
+        # hands the command an empty list, a TypeError later: take it as the value, as 3.13.
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,12 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from attnprof.config import ConfigError
+
     try:
         rc = args.func(args)
-    except CliError as err:
-        # One line, whatever a message quotes (a file's key, a server's answer).
-        msg = str(err).replace("\r", "\\r").replace("\n", "\\n")
-        print(f"attnprof: error: {msg}", file=sys.stderr)
+    except (CliError, ConfigError) as err:  # ConfigError: a bad ATTNPROF_* the command read
+        # One line, whatever a message quotes (a file's key, a server's answer, a path).
+        print(f"attnprof: error: {_one_line(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("attnprof: interrupted", file=sys.stderr)

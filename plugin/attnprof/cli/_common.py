@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,13 @@ __all__ = [
     "MAX_LENGTH",
     "CliError",
     "StopSignals",
+    "api_key_arg",
     "check_lengths",
     "check_out_file",
     "ensure_writable_dir",
     "int_in_range",
+    "label_arg",
+    "out_dir_arg",
     "parse_seconds",
     "price_arg",
     "progress_bar",
@@ -63,9 +67,12 @@ def check_out_file(path: Path, flag: str = "--out") -> Path:
         parent = parent.parent  # the directories in between are created when writing
     if not parent.is_dir():
         raise CliError(f"{flag} {str(path)!r}: {str(parent)!r} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    try:  # for real: os.access says yes to root in /proc, /sys or on a read-only mount
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError:
         raise CliError(f"{flag} {str(path)!r}: output directory {str(parent)!r} is not "
-                       "writable")
+                       "writable") from None
     return path
 
 
@@ -104,12 +111,15 @@ def check_lengths(dist: Any, source: str) -> Any:
 def resolve_model(spec: str) -> Path:
     """``smollm2`` (the verified cache) or a local checkpoint directory; :class:`CliError`
     (one line) when missing, not a checkpoint, or the cache's manifest is damaged."""
+    from attnprof.config import ConfigError
     from attnprof.tools import models
 
     try:
         return models.resolve_model(spec)
     except models.ModelCacheError as err:
         raise CliError(str(err)) from None
+    except ConfigError:  # a bad ATTNPROF_HOME, said as such (not as a corrupt cache)
+        raise
     except (AttributeError, TypeError, ValueError) as err:
         # A manifest of the wrong shape (e.g. "files": [] where an object is expected).
         raise CliError(f"the model cache for {spec!r} is corrupt ({type(err).__name__} "
@@ -122,13 +132,19 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     umask and the directory's default ACL exactly as for a plain open()."""
     ensure_writable_dir(path.parent)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o666)
+    except OSError as err:  # a directory root may create but not write in (/sys)
+        raise CliError(f"cannot write {str(path)!r}: {err.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):  # a full disk, a quota: one line, not a traceback
+            raise CliError(f"cannot write {str(path)!r}: {err.strerror or err}") from None
         raise
 
 
@@ -180,6 +196,38 @@ def price_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text[:40]!r}: a price must be a finite number "
                                          ">= 0") from None
     return x
+
+
+def api_key_arg(text: str) -> str:
+    """argparse type of ``--api-key``: a token an HTTP header can carry. Empty is refused (a
+    variable that was not set, not "use the environment's key"); the message never repeats
+    the key."""
+    if not text:
+        raise argparse.ArgumentTypeError("the API key is empty")
+    if not all(0x20 < ord(c) < 0x7F for c in text):
+        raise argparse.ArgumentTypeError("the API key contains spaces, control or non-ASCII "
+                                         "characters; an HTTP header cannot carry it")
+    return text
+
+
+def label_arg(text: str) -> str:
+    """argparse type of a model label to select series by: not empty (which would select
+    every model), no control characters, nothing undecodable (bytes that are not UTF-8)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty model label (leave the flag out for every "
+                                         "model)")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: control characters or bytes that "
+                                         "are not UTF-8 in a label")
+    return text
+
+
+def out_dir_arg(text: str) -> Path:
+    """argparse type of an output directory: an empty value (an unset variable) would
+    otherwise be the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (give a directory)")
+    return Path(text)
 
 
 class StopSignals:

@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, ensure_writable_dir, write_atomic
+from attnprof.cli._common import CliError, check_out_file, ensure_writable_dir, write_atomic
 
 __all__ = ["add_parser"]
 
@@ -132,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.out is not None and args.out.is_dir():
         raise CliError(f"--out {args.out} is a directory")
+    if args.out is not None:
+        check_out_file(args.out)
     if args.regenerate:
         return _regenerate(args.out)
     try:

@@ -26,6 +26,7 @@ from attnprof.cli._common import (
     CliError,
     ensure_writable_dir,
     int_in_range,
+    out_dir_arg,
     progress_bar,
     read_json,
     require_module,
@@ -94,7 +95,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--memory-budget", default="24GiB",
                    help="memory budget for the OOM prediction (default 24GiB)")
-    p.add_argument("--out", type=Path, default=Path("attnprof-out/profile"),
+    p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out/profile"),
                    help="output directory (default attnprof-out/profile)")
     p.add_argument("--attn-implementation", default=None,
                    help="override the model's attention implementation (sdpa, eager, ...)")
@@ -115,7 +116,7 @@ def add_parser(sub: Any) -> None:
                         "window_advice; without it the advice is traffic-only")
     p.add_argument("--validate-max-seconds", type=float, default=120.0,
                    help="run the validation only if its forward is predicted under this")
-    p.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
+    p.add_argument("--tensorboard", type=out_dir_arg, metavar="DIR", default=None,
                    help="also write a TensorBoard event file in DIR: per-layer time, fused "
                         "fraction, attention share, window savings, the kernel map and plots")
     p.set_defaults(func=_run)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, ensure_writable_dir, price_arg
+from attnprof.cli._common import CliError, ensure_writable_dir, label_arg, out_dir_arg, price_arg
 
 __all__ = ["add_parser", "print_savings", "write_report"]
 
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     add_api_key_flag(p)
     p.add_argument("--prometheus", default=None, metavar="URL",
                    help="a Prometheus that scrapes the servers (a fleet)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", default=None, type=label_arg,
                    help="with --prometheus: only this model label (default: every model)")
     p.add_argument("--range", default=None, dest="range_",
                    help="with --prometheus: the window, e.g. 24h, 30m (default: all data, at "
@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
                    help="replicas serving the model (default: counted from Prometheus, or 1)")
     p.add_argument("--gpus-per-replica", type=_positive_float, default=None,
                    help="GPUs per replica (default: the workers the source reports)")
-    p.add_argument("--out", type=Path, default=Path("attnprof-out"),
+    p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
                    help="output directory (default attnprof-out)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds per HTTP request (default 30)")
@@ -74,18 +74,25 @@ def add_parser(sub: Any) -> None:
 def _check_out_dir(out: Path) -> None:
     """Refuse an --out that cannot become a writable directory, creating nothing (the
     report is written only once all of it is rendered)."""
-    import os
+    import tempfile
+
+    def writable(d: Path) -> bool:  # for real: os.access says yes to root in /proc, /sys
+        try:
+            with tempfile.TemporaryFile(dir=d):
+                return True
+        except OSError:
+            return False
 
     if out.exists():
         if not out.is_dir():
             raise CliError(f"--out {str(out)!r} is a file; give a directory")
-        if not os.access(out, os.W_OK):
+        if not writable(out):
             raise CliError(f"--out {str(out)!r} is not writable")
         return
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
+    if not parent.is_dir() or not writable(parent):
         raise CliError(f"--out {str(out)!r} cannot be created ({str(parent)!r} is not a "
                        "writable directory)")
 

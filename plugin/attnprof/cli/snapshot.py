@@ -9,7 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, check_out_file, require_module, write_atomic
+from attnprof.cli._common import (
+    CliError,
+    api_key_arg,
+    check_out_file,
+    require_module,
+    write_atomic,
+)
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.snapshot import Snapshot
 
@@ -37,7 +43,7 @@ def add_parser(sub: Any) -> None:
 
 
 def add_api_key_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", metavar="KEY", default=None,
+    p.add_argument("--api-key", metavar="KEY", default=None, type=api_key_arg,
                    help="bearer token for the server's /attnprof routes (vLLM's --api-key; "
                         "default $ATTNPROF_API_KEY, then $VLLM_API_KEY)")
 

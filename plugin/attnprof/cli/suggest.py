@@ -12,9 +12,11 @@ from typing import Any
 from attnprof.cli._common import (
     MAX_LENGTH,
     CliError,
+    api_key_arg,
     check_lengths,
     check_out_file,
     int_in_range,
+    label_arg,
     read_json,
     resolve_model,
     write_json,
@@ -36,13 +38,13 @@ def add_parser(sub: Any) -> None:
                      help="one integer context length per line, a JSON list, JSON/CSV "
                           "histogram buckets (le,count), a sketch or a snapshot JSON")
     src.add_argument("--url", help="live attnprof server base URL (GET /attnprof/snapshot)")
-    p.add_argument("--api-key", metavar="KEY", default=None,
+    p.add_argument("--api-key", metavar="KEY", default=None, type=api_key_arg,
                    help="with --url: bearer token for the server's /attnprof routes (vLLM's "
                         "--api-key; default $ATTNPROF_API_KEY, then $VLLM_API_KEY)")
     src.add_argument("--prometheus", metavar="URL",
                      help="Prometheus base URL: sums attnprof_request_context_tokens over "
                           "every replica (one query for the fleet)")
-    p.add_argument("--prometheus-model", metavar="NAME",
+    p.add_argument("--prometheus-model", metavar="NAME", type=label_arg,
                    help="only series with this model label")
     p.add_argument("--prometheus-range", metavar="DURATION",
                    help="use increase() over this range (e.g. 1d) instead of totals")
@@ -266,6 +268,8 @@ def _run(args: argparse.Namespace) -> int:
             and args.prometheus is None:
         raise CliError("--prometheus-range and --prometheus-model go with --prometheus")
     _check_source(args)
+    if args.prompts is not None:
+        _check_prompts(args)
     if args.stats_out is not None:
         check_out_file(args.stats_out, "--stats-out")
     arch = load_arch(args.model)
@@ -313,14 +317,29 @@ def _check_source(args: argparse.Namespace) -> None:
     from attnprof.analyze.sparsity.inputs import InputError
     from attnprof.tools import http
     from attnprof.tools.prometheus_query import query_url
+    from attnprof.tools.report_sources import ReportInputError, range_seconds
 
     try:
         if args.prometheus is not None:
             query_url(args.prometheus, args.prometheus_model, args.prometheus_range)
+            if args.prometheus_range is not None:  # 0s, 500ms: Prometheus would refuse it
+                range_seconds(args.prometheus_range, "--prometheus-range")
         if args.url is not None:
             http.check_url(args.url)
             http.resolve_api_key(args.api_key)
-    except (InputError, http.HttpError) as err:
+    except (InputError, http.HttpError, ReportInputError) as err:
+        raise CliError(str(err)) from None
+
+
+def _check_prompts(args: argparse.Namespace) -> None:
+    """--prompts: only with what reads it, and read now, not after the model has loaded."""
+    from attnprof.tools.replay import ReplayError, read_prompts
+
+    if not (args.collect_stats or args.validate):
+        raise CliError("--prompts goes with --collect-stats or --validate")
+    try:
+        read_prompts(args.prompts)
+    except ReplayError as err:
         raise CliError(str(err)) from None
 
 

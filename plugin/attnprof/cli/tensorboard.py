@@ -17,6 +17,7 @@ from attnprof.cli._common import (
     CliError,
     StopSignals,
     int_in_range,
+    out_dir_arg,
     parse_seconds,
     require_module,
 )
@@ -55,7 +56,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="server base URL (default http://127.0.0.1:8000)")
     add_api_key_flag(p)
-    p.add_argument("--logdir", type=Path, required=True,
+    p.add_argument("--logdir", type=out_dir_arg, required=True,
                    help="TensorBoard log directory (created; one new event file per run)")
     p.add_argument("--interval", default="10s",
                    help="time between snapshots (default 10s; 500ms, 2m, ...)")

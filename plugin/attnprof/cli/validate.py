@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def check_args(args: argparse.Namespace) -> None:
     int_in_range(args.generate, "--generate", 0, 1 << 20)
     int_in_range(args.min_positions, "--min-positions", 0, MAX_LENGTH)
     # NaN fails every comparison: written so that it is refused.
-    if not 0 <= args.target_agreement <= 1 or not args.max_kl >= 0:
+    if not 0 <= args.target_agreement <= 1 or not 0 <= args.max_kl < math.inf:
         raise CliError("--target-agreement must be in [0, 1] and --max-kl >= 0")
     parse_layers(args.layers, 100_000)  # syntax now; the model's bound once it is loaded
     if args.out is not None:

@@ -383,19 +383,19 @@ _RANGE_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800
                 "y": 31536000}
 
 
-def range_seconds(text: str) -> float:
+def range_seconds(text: str, flag: str = "--range") -> float:
     import re
 
     from attnprof.tools.prometheus_query import parse_duration
 
     try:
-        parse_duration(text, "--range")
+        parse_duration(text, flag)
     except ValueError as err:
         raise ReportInputError(str(err)) from None
     seconds = float(sum(int(n) * _RANGE_UNITS[u]
                         for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", text)))
     if seconds < 1:
-        raise ReportInputError(f"--range {text} is shorter than a second (e.g. 30m, 24h)")
+        raise ReportInputError(f"{flag} {text} is shorter than a second (e.g. 30m, 24h)")
     return seconds
 
 
