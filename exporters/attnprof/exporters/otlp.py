@@ -69,6 +69,11 @@ FAILURES = "attnprof_otlp_export_failures_total"
 DEFAULT_INTERVAL_MS = 60000.0  # the OTel spec default
 # The spec says 30000 ms; attnprof bounds every export (and so shutdown) to a few seconds.
 DEFAULT_TIMEOUT_MS = 5000.0
+INTERVAL_MS = (100.0, 86_400_000.0)
+"""Accepted OTEL_METRIC_EXPORT_INTERVAL: faster than 10 exports a second only burns the
+server's CPU; more than a day is a typo (and 1e300 overflowed the SDK's timer thread)."""
+TIMEOUT_MS = (1.0, 3_600_000.0)
+"""Accepted OTEL_METRIC_EXPORT_TIMEOUT: at most an hour, which is how long shutdown may wait."""
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -117,7 +122,9 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     return None
 
 
-def _ms(env: Mapping[str, str], name: str, default: float) -> float:
+def _ms(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    """Milliseconds in [lo, hi]: below, the export loop would spin; above, the SDK's timer
+    overflows in its thread (1e300 did) or shutdown waits for ever."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return default
@@ -125,28 +132,66 @@ def _ms(env: Mapping[str, str], name: str, default: float) -> float:
         val = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number of milliseconds") from None
-    if not math.isfinite(val) or val <= 0:
-        raise ConfigError(f"{name}={raw!r} must be a positive number of milliseconds")
+    if not lo <= val <= hi:  # NaN too
+        raise ConfigError(f"{name}={raw!r} must be a number of milliseconds in "
+                          f"[{lo:g}, {hi:g}]")
     return val
 
 
 _HEADER_KEY = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
-def _pairs(name: str, raw: str, key_re: re.Pattern[str] | None) -> Labels:
-    # W3C-baggage-like "k1=v1,k2=v2" with percent-encoded values (OTel spec for both
-    # OTEL_EXPORTER_OTLP_HEADERS and OTEL_RESOURCE_ATTRIBUTES).
+def _pairs(name: str, raw: str) -> Labels:
+    # W3C-baggage-like "k1=v1,k2=v2" with percent-encoded values (OTel spec for
+    # OTEL_RESOURCE_ATTRIBUTES; the headers are read by _headers).
     out: list[tuple[str, str]] = []
     for item in raw.split(","):
         if not item.strip():
             continue
         key, sep, val = item.partition("=")
         key = key.strip()
-        if not sep or not key or (key_re is not None and not key_re.match(key)):
+        if not sep or not key:
             raise ConfigError(f"{name}={raw!r} is malformed at {item.strip()!r} "
                               "(expected key=value pairs separated by commas)")
         out.append((key, unquote(val.strip())))
     return tuple(out)
+
+
+def _headers(name: str, raw: str) -> Labels:
+    """``k1=v1,k2=v2`` with percent-encoded values, as ``_pairs``, but the values are
+    credentials (``Authorization=Bearer%20...``): an error names the item by its position and
+    key, never its text. A value must be printable ASCII once decoded, as an HTTP header or
+    gRPC metadata carries it (``%0A`` would split the request)."""
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate((x for x in raw.split(",") if x.strip()), 1):
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not _HEADER_KEY.match(key):
+            raise ConfigError(f"{name} is malformed at its item {i} (expected key=value "
+                              "pairs separated by commas; values are not shown)")
+        val = unquote(val.strip())
+        if not all(0x20 <= ord(c) < 0x7F for c in val):
+            raise ConfigError(f"{name}: the value of {key!r} (item {i}) holds control or "
+                              "non-ASCII characters once percent-decoded, which a header "
+                              "cannot carry (the value is not shown)")
+        out.append((key.lower(), val))  # gRPC metadata keys are lowercase
+    return tuple(out)
+
+
+def _endpoint(name: str, raw: str, example: str) -> None:
+    """An http(s) URL with a host, a port in 1..65535 if any, no space or control character;
+    :class:`ConfigError` naming ``name`` otherwise (credentials in the URL not shown)."""
+    shown = re.sub(r"^([^:/?#]*://)[^/?#]*@", r"\1<redacted>@", raw)
+    try:
+        url = urlparse(raw)
+        port = url.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError:
+        raise ConfigError(f"{name}={shown!r} is not a valid URL") from None
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in raw) or port == 0:
+        raise ConfigError(f"{name}={shown!r} is not a valid URL (a space, control character "
+                          "or port 0)")
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"{name}={shown!r} needs a scheme and host, e.g. {example}")
 
 
 def _require(module: str, var: str, package: str, extra: str = "otel") -> None:
@@ -177,24 +222,16 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
     protocol = proto[1] if proto else "http/protobuf"
     if proto and protocol not in PROTOCOLS:
         raise ConfigError(f"{proto[0]}={env[proto[0]]!r} must be one of {', '.join(PROTOCOLS)}")
-    try:
-        url = urlparse(raw_ep)
-        _ = url.port  # raises ValueError for a non-numeric port
-    except ValueError:
-        raise ConfigError(f"{ep_var}={raw_ep!r} is not a valid URL") from None
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ConfigError(f"{ep_var}={raw_ep!r} needs a scheme and host, e.g. "
-                          "http://collector:4318")
+    _endpoint(ep_var, raw_ep, "http://collector:4318")
     endpoint = raw_ep
     if protocol == "http/protobuf" and ep_var == "OTEL_EXPORTER_OTLP_ENDPOINT":
         endpoint = raw_ep.rstrip("/") + "/v1/metrics"  # base URL + signal path (OTel spec)
     hdr = _first(env, "OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
-    headers = _pairs(hdr[0], env[hdr[0]], _HEADER_KEY) if hdr else ()
-    headers = tuple((k.lower(), v) for k, v in headers)  # gRPC metadata keys are lowercase
-    interval = _ms(env, "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS)
-    timeout = _ms(env, "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_TIMEOUT_MS)
+    headers = _headers(hdr[0], env[hdr[0]]) if hdr else ()
+    interval = _ms(env, "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS, *INTERVAL_MS)
+    timeout = _ms(env, "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_TIMEOUT_MS, *TIMEOUT_MS)
     res_raw = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-    res = _pairs("OTEL_RESOURCE_ATTRIBUTES", res_raw, None) if res_raw.strip() else ()
+    res = _pairs("OTEL_RESOURCE_ATTRIBUTES", res_raw) if res_raw.strip() else ()
     service = (env.get("OTEL_SERVICE_NAME") or "").strip() or dict(res).get("service.name") \
         or "attnprof"
     histogram = otlp_histogram(env)
@@ -226,14 +263,7 @@ def _traces_endpoint(env: Mapping[str, str], ep_var: str, raw_ep: str,
     tproto = proto[1] if proto else protocol
     own = _first(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if own is not None:
-        try:
-            url = urlparse(own[1])
-            _ = url.port
-        except ValueError:
-            raise ConfigError(f"{own[0]}={own[1]!r} is not a valid URL") from None
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ConfigError(f"{own[0]}={own[1]!r} needs a scheme and host, e.g. "
-                              "http://collector:4318/v1/traces")
+        _endpoint(own[0], own[1], "http://collector:4318/v1/traces")
         return own[1], tproto
     if tproto == "grpc":
         url = urlparse(raw_ep)
