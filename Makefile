@@ -69,7 +69,7 @@ bench: model
 	$(PY) benchmarks/soak.py --markdown-only
 	$(PY) benchmarks/otlp_export.py
 	$(PY) benchmarks/otlp_faults.py
-	$(PY) benchmarks/serving_safety.py --only gets --only synthetic --only calibration
+	$(PY) benchmarks/serving_safety.py --only gets --only synthetic --only trace --only calibration
 	$(PY) benchmarks/serving_safety.py --only refresh
 	$(PY) benchmarks/regression_tools.py
 	$(PY) benchmarks/roofline.py

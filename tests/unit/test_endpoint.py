@@ -304,7 +304,7 @@ def test_piecewise_json_is_the_same_document_and_nan_safe() -> None:
 
     doc = {"a": [1, 2.5, math.nan] * 3000, "b": {"c": [{"x": math.inf}, [1, 2]], "d": "s"},
            "e": [], "f": (1, 2)}
-    text = dumps_yielding(doc, chunk=1000)
+    text = dumps_yielding(doc)
     assert json.loads(text) == json.loads(dumps(doc))
     assert "NaN" not in text and "Infinity" not in text
 

@@ -69,7 +69,7 @@ def test_writer_output_follows_the_nesting_rules() -> None:
 
 def test_writer_clamps_a_layer_that_pokes_out_of_its_step() -> None:
     bad = _step(1000, layers=2)
-    bad.layers[1].dur_ns = 10_000  # ends after the step (clock skew, rounding)
+    bad.layers[1] = bad.layers[1]._replace(dur_ns=10_000)  # ends after the step (skew)
     overlap = _step(1500, layers=1)  # starts before the previous step ended
     doc = render_steps([TraceProcess(7, "w", [bad, overlap])])
     assert check_trace(doc) == []

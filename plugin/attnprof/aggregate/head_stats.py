@@ -78,6 +78,15 @@ _OLD_SCHEMA = "attnprof.head_stats/1"  # unweighted sums: read as weight 1 per s
 _DENSITY_FLOOR = 0.25
 
 
+def _tolist(a: Any, piece: int = 1 << 16) -> list[Any]:
+    """``a.tolist()`` in pieces: one call on millions of entries holds the GIL for tens of
+    milliseconds (an API server's event loop waits that long)."""
+    out: list[Any] = []
+    for i in range(0, a.size, piece):
+        out += a[i:i + piece].tolist()
+    return out
+
+
 def _kbins(max_k: int = 1 << 20) -> tuple[int, ...]:
     out, k = [], 1
     while k <= max_k:
@@ -639,8 +648,8 @@ class HeadStatsAccumulator:
             a = getattr(self, f)
             fill = 1.0 if f == "cov_min" else 0.0
             nz = np.flatnonzero(a != fill)
-            arrays[f] = {"shape": list(a.shape), "index": nz.tolist(),
-                         "value": [float(x) for x in a.ravel()[nz]]}
+            arrays[f] = {"shape": list(a.shape), "index": _tolist(nz),
+                         "value": _tolist(a.ravel()[nz])}
         return {
             "schema": _SCHEMA, "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads, "group_size": self.group_size,

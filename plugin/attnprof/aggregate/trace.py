@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer"]
 
@@ -33,10 +33,11 @@ SPAN_QUEUE_MAX = 256
 """Sampled steps waiting for the span exporter; beyond this the oldest is dropped."""
 
 
-@dataclass(slots=True)
-class LayerRange:
+class LayerRange(NamedTuple):
     """One attention call inside a step: offset from the step's start and duration (ns),
-    with the batch facts its attention metadata gave."""
+    with the batch facts its attention metadata gave. A tuple of atoms: a live trace holds
+    150,000 of them, and the garbage collector does not walk such tuples (slotted objects it
+    would, pausing the API server's event loop while it renders)."""
 
     layer: int
     backend: str
@@ -51,8 +52,7 @@ class LayerRange:
 
     def to_json(self) -> list[Any]:
         # Positional: thousands of these cross the RPC per trace.
-        return [self.layer, self.backend, self.kernel, self.offset_ns, self.dur_ns, self.phase,
-                self.tokens, self.num_reqs, self.max_seq_len, self.mean_seq_len]
+        return list(self)
 
     @classmethod
     def from_json(cls, raw: list[Any]) -> LayerRange:
@@ -83,7 +83,10 @@ class StepTrace:
                 "outcome": self.outcome, "effective_rate": self.effective_rate,
                 "tokens": self.tokens, "num_reqs": self.num_reqs,
                 "max_seq_len": self.max_seq_len, "mean_seq_len": self.mean_seq_len,
-                "label": self.label, "layers": [r.to_json() for r in self.layers]}
+                "label": self.label, "layers": len(self.layers),
+                # Every range's fields in one flat list: one object per step, not one per
+                # range (150k lists in an API server are seconds of garbage collection).
+                "ranges": [x for r in self.layers for x in r]}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepTrace:
@@ -91,7 +94,16 @@ class StepTrace:
         return cls(int(raw["start_ns"]), int(raw["dur_ns"]), str(raw["phase"]),
                    str(raw["outcome"]), float(raw["effective_rate"]), int(raw["tokens"]),
                    int(raw["num_reqs"]), int(raw["max_seq_len"]), float(raw["mean_seq_len"]),
-                   [LayerRange.from_json(r) for r in raw["layers"]], str(raw.get("label", "")))
+                   _ranges(raw["ranges"], int(raw["layers"])), str(raw.get("label", "")))
+
+
+_FIELDS = len(LayerRange._fields)
+
+
+def _ranges(flat: list[Any], n: int) -> list[LayerRange]:
+    if not isinstance(flat, list) or len(flat) != n * _FIELDS:
+        raise ValueError(f"{n} layer ranges need {n * _FIELDS} fields")
+    return [LayerRange.from_json(flat[i:i + _FIELDS]) for i in range(0, len(flat), _FIELDS)]
 
 
 class TraceBuffer:

@@ -14,9 +14,10 @@ from typing import Any
 
 __all__ = ["CHUNK_BYTES", "dumps", "dumps_chunks", "dumps_yielding", "finite"]
 
-CHUNK_BYTES = 256 << 10
-"""Target size of one piece from :func:`dumps_chunks` (one ``json.dumps`` call of ~256 KB
-holds the GIL for a few milliseconds)."""
+CHUNK_BYTES = 64 << 10
+"""Target size of one piece from :func:`dumps_chunks`: one ``json.dumps`` call of ~64 KB
+holds the GIL for at most a few milliseconds, even for lists of floats (whose repr is the
+slow case: ~6,000 of them)."""
 
 
 def finite(obj: Any) -> Any:
@@ -39,37 +40,11 @@ def dumps(obj: Any, **kw: Any) -> str:
         return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
-def dumps_yielding(obj: Any, chunk: int = 32768) -> str:
-    """Like :func:`dumps`, for large documents serialized in a worker thread: long lists are
-    encoded ``chunk`` items at a time, so the GIL is released between pieces and an event
-    loop in another thread keeps running (one ``json.dumps`` of a multi-megabyte list holds
-    the GIL for its whole duration: hundreds of milliseconds)."""
-    parts: list[str] = []
-    _emit(obj, parts, chunk)
-    return "".join(parts)
-
-
-def _emit(obj: Any, out: list[str], chunk: int) -> None:
-    if isinstance(obj, dict):
-        out.append("{")
-        for i, (k, v) in enumerate(obj.items()):
-            out.append((", " if i else "") + json.dumps(str(k)) + ": ")
-            _emit(v, out, chunk)
-        out.append("}")
-    elif isinstance(obj, (list, tuple)) and len(obj) > chunk:
-        out.append("[")
-        for i in range(0, len(obj), chunk):
-            piece = dumps(list(obj[i:i + chunk]))
-            out.append((", " if i else "") + piece[1:-1])
-        out.append("]")
-    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in obj):
-        out.append("[")
-        for i, v in enumerate(obj):
-            out.append(", " if i else "")
-            _emit(v, out, chunk)
-        out.append("]")
-    else:
-        out.append(dumps(obj))
+def dumps_yielding(obj: Any) -> str:
+    """Like :func:`dumps`, for large documents serialized in a worker thread while an event
+    loop runs in another: :func:`dumps_chunks` joined (one ``json.dumps`` of a multi-megabyte
+    list holds the GIL for its whole duration: hundreds of milliseconds)."""
+    return "".join(dumps_chunks(obj))
 
 
 def dumps_chunks(obj: Any, target: int = CHUNK_BYTES) -> Iterator[str]:

@@ -19,7 +19,8 @@ distribution ``attnprof diff`` measures a shift on); 1.6 adds ``RequestStats.kv_
 per layer, per KV head), the top-level ``kv_pressure`` verdict, each worker's bandwidth/matmul
 ``probe`` and the top-level ``roofline`` (``ATTNPROF_PROBE=1``), and ``window_advice`` 1.1;
 1.7 adds the sampler's agreement across tensor-parallel ranks (``SamplerStats.step_index``,
-``sync``, ``late_changes``, ``unsynced``, ``decisions_digest``, ``rate_changes``).
+``sync``, ``late_changes``, ``unsynced``, ``decisions_digest``, ``rate_changes``) and each
+worker's ``poll_cost``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "LayerFacts",
     "LayerProfile",
     "PhaseStats",
+    "PollCost",
     "ProcessNote",
     "QuantileSummary",
     "RecordWindow",
@@ -173,6 +175,23 @@ class HeadStatsCost(Record):
 
 
 @dataclass
+class PollCost(Record):
+    """What the API server's pulls cost this worker's engine, which waits for each answer
+    (added in 1.7): the worker snapshot, and the head statistics (an O(1) swap; their
+    serialization runs on a thread of its own, ``drain_s``)."""
+
+    polls: int = 0
+    last_s: float = 0.0
+    max_s: float = 0.0
+    last_head_stats_s: float = 0.0
+    max_head_stats_s: float = 0.0
+    drain_s: float = 0.0
+    """The last head-statistics delta's serialization, off the engine's path."""
+    delta_bytes: int = 0
+    """Size of the last head-statistics delta."""
+
+
+@dataclass
 class WorkerSnapshot(Record):
     """Everything one worker process captured (``error`` set when it could not answer)."""
 
@@ -186,6 +205,8 @@ class WorkerSnapshot(Record):
     dropped: dict[str, int] = field(default_factory=dict)
     disabled: bool = False
     head_stats_cost: HeadStatsCost = field(default_factory=HeadStatsCost)
+    poll_cost: PollCost = field(default_factory=PollCost)
+    """What the API server's pulls cost the engine (1.7)."""
     head_stats: dict[str, Any] | None = None
     """Mergeable per-(layer, head) statistics (``HeadStatsAccumulator.to_dict``)."""
     error: str | None = None

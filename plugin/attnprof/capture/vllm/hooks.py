@@ -14,6 +14,7 @@ vLLM's argument positions happens here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -41,6 +42,7 @@ from attnprof.capture.vllm.runtime import State
 from attnprof.contracts.snapshot import (
     HeadStatsCost,
     KernelGroup,
+    PollCost,
     SamplerStats,
     WorkerSnapshot,
 )
@@ -243,6 +245,7 @@ class Capture:
         self.hs_buffer: Any = None  # HeadStatsDoubleBuffer, made at the first sampled prompt
         self.deltas: Any = None  # DeltaFiles: how deltas reach the API server
         self.hs = HeadStatsCost()
+        self.poll_cost = PollCost()
         self._hs_step = False
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
@@ -779,6 +782,7 @@ class Capture:
             steps=self.aggs.step_stats(), sampler=self.sampler_stats(),
             errors=dict(self.errors.by_place), dropped=dict(self.errors.dropped),
             disabled=self.errors.disabled, head_stats_cost=hs,
+            poll_cost=dataclasses.replace(self.poll_cost),
             head_stats=(self.hs_buffer.active.to_dict() if self.hs_buffer is not None
                         and include_head_stats else None),
             probe=self.state.probe)
@@ -792,13 +796,26 @@ class Capture:
         engine's path). ``api_host``: the API server's :func:`host_id`; on this machine the
         deltas travel as files, not in the answer."""
         fault_point("capture")
+        t0 = time.perf_counter()
         # No export flush here: the export thread flushes every second, and a flush (file
         # writes) would lengthen the pause the engine takes for this poll.
         snap = self.snapshot(include_head_stats=False, flush=False).to_json()
+        t1 = time.perf_counter()
         out = self._placement()
-        out["snapshot"] = snap
         if with_head_stats:
             out["head_stats"] = self._take_deltas(api_host, swap=True)
+        t2 = time.perf_counter()
+        # This pull's own cost, all but the pickling vLLM does with the answer.
+        pc = self.poll_cost
+        pc.polls += 1
+        pc.last_head_stats_s = t2 - t1
+        pc.max_head_stats_s = max(pc.max_head_stats_s, pc.last_head_stats_s)
+        pc.last_s = t2 - t0
+        pc.max_s = max(pc.max_s, pc.last_s)
+        if self.hs_buffer is not None:
+            pc.drain_s, pc.delta_bytes = self.hs_buffer.drain_s, self.hs_buffer.delta_bytes
+        snap["poll_cost"] = pc.to_json()
+        out["snapshot"] = snap
         return out
 
     def head_stats_take(self, api_host: str | None = None) -> dict[str, Any]:

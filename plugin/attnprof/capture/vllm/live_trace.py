@@ -67,8 +67,8 @@ def trace_params(query: Any) -> tuple[int, float]:
 
 
 def _ranges(answer: dict[str, Any]) -> int:
-    return sum(len(s.get("layers") or ()) for s in answer.get("steps") or ()
-               if isinstance(s, dict))
+    return sum(int(s.get("layers") or 0) for s in answer.get("steps") or ()
+               if isinstance(s, dict) and isinstance(s.get("layers"), int))
 
 
 class LiveTrace:
@@ -213,7 +213,8 @@ class LiveTrace:
             over = total - max_ranges
             for a in sorted(merged.values(), key=lambda a: -_ranges(a)):
                 while over > 0 and len(a["steps"]) > 1:
-                    over -= len(a["steps"].pop().get("layers") or ())
+                    last = a["steps"].pop()
+                    over -= int(last.get("layers") or 0) if isinstance(last, dict) else 0
         return [*merged.values(), *errors], cut
 
     @staticmethod
