@@ -1,0 +1,84 @@
+"""The tensor-parallel ranks' channel for the budget's scale, through a real file: the leader
+announces ahead, a follower reads what it wrote, samplers on both sides then decide the same
+steps; a stale file is replaced, and a file anyone else could write is not obeyed."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from attnprof.aggregate.sampler import StepSampler
+from attnprof.capture.vllm.rank_sync import LEAD_EPOCHS, RateChannel, channel_path
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_path_is_per_instance_and_group(tmp_path: Path) -> None:
+    a = channel_path("inst-1", 0, 0, tmp_path)
+    assert a.parent == tmp_path and a.name.startswith("attnprof-rate-")
+    assert len({a, channel_path("inst-2", 0, 0, tmp_path), channel_path("inst-1", 1, 0, tmp_path),
+                channel_path("inst-1", 0, 1, tmp_path)}) == 4
+
+
+def test_leader_announces_ahead_and_the_follower_reads_it(tmp_path: Path) -> None:
+    path = channel_path("i", 0, 0, tmp_path)
+    follower = RateChannel(path, leader=False, epoch=64)
+    assert follower(0, 1.0) is None and follower.unread == 1  # no leader yet
+    leader = RateChannel(path, leader=True, epoch=64)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert leader(64, 1.0) == (1, 64 + LEAD_EPOCHS * 64, 1.0)
+    got = leader(128, 0.25)
+    assert got == (2, 128 + LEAD_EPOCHS * 64, 0.25)
+    assert follower(128, 1.0) == got  # what the leader wrote, at its sequence number
+    assert leader(192, 0.25) is None  # unchanged: nothing new announced
+    leader.close()
+    assert not path.exists()
+
+
+def test_samplers_over_the_file_decide_the_same_steps_while_throttled(tmp_path: Path) -> None:
+    path = channel_path("j", 0, 0, tmp_path)
+    clocks = [Clock(), Clock()]
+    ranks = [StepSampler(1.0, budget=0.01, seed=3, clock=c) for c in clocks]
+    ranks[0].sync, ranks[0].sync_role = RateChannel(path, True, 64), "leader"
+    ranks[1].sync, ranks[1].sync_role = RateChannel(path, False, 64), "follower"
+    picks: list[list[int]] = [[], []]
+    for i in range(8000):
+        for k, r in enumerate(ranks):
+            clocks[k].t += 0.01
+            if r.tick():
+                picks[k].append(i)
+                r.charge((0.003 if i < 3000 else 0.0) * (1 + 5 * k))
+    assert picks[0] == picks[1] and len(picks[0]) < 8000
+    assert ranks[0].throttles > 0 and list(ranks[0].rate_changes) == list(ranks[1].rate_changes)
+    assert ranks[0].decisions_digest == ranks[1].decisions_digest
+    assert ranks[1].late_changes == 0
+
+
+def test_a_stale_file_is_replaced_by_a_new_leader(tmp_path: Path) -> None:
+    path = channel_path("k", 0, 0, tmp_path)
+    old = RateChannel(path, leader=True, epoch=64)
+    old(0, 0.001)
+    old._mm = None  # killed: its file stays behind
+    new = RateChannel(path, leader=True, epoch=64)
+    follower = RateChannel(path, leader=False, epoch=64)
+    assert follower(64, 1.0) is None  # the stale announcement is gone
+    assert new(64, 0.5) == (1, 64 + 128, 0.5) and follower(128, 1.0) == (1, 192, 0.5)
+
+
+def test_a_file_others_could_write_is_not_obeyed(tmp_path: Path) -> None:
+    path = channel_path("m", 0, 0, tmp_path)
+    leader = RateChannel(path, leader=True, epoch=64)
+    leader(0, 0.5)
+    os.chmod(path, 0o666)  # planted or tampered with: writable by anyone
+    follower = RateChannel(path, leader=False, epoch=64)
+    assert follower(64, 1.0) is None and follower.unread == 1
+    link = tmp_path / "attnprof-rate-link.bin"
+    os.symlink(path, link)
+    assert RateChannel(link, leader=False, epoch=64)(64, 1.0) is None  # no symlinks either
