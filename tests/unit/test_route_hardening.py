@@ -368,3 +368,47 @@ def test_json_chunks_join_to_the_document_and_stay_small() -> None:
 def test_endpoint_module_has_no_trace_code_left() -> None:
     # The route lives in endpoint, the recording in live_trace, the rendering in exporters.
     assert not hasattr(endpoint, "LiveTrace") or endpoint.LiveTrace is live_trace.LiveTrace
+
+
+# ----------------------------------------------------------------- engine-side timeouts
+class TimeoutSeen:
+    """An engine client that answers every attnprof RPC and notes the timeout each carried
+    to the engine (vLLM's executor stops waiting for its workers after it)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float | None]] = []
+
+    async def collective_rpc(self, method: str, timeout: float | None = None,
+                             args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+        self.seen.append((method, timeout))
+        if method == "attnprof_trace":
+            return [{"pid": 1, "armed": True, "steps": 5, "recording": False, "more": False}]
+        return [{"snapshot": {"pid": 1}, "head_stats": {"deltas": [], "pending": False},
+                 "old": {}, "new": {}}]
+
+
+def test_every_attnprof_rpc_carries_the_engine_side_timeout(state: runtime.State) -> None:
+    eng = TimeoutSeen()
+    app = _app(eng, [KEY])
+    asyncio.run(_requests(app, ("GET", "/attnprof/snapshot?head_stats=1", None),
+                          ("POST", "/attnprof/sampling", {"sample_rate": 0.5}),
+                          ("GET", "/attnprof/trace?steps=1&timeout=1", None)))
+    methods = {m for m, _ in eng.seen}
+    assert methods == {"attnprof_poll", "attnprof_set_sampling", "attnprof_trace"}
+    assert {t for _, t in eng.seen} == {0.5}  # ATTNPROF_RPC_TIMEOUT_S of this state
+
+    # Offline (a vllm.LLM's collective_rpc): the same bound.
+    import attnprof
+
+    class Llm:
+        def __init__(self) -> None:
+            self.timeouts: list[float | None] = []
+
+        def collective_rpc(self, method: str, timeout: float | None = None,
+                           args: tuple[Any, ...] = ()) -> list[Any]:
+            self.timeouts.append(timeout)
+            return [{"old": {}, "new": {}}]
+
+    llm = Llm()
+    attnprof.set_sampling(0.5, llm=llm)
+    assert llm.timeouts == [0.5]

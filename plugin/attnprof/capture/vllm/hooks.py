@@ -487,7 +487,12 @@ class Capture:
                 from attnprof.aggregate.head_stats import HeadStatsAccumulator
                 from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
 
-                # Both halves now (charged to this sampled step), so a pull only swaps.
+                from attnprof.capture.vllm.deltas import DeltaFiles
+
+                # Both halves, the drain thread and the delta files' place now (charged to
+                # this sampled step), so a pull only swaps.
+                cfg = self.state.config
+                self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
                 self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsAccumulator(
                     num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
                     num_kv_heads=info.num_kv_heads,
@@ -834,11 +839,10 @@ class Capture:
         buf = self.hs_buffer
         if buf is None:
             return {"deltas": [], "pending": False}
-        if self.deltas is None:
+        if self.deltas is None:  # a buffer set from outside (tests)
             from attnprof.capture.vllm.deltas import DeltaFiles
 
-            cfg = self.state.config
-            self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
+            self.deltas = DeltaFiles()
         if swap:
             self.deltas.forget_handed()  # a new pull: the last one's files were read
         ready = buf.take_ready()
