@@ -486,7 +486,6 @@ class Capture:
             if self.hs_buffer is None:
                 from attnprof.aggregate.head_stats import HeadStatsAccumulator
                 from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
-
                 from attnprof.capture.vllm.deltas import DeltaFiles
 
                 # Both halves, the drain thread and the delta files' place now (charged to
