@@ -243,6 +243,30 @@ def _max_stall(work: Any) -> tuple[float, float]:
     return took, max(gaps, default=0.0)
 
 
+def _loop_lag(work: Any) -> tuple[float, float]:
+    """``work()`` run in a thread beside an asyncio loop (as the API server runs it): its
+    wall time and the loop's largest lag (a 1 ms sleep probe)."""
+    async def run() -> tuple[float, float]:
+        lags: list[float] = []
+        stop = asyncio.Event()
+
+        async def probe() -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - t - 0.001)
+
+        task = asyncio.create_task(probe())
+        t = time.perf_counter()
+        await asyncio.to_thread(work)
+        took = time.perf_counter() - t
+        stop.set()
+        await task
+        return took, max(lags, default=0.0)
+
+    return asyncio.run(run())
+
+
 def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
     """What a head-statistics pull makes the engine wait for, before (the delta serialized
     in the poll, ``take_bytes``) and after (the double buffer's swap; serialization on the
@@ -278,35 +302,15 @@ def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
         _, stall_drain = _max_stall(lambda b=buf: (b.swap(lambda d: d), b.wait()))
         _, stall_idle = _max_stall(lambda: time.sleep(0.1))
 
-        async def api_side(delta: bytes = blob, lkg: tuple[int, int, int] = (layers, kv, group)
-                           ) -> tuple[float, float]:
-            """Event-loop lag while the API server merges the delta and renders the
-            statistics for ``?head_stats=1`` (both in threads)."""
-            lags: list[float] = []
-            stop = asyncio.Event()
+        def fold(delta: bytes = blob, lkg: tuple[int, int, int] = (layers, kv, group)
+                 ) -> bytes:
+            """What the API server does in threads for ``?head_stats=1``: merge, render."""
+            part = HeadStatsAccumulator.from_bytes(delta)
+            glob = HeadStatsAccumulator(*lkg)
+            glob.add_at(part)
+            return dumps_yielding({"head_stats": glob.to_dict()}).encode()
 
-            async def probe() -> None:
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    await asyncio.sleep(0.001)
-                    lags.append(time.perf_counter() - t - 0.001)
-
-            task = asyncio.create_task(probe())
-            t = time.perf_counter()
-
-            def fold() -> bytes:
-                part = HeadStatsAccumulator.from_bytes(delta)
-                glob = HeadStatsAccumulator(*lkg)
-                glob.add_at(part)
-                return dumps_yielding({"head_stats": glob.to_dict()}).encode()
-
-            await asyncio.to_thread(fold)
-            took = time.perf_counter() - t
-            stop.set()
-            await task
-            return took, max(lags, default=0.0)
-
-        thread_s, loop_lag = asyncio.run(api_side())
+        thread_s, loop_lag = _loop_lag(fold)
         out[name] = {"shape": {"layers": layers, "kv_heads": kv, "group": group},
                      "delta_bytes": len(blob),
                      "before": {"engine_blocked_s": statistics.median(before),
@@ -364,25 +368,9 @@ def bench_trace(layers: int = 80, ranks: int = 8) -> dict[str, Any]:
     finally:
         ChromeTrace.chunks = real  # type: ignore[method-assign]
 
-    async def loop_lag() -> float:
-        lags: list[float] = []
-        stop = asyncio.Event()
-
-        async def probe() -> None:
-            while not stop.is_set():
-                t = time.perf_counter()
-                await asyncio.sleep(0.001)
-                lags.append(time.perf_counter() - t - 0.001)
-
-        task = asyncio.create_task(probe())
-        await asyncio.to_thread(render_live_trace, taken, [(t0, 0.5)],
-                                {"model": "m", "requested_steps": 1000, "api_pid": 1},
-                                cfg.snapshot_max_bytes)
-        stop.set()
-        await task
-        return max(lags, default=0.0)
-
-    lag = asyncio.run(loop_lag())
+    _, lag = _loop_lag(lambda: render_live_trace(
+        taken, [(t0, 0.5)], {"model": "m", "requested_steps": 1000, "api_pid": 1},
+        cfg.snapshot_max_bytes))
     size = sum(len(c) for c in chunks)
     print(f"trace {layers} layers x {ranks} ranks: {size / 2**20:.1f} MiB, {render_s:.2f} s, "
           f"longest piece {max(pieces) * 1e3:.1f} ms", file=sys.stderr)
