@@ -15,7 +15,8 @@ class BearerJsonServer:
     401 otherwise. ``seen``: every Authorization header received (None: none sent);
     ``served``: every document answered."""
 
-    def __init__(self, key: str, answer: Callable[[int], dict[str, Any]]) -> None:
+    def __init__(self, key: str, answer: Callable[[int], dict[str, Any]],
+                 refusal: tuple[int, dict[str, Any]] = (401, {"error": "Unauthorized"})) -> None:
         seen: list[str | None] = []
         served: list[dict[str, Any]] = []
 
@@ -24,11 +25,11 @@ class BearerJsonServer:
                 auth = self.headers.get("Authorization")
                 seen.append(auth)
                 ok = auth == f"Bearer {key}"
-                doc = answer(len(served)) if ok else {"error": "Unauthorized"}
+                doc = answer(len(served)) if ok else refusal[1]
                 if ok:
                     served.append(doc)
                 body = json.dumps(doc).encode()
-                self.send_response(200 if ok else 401)
+                self.send_response(200 if ok else refusal[0])
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

@@ -102,18 +102,21 @@ def _numpy_read_bandwidth(nbytes: int, threads: int) -> Callable[[], float]:
 
 
 def _kv_sized_peak(nbytes: int) -> Callable[[], float]:
-    """The independent side's peak: a plain torch read of an array of exactly ``nbytes``
-    (the KV's bytes), estimated as the probe estimates its own roof (the read stream): a
+    """The independent side's peak: plain torch reads of an array of exactly ``nbytes``
+    (the KV's bytes), estimated as the probe estimates its own roof (its read loops): a
     warm-up, then the best of REPEATS. The same bytes at the same size: a KV small enough
     for a core's cache reads faster than DRAM, so the reference must not be the probe's
     larger arrays."""
     import numpy as np
 
+    from attnprof.tools.probe import read_loops
+
     # numpy's allocator, not the probe's: it asks for huge pages on its own (as the probe
     # does, and as torch's allocator does not; 4 KiB pages read slower).
     def rate() -> float:  # a fresh array each round (see _numpy_read_bandwidth)
         b = torch.from_numpy(np.ones(max(1, nbytes // 4), dtype=np.float32))
-        return _best_rate(b.nbytes, lambda: torch.sum(b))
+        # The probe's read loops (the fastest of them): the same estimator at the KV's size.
+        return max(_best_rate(b.nbytes, fn) for fn in read_loops(b))
 
     return rate
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.server import http_post_json
 from tests.conftest import TINY_API_KEY, get_snapshot
 
@@ -47,7 +48,8 @@ def test_record_holds_the_window_only_and_diffs_clean_against_itself(
     assert proc.returncode == 0, stderr
     assert f"wrote {out}" in stdout
     rec = json.loads(out.read_text())
-    assert rec["schema_version"] == "attnprof.snapshot/1.6"
+    # The current version, not a number copied here: a record is a snapshot of this build.
+    assert rec["schema_version"] == "{}/{}.{}".format(Snapshot.KIND, *Snapshot.VERSION)
     w = rec["window"]
     assert 5.5 <= w["duration_s"] <= 30 and w["requests"] == sent, w
     assert rec["requests"]["requests"] == sent

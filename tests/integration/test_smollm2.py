@@ -69,9 +69,11 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
     children: list[int] = []
+    # No key anywhere, so the live trace is opened explicitly, as a local user would; the
+    # keyed and the closed trace are tested on the tiny server (test_trace, route hardening).
     proc = subprocess.Popen([*ATTNPROF, "serve", "--port", str(port), "--eager", "--",
                              "--max-model-len", "2048"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "ATTNPROF_TRACE_OPEN": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400

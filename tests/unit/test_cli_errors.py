@@ -314,6 +314,21 @@ def test_snapshot_needs_the_api_key(auth_server: BearerJsonServer) -> None:
     assert auth_server.seen == [None]
 
 
+def test_a_route_off_on_the_server_says_what_to_set_there() -> None:
+    # attnprof's 403 (the server has no key configured): passing a key cannot help, so the
+    # one line is the server's own reason, not "pass --api-key".
+    reason = ("attnprof: the live trace is off until the server has an API key (vLLM's "
+              "--api-key or ATTNPROF_API_KEY), or ATTNPROF_TRACE_OPEN=1 opens it to anyone")
+    srv = BearerJsonServer("never-sent", lambda _n: _SNAP, refusal=(403, {"error": reason}))
+    try:
+        for key in ([], ["--api-key", "some-key"]):
+            r = _cli("trace", "--url", srv.url, "--steps", "1", *key, env=_NO_KEYS)
+            _assert_clean(r, "403", reason)
+            assert "refused the API key" not in r.stderr and "pass --api-key" not in r.stderr
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("flag,env", [
     ("s3cret-key", {}),
     (None, {"ATTNPROF_API_KEY": "s3cret-key"}),

@@ -74,6 +74,10 @@ def check_url(url: str, flag: str = "--url") -> str:
 
 
 def _status_message(url: str, code: int, sent_key: bool, auth: bool, detail: str) -> str:
+    if auth and code == 403 and detail:
+        # attnprof's 403: the route is off on the server (no key there to check), so a key
+        # passed here cannot help; the server's own sentence says what to set, and where.
+        return f"{url}: HTTP 403: {detail}"
     if auth and code in (401, 403):
         if sent_key:
             return (f"{url}: HTTP {code}: the server refused the API key; {_AUTH_HINT} with "

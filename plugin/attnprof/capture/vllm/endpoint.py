@@ -516,9 +516,11 @@ class AttnProfEndpoint:
             except Exception as exc:
                 return failed(exc)
 
-        def needs_key(what: str) -> Any:
-            return JSONResponse({"error": f"attnprof: {what} needs an API key (vLLM's "
-                                          "--api-key or ATTNPROF_API_KEY)"}, status_code=403)
+        def needs_key(what: str, alternative: str = "") -> Any:
+            # 403, not 401: the server has no key to check, so no client key can help.
+            return JSONResponse({"error": f"attnprof: {what} is off until the server has an "
+                                          "API key (vLLM's --api-key or ATTNPROF_API_KEY)"
+                                          f"{alternative}"}, status_code=403)
 
         @app.get("/attnprof/trace")  # type: ignore[untyped-decorator]
         async def attnprof_trace(request: Request) -> Any:
@@ -531,7 +533,8 @@ class AttnProfEndpoint:
             if not plugin.auth.required and not cfg.trace_open:
                 # Per-step batch sizes and sequence lengths: with one request in a batch,
                 # one user's length and timing. Never open by default, even where /metrics is.
-                return needs_key("the live trace (or ATTNPROF_TRACE_OPEN=1)")
+                return needs_key("the live trace", ", or ATTNPROF_TRACE_OPEN=1 opens it to "
+                                 "anyone who can reach this port")
             if (off := tripped()) is not None:
                 return off
             try:
