@@ -314,6 +314,20 @@ def test_snapshot_needs_the_api_key(auth_server: BearerJsonServer) -> None:
     assert auth_server.seen == [None]
 
 
+@pytest.mark.parametrize("args", [
+    ("snapshot", "--url", "http://user:s3cret-pw@127.0.0.1:1"),
+    ("snapshot", "--url", "http://user:s3cret-pw@127.0.0.1:99999"),
+    ("trace", "--url", "https://:s3cret-pw@example.invalid/x"),
+    ("report", "--prometheus", "http://user:s3cret-pw@127.0.0.1:9090"),
+])
+def test_a_url_with_credentials_is_one_line_that_never_shows_them(args: tuple[str, ...]
+                                                                  ) -> None:
+    # urllib takes user:password@host for a host name; the error used to print the password.
+    r = _cli(*args, env=_NO_KEYS)
+    _assert_clean(r, args[1])
+    assert "s3cret-pw" not in r.stderr
+
+
 def test_a_route_off_on_the_server_says_what_to_set_there() -> None:
     # attnprof's 403 (the server has no key configured): passing a key cannot help, so the
     # one line is the server's own reason, not "pass --api-key".

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,10 +67,16 @@ def check_url(url: str, flag: str = "--url") -> str:
         port_ok = parts.port is None or parts.port > 0
     except ValueError:
         parts, port_ok = None, False
+    shown = re.sub(r"//[^/?#]*@", "//<redacted>@", url[:200])  # never echo user:password
     if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
             or not port_ok or any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url)):
-        raise HttpError(f"{flag} {url[:200]!r} is not an http:// or https:// URL with a host "
+        raise HttpError(f"{flag} {shown!r} is not an http:// or https:// URL with a host "
                         "(e.g. http://127.0.0.1:8000)")
+    if "@" in parts.netloc:
+        # urllib would take "user:pass@host" for a host name and fail to resolve it, and the
+        # error would print the password into logs; a key travels as a bearer token instead.
+        raise HttpError(f"{flag} {shown!r}: credentials in the URL are not supported; pass "
+                        "the key with --api-key or ATTNPROF_API_KEY")
     return url
 
 
