@@ -166,6 +166,12 @@ def test_probe_reports_matmul_and_spread() -> None:
     assert bf.kernels[3].dtype == "bfloat16"
 
 
+KV_HEADS, HEAD_DIM = 3, 64
+"""SmolLM2's KV shape, the decode model's (:func:`_decode_model`)."""
+KV_BYTES_PER_TOKEN = 2 * KV_HEADS * HEAD_DIM * 4
+"""K and V in fp32."""
+
+
 def _decode_model(kv_len: int) -> tuple[Any, Any, Callable[[], None]]:
     """One Llama layer with SmolLM2's attention shape (9 query / 3 KV heads x 64, fp32), a
     KV cache of ``kv_len`` tokens, and a decode step that leaves the cache as it found it.
@@ -173,14 +179,16 @@ def _decode_model(kv_len: int) -> tuple[Any, Any, Callable[[], None]]:
     reads it (see :func:`decode_rounds` for the plain call's matching copy)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                      head_dim=64, intermediate_size=64, num_hidden_layers=1, vocab_size=128,
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, intermediate_size=64, num_hidden_layers=1,
+                      vocab_size=128,
                       max_position_embeddings=kv_len + 16)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     cache = DynamicCache(config=cfg)
-    cache.update(torch.randn(1, 3, kv_len, 64), torch.randn(1, 3, kv_len, 64), 0)
+    cache.update(torch.randn(1, KV_HEADS, kv_len, HEAD_DIM),
+                 torch.randn(1, KV_HEADS, kv_len, HEAD_DIM), 0)
     ids, pos = torch.tensor([[5]]), torch.tensor([[kv_len]])
 
     def step() -> None:
@@ -255,10 +263,6 @@ def decode_rounds(kv_len: int, rounds: int = ROUNDS) -> dict[str, Any]:
         prof.uninstrument()
     out.update(kv_len=kv_len, kv_bytes=kv, analytic_kv_bytes=works[-1].kv_bytes)
     return out
-
-
-KV_BYTES_PER_TOKEN = 2 * 3 * 64 * 4
-"""K and V, 3 KV heads x 64, fp32: SmolLM2's attention shape in :func:`_decode_model`."""
 
 
 def test_decode_bandwidth_utilisation_matches_an_independent_measurement() -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
+
+from attnprof.contracts.redact import redact_value
 
 __all__ = [
     "API_KEY_ENV",
@@ -67,7 +68,7 @@ def check_url(url: str, flag: str = "--url") -> str:
         port_ok = parts.port is None or parts.port > 0
     except ValueError:
         parts, port_ok = None, False
-    shown = re.sub(r"//[^/?#]*@", "//<redacted>@", url[:200])  # never echo user:password
+    shown = redact_value(url[:200])  # never echo user:password or a ?token=
     if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
             or not port_ok or any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url)):
         raise HttpError(f"{flag} {shown!r} is not an http:// or https:// URL with a host "

@@ -145,12 +145,6 @@ def read_loops(x: Any) -> tuple[Callable[[], Any], ...]:
             lambda: torch.amax(x.view(torch.int32)))
 
 
-def best_read_time(timed: Callable[[Callable[[], Any]], float],
-                   loops: tuple[Callable[[], Any], ...]) -> float:
-    """One run of the read kernel: each loop once, the fastest one's seconds."""
-    return min(timed(fn) for fn in loops)
-
-
 def _bandwidth(device: str, nbytes: int, repeats: int) -> list[ProbeKernel]:
     import torch
 
@@ -164,20 +158,16 @@ def _bandwidth(device: str, nbytes: int, repeats: int) -> list[ProbeKernel]:
         c = torch.full((n,), 2.0, dtype=torch.float32, device=device)
     out = []
     wa = 1 if write_allocates(device) else 0
-    loops = read_loops(b)
-    for fn in loops:
-        fn()  # first touch, and each loop's own warm-up
-    kernels: tuple[tuple[str, int, Callable[[], Any]], ...] = (
+    # Each kernel is one or more loops over the same bytes; a run is its fastest loop's.
+    kernels: tuple[tuple[str, int, tuple[Callable[[], Any], ...]], ...] = (
         # read: what decode attention does to the KV cache (reads it, writes almost nothing)
-        ("read", 1, lambda: best_read_time(timed, loops)),
-        ("copy", 2 + wa, lambda: a.copy_(b)),
-        ("triad", 3 + wa, lambda: torch.add(b, c, alpha=3.0, out=a)))
-    for name, arrays, fn in kernels:
-        if name == "read":  # warmed above; fn returns the run's seconds itself
-            times = [fn() for _ in range(repeats)]
-        else:
+        ("read", 1, read_loops(b)),
+        ("copy", 2 + wa, (lambda: a.copy_(b),)),
+        ("triad", 3 + wa, (lambda: torch.add(b, c, alpha=3.0, out=a),)))
+    for name, arrays, loops in kernels:
+        for fn in loops:
             fn()  # first touch: page faults and lazy allocation are not bandwidth
-            times = [timed(fn) for _ in range(repeats)]
+        times = [min(timed(fn) for fn in loops) for _ in range(repeats)]
         out.append(_kernel(name, float(arrays * n * 4), times, n * 4, "float32"))
     return out
 

@@ -25,6 +25,7 @@ from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.base import ContractError
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.provenance import Provenance
+from attnprof.contracts.redact import redact_value
 from attnprof.contracts.report import (
     BackendTime,
     ContextDistribution,
@@ -284,7 +285,7 @@ def from_live(raw: Mapping[str, Any], url: str, *, replicas: int | None = None,
     inp, snap = from_snapshot(raw, url, replicas=replicas, advice=advice,
                               gpus_per_replica=gpus_per_replica)
     start, dur = _duration(snap)
-    src = ReportSource(kind="live", where=[_public(url)], start=start, end=snap.time,
+    src = ReportSource(kind="live", where=[redact_value(url)], start=start, end=snap.time,
                        duration_s=dur)
     return Gathered(src, [inp], snap.provenance)
 
@@ -549,19 +550,9 @@ def from_prometheus(url: str, model: str | None, range_: str | None, replicas: i
     for name in names if model is None else [model]:
         inputs.append(_prom_inputs(name, got, first_half, second_half, usage_series,
                                    seconds, replicas, gpus_per_replica))
-    src = ReportSource(kind="prometheus", where=[_public(url)], start=start, end=end,
+    src = ReportSource(kind="prometheus", where=[redact_value(url)], start=start, end=end,
                        duration_s=seconds, range=range_)
     return Gathered(src, inputs)
-
-
-def _public(url: str) -> str:
-    """``url`` without any ``user:password@`` (a report is shared; credentials are not)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _human_s(s: float) -> str:
