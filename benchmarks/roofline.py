@@ -103,7 +103,7 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--kv-lens", default="65536,131072,262144",
+    ap.add_argument("--kv-lens", default="65536,131072,262144,349525",
                     help="decode KV-cache lengths (tokens; 1536 B per token here). Keep the KV "
                          "above 2x the LLC: a smaller one stays in cache when one layer is "
                          "called again and again, unlike a real server's")

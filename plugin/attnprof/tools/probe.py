@@ -135,10 +135,10 @@ def write_allocates(device: str) -> bool:
 def read_loops(x: Any) -> tuple[Callable[[], Any], ...]:
     """Read-only reductions over ``x``'s bytes; a run of the read kernel is the fastest of
     them. Why several: no one loop is the fastest read on every CPU. On this project's CI
-    Xeon (torch 2.13, 2 threads, 512 MiB in huge pages) torch's float sum read 31 GB/s where
-    a float max read 33-36, an int32 max of the same bytes 37 and numpy's max 35: a roof
-    from the sum alone was 0.86-0.87x an independent numpy read, run after run, and every
-    utilisation against it 13% too high. A peak is the best a read stream reaches."""
+    Xeon (torch 2.13, 2 threads, 512 MiB in huge pages) a roof from torch's float sum alone
+    was 0.874x an independent numpy read (median of 21 paired rounds), so every utilisation
+    against it was 13% too high; with these three, 0.994 (docs/roofline.md). A peak is the
+    best a read stream reaches."""
     import torch
 
     return (lambda: torch.sum(x), lambda: torch.amax(x),
