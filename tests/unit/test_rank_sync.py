@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from attnprof.aggregate.sampler import StepSampler
-from attnprof.capture.vllm.rank_sync import LEAD_EPOCHS, RateChannel, channel_path
+from attnprof.capture.vllm.rank_sync import LEAD_EPOCHS, SLOTS, RateChannel, channel_path
 
 
 class Clock:
@@ -30,14 +30,16 @@ def test_the_path_is_per_instance_and_group(tmp_path: Path) -> None:
 def test_leader_announces_ahead_and_the_follower_reads_it(tmp_path: Path) -> None:
     path = channel_path("i", 0, 0, tmp_path)
     follower = RateChannel(path, leader=False, epoch=64)
-    assert follower(0, 1.0) is None and follower.unread == 1  # no leader yet
+    assert follower(0, 1.0) == [] and follower.unread == 1  # no leader yet
     leader = RateChannel(path, leader=True, epoch=64)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert leader(64, 1.0) == (1, 64 + LEAD_EPOCHS * 64, 1.0)
+    first = leader(64, 1.0)
+    assert first == [(1, 64 + LEAD_EPOCHS * 64, 1.0)]
     got = leader(128, 0.25)
-    assert got == (2, 128 + LEAD_EPOCHS * 64, 0.25)
-    assert follower(128, 1.0) == got  # what the leader wrote, at its sequence number
-    assert leader(192, 0.25) is None  # unchanged: nothing new announced
+    assert got == [(2, 128 + LEAD_EPOCHS * 64, 0.25)]
+    # Both announcements, oldest first: the follower missed the boundary of the first.
+    assert follower(128, 1.0) == first + got
+    assert leader(192, 0.25) == []  # unchanged: nothing new announced
     leader.close()
     assert not path.exists()
 
@@ -61,6 +63,41 @@ def test_samplers_over_the_file_decide_the_same_steps_while_throttled(tmp_path: 
     assert ranks[1].late_changes == 0
 
 
+def test_a_follower_that_reads_before_then_after_the_leader_misses_nothing(
+        tmp_path: Path) -> None:
+    """The follower reaches one boundary just before the leader and the next one just after
+    it, while the leader changes its scale at both: the follower finds two new announcements
+    at once, and both must reach it at their steps (a one-slot channel kept only the second,
+    and the ranks sampled different steps between the two: CI's failure)."""
+    path = channel_path("n", 0, 0, tmp_path)
+    clocks = [Clock(), Clock()]
+    ranks = [StepSampler(0.5, budget=0.01, seed=5, clock=c) for c in clocks]
+    ranks[0].sync, ranks[0].sync_role = RateChannel(path, True, 64), "leader"
+    ranks[1].sync, ranks[1].sync_role = RateChannel(path, False, 64), "follower"
+    picks: list[list[int]] = [[], []]
+    wants = {64: 0.5, 128: 0.25, 192: 0.1}  # the leader's budget wants a new cut at each
+    for i in range(1000):
+        for k in ((1, 0) if i < 100 else (0, 1)):  # the follower first, then second
+            if k == 0 and i in wants:
+                ranks[0]._want(wants[i])
+            if ranks[k].tick():
+                picks[k].append(i)
+    assert list(ranks[0].rate_changes) == [(192, 0.5), (256, 0.25), (320, 0.1)]
+    assert list(ranks[1].rate_changes) == list(ranks[0].rate_changes)
+    assert picks[0] == picks[1] and ranks[1].late_changes == 0
+
+
+def test_a_follower_counts_announcements_it_never_saw(tmp_path: Path) -> None:
+    path = channel_path("o", 0, 0, tmp_path)
+    leader = RateChannel(path, leader=True, epoch=64)
+    follower = StepSampler(1.0, seed=1)
+    follower.sync, follower.sync_role = RateChannel(path, False, 64), "follower"
+    for n in range(SLOTS + 2):  # more announcements than the file keeps
+        leader(64 * n, 1.0 / (n + 2))
+    follower.tick()  # step 0: a boundary, where the follower reads the file
+    assert follower.late_changes >= 1  # the two overwritten ones are not silently skipped
+
+
 def test_a_stale_file_is_replaced_by_a_new_leader(tmp_path: Path) -> None:
     path = channel_path("k", 0, 0, tmp_path)
     old = RateChannel(path, leader=True, epoch=64)
@@ -68,8 +105,8 @@ def test_a_stale_file_is_replaced_by_a_new_leader(tmp_path: Path) -> None:
     old._mm = None  # killed: its file stays behind
     new = RateChannel(path, leader=True, epoch=64)
     follower = RateChannel(path, leader=False, epoch=64)
-    assert follower(64, 1.0) is None  # the stale announcement is gone
-    assert new(64, 0.5) == (1, 64 + 128, 0.5) and follower(128, 1.0) == (1, 192, 0.5)
+    assert follower(64, 1.0) == []  # the stale announcement is gone
+    assert new(64, 0.5) == [(1, 64 + 128, 0.5)] and follower(128, 1.0) == [(1, 192, 0.5)]
 
 
 def test_a_file_others_could_write_is_not_obeyed(tmp_path: Path) -> None:
@@ -78,7 +115,7 @@ def test_a_file_others_could_write_is_not_obeyed(tmp_path: Path) -> None:
     leader(0, 0.5)
     os.chmod(path, 0o666)  # planted or tampered with: writable by anyone
     follower = RateChannel(path, leader=False, epoch=64)
-    assert follower(64, 1.0) is None and follower.unread == 1
+    assert follower(64, 1.0) == [] and follower.unread == 1
     link = tmp_path / "attnprof-rate-link.bin"
     os.symlink(path, link)
-    assert RateChannel(link, leader=False, epoch=64)(64, 1.0) is None  # no symlinks either
+    assert RateChannel(link, leader=False, epoch=64)(64, 1.0) == []  # no symlinks either

@@ -215,19 +215,19 @@ class Channel:
     reads what the leader wrote at the previous boundary."""
 
     def __init__(self) -> None:
-        self.board: tuple[int, int, float] | None = None
+        self.board: list[tuple[int, int, float]] = []
         self.seq = 0
         self.published: float | None = None
 
-    def leader(self, step: int, wanted: float) -> tuple[int, int, float] | None:
+    def leader(self, step: int, wanted: float) -> list[tuple[int, int, float]]:
         if wanted != self.published:
             self.seq += 1
             self.published = wanted
-            self.board = (self.seq, step + 128, wanted)
-            return self.board
-        return None
+            self.board = [*self.board[-7:], (self.seq, step + 128, wanted)]
+            return self.board[-1:]
+        return []
 
-    def follower(self, step: int, wanted: float) -> tuple[int, int, float] | None:
+    def follower(self, step: int, wanted: float) -> list[tuple[int, int, float]]:
         return self.board
 
 
@@ -278,7 +278,7 @@ def test_without_agreement_throttled_ranks_diverge() -> None:
 
 def test_a_late_announcement_applies_at_once_and_is_counted() -> None:
     s = StepSampler(1.0, seed=1)
-    s.sync, s.sync_role = (lambda step, wanted: None), "follower"
+    s.sync, s.sync_role = (lambda step, wanted: []), "follower"
     for _ in range(300):
         s.tick()
     s.announce(1, 100, 0.5)  # step 100 is long past

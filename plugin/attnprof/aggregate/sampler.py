@@ -81,9 +81,10 @@ def uniforms(seed: int, stream: int, start: int, n: int) -> list[float]:
     return out
 
 
-Sync = Callable[[int, float], "tuple[int, int, float] | None"]
-"""Called at each epoch boundary with (step index, wanted scale); returns the latest
-announcement ``(sequence, at_step, scale)`` of the engine's ranks, or None."""
+Sync = Callable[[int, float], "list[tuple[int, int, float]]"]
+"""Called at each epoch boundary with (step index, wanted scale); returns the engine's ranks'
+recent announcements ``(sequence, at_step, scale)``, oldest first (those already taken are
+skipped by sequence number)."""
 
 
 class StepSampler:
@@ -244,8 +245,7 @@ class StepSampler:
             self._recover()
         if self.sync is None:
             return
-        got = self.sync(s, self.wanted)
-        if got is not None:
+        for got in self.sync(s, self.wanted):
             self._announce(*got, first_free=s)
 
     def announce(self, seq: int, at_step: int, scale: float) -> None:
@@ -257,6 +257,10 @@ class StepSampler:
     def _announce(self, seq: int, at_step: int, scale: float, first_free: int) -> None:
         if seq <= self._seq:
             return
+        if seq > self._seq + 1:
+            # Announcements between the last taken and this one were never seen (overwritten
+            # in the channel): the ranks may have diverged, counted like a late change.
+            self.late_changes += 1
         self._seq = seq
         scale = min(1.0, max(1e-4, float(scale)))
         if at_step < first_free:

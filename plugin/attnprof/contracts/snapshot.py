@@ -155,7 +155,8 @@ class SamplerStats(Record):
     """How the budget's scale is agreed with the other tensor-parallel ranks: ``solo`` (no
     other rank), ``leader`` (announces it) or ``follower`` (applies the leader's) (1.7)."""
     late_changes: int = 0
-    """Announced scale changes read after their step: the ranks' decisions may differ (1.7)."""
+    """Announced scale changes read after their step, or never read (overwritten before a
+    follower reached a boundary): the ranks' decisions may differ (1.7)."""
     unsynced: int = 0
     """Epoch boundaries at which a follower could not read the leader's announcements (1.7)."""
     decisions_digest: str = ""

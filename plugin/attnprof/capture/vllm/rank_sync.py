@@ -9,11 +9,17 @@ at each epoch boundary it writes its wanted scale for a step two epochs ahead in
 shared file; the other ranks read it at their next boundary (they run in lockstep, a step or
 so apart) and apply it at that same step.
 
-The file (32 bytes, mmap'd) lives in ``ATTNPROF_RUN_DIR`` or the temporary directory, named
-from the server's instance id and the group's data- and pipeline-parallel ranks; the first
-rank removes it at exit. Ranks on other nodes (multi-node tensor parallelism) cannot see it:
-they keep the scale they start with and count the boundaries they could not read
-(``SamplerStats.sync``), so a divergence is visible rather than silent.
+The file holds the last ``SLOTS`` announcements, not only the latest: a follower that reaches a
+boundary a moment before the leader reads nothing new there, and by its next boundary the
+leader may have announced twice (a single slot lost the first of the two, and the ranks then
+sampled different steps between the two changes: seen in CI as a follower missing the change
+at step 192). A follower takes every announcement newer than the last it took, in order.
+
+The file (``SLOTS`` x 32 bytes, mmap'd) lives in ``ATTNPROF_RUN_DIR`` or the temporary
+directory, named from the server's instance id and the group's data- and pipeline-parallel
+ranks; the first rank removes it at exit. Ranks on other nodes (multi-node tensor
+parallelism) cannot see it: they keep the scale they start with and count the boundaries they
+could not read (``SamplerStats.sync``), so a divergence is visible rather than silent.
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ import struct
 import tempfile
 from pathlib import Path
 
-__all__ = ["LEAD_EPOCHS", "RateChannel", "channel_path"]
+__all__ = ["LEAD_EPOCHS", "SLOTS", "RateChannel", "channel_path"]
 
 _FMT = struct.Struct("<QqdQ")  # sequence, at step, scale, sequence again (torn-read check)
+SLOTS = 8
+"""Announcements kept (announcement ``n`` lives in slot ``n % SLOTS``): a follower misses one
+only when it falls this many boundaries behind the leader."""
+_SIZE = _FMT.size * SLOTS
 LEAD_EPOCHS = 2
 """How many epochs ahead the first rank announces a change (followers read one epoch later)."""
 
@@ -74,46 +84,52 @@ class RateChannel:
             return
         try:
             if create:
-                os.ftruncate(fd, _FMT.size)
-                self._mm = mmap.mmap(fd, _FMT.size)
+                os.ftruncate(fd, _SIZE)
+                self._mm = mmap.mmap(fd, _SIZE)
             else:
                 st = os.fstat(fd)
                 if (st.st_uid != os.getuid() or st.st_mode & 0o022
-                        or st.st_size < _FMT.size):
+                        or st.st_size < _SIZE):
                     return
-                self._mm = mmap.mmap(fd, _FMT.size, access=mmap.ACCESS_READ)
+                self._mm = mmap.mmap(fd, _SIZE, access=mmap.ACCESS_READ)
         except (OSError, ValueError):
             self._mm = None
         finally:
             os.close(fd)
 
-    def __call__(self, step: int, wanted: float) -> tuple[int, int, float] | None:
+    def __call__(self, step: int, wanted: float) -> list[tuple[int, int, float]]:
+        """The announcements in the file, oldest first (the leader: the one it just made)."""
         try:
             if self.leader:
                 return self._publish(step, wanted)
             return self._read()
         except (OSError, ValueError, struct.error):
-            return None
+            return []
 
-    def _publish(self, step: int, wanted: float) -> tuple[int, int, float] | None:
+    def _publish(self, step: int, wanted: float) -> list[tuple[int, int, float]]:
         if wanted == self.published or self._mm is None:
-            return None
+            return []
         self.seq += 1
         self.published = wanted
         at = step + self.lead
-        self._mm[:_FMT.size] = _FMT.pack(self.seq, at, wanted, self.seq)
-        return self.seq, at, wanted
+        off = (self.seq % SLOTS) * _FMT.size
+        self._mm[off:off + _FMT.size] = _FMT.pack(self.seq, at, wanted, self.seq)
+        return [(self.seq, at, wanted)]
 
-    def _read(self) -> tuple[int, int, float] | None:
+    def _read(self) -> list[tuple[int, int, float]]:
         if self._mm is None:
             self._open(create=False)
             if self._mm is None:
                 self.unread += 1
-                return None
-        seq, at, scale, check = _FMT.unpack(self._mm[:_FMT.size])
-        if seq == 0 or seq != check:
-            return None  # nothing yet, or a write in progress: read again next boundary
-        return seq, at, scale
+                return []
+        got = []
+        for slot in range(SLOTS):
+            seq, at, scale, check = _FMT.unpack_from(self._mm, slot * _FMT.size)
+            # Empty, or being written (the sequence's two copies differ): the slot is read
+            # again at the next boundary.
+            if seq != 0 and seq == check:
+                got.append((seq, at, scale))
+        return sorted(got)
 
     def close(self) -> None:
         mm, self._mm = self._mm, None
