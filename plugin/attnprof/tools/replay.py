@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.tools.masked_attention import ReplayError, masked_attention
 
 __all__ = [
     "ReplayError",
@@ -39,10 +40,6 @@ __all__ = [
 ]
 
 _IMPL = "attnprof_window_replay"
-
-
-class ReplayError(RuntimeError):
-    """Replay cannot run on this model/input; one line."""
 
 
 def load_model(spec: str | Path) -> tuple[Any, Any, Path]:
@@ -207,31 +204,15 @@ class _WindowState:
 
 
 def _register(state: _WindowState) -> None:
-    import torch
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     def attn(module: Any, q: Any, k: Any, v: Any, attention_mask: Any, *,
              scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
              **kw: Any) -> tuple[Any, None]:
-        if softcap:
-            raise ReplayError("replay does not support logit softcapping")
-        if getattr(module, "sinks", None) is not None:
-            raise ReplayError("replay does not support learned attention sinks")
-        lq, lk = q.shape[2], k.shape[2]
-        pos = torch.arange(lk - lq, lk)[:, None]
-        j = torch.arange(lk)[None, :]
-        allowed = j <= pos
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            allowed = allowed & attention_mask[..., -lk:]  # padding, if any
-        native = kw.get("sliding_window")
-        if native:  # the model's own window (HF semantics) stays in both runs
-            allowed = allowed & (j > pos - int(native))
-        w = state.window
-        if w is not None and module.layer_idx in state.layers:
-            allowed = allowed & ((j < state.sinks) | (j > pos - w))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+        w = state.window if module.layer_idx in state.layers else None
+        out = masked_attention(module, q, k, v, attention_mask, scaling=scaling,
+                               softcap=softcap, window=w, sinks=state.sinks, **kw)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(_IMPL, attn)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnprof.tools.replay import ReplayError
+from attnprof.tools.masked_attention import ReplayError, masked_attention
 
 __all__ = ["HeadEdit", "edits_from_findings", "parse_heads", "replay_heads"]
 
@@ -100,28 +100,15 @@ class _State:
 
 
 def _register(state: _State) -> None:
-    import torch
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     def attn(module: Any, q: Any, k: Any, v: Any, attention_mask: Any, *,
              scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
              **kw: Any) -> tuple[Any, None]:
-        if softcap:
-            raise ReplayError("head replay does not support logit softcapping")
-        if getattr(module, "sinks", None) is not None:
-            raise ReplayError("head replay does not support learned attention sinks")
-        lq, lk = q.shape[2], k.shape[2]
-        pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
-        j = torch.arange(lk, device=q.device)[None, :]
-        allowed = j <= pos
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            allowed = allowed & attention_mask[..., -lk:]
-        native = kw.get("sliding_window")
-        if native:
-            allowed = allowed & (j > pos - int(native))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+        out = masked_attention(module, q, k, v, attention_mask, scaling=scaling,
+                               softcap=softcap, what="head replay", **kw)
+        lq = q.shape[2]
         layer = int(module.layer_idx)
         edits = state.edits.get(layer, ())
         if edits and state.collect:  # [B, Hq, L, D]: sum over positions, mean later
