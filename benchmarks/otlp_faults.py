@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnprof.tools import models
-from attnprof.tools.server import VllmServer, http_get
+from attnprof.tools.http import get_text
+from attnprof.tools.server import VllmServer
 from overhead import fixed_prompts, interleaved_rounds, mean_stdev
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ STALL_S = 0.5  # a steady-decode p99 above this is a stall, not decode (p50 is ~
 def _failures(base: str) -> float:
     from tests.conftest import metric_value
 
-    return metric_value(http_get(base + "/metrics"), "attnprof_internal_errors_total",
+    return metric_value(get_text(base + "/metrics"), "attnprof_internal_errors_total",
                         place="export_otlp") or 0.0
 
 

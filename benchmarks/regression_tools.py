@@ -183,7 +183,8 @@ def bench_offline() -> dict[str, Any]:
 def bench_live(requests: int = 15) -> dict[str, Any]:
     from tests.conftest import build_tiny_model, free_port
 
-    from attnprof.tools.server import VllmServer, http_post_json
+    from attnprof.tools.http import post_json
+    from attnprof.tools.server import VllmServer
 
     key = "bench-key"
     with tempfile.TemporaryDirectory() as d:
@@ -203,7 +204,7 @@ def bench_live(requests: int = 15) -> dict[str, Any]:
                 body = {"model": "tiny", "prompt": "attention window cache " * 4,
                         "max_tokens": 32, "ignore_eos": True, "temperature": 0.0}
                 while not stop.is_set():
-                    http_post_json(srv.base_url + "/v1/completions", body, timeout=120)
+                    post_json(srv.base_url + "/v1/completions", body, timeout=120)
 
             movers = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
             for m in movers:

@@ -537,14 +537,14 @@ class Traffic:
         self.threads: list[threading.Thread] = []
 
     def _one(self, rng: random.Random) -> None:
-        from attnprof.tools.server import http_post_json
+        from attnprof.tools.http import post_json
 
         # Words are 1-3 tokens of the tiny BPE: keep the prompt under half the context.
         n_words = log_uniform(rng, 1, self.max_len // 4)
         body = {"model": self.model, "prompt": _words(rng, n_words), "temperature": 0.0,
                 "max_tokens": log_uniform(rng, 1, 64), "ignore_eos": True}
         try:
-            resp = http_post_json(self.base_url + "/v1/completions", body, timeout=120)
+            resp = post_json(self.base_url + "/v1/completions", body, timeout=120)
             u = resp.get("usage") or {}
             with self.lock:
                 self.ok += 1
@@ -586,10 +586,10 @@ def _metrics(base_url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """attnprof_* samples on /metrics by name: [(labels, value)]."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from attnprof.tools.server import http_get
+    from attnprof.tools.http import get_text
 
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(http_get(base_url + "/metrics", timeout=30)):
+    for fam in text_string_to_metric_families(get_text(base_url + "/metrics", timeout=30)):
         for smp in fam.samples:
             if smp.name.startswith("attnprof_"):
                 out.setdefault(smp.name, []).append((dict(smp.labels), float(smp.value)))

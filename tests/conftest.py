@@ -105,11 +105,11 @@ def poll_metrics(base_url: str, check: Any, timeout: float = 6.0) -> str:
     serving path), so a value lags the event that changed it by up to that interval."""
     import time
 
-    from attnprof.tools.server import http_get
+    from attnprof.tools.http import get_text
 
     deadline = time.monotonic() + timeout
     while True:
-        text = http_get(base_url + "/metrics")
+        text = get_text(base_url + "/metrics")
         if check(text) or time.monotonic() > deadline:
             return text
         time.sleep(0.2)
@@ -200,9 +200,9 @@ class PrometheusServer:
     def query(self, expr: str) -> list[dict[str, object]]:
         import urllib.parse
 
-        from attnprof.tools.server import http_get
+        from attnprof.tools.http import get_text
 
-        body = json.loads(http_get(f"{self.url}/api/v1/query?"
+        body = json.loads(get_text(f"{self.url}/api/v1/query?"
                                    + urllib.parse.urlencode({"query": expr})))
         assert body["status"] == "success", body
         return list(body["data"]["result"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.server import http_post_json
+from attnprof.tools.http import post_json
 from tests.conftest import REPO, get_snapshot
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
@@ -61,7 +61,7 @@ def substitute(expr: str, model_re: str) -> str:
 
 def complete(base_url: str) -> None:
     for prompt in PROMPTS:
-        http_post_json(base_url + "/v1/completions",
+        post_json(base_url + "/v1/completions",
                        {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
 
 

@@ -23,7 +23,8 @@ from attnprof.aggregate.kv import USAGE_BOUNDS
 from attnprof.aggregate.window import window_between
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.facts.kv import blocks_held
-from attnprof.tools.server import VllmServer, http_get
+from attnprof.tools.http import get_text
+from attnprof.tools.server import VllmServer
 from attnprof.tools.traffic import build_long_document_mix, run_traffic
 from tests.conftest import get_snapshot, metric_value, poll_metrics, running_tiny_server
 
@@ -83,7 +84,7 @@ class _GaugePoller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            v = metric_value(http_get(self.url), "vllm:kv_cache_usage_perc")
+            v = metric_value(get_text(self.url), "vllm:kv_cache_usage_perc")
             if v is not None:
                 self.max = max(self.max, v)
                 self.polls += 1

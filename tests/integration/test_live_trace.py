@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from attnprof.exporters.chrome_trace import check_trace
-from attnprof.tools.server import http_post_json
+from attnprof.tools.http import post_json
 from tests.conftest import TINY_API_KEY
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,7 +26,7 @@ CANARY = "zebracanary"
 
 def _traffic(base: str, stop: threading.Event) -> None:
     while not stop.is_set():
-        http_post_json(base + "/v1/completions",
+        post_json(base + "/v1/completions",
                        {"model": "tiny", "prompt": f"{CANARY} the quick request " * 4,
                         "max_tokens": 16, "ignore_eos": True, "temperature": 0.0}, timeout=60)
 

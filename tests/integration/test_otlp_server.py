@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from attnprof.exporters.catalog import CATALOG, spec
-from attnprof.tools.server import VllmServer, http_post_json
+from attnprof.tools.http import post_json
+from attnprof.tools.server import VllmServer
 from tests.conftest import poll_metrics, running_tiny_server
 from tests.otlp_receiver import OtlpReceiver
 
@@ -97,7 +98,7 @@ def test_otlp_counters_equal_metrics_exactly(otlp_server: tuple[VllmServer, Otlp
                                              ) -> None:
     srv, rx = otlp_server
     for i in range(3):
-        out: Any = http_post_json(srv.base_url + "/v1/completions",
+        out: Any = post_json(srv.base_url + "/v1/completions",
                                   {"model": "tiny", "prompt": "the model request " * (i + 2),
                                    "max_tokens": 5, "ignore_eos": True, "temperature": 0.0})
         assert out["usage"]["completion_tokens"] == 5
@@ -134,7 +135,7 @@ def test_sampled_steps_arrive_as_spans_with_layer_children(
         otlp_server: tuple[VllmServer, OtlpReceiver]) -> None:
     srv, rx = otlp_server
     canary = "giraffecanary"
-    http_post_json(srv.base_url + "/v1/completions",
+    post_json(srv.base_url + "/v1/completions",
                    {"model": "tiny", "prompt": f"{canary} spans please " * 3, "max_tokens": 4,
                     "ignore_eos": True, "temperature": 0.0})
 

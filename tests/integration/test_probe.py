@@ -292,7 +292,7 @@ def test_live_snapshot_and_metrics_carry_the_probe_and_roofline(
     the same numbers, and `attnprof snapshot --roofline` draws them."""
     from attnprof.cli import main
     from attnprof.contracts.snapshot import Snapshot
-    from attnprof.tools.server import http_post_json
+    from attnprof.tools.http import post_json
     from tests.conftest import get_snapshot, metric_value, poll_metrics, running_tiny_server
 
     env = {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0", "ATTNPROF_PROBE": "1",
@@ -301,7 +301,7 @@ def test_live_snapshot_and_metrics_carry_the_probe_and_roofline(
     with running_tiny_server(tiny_model, tmp_path_factory, "probe-vllm.log", env,
                              max_model_len=512, kv_bytes=64 << 20) as srv:
         url = srv.base_url
-        http_post_json(url + "/v1/completions", {
+        post_json(url + "/v1/completions", {
             "model": "tiny", "prompt": "hello " * 100, "max_tokens": 16, "min_tokens": 16,
             "ignore_eos": True, "temperature": 0.0}, timeout=120)
         deadline = time.monotonic() + 180

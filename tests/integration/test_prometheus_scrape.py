@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.server import http_get, http_post_json
+from attnprof.tools.http import get_text, post_json
 from tests.conftest import get_snapshot
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
 
 def test_promtool_accepts_the_exposition(tiny_server: Any) -> None:
-    http_post_json(tiny_server.base_url + "/v1/completions",
+    post_json(tiny_server.base_url + "/v1/completions",
                    {"model": "tiny", "prompt": "the model", "max_tokens": 2, "temperature": 0})
-    text = http_get(tiny_server.base_url + "/metrics")
+    text = get_text(tiny_server.base_url + "/metrics")
     ours = "\n".join(ln for ln in text.splitlines() if "attnprof_" in ln) + "\n"
     r = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True,
                        text=True)
@@ -26,7 +26,7 @@ def test_promtool_accepts_the_exposition(tiny_server: Any) -> None:
 
 def test_prometheus_scrapes_worker_and_api_server_series(tiny_server: Any,
                                                          prometheus: Any) -> None:
-    http_post_json(tiny_server.base_url + "/v1/completions",
+    post_json(tiny_server.base_url + "/v1/completions",
                    {"model": "tiny", "prompt": "the model request", "max_tokens": 3,
                     "temperature": 0})
     # API-server side (stat logger) and worker side (per-layer capture) on one target.
@@ -49,7 +49,7 @@ def test_suggest_window_reads_the_fleet_from_real_prometheus(tiny_server: Any, p
     import sys
 
     for n in (1, 3, 6):
-        http_post_json(tiny_server.base_url + "/v1/completions",
+        post_json(tiny_server.base_url + "/v1/completions",
                        {"model": "tiny", "prompt": "the model request " * n, "max_tokens": 2,
                         "temperature": 0})
     snap = get_snapshot(tiny_server.base_url)

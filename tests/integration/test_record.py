@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from attnprof.contracts.snapshot import Snapshot
-from attnprof.tools.server import http_post_json
+from attnprof.tools.http import post_json
 from tests.conftest import TINY_API_KEY, get_snapshot
 
 pytestmark = pytest.mark.vllm
@@ -26,7 +26,7 @@ ATTNPROF = [sys.executable, "-m", "attnprof.cli"]
 def _complete(srv: Any, n: int) -> None:
     body = {"model": "tiny", "prompt": "cache token layer attention window head", "max_tokens": n,
             "min_tokens": n, "ignore_eos": True, "temperature": 0.0}
-    http_post_json(srv.base_url + "/v1/completions", body, timeout=120)
+    post_json(srv.base_url + "/v1/completions", body, timeout=120)
 
 
 def test_record_holds_the_window_only_and_diffs_clean_against_itself(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.server import http_get, http_post_json
+from attnprof.tools.http import get_text, post_json
 from tests.conftest import PrometheusServer, free_port, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
@@ -64,7 +64,7 @@ def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         with contextlib.suppress(OSError):
-            if "attnprof_" in http_get(base + "/metrics"):
+            if "attnprof_" in get_text(base + "/metrics"):
                 return
         time.sleep(1.0)
     raise AssertionError("attnprof serve was not ready: " + log.read_text()[-2000:])
@@ -97,11 +97,11 @@ def _model_label(text: str) -> str:
 def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_model: Path,
                                                            tmp_path: Path) -> None:
     bases, prom, _ = fleet
-    served = json.loads(http_get(bases[0] + "/v1/models"))["data"][0]["id"]
+    served = json.loads(get_text(bases[0] + "/v1/models"))["data"][0]["id"]
     # Different traffic per replica, so a report reading one replica twice would be wrong.
     for base, n in ((bases[0], 3), (bases[1], 5)):
         for i in range(n):
-            r = http_post_json(base + "/v1/completions",
+            r = post_json(base + "/v1/completions",
                                {"model": served, "prompt": "the model request " * (2 + 3 * i),
                                 "max_tokens": 3, "temperature": 0})
             assert r["choices"], r
@@ -110,7 +110,7 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     for base, n in ((bases[0], 3), (bases[1], 5)):
         deadline = time.monotonic() + 30
         while True:
-            text = http_get(base + "/metrics")
+            text = get_text(base + "/metrics")
             label = _model_label(text)
             if (metric_value(text, "attnprof_request_context_tokens_count", model=label) or 0) \
                     >= n or time.monotonic() > deadline:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.server import http_post_json
+from attnprof.tools.http import post_json
 from tests.conftest import TINY_API_KEY, get_snapshot
 from tests.report_sample import load_page
 
@@ -26,7 +26,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_live_report_reads_the_servers_own_numbers(tiny_server: Any, tmp_path: Path) -> None:
     for n in (1, 4, 9):
-        http_post_json(tiny_server.base_url + "/v1/completions",
+        post_json(tiny_server.base_url + "/v1/completions",
                        {"model": "tiny", "prompt": "the model request " * n, "max_tokens": 3,
                         "temperature": 0})
     snap = get_snapshot(tiny_server.base_url)

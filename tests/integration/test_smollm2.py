@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from attnprof.capture.vllm.runtime import pid_alive
-from attnprof.tools.server import http_get, http_post_json
+from attnprof.tools.http import get_text, post_json
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
@@ -80,16 +80,16 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             try:
-                http_get(base + "/health", timeout=2)
+                get_text(base + "/health", timeout=2)
                 break
             except OSError:
                 assert time.monotonic() < deadline, "server not ready"
                 time.sleep(1)
-        out = http_post_json(base + "/v1/chat/completions", {
+        out = post_json(base + "/v1/chat/completions", {
             "model": "smollm2", "temperature": 0.0, "max_tokens": 12,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert "Paris" in out["choices"][0]["message"]["content"]
-        snap = json.loads(http_get(base + "/attnprof/snapshot"))
+        snap = json.loads(get_text(base + "/attnprof/snapshot"))
         (worker,) = snap["workers"]
         assert len(worker["layers"]) == 30
         assert {lay["backend"] for lay in worker["layers"]} == {"CPU_ATTN"}
@@ -118,7 +118,7 @@ def _check_live_trace(base: str, tmp_path: Path, steps: int = 5) -> None:
 
     def traffic() -> None:
         while not stop.is_set():
-            http_post_json(base + "/v1/completions", {
+            post_json(base + "/v1/completions", {
                 "model": "smollm2", "prompt": "Count slowly from one to fifty:",
                 "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}, timeout=120)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.server import http_post_json
+from attnprof.tools.http import post_json
 from tests.conftest import TINY_API_KEY, get_snapshot
 
 pytestmark = pytest.mark.vllm
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 def _complete(srv: Any, prompt: str, n: int) -> None:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "min_tokens": n,
             "ignore_eos": True, "temperature": 0.0}
-    http_post_json(srv.base_url + "/v1/completions", body, timeout=120)
+    post_json(srv.base_url + "/v1/completions", body, timeout=120)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.server import VllmServer, http_post_json
+from attnprof.tools.http import post_json
+from attnprof.tools.server import VllmServer
 from tests.conftest import metric_value, poll_metrics, running_tiny_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,7 +27,7 @@ def faulty_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 
 def test_exception_in_capture_path_is_counted_not_raised(faulty_server: VllmServer) -> None:
     for i in range(3):
-        out: Any = http_post_json(faulty_server.base_url + "/v1/completions",
+        out: Any = post_json(faulty_server.base_url + "/v1/completions",
                                   {"model": "tiny", "prompt": "the model request " * (i + 1),
                                    "max_tokens": 4, "ignore_eos": True, "temperature": 0.0})
         assert out["usage"]["completion_tokens"] == 4
@@ -59,7 +60,7 @@ def every_fault_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def _greedy(srv: VllmServer, prompt: str) -> str:
-    out: Any = http_post_json(srv.base_url + "/v1/completions",
+    out: Any = post_json(srv.base_url + "/v1/completions",
                               {"model": "tiny", "prompt": prompt, "max_tokens": 6,
                                "ignore_eos": True, "temperature": 0.0})
     return str(out["choices"][0]["text"])

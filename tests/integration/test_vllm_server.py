@@ -11,7 +11,7 @@ import pytest
 
 from attnprof.aggregate.head_stats import _SCHEMA as HEAD_STATS_SCHEMA
 from attnprof.contracts.snapshot import Snapshot
-from attnprof.tools.server import http_get, http_post_json
+from attnprof.tools.http import get_text, post_json
 from tests.conftest import TINY_API_KEY, dump, get_snapshot, metric_value, poll_metrics
 
 pytestmark = pytest.mark.vllm
@@ -24,11 +24,11 @@ def _snapshot(srv: Any, head_stats: bool = False) -> dict[str, Any]:
 def _complete(srv: Any, prompt: str | list[int], n: int) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "min_tokens": n,
             "ignore_eos": True, "temperature": 0.0}
-    return dict(http_post_json(srv.base_url + "/v1/completions", body, timeout=120))
+    return dict(post_json(srv.base_url + "/v1/completions", body, timeout=120))
 
 
 def test_plugin_is_live_in_api_server_engine_core_and_worker(tiny_server: Any) -> None:
-    metrics = http_get(tiny_server.base_url + "/metrics")
+    metrics = get_text(tiny_server.base_url + "/metrics")
     for role in ("api_server", "engine_core", "worker"):
         v = metric_value(metrics, "attnprof_plugin_processes", role=role)
         assert v is not None and v >= 1, (role, [ln for ln in metrics.splitlines()
@@ -83,10 +83,10 @@ def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) ->
     n_prompt = [len(tok(p)["input_ids"]) for p in prompts]
     # Earlier tests' last requests reach /metrics within the export interval (1 s): read the
     # baseline once it has stopped moving.
-    before = http_get(tiny_server.base_url + "/metrics")
+    before = get_text(tiny_server.base_url + "/metrics")
     for _ in range(20):
         time.sleep(1.2)
-        again = http_get(tiny_server.base_url + "/metrics")
+        again = get_text(tiny_server.base_url + "/metrics")
         if metric_value(again, "attnprof_request_context_tokens_count", model="tiny") == \
                 metric_value(before, "attnprof_request_context_tokens_count", model="tiny"):
             break
@@ -121,7 +121,7 @@ def test_snapshot_has_no_request_ids_or_text(tiny_server: Any) -> None:
     secret = "zebra quartz"  # not in the tokenizer's training words
     out = _complete(tiny_server, f"the model {secret}", 2)
     body = json.dumps(_snapshot(tiny_server, head_stats=True))
-    metrics = http_get(tiny_server.base_url + "/metrics")
+    metrics = get_text(tiny_server.base_url + "/metrics")
     assert secret not in body and "zebra" not in metrics
     assert out["id"] not in body and out["id"] not in metrics
     assert "request_id" not in body
@@ -190,7 +190,7 @@ def test_window_advice_in_snapshot_and_metrics(tiny_server: Any) -> None:
     assert adv["traffic"]["requests"] == snap["requests"]["requests"]
     assert adv["head_stats_requests"] >= 1 and len(adv["per_layer"]) == 2
     assert "your traffic: P50/P90/P99" in adv["summary"]
-    metrics = http_get(tiny_server.base_url + "/metrics")
+    metrics = get_text(tiny_server.base_url + "/metrics")
     assert metric_value(metrics, "attnprof_window_sinks_tokens", model="tiny") == adv["sinks"]
     assert metric_value(metrics, "attnprof_window_exact_request_ratio", model="tiny") == \
         pytest.approx(adv["exact_request_fraction"])
@@ -217,7 +217,7 @@ def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) 
     # soak's 40 s) can pass the limit on a fast machine, and then every view must still
     # show the sketch's same answers.
     assert ctx["exact"] is (ctx["count"] <= DEFAULT_EXACT_LIMIT), ctx
-    metrics = http_get(tiny_server.base_url + "/metrics")
+    metrics = get_text(tiny_server.base_url + "/metrics")
     gauges = [metric_value(metrics, "attnprof_request_tokens_quantile", model="tiny",
                            quantity="context", q=q) for q in ("0.5", "0.9", "0.99")]
     assert gauges == qs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -290,6 +291,24 @@ def test_prometheus_url_answers(raw: RawServer, answer: bytes) -> None:
 
     raw.answer = answer
     _expect(lambda: query_prometheus(raw.url, timeout=5), InputError)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(answer=_http_answers())
+def test_post_json_answers(raw: RawServer, answer: bytes) -> None:
+    """The traffic the demo and the benchmarks send: whatever comes back is the JSON it
+    holds or one HttpError (an error status keeps its code), never a urllib exception."""
+    from attnprof.tools.http import HttpError, post_json
+
+    raw.answer = answer
+    try:
+        post_json(raw.url + "/v1/completions", {"prompt": "x"}, timeout=5)
+    except HttpError as err:
+        assert "\n" not in str(err) and str(err)
+        m = re.match(rb"HTTP/1.1 (\d{3}) ", answer)
+        if err.status is not None:
+            assert m is not None and int(m.group(1)) == err.status >= 300
 
 
 _prom_result = st.lists(st.fixed_dictionaries({}, optional={

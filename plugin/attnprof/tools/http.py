@@ -1,5 +1,6 @@
-"""The one HTTP GET every URL-reading command uses (``snapshot --url``, ``suggest-window --url``
-and ``--prometheus``, the demo's own server).
+"""The one HTTP client attnprof has: every URL-reading command (``snapshot --url``,
+``suggest-window --url`` and ``--prometheus``), the demo's own server checks and the traffic
+it sends (:func:`get`, :func:`post_json`).
 
 Whatever comes back (a refused connection, a timeout, an answer that is not HTTP, a body cut
 short, an error status, a body that is not JSON) ends as :class:`HttpError` with one line;
@@ -27,7 +28,9 @@ __all__ = [
     "check_url",
     "get",
     "get_json",
+    "get_text",
     "parse_json",
+    "post_json",
     "resolve_api_key",
 ]
 
@@ -113,8 +116,30 @@ def get(url: str, *, timeout: float = 30.0, api_key: str | None = None, auth: bo
     ``api_key``: sent as ``Authorization: Bearer`` (not on redirects). ``auth``: the URL is an
     attnprof route, so 401/403 name the API key flag and variables.
     """
+    return _fetch(urllib.request.Request(url, headers={"Accept": "application/json"}), url,
+                  timeout=timeout, api_key=api_key, auth=auth, max_bytes=max_bytes)
+
+
+def get_text(url: str, timeout: float = 10.0, *, api_key: str | None = None) -> str:
+    """The body of ``GET url`` as text (``/metrics``, ``/health``); :class:`HttpError`
+    otherwise, as :func:`get`."""
+    return get(url, timeout=timeout, api_key=api_key).decode()
+
+
+def post_json(url: str, body: Mapping[str, Any], *, timeout: float = 600.0,
+              api_key: str | None = None, max_bytes: int = MAX_ANSWER_BYTES) -> Any:
+    """``POST url`` with ``body`` as JSON; the answer parsed as JSON. :class:`HttpError`
+    (one line, ``status`` set for an error status) for anything else."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Accept": "application/json"})
+    return parse_json(_fetch(req, url, timeout=timeout, api_key=api_key, auth=False,
+                             max_bytes=max_bytes), url)
+
+
+def _fetch(req: urllib.request.Request, url: str, *, timeout: float, api_key: str | None,
+           auth: bool, max_bytes: int) -> bytes:
     check_url(url)
-    req = urllib.request.Request(url, headers={"Accept": "application/json"})
     if api_key:
         resolve_api_key(api_key, {})  # refuses a key that would break the header
         req.add_unredirected_header("Authorization", f"Bearer {api_key}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 import signal
@@ -27,17 +26,16 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["PLUGIN_NAMES", "ServerError", "StopRequested", "VllmServer", "http_get",
-           "http_post_json",
-           "is_our_vllm", "on_cpu", "port_error"]
+from attnprof.tools import http
+
+__all__ = ["PLUGIN_NAMES", "ServerError", "StopRequested", "VllmServer", "is_our_vllm",
+           "on_cpu", "port_error"]
 
 PLUGIN_NAMES = ("attnprof", "attnprof_stats", "attnprof_http")
 
@@ -65,18 +63,6 @@ def on_cpu() -> bool:
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def http_get(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return str(r.read().decode())
-
-
-def http_post_json(url: str, body: Mapping[str, Any], timeout: float = 600.0) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def port_error(host: str, port: int) -> str | None:
@@ -163,17 +149,12 @@ def is_our_vllm(base_url: str, model_id: str | None, pgid: int | None,
     if owned is False:
         return False
     try:
-        http_get(base_url + "/health", timeout=timeout)
-        req = urllib.request.Request(base_url + "/v1/models")
-        if api_key:  # never forwarded on a redirect to another host
-            req.add_unredirected_header("Authorization", f"Bearer {api_key}")
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            models = json.loads(r.read())
-    except urllib.error.HTTPError as err:
+        http.get(base_url + "/health", timeout=timeout)
+        # the key is never forwarded on a redirect to another host
+        models = http.get_json(base_url + "/v1/models", timeout=timeout, api_key=api_key)
+    except http.HttpError as err:
         # vLLM's --api-key guards /v1 and we may not know the key: the listener's owner decides.
-        return owned is True and err.code in (401, 403)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+        return owned is True and err.status in (401, 403)
     data = models.get("data") if isinstance(models, dict) else None
     if not isinstance(data, list):
         return False

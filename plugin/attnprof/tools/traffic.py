@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnprof.tools.server import http_post_json
+from attnprof.tools.http import post_json
 
 __all__ = ["Request", "Result", "build_chat_mix", "build_long_document_mix", "build_mix",
            "document", "run_traffic"]
@@ -137,13 +137,13 @@ def _send(base_url: str, model: str, r: Request) -> Result:
                                     "max_tokens": r.max_tokens, "temperature": 0.0}
             if r.ignore_eos:
                 body["ignore_eos"] = True
-            resp = http_post_json(base_url + "/v1/chat/completions", body)
+            resp = post_json(base_url + "/v1/chat/completions", body)
         else:
             body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens,
                     "temperature": 0.0}
             if r.ignore_eos:
                 body["ignore_eos"] = True
-            resp = http_post_json(base_url + "/v1/completions", body)
+            resp = post_json(base_url + "/v1/completions", body)
         u = resp.get("usage") or {}
         return Result(r.kind, True, time.monotonic() - t0, int(u.get("prompt_tokens", 0)),
                       int(u.get("completion_tokens", 0)))
