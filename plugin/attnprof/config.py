@@ -91,19 +91,19 @@ OTLP_HISTOGRAMS = ("explicit", "exponential")
 
 def otlp_histogram(env: Mapping[str, str]) -> str:
     """``ATTNPROF_OTLP_HISTOGRAM``: how request histograms go out over OTLP."""
-    return _choice(env, "ATTNPROF_OTLP_HISTOGRAM", OTLP_HISTOGRAMS) or "explicit"
+    return _choice(env, "ATTNPROF_OTLP_HISTOGRAM", OTLP_HISTOGRAMS) or Config.otlp_histogram
 
 
 def otlp_spans(env: Mapping[str, str]) -> bool:
     """``ATTNPROF_OTLP_SPANS``: send sampled steps as OpenTelemetry spans (off by default)."""
-    return _bool(env, "ATTNPROF_OTLP_SPANS", False)
+    return _bool(env, "ATTNPROF_OTLP_SPANS", Config.otlp_spans)
 
 
 def default_home(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     raw = env.get("ATTNPROF_HOME")
     if not raw:
-        return Path.home() / ".cache" / "attnprof"
+        return Config.home
     try:
         return Path(raw).expanduser()
     except RuntimeError:  # ~user of a user this system does not know
@@ -181,30 +181,41 @@ class Config:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         env = os.environ if env is None else env
         run_dir = env.get("ATTNPROF_RUN_DIR")
+        d = cls()  # the defaults are the fields' (written once, above)
+        flt, num = _float, _int
         return cls(
-            enabled=_bool(env, "ATTNPROF_ENABLED", False),
-            sample_rate=_float(env, "ATTNPROF_SAMPLE_RATE", 0.05, 0.0, 1.0),
-            overhead_budget=_float(env, "ATTNPROF_OVERHEAD_BUDGET", 0.01, 0.0, 1.0, lo_open=True),
-            long_prefill_tokens=_int(env, "ATTNPROF_LONG_PREFILL_TOKENS", 1024, 1) or 1024,
-            long_prefill_rate=_float(env, "ATTNPROF_LONG_PREFILL_RATE", 0.5, 0.0, 1.0),
-            head_stats_rate=_float(env, "ATTNPROF_HEAD_STATS_RATE", 0.1, 0.0, 1.0),
-            head_stats_min_tokens=_int(env, "ATTNPROF_HEAD_STATS_MIN_TOKENS", 256, 1) or 256,
-            advice_interval_s=_float(env, "ATTNPROF_ADVICE_INTERVAL_S", 60.0, 0.0, 86400.0),
-            seed=_int(env, "ATTNPROF_SEED", None, None),
-            max_errors=_int(env, "ATTNPROF_MAX_ERRORS", 100, 1) or 100,
+            enabled=_bool(env, "ATTNPROF_ENABLED", d.enabled),
+            sample_rate=flt(env, "ATTNPROF_SAMPLE_RATE", d.sample_rate, 0.0, 1.0),
+            overhead_budget=flt(env, "ATTNPROF_OVERHEAD_BUDGET", d.overhead_budget, 0.0, 1.0,
+                                lo_open=True),
+            long_prefill_tokens=num(env, "ATTNPROF_LONG_PREFILL_TOKENS", d.long_prefill_tokens,
+                                    1) or d.long_prefill_tokens,
+            long_prefill_rate=flt(env, "ATTNPROF_LONG_PREFILL_RATE", d.long_prefill_rate, 0.0,
+                                  1.0),
+            head_stats_rate=flt(env, "ATTNPROF_HEAD_STATS_RATE", d.head_stats_rate, 0.0, 1.0),
+            head_stats_min_tokens=num(env, "ATTNPROF_HEAD_STATS_MIN_TOKENS",
+                                      d.head_stats_min_tokens, 1) or d.head_stats_min_tokens,
+            advice_interval_s=flt(env, "ATTNPROF_ADVICE_INTERVAL_S", d.advice_interval_s, 0.0,
+                                  86400.0),
+            seed=num(env, "ATTNPROF_SEED", None, None),
+            max_errors=num(env, "ATTNPROF_MAX_ERRORS", d.max_errors, 1) or d.max_errors,
             home=default_home(env),
             model_label=env.get("ATTNPROF_MODEL_LABEL") or None,
             run_dir=Path(run_dir) if run_dir else None,
             fault_inject=_faults(env),
-            snapshot_max_age_s=_float(env, "ATTNPROF_SNAPSHOT_MAX_AGE_S", 2.0, 0.0, 3600.0),
-            rpc_timeout_s=_float(env, "ATTNPROF_RPC_TIMEOUT_S", 10.0, 0.0, 600.0, lo_open=True),
-            snapshot_max_bytes=_int(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", 64 << 20, 4096)
-            or (64 << 20),
+            snapshot_max_age_s=flt(env, "ATTNPROF_SNAPSHOT_MAX_AGE_S", d.snapshot_max_age_s,
+                                   0.0, 3600.0),
+            rpc_timeout_s=flt(env, "ATTNPROF_RPC_TIMEOUT_S", d.rpc_timeout_s, 0.0, 600.0,
+                              lo_open=True),
+            snapshot_max_bytes=num(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", d.snapshot_max_bytes,
+                                   4096) or d.snapshot_max_bytes,
             otlp_histogram=otlp_histogram(env),
             otlp_spans=otlp_spans(env),
-            probe=_bool(env, "ATTNPROF_PROBE", False),
-            trace_open=_bool(env, "ATTNPROF_TRACE_OPEN", False),
-            trace_max_ranges=_int(env, "ATTNPROF_TRACE_MAX_RANGES", 150_000, 1) or 150_000,
-            trace_max_ranges_per_worker=_int(env, "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER",
-                                             40_000, 1) or 40_000,
+            probe=_bool(env, "ATTNPROF_PROBE", d.probe),
+            trace_open=_bool(env, "ATTNPROF_TRACE_OPEN", d.trace_open),
+            trace_max_ranges=num(env, "ATTNPROF_TRACE_MAX_RANGES", d.trace_max_ranges, 1)
+            or d.trace_max_ranges,
+            trace_max_ranges_per_worker=num(env, "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER",
+                                            d.trace_max_ranges_per_worker, 1)
+            or d.trace_max_ranges_per_worker,
         )

@@ -59,3 +59,17 @@ def test_every_variable_read_by_config_is_documented() -> None:
 def test_readme_table_matches_generated() -> None:
     readme = (REPO / "README.md").read_text()
     assert markdown_table() in readme, "regenerate with: attnprof env --markdown"
+
+
+def test_documented_defaults_are_the_code_defaults() -> None:
+    """The defaults are written once, as Config's fields; each documented default read back
+    through from_env gives the same Config as no variable at all (the table cannot drift)."""
+    base = Config.from_env({})
+    assert base == Config()
+    checked = 0
+    for v in VARIABLES:
+        if v.default.startswith("(") or v.default.startswith("~"):
+            continue  # computed defaults ("(unset)", "(served model name)", the home dir)
+        assert Config.from_env({v.name: v.default}) == base, v.name
+        checked += 1
+    assert checked >= 15
