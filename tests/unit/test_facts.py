@@ -241,3 +241,17 @@ def test_torch_dtype_from_any_alias() -> None:
     assert torch_dtype(torch.bfloat16) is torch.bfloat16
     with pytest.raises(ValueError, match="not a compute dtype"):
         torch_dtype("fp8_e4m3")
+
+
+def test_layer_ranges_are_written_one_way() -> None:
+    from attnprof.facts.layers import ranges_text, runs
+
+    assert runs([5, 0, 1, 2, 2]) == [(0, 2), (5, 5)]
+    assert ranges_text([5, 0, 1, 2]) == "0-2,5" and ranges_text([]) == ""
+    assert ranges_text([28, 29, 30, 5], ", ", "\u2013", "L") == "L5, L28\u2013L30"
+    # Each reader of the one definition: a finding, the demo sentence, a table, the report.
+    from attnprof.analyze.diff import format_layers
+    from attnprof.exporters.report_format import layers_text
+
+    assert format_layers([0, 1, 2, 5]) == "layers 0-2, 5" and format_layers([3]) == "layer 3"
+    assert layers_text(["L28", "L29", "L30", "L5"]) == "L5, L28\u2013L30"

@@ -10,7 +10,6 @@ import re
 import time
 from collections.abc import Sequence
 
-from attnprof.analyze.diff import runs
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.report import (
     ContextDistribution,
@@ -20,6 +19,7 @@ from attnprof.contracts.report import (
     Report,
     WhatIf,
 )
+from attnprof.facts.layers import ranges_text
 
 __all__ = [
     "MISSING",
@@ -195,8 +195,7 @@ def layers_text(layers: Sequence[str]) -> str:
     nums = [_LNUM.match(x) for x in layers]
     if not layers or not all(nums):
         return ", ".join(layers) or MISSING
-    return ", ".join(f"L{x}{_DASH}L{y}" if y > x else f"L{x}"
-                     for x, y in runs(int(m.group(1)) for m in nums if m))
+    return ranges_text((int(m.group(1)) for m in nums if m), ", ", _DASH, "L")
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from attnprof.facts.layers import ranges_text
+
 __all__ = ["render_kv", "render_snapshot", "table"]
 
 
@@ -29,16 +31,6 @@ def _pct(x: float | None) -> str:
 
 def _tok(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
-
-
-def _ranges(xs: Sequence[int]) -> str:
-    parts: list[tuple[int, int]] = []
-    for x in xs:
-        if parts and parts[-1][1] == x - 1:
-            parts[-1] = (parts[-1][0], x)
-        else:
-            parts.append((x, x))
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def render_snapshot(snap: dict[str, Any]) -> str:
@@ -76,16 +68,16 @@ def render_snapshot(snap: dict[str, Any]) -> str:
             krows = []
             why_lines = []
             for g in kmap:
-                krows.append([_ranges(g["layers"]), g["backend"], g.get("kernel") or "-",
+                krows.append([ranges_text(g["layers"]), g["backend"], g.get("kernel") or "-",
                               "yes" if g["fused"] else "NO",
                               ",".join(g.get("valid_backends") or []) or "-"])
                 for name, rs in (g.get("rejected") or {}).items():
                     if rs:
-                        why_lines.append(f"  layers {_ranges(g['layers'])}: {name} not valid: "
+                        why_lines.append(f"  layers {ranges_text(g['layers'])}: {name} not valid: "
                                          + "; ".join(rs))
             out.append(table(["layers", "backend", "kernel", "fused", "valid backends"], krows))
             out.extend(why_lines)
-            out.extend(f"  layers {_ranges(g['layers'])}: {g['note']}" for g in kmap
+            out.extend(f"  layers {ranges_text(g['layers'])}: {g['note']}" for g in kmap
                        if g.get("note"))
             for src in dict.fromkeys(g.get("source") for g in kmap if g.get("source")):
                 out.append(f"  verdicts from: {src}")
@@ -168,7 +160,7 @@ def render_kv(snap: dict[str, Any]) -> str:
             v = hb.get(str(idx[0]))
             return "-" if v is None else f"{v / 2**20:.1f}"
 
-        rows = [[_ranges(idx), f"{k[0]:.0f}", f"{k[1]:.0f}",
+        rows = [[ranges_text(idx), f"{k[0]:.0f}", f"{k[1]:.0f}",
                  f"{k[4] // max(1, k[5])} q heads", f"{k[2]:.0f}", k[3] or "full",
                  _pct(sum(ls.get(str(i), 0.0) for i in idx)), mib(idx),
                  "most" if top & set(idx) else ""] for k, idx in groups.items()]

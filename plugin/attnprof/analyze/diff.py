@@ -25,6 +25,7 @@ from attnprof.contracts.diff import Change, DiffReport, DiffSide, Finding, Sever
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.snapshot import Snapshot
+from attnprof.facts.layers import ranges_text, runs
 from attnprof.facts.shape import layer_label, site_order
 
 __all__ = [
@@ -118,25 +119,13 @@ def parse_fail_on(text: str | None) -> dict[str, float | None]:
     return out
 
 
-def runs(values: Iterable[int]) -> list[tuple[int, int]]:
-    """``[5, 0, 1, 2]`` -> ``[(0, 2), (5, 5)]``: distinct values as runs of consecutive ones."""
-    xs = sorted(set(values))
-    out: list[tuple[int, int]] = []
-    for x in xs:
-        if out and x == out[-1][1] + 1:
-            out[-1] = (out[-1][0], x)
-        else:
-            out.append((x, x))
-    return out
-
-
 def format_layers(layers: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"layers 0-2, 5"`` (``"layer 3"`` for one)."""
     rs = runs(layers)
     if not rs:
         return "no layers"
-    parts = [f"{a}-{b}" if b > a else f"{a}" for a, b in rs]
-    return ("layer " if len(rs) == 1 and rs[0][0] == rs[0][1] else "layers ") + ", ".join(parts)
+    return (("layer " if len(rs) == 1 and rs[0][0] == rs[0][1] else "layers ")
+            + ranges_text(layers, ", "))
 
 
 Site = tuple[str | None, int, str]

@@ -39,6 +39,7 @@ from attnprof.contracts.advice import (
     UnderusedHead,
     WindowAdvice,
 )
+from attnprof.facts.layers import ranges_text
 
 __all__ = [
     "DYNAMIC_SPARSE_MIN_TOKENS",
@@ -401,21 +402,6 @@ def _undecided_phrase(rec: Mapping[str, Any]) -> str | None:
             "sampling error of the target; undecided heads are never windowed)")
 
 
-def _layer_ranges(layers: Sequence[int]) -> str:
-    if not layers:
-        return "no layers"
-    parts: list[str] = []
-    start = prev = layers[0]
-    for x in [*layers[1:], None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ",".join(parts)
-
-
 def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = None) -> str:
     """The demo sentence: traffic quantiles, suggestion, savings, exactness, replay evidence."""
     tr = rec["traffic"]
@@ -435,7 +421,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
             parts.append(phrase.split(" (", 1)[0])
         return "; ".join(parts)
     parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
-              f"{_layer_ranges(layers)} ({len(layers)} of {n_layers})",
+              f"{ranges_text(layers) or 'no layers'} ({len(layers)} of {n_layers})",
               f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
               f"{rec['kv_memory_saving']:.1%} KV memory",
               f"{rec['exact_request_fraction']:.1%} of requests unchanged"]
