@@ -255,3 +255,18 @@ def test_layer_ranges_are_written_one_way() -> None:
 
     assert format_layers([0, 1, 2, 5]) == "layers 0-2, 5" and format_layers([3]) == "layer 3"
     assert layers_text(["L28", "L29", "L30", "L5"]) == "L5, L28\u2013L30"
+
+
+def test_durations_have_one_unit_table_and_two_grammars() -> None:
+    from attnprof.facts.durations import DurationError, promql_range, promql_seconds, seconds
+
+    assert seconds("500ms", "--x") == 0.5 and seconds(" 2 MIN ", "--x") == 120.0
+    assert seconds("1.5", "--x") == 1.5
+    assert promql_range("1h30m") == "1h30m" and promql_seconds("1h30m") == 5400.0
+    assert promql_seconds("1d") == 86400.0 and promql_seconds("1w") == 7 * 86400.0
+    for bad, parse in (("1h30m", lambda t: seconds(t, "--duration")),  # not a local duration
+                       ("1.5h", promql_range), ("2min", promql_range),  # nor PromQL
+                       ("500ms", promql_seconds)):  # under a second
+        with pytest.raises(DurationError) as info:
+            parse(bad)
+        assert "\n" not in str(info.value)

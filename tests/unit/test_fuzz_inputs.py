@@ -46,9 +46,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnprof.cli as cli
-from attnprof.cli._common import MAX_LENGTH, MAX_SECONDS
+from attnprof.cli._common import MAX_LENGTH
 from attnprof.config import Config, ConfigError
 from attnprof.environment_variables import VARIABLES, EnvVar
+from attnprof.facts.durations import MAX_SECONDS, UNIT_SECONDS
 
 REPO = Path(__file__).resolve().parents[2]
 URL = "http://127.0.0.1:9"  # never contacted: the network is a marker here
@@ -319,7 +320,7 @@ def float_kind(lo: float, hi: float = math.inf, *, lo_open: bool = False,
 
 PRICE = float_kind(0.0)
 
-_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "": 1.0}
+_UNIT_S = {**{u: UNIT_SECONDS[u] for u in ("ms", "s", "m", "min", "h")}, "": 1.0}
 _NO_DIGIT = ANY_TEXT.filter(lambda s: not any("0" <= c <= "9" for c in s))
 
 

@@ -8,13 +8,14 @@ import importlib.util
 import json
 import math
 import os
-import re
 import secrets
 import signal
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from attnprof.facts import durations
 
 __all__ = [
     "MAX_LENGTH",
@@ -168,22 +169,13 @@ def progress_bar(total: int, desc: str, unit: str = "it") -> Any:
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)
 
 
-_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "": 1.0}
-MAX_SECONDS = 7 * 86400.0
-"""Longest --interval / --duration (a week): anything longer is a typo."""
-
-
 def parse_seconds(text: str, flag: str) -> float:
-    """``10s``, ``500ms``, ``2m``, ``1h``, ``1.5`` (seconds) -> seconds; :class:`CliError`
-    (one line) for anything else, zero or more than :data:`MAX_SECONDS`."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|min|m|h|)\s*", text.lower(), flags=re.ASCII)
-    if not m:
-        raise CliError(f"{flag} {text[:30]!r} is not a duration (e.g. 10s, 500ms, 2m)")
-    secs = float(m.group(1)) * _SECONDS[m.group(2)]
-    if not 0 < secs <= MAX_SECONDS or not math.isfinite(secs):
-        raise CliError(f"{flag} must be more than 0 and at most {MAX_SECONDS:.0f} s, "
-                       f"got {text[:30]!r}")
-    return secs
+    """A local duration (:func:`attnprof.facts.durations.seconds`: ``10s``, ``500ms``, ``2m``,
+    ``1h``, ``1.5``) in seconds; :class:`CliError` (one line) otherwise."""
+    try:
+        return durations.seconds(text, flag)
+    except durations.DurationError as err:
+        raise CliError(str(err)) from None
 
 
 def price_arg(text: str) -> float:

@@ -7,20 +7,21 @@ import urllib.parse
 
 from attnprof.analyze.sparsity.inputs import InputError, from_prometheus_response
 from attnprof.analyze.sparsity.savings import LengthDistribution
+from attnprof.facts import durations
 from attnprof.tools import http
 
 __all__ = ["parse_duration", "parse_prometheus_answer", "query_prometheus", "query_url"]
 
-_DURATION = re.compile(r"(?:[0-9]{1,9}(?:ms|s|m|h|d|w|y))+")
 _METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 def parse_duration(text: str, flag: str = "--prometheus-range") -> str:
-    """A PromQL range (``5m``, ``1d``, ``1h30m``) as given; :class:`InputError` for anything
-    else (it is pasted into the query, so nothing else may pass)."""
-    if not _DURATION.fullmatch(text):
-        raise InputError(f"{flag} {text[:60]!r} is not a duration (e.g. 30m, 6h, 1d, 1h30m)")
-    return text
+    """A PromQL range (``5m``, ``1d``, ``1h30m``, :func:`attnprof.facts.durations.promql_range`)
+    as given; :class:`InputError` for anything else (it is pasted into the query)."""
+    try:
+        return durations.promql_range(text, flag)
+    except durations.DurationError as err:
+        raise InputError(str(err)) from None
 
 
 def _label_value(text: str, flag: str) -> str:
