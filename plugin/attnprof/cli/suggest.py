@@ -317,7 +317,8 @@ def _check_source(args: argparse.Namespace) -> None:
     from attnprof.analyze.sparsity.inputs import InputError
     from attnprof.tools import http
     from attnprof.tools.prometheus_query import query_url
-    from attnprof.tools.report_sources import ReportInputError, range_seconds
+    from attnprof.tools.report_prometheus import range_seconds
+    from attnprof.tools.report_sources import ReportInputError
 
     try:
         if args.prometheus is not None:
