@@ -145,9 +145,9 @@ def test_encoder_decoder_floor_uses_decoder_kv(tmp_path: Path) -> None:
 
 
 def test_validated_extrapolation_says_why_it_is_high() -> None:
-    from attnprof.cli.profile import _how_sure
+    from attnprof.exporters.terminal_profile import how_sure
 
-    assert _how_sure(65.0, True, "high", 256, validated=True) == (
+    assert how_sure(65.0, True, "high", 256, validated=True) == (
         " (EXTRAPOLATION (validated): 65x the longest measured length (256), confidence high)")
-    assert _how_sure(65.0, True, "low", 256) == (
+    assert how_sure(65.0, True, "low", 256) == (
         " (EXTRAPOLATION: 65x the longest measured length (256), confidence low)")
