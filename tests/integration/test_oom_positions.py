@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from attnprof.analyze import memory, scaling
+from attnprof.analyze import memory, oom
 from attnprof.cli import main
 from attnprof.tools import model_inputs, profile_run
 from tests.integration.model_families import build
@@ -78,13 +78,13 @@ def test_validation_skipped_past_learned_positions(
     assert "validation skipped: L=" in text and "beyond the model's maximum context" in text
 
 
-def _floor(prof: dict[str, Any], sites: list[scaling.FloorSite] | None, L: int) -> float:
+def _floor(prof: dict[str, Any], sites: list[oom.FloorSite] | None, L: int) -> float:
     m, o = prof["model"], prof["oom_prediction"]
-    return scaling.forward_floor(
+    return oom.forward_floor(
         L, static_bytes=o["static_bytes"], batch=prof["run"]["batch_size"],
         num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"], head_dim=m["head_dim"],
         dtype=m["dtype"], layer_paths=["flash_cpu"] * m["num_layers"], sites=sites,
-        decoder_len=model_inputs.decoder_len)
+        threads=prof["environment"]["device"]["threads"], decoder_len=model_inputs.decoder_len)
 
 
 def _profiled(tmp_path: Path, family: str, seq_lens: str) -> dict[str, Any]:
@@ -100,8 +100,8 @@ def test_encoder_floor_holds_no_kv_and_no_causal_mask(tmp_path: Path) -> None:
     """BERT: dense self-attention, no KV cache. The floor is below the old one (every layer
     a causal decoder with L tokens of KV) and below every measured peak."""
     prof = _profiled(tmp_path, "bert", "64,128")
-    sites = profile_run._floor_sites(
-        scaling.run_sites(prof["activation_map"], prof["model"]["num_layers"]), False, None)
+    sites = oom.floor_sites(
+        oom.run_sites(prof["activation_map"], prof["model"]["num_layers"]), False, None)
     assert [s.keeps_kv or s.causal for s in sites] == [False, False]
     for r in prof["scaling"]["by_seq_len"]:
         L = r["seq_len"]
@@ -115,10 +115,10 @@ def test_encoder_decoder_floor_uses_decoder_kv(tmp_path: Path) -> None:
     """BART: the encoder holds no KV; each decoder layer holds ceil(L/2) self KV and L cross
     KV, which is exactly the measured EncoderDecoderCache at the end of the forward."""
     prof = _profiled(tmp_path, "bart", "64,128")
-    run = scaling.run_sites(prof["activation_map"], prof["model"]["num_layers"])
+    run = oom.run_sites(prof["activation_map"], prof["model"]["num_layers"])
     assert [s["label"] for s in run] == ["encoder.L0", "encoder.L1", "decoder.L0",
                                         "decoder.L0.cross", "decoder.L1", "decoder.L1.cross"]
-    sites = profile_run._floor_sites(run, True, None)
+    sites = oom.floor_sites(run, True, None)
     assert [(s.causal, s.keeps_kv, s.decoder, s.cross) for s in sites] == [
         (False, False, False, False)] * 2 + [
         (True, True, True, False), (False, True, True, True)] * 2
@@ -134,7 +134,8 @@ def test_encoder_decoder_floor_uses_decoder_kv(tmp_path: Path) -> None:
         def a(q: int, kv: int, causal: bool) -> float:
             return memory.analytic_attention_peak(memory.AttnShape(
                 1, m["num_heads"], m["num_kv_heads"], q, kv, m["head_dim"], m["head_dim"],
-                m["dtype"]), "flash_cpu", causal=causal)["total"]
+                m["dtype"]), "flash_cpu", causal=causal,
+                threads=prof["environment"]["device"]["threads"])["total"]
         want = max(a(L, L, False), d * k + a(d, d, True), (d + L) * k + a(d, L, False),
                    (2 * d + L) * k + a(d, d, True), (2 * d + 2 * L) * k + a(d, L, False))
         assert f == pytest.approx(prof["oom_prediction"]["static_bytes"] + want)
@@ -144,9 +145,9 @@ def test_encoder_decoder_floor_uses_decoder_kv(tmp_path: Path) -> None:
 
 
 def test_validated_extrapolation_says_why_it_is_high() -> None:
-    from attnprof.cli.profile import _how_sure
+    from attnprof.exporters.terminal_profile import how_sure
 
-    assert _how_sure(65.0, True, "high", 256, validated=True) == (
+    assert how_sure(65.0, True, "high", 256, validated=True) == (
         " (EXTRAPOLATION (validated): 65x the longest measured length (256), confidence high)")
-    assert _how_sure(65.0, True, "low", 256) == (
+    assert how_sure(65.0, True, "low", 256) == (
         " (EXTRAPOLATION: 65x the longest measured length (256), confidence low)")

@@ -8,14 +8,13 @@ import math
 
 import pytest
 
+from attnprof.aggregate.histogram import bucket_quantile
 from attnprof.analyze.cost import (
     CostInputs,
     FlagChecks,
     Settings,
     WindowInputs,
     build_model_report,
-    kv_element_bytes_of,
-    quantile_from_buckets,
 )
 from attnprof.contracts.advice import ReplayEvidence
 from attnprof.contracts.report import (
@@ -32,13 +31,17 @@ FLAGS = FlagChecks(version="0.32.0", kv_cache_dtype=True, fp8_values=True, backe
                    layer_types_detail="models/llama.py reads layer_types")
 
 
+
+def _interpolated(bounds: list[float], counts: list[float], q: float) -> float | None:
+    return bucket_quantile(bounds, counts, q, interpolate=True)
+
 def _inputs(verdict: str = "neither", window: WindowInputs | None = None,
             requests: float = 5000.0, dtype: str = "bfloat16") -> CostInputs:
     # 100 requests <= 128 tokens, 4800 in (128, 1024], 100 in (1024, 4096].
     bounds = [128.0, 1024.0, 4096.0]
     counts = [100.0, 4800.0, 100.0, 0.0]
     ctx = ContextDistribution(bounds=bounds, counts=counts, p50=500.0, p90=900.0, p99=2000.0,
-                              p999=quantile_from_buckets(bounds, counts, 0.999), max=4000.0,
+                              p999=_interpolated(bounds, counts, 0.999), max=4000.0,
                               mean=600.0)
     traffic = Traffic(requests=requests, requests_per_s=2.0, tokens_per_s=1000.0,
                       prompt_tokens=1e6, generation_tokens=2e5, max_model_len=8192,
@@ -68,9 +71,9 @@ def _get(rep: ModelReport, wid: str) -> WhatIf:
 def test_bucket_quantile_interpolates_like_histogram_quantile() -> None:
     # 10 in (0, 10], 10 in (10, 20]: the median is the first bucket's top, p75 halfway up
     # the second.
-    assert quantile_from_buckets([10.0, 20.0], [10.0, 10.0, 0.0], 0.5) == pytest.approx(10.0)
-    assert quantile_from_buckets([10.0, 20.0], [10.0, 10.0, 0.0], 0.75) == pytest.approx(15.0)
-    assert quantile_from_buckets([10.0], [0.0, 0.0], 0.5) is None
+    assert _interpolated([10.0, 20.0], [10.0, 10.0, 0.0], 0.5) == pytest.approx(10.0)
+    assert _interpolated([10.0, 20.0], [10.0, 10.0, 0.0], 0.75) == pytest.approx(15.0)
+    assert _interpolated([10.0], [0.0, 0.0], 0.5) is None
 
 
 def test_money_now_follows_its_formula() -> None:
@@ -146,7 +149,7 @@ def test_replay_evidence_sets_confidence() -> None:
 def test_max_model_len_saves_nothing_and_says_why() -> None:
     rep = build_model_report(_inputs(), Settings(gpu_hour_price=2.0), FLAGS)
     w = _get(rep, "max_model_len")
-    p999 = quantile_from_buckets([128.0, 1024.0, 4096.0], [100.0, 4800.0, 100.0, 0.0], 0.999)
+    p999 = _interpolated([128.0, 1024.0, 4096.0], [100.0, 4800.0, 100.0, 0.0], 0.999)
     assert p999 is not None
     new = math.ceil(p999 / 256) * 256
     assert w.apply.flags == [f"--max-model-len {new}"]
@@ -164,7 +167,10 @@ def test_fp8_absent_when_already_fp8_and_savings_ranked() -> None:
                              Settings(gpu_hour_price=1.0), FLAGS)
     assert rep.savings[0].startswith("FP8 KV cache")  # 50% beats the window's 25%
     assert rep.savings[1].startswith("0 sinks + window 1024")
-    assert kv_element_bytes_of("float32") == 4.0 and kv_element_bytes_of("auto") is None
+    fp32 = build_model_report(_inputs("kv_bound", dtype="float32"), Settings(), FLAGS)
+    assert _get(fp32, "fp8_kv").inputs["bytes_per_element"] == 4.0
+    auto = build_model_report(_inputs("kv_bound", dtype="auto"), Settings(), FLAGS)
+    assert all(w.id != "fp8_kv" for w in auto.what_ifs)
 
 
 def test_a_kv_saving_that_frees_no_whole_replica_saves_nothing() -> None:
@@ -206,7 +212,7 @@ def test_bucketed_p999_rounds_to_its_bucket_edge() -> None:
 
 
 def test_drift_says_stable_or_how_far_it_moved() -> None:
-    from attnprof.tools.report_sources import drift
+    from attnprof.analyze.cost_inputs import drift
 
     def dist(p50: float, p99: float) -> ContextDistribution:
         return ContextDistribution(bounds=[], counts=[], p50=p50, p99=p99)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attnprof.analyze import memory, scaling
+from attnprof.tools import memory_measure, scaling_bench
 
 
 def test_kv_bytes_per_token_formula() -> None:
@@ -30,29 +31,31 @@ def test_analytic_kv_equals_real_cache(family: str, extra: dict[str, int]) -> No
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, 100, (B, L)), use_cache=True)
     per = memory.kv_bytes_per_token(2, 16, torch.bfloat16)["per_layer"]
-    assert memory.cache_bytes(out.past_key_values) == per * B * L * 3
+    assert memory_measure.cache_bytes(out.past_key_values) == per * B * L * 3
 
 
 @pytest.mark.parametrize("path", ["flash_cpu", "math", "eager"])
 @pytest.mark.parametrize("length", [512, 1024])
 def test_analytic_peak_within_10_percent_fp32(path: str, length: int) -> None:
     shape = memory.AttnShape(1, 9, 3, length, length, 64, 64, "float32")
-    measured = scaling.bench_path(path, 1, 9, 3, length, 64, "float32", repeats=1)
-    modeled = memory.analytic_attention_peak(shape, path)["total"]
+    measured = scaling_bench.bench_path(path, 1, 9, 3, length, 64, "float32", repeats=1)
+    modeled = memory.analytic_attention_peak(shape, path,
+                                            threads=torch.get_num_threads())["total"]
     assert memory.rel_err(modeled, measured["peak_bytes"]) < 0.10, (modeled, measured)
 
 
 def test_unfused_paths_hold_the_score_matrix() -> None:
     # Doubling L quadruples the math path's peak; the fused one grows at most linearly.
     def peak(path: str, length: int) -> float:
-        return scaling.bench_path(path, 1, 4, 4, length, 64, "float32", repeats=1)["peak_bytes"]
+        got = scaling_bench.bench_path(path, 1, 4, 4, length, 64, "float32", repeats=1)
+        return got["peak_bytes"]
 
     assert peak("math", 1024) / peak("math", 512) > 3.5
     assert peak("flash_cpu", 2048) / peak("flash_cpu", 1024) < 2.1  # tiles: same q split
 
 
 def test_measure_peak_sees_a_known_allocation() -> None:
-    _, peak = memory.measure_peak(lambda: torch.empty(1 << 20, dtype=torch.uint8).sum())
+    _, peak = memory_measure.measure_peak(lambda: torch.empty(1 << 20, dtype=torch.uint8).sum())
     assert peak >= 1 << 20
 
 

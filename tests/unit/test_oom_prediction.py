@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from attnprof.analyze import memory, scaling
+from attnprof.analyze import memory, oom, scaling
 from attnprof.cli import main
+from attnprof.tools import scaling_bench
 
 GIB = 1 << 30
 # SmolLM2-135M's attention shape (../shared/notes/smollm2.md).
@@ -50,8 +51,8 @@ def short_benches() -> dict[str, tuple[list[int], list[float]]]:
     out = {}
     for path in scaling.PATHS:
         Ls = [32, 64]
-        peaks = [scaling.bench_path(path, 1, HQ, HKV, L, D, "float32", repeats=1)["peak_bytes"]
-                 for L in Ls]
+        peaks = [scaling_bench.bench_path(path, 1, HQ, HKV, L, D, "float32",
+                                          repeats=1)["peak_bytes"] for L in Ls]
         out[path] = (Ls, peaks)
     return out
 
@@ -65,7 +66,7 @@ def test_short_fits_never_exceed_the_analytic_bound(
     path here; efficient/cuDNN exist on CUDA only, and vLLM makes no OOM prediction)."""
     Ls, peaks = short_benches[path]
     floor = _call_floor(path)
-    pred = scaling.predict_oom(Ls, peaks, budget, floor)
+    pred = oom.predict_oom(Ls, peaks, budget, floor)
     bound = _largest(floor, budget)
     assert pred["analytic_max_seq_len"] == bound
     assert 64 < pred["max_seq_len"] <= bound
@@ -84,13 +85,13 @@ def test_short_fits_never_exceed_the_analytic_bound(
 
 
 def test_confidence_levels_follow_the_documented_rule() -> None:
-    c = scaling.confidence
+    c = oom.confidence
     assert [c(1.0), c(2.0), c(3.9), c(4.0), c(4.1), c(400)] == [
         "high", "high", "medium", "medium", "low", "low"]
     assert c(30, validated=True) == "high"
     assert c(1.5, model_error=0.2) == "medium" and c(3, model_error=0.2) == "low"
     assert c(None) == "low" and c(0) == "low"
-    assert f"{scaling.EXTRAPOLATION_LIMIT:g}x" in scaling.CONFIDENCE_RULE
+    assert f"{oom.EXTRAPOLATION_LIMIT:g}x" in oom.CONFIDENCE_RULE
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_default_sdpa_math_what_if_is_physically_possible(
     assert w["extrapolation"] and w["confidence"] == "low"
     assert w["extrapolation_factor"] == round(w["max_seq_len"] / 256, 2)
     assert o["max_seq_len"] <= o["analytic_max_seq_len"]
-    assert o["extrapolation"] is (o["extrapolation_factor"] > scaling.EXTRAPOLATION_LIMIT)
+    assert o["extrapolation"] is (o["extrapolation_factor"] > oom.EXTRAPOLATION_LIMIT)
     text = capsys.readouterr().out
     line = next(x for x in text.splitlines() if x.startswith("OOM prediction"))
     assert "flash_cpu: all layers" in line and "confidence" in line
@@ -185,6 +186,6 @@ def test_eager_prediction_holds_when_run_at_the_predicted_length(
     v = o["validation"]
     assert v["planned"] and v["seq_len"] == o["max_seq_len"], v
     assert v["fits_budget"] and v["rel_error"] < 0.05, v
-    assert o["extrapolation_factor"] > scaling.EXTRAPOLATION_LIMIT and o["extrapolation"]
+    assert o["extrapolation_factor"] > oom.EXTRAPOLATION_LIMIT and o["extrapolation"]
     assert o["confidence"] == "high"
     assert o["max_seq_len"] <= o["analytic_max_seq_len"]

@@ -399,7 +399,7 @@ def test_profile_trace_nests_each_layer_call_inside_its_forward(tmp_path: Any) -
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from attnprof.capture.transformers import instrument
-    from attnprof.tools.profile_run import _Forward, write_trace
+    from attnprof.tools.profile_trace import Forward, write_trace
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -411,7 +411,7 @@ def test_profile_trace_nests_each_layer_call_inside_its_forward(tmp_path: Any) -
         f0, s0 = len(prof.records), time.perf_counter_ns()
         with torch.no_grad():
             model(input_ids=torch.randint(0, 64, (1, L)))
-        forwards.append(_Forward(f"forward L={L}", s0, time.perf_counter_ns(), f0,
+        forwards.append(Forward(f"forward L={L}", s0, time.perf_counter_ns(), f0,
                                  len(prof.records)))
     prof.uninstrument()
     out = tmp_path / "trace.json"

@@ -204,8 +204,8 @@ def test_findings_reach_the_window_advice(built: tuple[Any, HeadStatsAccumulator
     """The live path (recommend -> export_summary, as the endpoint's advice loop runs it)
     and the snapshot wire form carry the findings with their KV shares, not validated."""
     from attnprof.analyze.sparsity.recommend import export_summary, recommend
-    from attnprof.cli.suggest import render
     from attnprof.contracts.advice import WindowAdvice
+    from attnprof.exporters.terminal_suggest import render
 
     _, acc = built
     arch = Arch(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=HEAD_DIM)

@@ -47,7 +47,7 @@ def scaling_png(res: ProfileReport) -> bytes:
     if o.max_seq_len and o.max_seq_len <= 64 * max(xs):
         # The analytic floor the prediction never passes: weights + KV cache + the attention
         # peaks of the paths the model ran, out to the predicted OOM length.
-        from attnprof.analyze.scaling import forward_floor
+        from attnprof.analyze.oom import forward_floor
 
         m = res.model
         paths = [""] * m.num_layers
@@ -61,6 +61,7 @@ def scaling_png(res: ProfileReport) -> bytes:
                                        batch=res.run.batch_size, num_heads=m.num_heads,
                                        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                        dtype=m.dtype, layer_paths=paths,
+                                       threads=res.environment.device.threads or 1,
                                        layer_windows=m.layer_windows) / 2**20 for x in grid],
                   "--", color="tab:blue", lw=1, label="analytic floor (paths as run)")
         how = "" if o.confidence is None else (

@@ -46,19 +46,35 @@ def pow2_buckets(max_value: int) -> list[float]:
     return edges
 
 
-def bucket_quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
-    """The upper bound of the bucket holding quantile ``q`` of a histogram (``counts[i]`` in
-    ``(bounds[i-1], bounds[i]]``, the last count above ``bounds[-1]``, which then stands for
-    it); None when the histogram is empty or has no bounds."""
+def bucket_quantile(bounds: Sequence[float], counts: Sequence[float], q: float, *,
+                    interpolate: bool = False) -> float | None:
+    """Quantile ``q`` of a histogram (``counts[i]`` in ``(bounds[i-1], bounds[i]]``, the last
+    count above ``bounds[-1]``, which then stands for it); None when the histogram is empty or
+    has no bounds.
+
+    By default the upper bound of the bucket holding it (what a snapshot's windowed quantiles
+    and the KV usage p95 promise: never below the true value). ``interpolate``: linearly
+    inside its (non-empty) bucket from the bucket's lower edge, the first bucket's being 0,
+    as Prometheus' ``histogram_quantile`` does (what the cost report's bucketed quantiles
+    promise); ``bounds`` are then returned as given, not cast to float."""
     total = sum(counts)
     if total <= 0 or not bounds:
         return None
-    acc = 0
+    target = q * total
+    acc = 0.0
+    lo = 0.0
     for i, c in enumerate(counts):
+        if i >= len(bounds):  # the overflow bucket: its lower edge stands for it
+            break
+        hi = bounds[i]
+        if interpolate:
+            if acc + c >= target and c > 0:
+                return lo + (hi - lo) * (target - acc) / c
+        elif acc + c >= target:
+            return float(hi)
         acc += c
-        if acc >= q * total:
-            return float(bounds[i]) if i < len(bounds) else float(bounds[-1])
-    return float(bounds[-1])
+        lo = hi
+    return bounds[-1] if interpolate else float(bounds[-1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,13 @@
 """analyze: pure functions over typed inputs. Kernel rules and the compatibility matrix,
-backend advice, the memory model, scaling fits and OOM prediction, window maths
+backend advice, the memory model, scaling fits and OOM prediction (:mod:`.oom`), cost
+what-ifs and their inputs (:mod:`.cost`, :mod:`.cost_inputs`), window maths
 (:mod:`.sparsity`, :mod:`.window_advice`).
 
-Nothing here installs hooks or opens sockets. torch is imported lazily by the few functions
-that take tensors (memory measurement, scaling micro-benchmarks), so ``attnprof compat`` and
-the rule port work on machines without torch.
+Nothing here installs hooks, opens sockets, runs a model, a benchmark or a profiler, or
+imports torch: the measurements these models are checked against are in
+:mod:`attnprof.tools.memory_measure` and :mod:`attnprof.tools.scaling_bench`. The one
+exception left is :mod:`.vllm_backends`, which asks the installed vLLM live (inside a worker)
+before it falls back to the derived matrix.
 """
 
 from __future__ import annotations

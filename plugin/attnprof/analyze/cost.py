@@ -29,9 +29,10 @@ from attnprof.contracts.report import (
     Traffic,
     WhatIf,
 )
+from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = ["FORMULAS", "CostInputs", "FlagChecks", "Settings", "WindowInputs",
-           "build_model_report", "kv_element_bytes_of", "quantile_from_buckets"]
+           "build_model_report"]
 
 HOURS_PER_MONTH = 730.0
 
@@ -120,40 +121,6 @@ class CostInputs:
 class Settings:
     gpu_hour_price: float | None = None
     hours_per_month: float = HOURS_PER_MONTH
-
-
-def kv_element_bytes_of(dtype: str | None) -> float | None:
-    """Bytes per KV element of a dtype name (``bfloat16``, ``fp8_e4m3``, ``auto``...)."""
-    if not dtype:
-        return None
-    d = dtype.lower().removeprefix("torch.")
-    if d.startswith("fp8") or d in ("int8", "uint8") or "int8" in d:
-        return 1.0
-    if d in ("float16", "bfloat16", "half", "fp16", "bf16"):
-        return 2.0
-    if d in ("float32", "float", "fp32"):
-        return 4.0
-    return None
-
-
-def quantile_from_buckets(bounds: list[float], counts: list[float], q: float) -> float | None:
-    """The q-quantile of a bucketed distribution, interpolated linearly inside its bucket
-    (Prometheus' ``histogram_quantile`` rule); the overflow bucket answers its lower edge."""
-    total = sum(counts)
-    if total <= 0:
-        return None
-    target = q * total
-    acc = 0.0
-    lo = 0.0
-    for i, c in enumerate(counts):
-        if i >= len(bounds):
-            return bounds[-1] if bounds else None
-        hi = bounds[i]
-        if acc + c >= target and c > 0:
-            return lo + (hi - lo) * (target - acc) / c
-        acc += c
-        lo = hi
-    return bounds[-1] if bounds else None
 
 
 def _share_above(bounds: list[float], counts: list[float], x: float) -> float:
@@ -332,8 +299,9 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
 
 
 def _fp8_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | None:
-    size = kv_element_bytes_of(inp.kv.kv_dtype)
-    if size is None or size <= 1.0:
+    # 0 for an unknown or unset dtype (``auto``): nothing to compare FP8 with.
+    size = float(dtype_bytes(inp.kv.kv_dtype, 0)) if inp.kv.kv_dtype else 0.0
+    if size <= 1.0:
         return None
     s = 1.0 - 1.0 / size
     ts = _time_saving(inp.time, 0.0, s)

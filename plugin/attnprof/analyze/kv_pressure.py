@@ -47,7 +47,7 @@ CONFIDENT_REQUESTS = 20
 
 def kv_layers(shape: AttentionShape, kv_cache_dtype: str) -> list[KvLayer]:
     """KV bytes per token of every layer in ``kv_cache_dtype`` (from the one formula in
-    :func:`attnprof.analyze.memory.kv_bytes_per_token`); ``ValueError`` for an unknown dtype."""
+    :func:`attnprof.facts.kv.kv_bytes_per_token`); ``ValueError`` for an unknown dtype."""
     b = kv_bytes_per_token(shape.num_kv_heads, shape.head_dim, kv_cache_dtype,
                            num_heads=shape.num_heads)
     return [KvLayer(layer=i, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,

@@ -1,4 +1,5 @@
-"""Per-head memory: analytic models and an honest CPU measurement.
+"""Per-head memory: the analytic models (the measurement they are checked against is
+:mod:`attnprof.tools.memory_measure`).
 
 Analytic (B batch, Hq/Hkv heads, Lq/Lk lengths, D/Dv head dims, s bytes per element):
 - KV cache per token per layer: ``2 * Hkv * D * s``; per KV head ``2 * D * s``; per query
@@ -7,36 +8,25 @@ Analytic (B batch, Hq/Hkv heads, Lq/Lk lengths, D/Dv head dims, s bytes per elem
   per element (below), plus the output; fused paths hold only the output, the log-sum-exp and
   per-thread tiles.
 
-Measured: :func:`measure_peak` runs a callable under ``torch.profiler`` with
-``profile_memory=True`` and replays the allocator's ``[memory]`` events (allocations and frees,
-in order) to get the peak bytes held above the starting point. It sees every CPU allocation
-made through torch's allocator, which is where attention tensors live; it does not see memory
-oneDNN/OpenMP take outside it.
+Pure arithmetic over shapes: nothing here runs a model, imports torch or allocates tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from attnprof.facts import kv as facts_kv
 from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = [
     "PATH_BYTES_PER_SCORE",
     "AttnShape",
     "analytic_attention_peak",
-    "cache_bytes",
     "kv_bytes_per_token",
-    "measure_peak",
-    "memory_profile",
     "model_mask_bytes",
-    "peak_in_ranges",
     "rel_err",
 ]
 
@@ -75,11 +65,10 @@ class AttnShape:
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: Any, num_heads: int | None = None,
                        head_dim_v: int | None = None) -> dict[str, float]:
-    """KV-cache bytes per token for one layer, per KV head and per query head."""
-    s = dtype_bytes(dtype)
-    dv = head_dim if head_dim_v is None else head_dim_v
-    per_kv_head = (head_dim + dv) * s
-    per_layer = num_kv_heads * per_kv_head
+    """KV-cache bytes per token for one layer, per KV head and per query head (the one
+    formula: :func:`attnprof.facts.kv.kv_bytes_per_token`)."""
+    per_kv_head = facts_kv.kv_bytes_per_token(1, head_dim, dtype, head_dim_v)
+    per_layer = facts_kv.kv_bytes_per_token(num_kv_heads, head_dim, dtype, head_dim_v)
     out: dict[str, float] = {"per_layer": per_layer, "per_kv_head": per_kv_head}
     if num_heads:
         out["per_query_head"] = per_layer / num_heads
@@ -91,7 +80,9 @@ def analytic_attention_peak(shape: AttnShape, path: str, *, masked: bool = False
     """Modeled peak bytes held by one attention call on ``path`` (flash_cpu, math, eager).
 
     Returns ``{"total", "scores", "output", "other"}``; ``scores`` is the materialized score
-    matrix part (0 on fused paths).
+    matrix part (0 on fused paths). ``threads``: the intra-op threads that ran the call
+    (``torch.get_num_threads()`` there; each holds its own tiles), required on fused paths:
+    ``ValueError`` without it.
     """
     s = shape.bytes
     out_b = shape.batch * shape.num_heads * shape.q_len * shape.head_dim_v * s
@@ -99,9 +90,9 @@ def analytic_attention_peak(shape: AttnShape, path: str, *, masked: bool = False
     if path in ("flash_cpu", "flash", "efficient", "cudnn", "flex_attention"):
         # Output + fp32 log-sum-exp + per-thread tiles (q split x kv split scores, q split x D
         # accumulator) as in aten/src/ATen/native/cpu/FlashAttentionKernel.cpp.
-        import torch
-
-        n = threads or torch.get_num_threads()
+        if not threads:
+            raise ValueError(f"{path}: the fused paths' tiles need the thread count")
+        n = threads
         lq = shape.q_len
         q_split = 256 if lq >= 768 else (64 if lq >= 192 else 32)
         q_split = min(q_split, lq)
@@ -130,117 +121,6 @@ def model_mask_bytes(batch: int, q_len: int, kv_len: int, path: str, dtype: Any)
     through every layer: eager gets a float additive ``B x 1 x Lq x Lk`` mask in the model's
     dtype; SDPA and fused paths get none for an unpadded causal prefill (is_causal instead)."""
     return float(batch * q_len * kv_len * dtype_bytes(dtype)) if path == "eager" else 0.0
-
-
-def cache_bytes(cache: Any) -> int:
-    """Real bytes of a transformers cache (sum over its layers' key/value tensors)."""
-    total = 0
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        for layer in layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if t is not None and hasattr(t, "numel"):
-                    total += int(t.numel() * t.element_size())
-        return total
-    for k, v in cache:  # legacy tuple-of-tuples
-        total += int(k.numel() * k.element_size() + v.numel() * v.element_size())
-    return total
-
-
-def _memory_events(prof: Any) -> list[tuple[int, int]]:
-    evs = []
-    for e in prof.profiler.kineto_results.events():
-        if e.name() == "[memory]" and e.device_type().name == "CPU":
-            evs.append((int(e.start_ns()), int(e.nbytes())))
-    evs.sort()
-    return evs
-
-
-@contextlib.contextmanager
-def _drop_usdt_lines() -> Iterator[None]:
-    """Kineto prints a "USDT: ... profiler_start/stop" line on fd 2 at every profiler start and
-    stop; capture fd 2 around those moments and pass every other line through."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):
-        yield
-        return
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
-                if not line.startswith("USDT:"):
-                    sys.stderr.write(line)
-
-
-@contextlib.contextmanager
-def memory_profile() -> Iterator[Any]:
-    """``torch.profiler.profile(activities=[CPU], profile_memory=True)``, without Kineto's
-    stderr chatter."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _drop_usdt_lines():
-        prof.__enter__()
-    try:
-        yield prof
-    finally:
-        with _drop_usdt_lines():
-            prof.__exit__(None, None, None)
-
-
-def measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``fn`` and return ``(result, peak bytes allocated above the start)``."""
-    with memory_profile() as prof:
-        result = fn()
-    cur = peak = 0
-    for _t, nbytes in _memory_events(prof):
-        cur += nbytes
-        peak = max(peak, cur)
-    return result, peak
-
-
-def peak_in_ranges(prof: Any, prefix: str, absolute: bool = False
-                   ) -> tuple[int, dict[str, list[int]]]:
-    """Overall peak of a profiled region and, per ``record_function`` range whose name starts
-    with ``prefix``, the peak bytes allocated above the level at the range's start (with
-    ``absolute``: above the region's start, i.e. everything held at that range's peak)."""
-    mem = _memory_events(prof)
-    ranges = []
-    for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        if name.startswith(prefix) and e.device_type().name == "CPU":
-            ranges.append((int(e.start_ns()), int(e.end_ns()), name))
-    ranges.sort()
-    out: dict[str, list[int]] = {}
-    cur = peak = 0
-    levels = []
-    before = [0]  # before[i]: bytes held just before event i
-    for t, nb in mem:
-        cur += nb
-        peak = max(peak, cur)
-        levels.append((t, nb))
-        before.append(cur)
-    i = 0
-    for start, end, name in ranges:
-        # Memory events are time-ordered: walk the ones inside [start, end].
-        while i < len(levels) and levels[i][0] < start:
-            i += 1
-        base = before[i] if absolute else 0
-        j, held, top = i, base, base
-        while j < len(levels) and levels[j][0] <= end:
-            held += levels[j][1]
-            top = max(top, held)
-            j += 1
-        out.setdefault(name, []).append(top)
-    return peak, out
 
 
 def rel_err(a: float, b: float) -> float:

@@ -125,6 +125,7 @@ def print_savings(rep: Any, out: Path, n: int = 3) -> None:
 def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze.cost import Settings
     from attnprof.tools import report as rp
+    from attnprof.tools import report_prometheus
     from attnprof.tools import report_sources as rs
 
     t0 = time.monotonic()
@@ -146,8 +147,9 @@ def _run(args: argparse.Namespace) -> int:
             g = rs.from_live(raw, args.url, replicas=args.replicas,
                              gpus_per_replica=args.gpus_per_replica)
         elif args.prometheus:
-            g = rs.from_prometheus(args.prometheus, args.model, args.range_, args.replicas,
-                                   args.gpus_per_replica, timeout=args.timeout)
+            g = report_prometheus.from_prometheus(
+                args.prometheus, args.model, args.range_, args.replicas,
+                args.gpus_per_replica, timeout=args.timeout)
         else:
             g = rs.from_files(args.files, args.replicas, args.gpus_per_replica)
     except rs.ReportInputError as err:

@@ -21,6 +21,7 @@ from attnprof.cli._common import (
     resolve_model,
     write_json,
 )
+from attnprof.exporters.terminal_suggest import render
 
 __all__ = ["add_parser", "load_arch", "load_head_stats", "parse_layers", "read_lengths"]
 
@@ -317,7 +318,8 @@ def _check_source(args: argparse.Namespace) -> None:
     from attnprof.analyze.sparsity.inputs import InputError
     from attnprof.tools import http
     from attnprof.tools.prometheus_query import query_url
-    from attnprof.tools.report_sources import ReportInputError, range_seconds
+    from attnprof.tools.report_prometheus import range_seconds
+    from attnprof.tools.report_sources import ReportInputError
 
     try:
         if args.prometheus is not None:
@@ -357,80 +359,3 @@ def _jsonable(x: Any) -> Any:
         return float(x)
     except (TypeError, ValueError):
         return str(x)
-
-
-def render(out: dict[str, Any]) -> str:
-    from attnprof.analyze.sparsity.recommend import format_summary
-
-    lines = [format_summary(out, out.get("replay")), f"basis: {out.get('basis', '')}"]
-    if out.get("replay"):
-        lines.append(f"replay: {out['replay']['verdict']} ({out['replay']['positions']} "
-                     f"positions)")
-    if out.get("attention_flop_share") is not None:
-        lines.append(f"attention share of model FLOPs {out['attention_flop_share']:.1%}: "
-                     f"end-to-end FLOP saving {out['end_to_end_flop_saving']:.1%}")
-    kvb = out["kv_bytes_per_request"]
-    lines.append(f"KV per request: {kvb['full'] / 2**20:.1f} MiB -> "
-                 f"{kvb['windowed'] / 2**20:.1f} MiB; naive mean of per-request savings "
-                 f"(not used) {out['naive_mean_request_saving']:.1%}")
-    if out.get("heads_at_risk_count") is not None:
-        lines.append(f"heads at risk (coverage below target): {out['heads_at_risk_count']}; "
-                     f"undecided (within sampling error): {out.get('heads_undecided_count')}; "
-                     f"unverified (no long enough sample): {out['heads_unverified_count']}")
-        for r in (out.get("heads_at_risk") or [])[:10]:
-            lines.append(f"  layer {r['layer']} kv head {r['kv_head']}: "
-                         f"coverage {r['coverage_q']:.3f}")
-    else:
-        lines.append("heads at risk: unknown (no head statistics)")
-    ref = out.get("refinement")
-    if ref is not None:
-        left = sum(ref["undecided_after"].values())
-        lines.append(f"exact refinement: {len(ref['layers'])} layers rerun on every query in "
-                     f"{ref['seconds']:.1f} s; undecided KV-head windows "
-                     f"{sum(ref['undecided_before'].values())} -> {left}")
-    if out.get("pareto"):
-        lines.append("")
-        lines.append(f"{'window':>8} {'layers':>6} {'attn FLOPs':>11} {'KV mem':>8} "
-                     f"{'exact':>7} {'at risk':>7} {'undecided':>9}")
-        for e in out["pareto"]:
-            risk = "-" if e["heads_at_risk_count"] is None else str(e["heads_at_risk_count"])
-            und = "-" if e.get("heads_undecided") is None else str(e["heads_undecided"])
-            lines.append(f"{e['window']:>8} {e['layers']:>6} "
-                         f"{e['attention_flop_saving']:>10.1%} {e['kv_memory_saving']:>7.1%} "
-                         f"{e['exact_request_fraction']:>6.1%} {risk:>7} {und:>9}")
-    if out.get("classification"):
-        cls = out["classification"]
-        lines.append("")
-        lines.append("KV-head classes: " + ", ".join(f"{k} {v}"
-                                                     for k, v in cls["class_counts"].items()))
-        for x in cls["layers"]:
-            lines.append(f"  layer {x['layer']:>3}: window {x['window']!s:>6}  sink mass "
-                         f"{x['sink_mass']}  " + " ".join(f"{k}={v}"
-                                                           for k, v in x["classes"].items()))
-    if out.get("underused_heads"):
-        from attnprof.analyze.sparsity.underused import format_findings
-
-        lines.append("")
-        lines += format_findings(out["underused_heads"])
-    hs = out.get("head_level_split")
-    if hs:
-        lines.append(f"head-level split ({hs['windowed_kv_heads']} KV heads at their own "
-                     f"window): {hs['attention_flop_saving']:.1%} attention FLOPs, "
-                     f"{hs['kv_memory_saving']:.1%} KV memory")
-    ds = out.get("dynamic_sparse_prefill")
-    if ds:
-        lines.append(f"dynamic sparse prefill (> {ds['min_tokens']} tokens): "
-                     f"{ds['request_fraction']:.1%} of requests, "
-                     f"{ds['attention_flop_share']:.1%} of attention FLOPs"
-                     + (f", expected saving {ds['expected_attention_flop_saving']:.1%}"
-                        if ds.get("expected_attention_flop_saving") is not None else ""))
-    for a in out.get("advice") or []:
-        lines.append(f"advice: {a}")
-    nw = out.get("native_windows")
-    if nw:
-        for g in nw["sliding"]:
-            lines.append(f"native window {g['window']} on {len(g['layers'])} layers: binds for "
-                         f"{g['binding_request_fraction']:.1%} of requests ({g['note']})")
-        lines.append(f"global layers hold {nw['global_kv_share']:.1%} of KV memory and "
-                     f"{nw['global_attention_flop_share']:.1%} of attention FLOPs")
-    return "\n".join(lines) + "\n"

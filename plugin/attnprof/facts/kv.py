@@ -1,6 +1,7 @@
-"""KV-cache facts every room needs, defined once: the dtype a cache of ``kv_cache_dtype``
-holds (vLLM's ``auto`` is the model's dtype), the tokens a (windowed) layer keeps for one
-sequence, and the paged blocks vLLM allocates for them.
+"""KV-cache facts every room needs, defined once: the bytes one token's keys and values take
+in one layer, the dtype a cache of ``kv_cache_dtype`` holds (vLLM's ``auto`` is the model's
+dtype), the tokens a (windowed) layer keeps for one sequence, and the paged blocks vLLM
+allocates for them.
 
 Pure Python (works on floats and, for :func:`held_tokens`, on numpy arrays without
 importing numpy).
@@ -13,10 +14,20 @@ from typing import Any, overload
 
 from attnprof.facts.dtypes import dtype_bytes, dtype_name, normalize
 
-__all__ = ["AUTO", "blocks_held", "held_tokens", "kv_cache_dtype", "kv_element_bytes"]
+__all__ = ["AUTO", "blocks_held", "held_tokens", "kv_bytes_per_token", "kv_cache_dtype",
+           "kv_element_bytes"]
 
 AUTO = frozenset({"auto", "", "none"})
 """``kv_cache_dtype`` values that mean "the model's dtype"."""
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: object,
+                       head_dim_v: int | None = None, default: int | None = None) -> int:
+    """Bytes of one token's keys and values in one layer: ``Hkv * (D + Dv) * s`` (``2 * Hkv *
+    D * s`` when ``head_dim_v`` is None). ``default``: element bytes for an unknown dtype
+    (``ValueError`` when None), as :func:`attnprof.facts.dtypes.dtype_bytes`."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return num_kv_heads * (head_dim + dv) * dtype_bytes(dtype, default)
 
 
 def kv_cache_dtype(cache_dtype: object, model_dtype: object) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.facts.dtypes import dtype_bytes, dtype_name
+from attnprof.facts.kv import kv_bytes_per_token
 
 __all__ = ["FAMILIES", "AttentionShape", "Family", "ShapeError", "layer_label", "layer_windows",
            "site_order"]
@@ -129,7 +130,7 @@ class AttentionShape:
     @property
     def kv_bytes_per_token_layer(self) -> int:
         """K and V of one token in one layer: ``2 * Hkv * D * s``."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return kv_bytes_per_token(self.num_kv_heads, self.head_dim, self.dtype, default=2)
 
     @classmethod
     def from_config(cls, cfg: Any) -> AttentionShape:

@@ -8,18 +8,17 @@ attention cost does not depend on token values.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attnprof.analyze import backend_advice as advice_mod
-from attnprof.analyze import memory, scaling
+from attnprof.analyze import memory, oom, scaling
 from attnprof.contracts.profile import (
     ActivationRow,
     BackendAdvice,
@@ -31,12 +30,12 @@ from attnprof.contracts.profile import (
     RunInfo,
     Scaling,
 )
+from attnprof.facts.kv import kv_bytes_per_token
 from attnprof.facts.shape import AttentionShape
-from attnprof.tools import model_inputs, provenance
+from attnprof.tools import memory_measure, model_inputs, provenance, scaling_bench
+from attnprof.tools.profile_trace import TRACE_PREFIX, Forward, write_trace
 
-__all__ = ["ProfileOptions", "environment", "run_profile", "write_trace"]
-
-TRACE_PREFIX = "attn::"
+__all__ = ["ProfileOptions", "environment", "run_profile"]
 
 
 @dataclass
@@ -153,6 +152,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     from attnprof.capture.transformers import instrument
 
     say = opts.progress
+    threads = torch.get_num_threads()  # the analytic model's fused tiles are per thread
     model, cfg = _load(opts)
     shape = _layer_shape(cfg)
     impl = str(_text_config(model.config)._attn_implementation)
@@ -180,7 +180,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
 
         # 2) Model runs per length: one memory-profiled run, then timed runs; each forward
         #    is a range of trace.json with its layers' attention calls inside.
-        forwards: list[_Forward] = []
+        forwards: list[Forward] = []
         per_len: dict[int, dict[str, Any]] = {}
         # Keyed by layer label (facts.shape.layer_label): encoder, decoder and cross-attention
         # sites of one index stay apart.
@@ -189,13 +189,13 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         for L in opts.seq_lens:
             ids = _ids(shape["vocab_size"], B, L, seed=L)
             with prof.tag(padded=False, seq_len=L, run="memory"), \
-                    memory.memory_profile() as tp:
+                    memory_measure.memory_profile() as tp:
                 f0, s0 = len(prof.records), time.perf_counter_ns()
                 out = _forward(model, ids)
-                forwards.append(_Forward(f"forward L={L} (memory profile)", s0,
+                forwards.append(Forward(f"forward L={L} (memory profile)", s0,
                                          time.perf_counter_ns(), f0, len(prof.records)))
-            total_peak, ranges = memory.peak_in_ranges(tp, TRACE_PREFIX)
-            _, held = memory.peak_in_ranges(tp, TRACE_PREFIX, absolute=True)
+            total_peak, ranges = memory_measure.peak_in_ranges(tp, TRACE_PREFIX)
+            _, held = memory_measure.peak_in_ranges(tp, TRACE_PREFIX, absolute=True)
             kv_real = _cache_bytes(out.past_key_values) if getattr(
                 out, "past_key_values", None) is not None else None
             del out
@@ -212,7 +212,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                     t0 = time.perf_counter()
                     _forward(model, ids)
                     times.append(time.perf_counter() - t0)
-                    forwards.append(_Forward(f"forward L={L} (time{r})", s0,
+                    forwards.append(Forward(f"forward L={L} (time{r})", s0,
                                              time.perf_counter_ns(), f0, len(prof.records)))
             attn_by_run: dict[str, float] = {}
             for rec in prof.records[n0:]:
@@ -247,14 +247,15 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
             for path in opts.paths:
                 a = memory.analytic_attention_peak(memory.AttnShape(
                     B, shape["num_heads"], shape["num_kv_heads"], L, L, shape["head_dim"],
-                    shape["head_dim"], dtype), path)["total"]
+                    shape["head_dim"], dtype), path, threads=threads)["total"]
                 bench["analytic_bytes"].setdefault(path, {})[str(L)] = a
                 if a > 0.25 * avail:
                     bench["skipped"].setdefault(path, {})[str(L)] = (
                         f"modeled peak {a / 2**30:.1f} GiB > 25% of available memory")
                     continue
-                got = scaling.bench_path(path, B, shape["num_heads"], shape["num_kv_heads"], L,
-                                         shape["head_dim"], dtype, repeats=opts.repeats)
+                got = scaling_bench.bench_path(path, B, shape["num_heads"], shape["num_kv_heads"],
+                                              L, shape["head_dim"], dtype,
+                                              repeats=opts.repeats)
                 bench["time_s"].setdefault(path, {})[str(L)] = got["time_s"]
                 bench["peak_bytes"].setdefault(path, {})[str(L)] = got["peak_bytes"]
                 say(f"{path} L={L}")
@@ -264,40 +265,44 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     amap = prof.activation_map()
     for row in amap:
         row["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, causal=is_causal_lm)
-    sc = _scaling(per_len, bench, layer_time)
-    oom = _oom(sc, bench, per_len, static, opts, shape, dtype, amap=amap, layers=layers,
-               causal=is_causal_lm)
+    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, threads,
+                     causal=is_causal_lm)
+    sc = scaling.scaling_summary(per_len, bench)
+    pred = oom.oom_prediction(
+        sc, per_len, static, shape, dtype, budget=opts.memory_budget, batch=B,
+        threads=threads, available_bytes=_available_bytes(), validate=opts.validate,
+        validate_max_seconds=opts.validate_max_seconds, amap=amap, layers=layers,
+        causal=is_causal_lm, decoder_len=model_inputs.decoder_len)
     # Memory is not the only limit: past the model's trained positions the prediction says
     # what memory allows, not a length the model can serve.
-    oom["model_max_context"] = AttentionShape.from_config(cfg).max_position_embeddings
-    if oom.get("validation", {}).get("planned") and not model_inputs.can_run(
-            cfg, int(oom["max_seq_len"])):
-        oom["validation"] = {"planned": False, "skipped": (
-            f"a vision model's sequence is n^2 patches + 1; L={oom['max_seq_len']} is not "
+    pred["model_max_context"] = AttentionShape.from_config(cfg).max_position_embeddings
+    if pred.get("validation", {}).get("planned") and not model_inputs.can_run(
+            cfg, int(pred["max_seq_len"])):
+        pred["validation"] = {"planned": False, "skipped": (
+            f"a vision model's sequence is n^2 patches + 1; L={pred['max_seq_len']} is not "
             "one, so it cannot be run as predicted")}
     positions = model_inputs.position_limit(model)
-    if oom.get("validation", {}).get("planned") and positions is not None \
-            and int(oom["max_seq_len"]) > positions:
-        oom["validation"] = {"planned": False, "skipped": (
-            f"L={oom['max_seq_len']} is past the model's {positions} learned absolute "
+    if pred.get("validation", {}).get("planned") and positions is not None \
+            and int(pred["max_seq_len"]) > positions:
+        pred["validation"] = {"planned": False, "skipped": (
+            f"L={pred['max_seq_len']} is past the model's {positions} learned absolute "
             "positions, so it cannot be run as predicted")}
-    if oom.get("validation", {}).get("planned"):
-        L = int(oom["max_seq_len"])
+    if pred.get("validation", {}).get("planned"):
+        L = int(pred["max_seq_len"])
         say(f"validating at L={L}")
         try:
-            oom["validation"] = _validate(model, shape, B, L, static, oom)
+            pred["validation"] = _validate(model, shape, B, L, static, pred)
         except Exception as exc:  # a minutes-long profile never ends in a traceback here
             msg = (str(exc).strip().splitlines() or [""])[0][:200]
-            oom["validation"] = {"planned": False, "skipped": (
+            pred["validation"] = {"planned": False, "skipped": (
                 f"the run at L={L} failed: {type(exc).__name__}: {msg}")}
-        v = oom["validation"]
+        v = pred["validation"]
         if v.get("planned"):
-            oom["confidence"] = scaling.confidence(
-                oom["extrapolation_factor"], validated=bool(
+            pred["confidence"] = oom.confidence(
+                pred["extrapolation_factor"], validated=bool(
                     v["fits_budget"] and v["rel_error"] <= 0.05),
-                model_error=oom.get("_model_error"))
-    oom.pop("_model_error", None)
+                model_error=pred.get("_model_error"))
+    pred.pop("_model_error", None)
     adv = advice_mod.advise(amap, {"time_s": {p: {int(k): v for k, v in d.items()}
                                               for p, d in bench["time_s"].items()},
                                    "peak_bytes": {p: {int(k): v for k, v in d.items()}
@@ -320,7 +325,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         layers=[LayerReport.from_json(x) for x in layers],
         activation_map=[ActivationRow.from_json(x) for x in amap],
         scaling=Scaling.from_json(sc),
-        oom_prediction=OomPrediction.from_json(oom),
+        oom_prediction=OomPrediction.from_json(pred),
         advice=[BackendAdvice.from_json(x) for x in adv],
         errors=list(prof.errors) + decode_error + rl_error,
         provenance=provenance.collect(opts.model_name, opts.model_dir, argv=opts.argv),
@@ -374,65 +379,6 @@ def _roofline(records: Any, dtype: str, causal: bool) -> tuple[Any, Any, list[st
     return roofline.roofline(work, probed, note), probed, []
 
 
-@dataclass(frozen=True)
-class _Forward:
-    """One timed model forward: its label, perf_counter_ns bounds and its records' slice."""
-
-    label: str
-    start_ns: int
-    end_ns: int
-    first: int
-    end: int
-
-
-def write_trace(path: Path, records: Any, forwards: list[_Forward], model_name: str) -> None:
-    """Write trace.json through the live trace's writer: one range per forward, each
-    attention call a nested range (the transformers capture's own records). Never reads
-    token ids: records hold shapes and times only."""
-    from attnprof.aggregate.trace import LayerRange, StepTrace
-    from attnprof.contracts.jsonsafe import dumps
-    from attnprof.exporters.chrome_trace import TraceProcess, render_steps
-
-    wall = time.time_ns() - time.perf_counter_ns()  # perf_counter -> Unix time
-    steps = []
-    for f in forwards:
-        ranges = [LayerRange(r.layer_idx, r.impl, r.kernel, r.start_ns - f.start_ns,
-                             int(r.elapsed_s * 1e9), r.phase, r.batch * r.q_len, r.batch,
-                             r.kv_len, float(r.kv_len))
-                  for r in records[f.first:f.end] if r.start_ns]
-        calls = records[f.first:f.end]
-        phase = calls[0].phase if calls else "prefill"
-        steps.append(StepTrace(
-            f.start_ns + wall, f.end_ns - f.start_ns, phase, "sampled", 1.0,
-            calls[0].batch * calls[0].q_len if calls else 0, calls[0].batch if calls else 0,
-            calls[0].kv_len if calls else 0, float(calls[0].kv_len) if calls else 0.0,
-            ranges, label=f.label))
-    doc = render_steps([TraceProcess(os.getpid(), f"attnprof profile {model_name}", steps,
-                                     thread_name="model forwards")],
-                       other={"attnprof": {"kind": "attnprof.profile_trace",
-                                           "model": model_name}},
-                       sample_rate_counter=False)
-    _label_sites(doc, [sorted((r for r in records[f.first:f.end] if r.start_ns),
-                              key=lambda r: r.start_ns) for f in forwards])
-    path.write_text(dumps(doc))
-
-
-def _label_sites(doc: dict[str, Any], calls: list[list[Any]]) -> None:
-    """Name encoder-decoder attention ranges by site (``attn::decoder.L0.cross::sdpa``, with
-    ``stack``/``kind`` args), as the capture's own record_function ranges are: the shared
-    trace writer knows layer indices only. ``calls`` are each forward's records in the
-    order the writer emits their ranges (by start)."""
-    flat = [r for step in calls for r in step]
-    if not any(r.stack is not None or r.kind != "self" for r in flat):
-        return
-    events = [e for e in doc.get("traceEvents", []) if e.get("cat") == "attention"]
-    if len(events) != len(flat):
-        return  # not the shape this was written for: leave the indices
-    for e, r in zip(events, flat, strict=True):
-        e["name"] = f"attn::{r.label}::{r.impl}"
-        e.setdefault("args", {}).update(stack=r.stack, kind=r.kind)
-
-
 def _available_bytes() -> int:
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -443,8 +389,7 @@ def _available_bytes() -> int:
 
 def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
     """KV-cache bytes after a length-L prefill: a windowed layer keeps min(L, window)."""
-    per = int(memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"],
-                                        dtype)["per_layer"])
+    per = kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype)
     windows = shape.get("layer_windows") or [None] * shape["num_layers"]
     return sum(per * B * (L if w is None else min(L, int(w))) for w in windows)
 
@@ -454,48 +399,26 @@ def _cache_bytes(cache: Any) -> int:
     plus its cross-attention (encoder keys/values) cache."""
     parts = [getattr(cache, k, None) for k in ("self_attention_cache", "cross_attention_cache")]
     if all(p is not None for p in parts):
-        return sum(memory.cache_bytes(p) for p in parts)
-    return memory.cache_bytes(cache)
+        return sum(memory_measure.cache_bytes(p) for p in parts)
+    return memory_measure.cache_bytes(cache)
 
 
 def _kv_cross(records: Any, dtype: str) -> int:
     """Encoder-decoder KV-cache bytes after one forward: each decoder self-attention layer
     keeps its keys and values over the decoder length, each cross-attention layer over the
     encoder length (from the calls' own shapes); the encoder keeps none."""
-    from attnprof.facts.dtypes import dtype_bytes
-
     per_site: dict[str, int] = {}
     for r in records:
         if r.stack != "encoder":
-            per_site[r.label] = 2 * r.batch * r.kv_len * r.num_kv_heads * r.head_dim * \
-                dtype_bytes(dtype)
+            per_site[r.label] = r.batch * r.kv_len * kv_bytes_per_token(
+                r.num_kv_heads, r.head_dim, dtype)
     return sum(per_site.values())
-
-
-def _site_causal(stack: str | None, kind: str, causal: bool) -> bool:
-    """Only a decoder's self-attention is causal (cross and encoder layers see all keys);
-    ``causal``: whether a single-stack model is a decoder (not BERT/ViT)."""
-    return kind == "self" and stack != "encoder" and (stack == "decoder" or causal)
-
-
-def _floor_sites(sites: list[dict[str, Any]], causal: bool,
-                 windows: list[int | None] | None) -> list[scaling.FloorSite]:
-    """The floor's view of each site: the causal ones and cross-attention write a KV cache
-    (a decoder's); encoder layers (BERT, ViT, an encoder-decoder's encoder) hold none."""
-    out = []
-    for s in sites:
-        c = _site_causal(s["stack"], s["kind"], causal)
-        w = windows[s["layer"]] if s["stack"] is None and windows and \
-            s["layer"] < len(windows) else None
-        out.append(scaling.FloorSite(s["path"], causal=c, keeps_kv=c or s["kind"] == "cross",
-                                     decoder=s["stack"] == "decoder",
-                                     cross=s["kind"] == "cross", window=w))
-    return out
 
 
 def _layers(prof: Any, shape: dict[str, Any], dtype: str,
             layer_time: dict[str, dict[int, list[float]]], layer_peak: dict[str, dict[int, int]],
-            B: int, amap: list[dict[str, Any]], causal: bool = True) -> list[dict[str, Any]]:
+            B: int, amap: list[dict[str, Any]], threads: int, causal: bool = True
+            ) -> list[dict[str, Any]]:
     kv = memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype,
                                    shape["num_heads"])
     out = []
@@ -519,9 +442,10 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
                 shape["head_dim"], dtype) if c is None else memory.AttnShape(
                 c.batch, c.num_heads, c.num_kv_heads, c.q_len, c.kv_len, c.head_dim,
                 c.head_dim_v, dtype)
-            is_causal = _site_causal(lay["stack"], lay["kind"], causal)
+            is_causal = oom.site_causal(lay["stack"], lay["kind"], causal)
             a = memory.analytic_attention_peak(ashape, path, causal=is_causal,
-                                               masked=c is not None and c.mask != "none")
+                                               masked=c is not None and c.mask != "none",
+                                               threads=threads)
             mem_rows.append({"seq_len": L, "measured_peak_bytes": measured,
                              "analytic_peak_bytes": int(a["total"]),
                              "analytic_score_bytes": int(a["scores"]),
@@ -552,131 +476,11 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
     return out
 
 
-def _scaling(per_len: dict[int, dict[str, Any]], bench: dict[str, Any],
-             layer_time: dict[str, dict[int, list[float]]]) -> dict[str, Any]:
-    Ls = sorted(per_len)
-    res: dict[str, Any] = {"by_seq_len": [per_len[L] for L in Ls], "paths": {}, "fits": {}}
-    if len(Ls) >= 2:
-        res["fits"]["model_peak_total_bytes"] = scaling.fit_poly2(
-            Ls, [per_len[L]["peak_total_bytes"] for L in Ls])
-        res["fits"]["attention_time_s"] = scaling.fit_poly2(
-            Ls, [per_len[L]["attention_s"] for L in Ls])
-        res["fits"]["forward_time_s"] = scaling.fit_poly2(
-            Ls, [per_len[L]["forward_s"] for L in Ls])
-    for path in sorted(set(bench["time_s"]) | set(bench["skipped"])):
-        t = {int(k): v for k, v in bench["time_s"].get(path, {}).items()}
-        m = {int(k): v for k, v in bench["peak_bytes"].get(path, {}).items()}
-        entry: dict[str, Any] = {
-            "time_s": {str(k): v for k, v in sorted(t.items())},
-            "peak_bytes": {str(k): v for k, v in sorted(m.items())},
-            "analytic_peak_bytes": bench["analytic_bytes"].get(path, {}),
-            "skipped": bench["skipped"].get(path, {}),
-        }
-        if len(t) >= 2:
-            entry["time_fit"] = scaling.fit_poly2(sorted(t), [t[k] for k in sorted(t)])
-            entry["memory_fit"] = scaling.fit_poly2(sorted(m), [m[k] for k in sorted(m)])
-        agree = [memory.rel_err(float(bench["analytic_bytes"][path][str(L)]), m[L])
-                 for L in m if m[L] > 0]
-        entry["analytic_vs_measured_max_rel_error"] = round(max(agree), 4) if agree else None
-        res["paths"][path] = entry
-    return res
-
-
-def _oom(sc: dict[str, Any], bench: dict[str, Any], per_len: dict[int, dict[str, Any]],
-         static: int, opts: ProfileOptions, shape: dict[str, Any], dtype: str, *,
-         amap: list[dict[str, Any]] | None = None, layers: list[dict[str, Any]] | None = None,
-         causal: bool = True) -> dict[str, Any]:
-    budget = opts.memory_budget
-    B = opts.batch_size
-    # Per site (stack, layer, kind): an encoder-decoder's encoder.L0, decoder.L0 and
-    # decoder.L0.cross are three sites with their own paths, masks and KV.
-    sites = scaling.run_sites(amap or [], int(shape["num_layers"]))
-    paths = [s["path"] for s in sites]
-    by_path: dict[str, list[int]] = {}
-    by_site: dict[str, list[str]] = {}
-    for s in sites:
-        if s["layer"] not in by_path.setdefault(s["path"], []):
-            by_path[s["path"]].append(s["layer"])
-        by_site.setdefault(s["path"], []).append(s["label"])
-    out: dict[str, Any] = {
-        "memory_budget_bytes": budget, "batch_size": B, "static_bytes": static,
-        "method": (
-            "largest L whose predicted peak fits the budget; predicted peak = max(analytic "
-            "floor(L) + fitted remainder of the attention-moment peaks, linear fit of the "
-            "forward peaks); floor = weights + KV cache + each layer's modeled attention peak "
-            "on the path it ran (kernel map) + eager's mask. Never past the analytic bound."),
-        "attention_paths": by_path, "attention_sites": by_site,
-        "extrapolation_limit": scaling.EXTRAPOLATION_LIMIT,
-        "confidence_rule": scaling.CONFIDENCE_RULE}
-    Ls = sorted(per_len)
-    if len(Ls) < 2:
-        out.update(max_seq_len=None, note="need at least two --seq-lens to fit")
-        return out
-    if static >= budget:
-        out.update(max_seq_len=0, note="the weights alone exceed the budget",
-                   confidence="high", extrapolation=False)
-        return out
-    peaks = [float(per_len[L]["peak_total_bytes"]) for L in Ls]
-    held = [per_len[L].get("attention_peak_total_bytes") for L in Ls]
-    att = None if any(h is None for h in held) else [float(h or 0) for h in held]
-    # How far the analytic attention model is from the measured per-layer peaks (run paths).
-    errs = [float(p["rel_error"]) for lay in (layers or [])
-            for p in lay.get("memory", {}).get("attention_peak", [])
-            if p.get("rel_error") is not None]
-    model_error = max(errs) if errs else None
-    windows = shape.get("layer_windows") or None
-
-    fsites = _floor_sites(sites, causal, windows)
-
-    def floor_for(layer_paths: list[str]) -> Callable[[int], float]:
-        run = [replace(f, path=p) for f, p in zip(fsites, layer_paths, strict=True)]
-        return lambda x: scaling.forward_floor(
-            x, static_bytes=static, batch=B, num_heads=shape["num_heads"],
-            num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], dtype=dtype,
-            sites=run, decoder_len=model_inputs.decoder_len)
-
-    head = scaling.predict_oom(Ls, peaks, budget, floor_for(paths), attention_peaks=att,
-                               model_error=model_error)
-    out.update(head)
-    Lmax = int(head["max_seq_len"])
-    # Max batch at each measured length: activations scale ~linearly with batch.
-    out["max_batch_by_seq_len"] = {
-        str(L): max(0, int((budget - static) // max(1, (r["peak_total_bytes"] - static) / B)))
-        for L, r in sorted(per_len.items())}
-    # What-if: every layer on another path; the rest of the forward as measured.
-    rest = [a - floor_for(paths)(x) for x, a in zip(Ls, att or peaks, strict=True)]
-    what_if: dict[str, Any] = {}
-    for path in scaling.PATHS:
-        if set(paths) == {path}:
-            continue
-        fl = floor_for([path] * len(paths))
-        w = scaling.predict_oom(Ls, peaks, budget, fl,
-                                attention_peaks=[fl(x) + r for x, r in zip(Ls, rest,
-                                                                           strict=True)])
-        what_if[path] = {k: w[k] for k in ("max_seq_len", "extrapolation_factor",
-                                           "extrapolation", "confidence",
-                                           "analytic_max_seq_len",
-                                           "predicted_peak_bytes_at_max")}
-    out["if_attention_path"] = what_if
-    est_t = scaling.eval_poly2(sc["fits"]["forward_time_s"], Lmax) if Lmax else math.inf
-    affordable = (opts.validate and Lmax > 0 and est_t <= opts.validate_max_seconds
-                  and float(head["predicted_peak_bytes_at_max"]) - static
-                  < 0.5 * _available_bytes())
-    out["validation"] = {"planned": affordable, "estimated_forward_s": est_t if Lmax else None}
-    if not affordable:
-        out["validation"]["skipped"] = (
-            "disabled (--no-validate)" if not opts.validate else
-            f"running at L={Lmax} is not affordable here (estimated {est_t:.0f} s forward, "
-            f"limit {opts.validate_max_seconds:.0f} s, or over half the free memory)")
-    out["_model_error"] = model_error
-    return out
-
-
 def _validate(model: Any, shape: dict[str, Any], B: int, L: int, static: int,
               oom: dict[str, Any]) -> dict[str, Any]:
     ids = _ids(shape["vocab_size"], B, L, seed=7)
     t0 = time.perf_counter()
-    out, extra = memory.measure_peak(lambda: _forward(model, ids))
+    out, extra = memory_measure.measure_peak(lambda: _forward(model, ids))
     del out
     measured = static + extra
     pred = float(oom["predicted_peak_bytes_at_max"])

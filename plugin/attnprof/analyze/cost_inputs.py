@@ -1,0 +1,178 @@
+"""What a snapshot says about cost, as :mod:`attnprof.analyze.cost` takes it: where
+attention time goes (per phase, backend and layer, and the unfused layers with what would fix
+them), KV memory and peak concurrency, the context distribution's p99.9 and its drift, and the
+window advice. Pure functions over typed snapshots and profiles; the sources that read them
+are :mod:`attnprof.tools.report_sources` and :mod:`attnprof.tools.report_prometheus`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from attnprof.aggregate.histogram import bucket_quantile
+from attnprof.aggregate.quantiles import QuantileEstimator
+from attnprof.analyze.cost import WindowInputs
+from attnprof.contracts.advice import WindowAdvice
+from attnprof.contracts.profile import ProfileReport
+from attnprof.contracts.report import (
+    BackendTime,
+    ContextDistribution,
+    Drift,
+    Fallback,
+    KvMemory,
+    LayerTime,
+    TimeBreakdown,
+)
+from attnprof.contracts.snapshot import Snapshot
+
+__all__ = ["context_p999", "drift", "kv_memory", "profile_fallbacks", "snapshot_duration",
+           "time_breakdown", "window_inputs"]
+
+
+def window_inputs(adv: WindowAdvice | None) -> WindowInputs | None:
+    """The cost report's view of a window advice (None without one)."""
+    if adv is None:
+        return None
+    return WindowInputs(
+        sinks=adv.sinks, window=adv.window, layers=list(adv.layers),
+        flop_saving=adv.attention_flop_saving, kv_saving=adv.kv_memory_saving,
+        exact_fraction=adv.exact_request_fraction, heads_at_risk=adv.heads_at_risk_count,
+        replay=adv.replay, safe=adv.safe, summary=adv.summary,
+        head_split=adv.head_level_split)
+
+
+def context_p999(summary: Any, bounds: list[float], counts: list[float]
+                 ) -> tuple[float | None, bool]:
+    """(p99.9 context, whether it was interpolated in the buckets): from the summary's
+    quantile sketch when it has a readable one, else Prometheus' rule over the histogram."""
+    if summary is not None and summary.sketch:
+        try:
+            v = QuantileEstimator.from_dict(summary.sketch).quantile(0.999)
+            if v is not None:
+                return float(v), False
+        except (ValueError, KeyError, TypeError):
+            pass
+    return bucket_quantile(bounds, counts, 0.999, interpolate=True), True
+
+
+def snapshot_duration(snap: Snapshot) -> tuple[float | None, float | None]:
+    """(start, seconds) the snapshot's counters cover: a record window, else since the API
+    server started."""
+    if snap.window is not None:
+        return snap.window.start, snap.window.duration_s
+    starts = [p.started_at for p in snap.processes if p.role == "api_server" and p.started_at]
+    if starts:
+        return min(starts), max(1e-9, snap.time - min(starts))
+    return None, None
+
+
+def time_breakdown(snap: Snapshot, profile: ProfileReport | None) -> TimeBreakdown:
+    """Where attention time goes in a snapshot: the attention share of each phase's model
+    time, time per backend and phase and per layer, and the unfused layers with what would
+    fix them (with a profile: its advice and measured gains too)."""
+    worker = next((w for w in snap.workers if w.steps), None)
+    model_t: dict[str, float] = {}
+    shares: dict[str, float] = {}
+    if worker is not None:
+        for phase, st in worker.steps.items():
+            model_t[phase] = st.model_time_s
+            if st.model_time_s > 0:
+                shares[phase] = st.attention_time_s / st.model_time_s
+    layers = worker.layers if worker is not None else (snap.workers[0].layers
+                                                       if snap.workers else [])
+    total = sum(ph.time_s for lay in layers for ph in lay.phases.values())
+    per_layer = [LayerTime(layer=str(lay.index), backend=lay.backend, fused=lay.fused,
+                           time_s=sum(ph.time_s for ph in lay.phases.values()),
+                           share=(sum(ph.time_s for ph in lay.phases.values()) / total
+                                  if total > 0 else 0.0))
+                 for lay in layers]
+    by: dict[tuple[str, str], float] = defaultdict(float)
+    for lay in layers:
+        for phase, ph in lay.phases.items():
+            by[(lay.backend, phase)] += ph.time_s
+    by_backend = [BackendTime(backend=b, phase=p, time_s=t, share=t / total if total else 0.0)
+                  for (b, p), t in sorted(by.items())]
+    fallbacks = []
+    for g in (worker.kernel_map if worker is not None else []):
+        if g.fused:
+            continue
+        why = g.note or "; ".join(f"{k}: {v}" for k, v in list(g.rejected.items())[:3]) \
+            or "the backend that ran is not a fused kernel"
+        fallbacks.append(Fallback(layers=[str(i) for i in g.layers], backend=g.backend,
+                                  reason=why, fix=f"run a fused backend (--attention-backend "
+                                  f"{g.predicted or 'FLASH_ATTN'})" if g.predicted !=
+                                  g.backend else "see the kernel map's rejected reasons",
+                                  gain="not measured (profile the model offline with "
+                                  "attnprof profile to measure fused vs unfused)"))
+    if profile is not None:
+        fallbacks += profile_fallbacks(profile)
+    all_model = sum(model_t.values())
+    overall = (sum(model_t[p] * shares.get(p, 0.0) for p in model_t) / all_model
+               if all_model > 0 else None)
+    return TimeBreakdown(attention_share=shares, model_time_s=model_t, by_backend=by_backend,
+                         per_layer=per_layer, fallbacks=fallbacks, overall_share=overall)
+
+
+def profile_fallbacks(profile: ProfileReport) -> list[Fallback]:
+    """A profile's backend advice as fallbacks, with its measured or estimated gain."""
+    out = []
+    for a in profile.advice:
+        g = a.expected_gain
+        if g is not None and g.speedup is not None:
+            gain = (f"measured: {g.speedup:.2f}x faster attention at {g.at_seq_len:,} tokens"
+                    + (f", {g.attention_peak_bytes_saved / 2**20:,.0f} MiB less peak memory"
+                       if g.attention_peak_bytes_saved else "") + f" ({g.source})")
+        elif g is not None and g.attention_peak_bytes_saved:
+            gain = (f"estimated: {g.attention_peak_bytes_saved / 2**20:,.0f} MiB less peak "
+                    f"memory at {g.at_seq_len:,} tokens ({g.source or 'analytic model'})")
+        else:
+            gain = "not measured"
+        out.append(Fallback(layers=[str(i) for i in a.layers], backend=a.kernel or "",
+                            reason=a.reason, fix=a.change, gain=gain))
+    return out
+
+
+def kv_memory(snap: Snapshot) -> KvMemory:
+    """KV memory of a snapshot: bytes per token, capacity, usage, the verdict, and the peak
+    concurrency estimated as peak usage x capacity in tokens / mean context."""
+    req = snap.requests
+    st = req.kv_pressure if req is not None else None
+    a = snap.kv_pressure
+    bpt = sum(lay.bytes_per_token for lay in st.layers) if st is not None and st.layers else None
+    cap_tokens = a.capacity_tokens if a is not None else None
+    peak = (a.peak if a is not None else None) or (st.peak if st is not None else None)
+    mean_ctx = req.context_tokens.mean if req is not None else None
+    conc = None
+    basis = ""
+    if peak is not None and cap_tokens and mean_ctx:
+        conc = peak * cap_tokens / mean_ctx
+        basis = ("estimated: peak KV usage x capacity in tokens / mean context "
+                 f"({peak:.1%} x {cap_tokens:,} / {mean_ctx:,.0f})")
+    return KvMemory(
+        bytes_per_token=bpt, kv_dtype=st.kv_dtype if st is not None else None,
+        capacity_tokens=float(cap_tokens) if cap_tokens is not None else None,
+        capacity_sequences=dict(a.capacity_sequences) if a is not None else {},
+        usage_p95=a.p95 if a is not None else None, usage_peak=peak,
+        above_90_fraction=a.above_90_fraction if a is not None else None,
+        preemptions=float(st.preemptions) if st is not None else None,
+        waiting_fraction=a.waiting_fraction if a is not None else None,
+        verdict=a.verdict if a is not None else None,
+        verdict_evidence=list(a.evidence) if a is not None else [],
+        source="vllm scheduler stats (attnprof's stat logger)" if st is not None else "none",
+        peak_concurrency=conc, peak_concurrency_basis=basis)
+
+
+def drift(first: ContextDistribution, second: ContextDistribution) -> Drift:
+    """How the context distribution moved between two halves (or two files)."""
+    a50, b50, a99, b99 = first.p50, second.p50, first.p99, second.p99
+    if None in (a50, b50, a99, b99) or not a50 or not a99:
+        return Drift(a50, b50, a99, b99, "not enough requests in both halves to compare")
+    d50 = (b50 or 0) / a50 - 1
+    d99 = (b99 or 0) / a99 - 1
+    if abs(d50) < 0.1 and abs(d99) < 0.1:
+        text = f"stable: p50 {a50:,.0f} -> {b50:,.0f}, p99 {a99:,.0f} -> {b99:,.0f} tokens"
+    else:
+        text = (f"moved: p50 {a50:,.0f} -> {b50:,.0f} ({d50:+.0%}), p99 {a99:,.0f} -> "
+                f"{b99:,.0f} ({d99:+.0%}) tokens")
+    return Drift(a50, b50, a99, b99, text)
