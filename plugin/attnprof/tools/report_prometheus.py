@@ -7,7 +7,6 @@ failure a user can cause is a :class:`~attnprof.tools.report_sources.ReportInput
 from __future__ import annotations
 
 import math
-import re
 import time
 import urllib.parse
 from collections import defaultdict
@@ -28,27 +27,21 @@ from attnprof.contracts.report import (
     Traffic,
     UsagePoint,
 )
+from attnprof.facts import durations
 from attnprof.tools import http
-from attnprof.tools.prometheus_query import _label_value, parse_duration
+from attnprof.tools.prometheus_query import _label_value
 from attnprof.tools.report_queries import by_name, render, render_since_start
 from attnprof.tools.report_sources import Gathered, ReportInputError, checkpoint_architecture
 
 __all__ = ["from_prometheus", "range_seconds"]
 
-_RANGE_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800,
-                "y": 31536000}
-
-
 def range_seconds(text: str, flag: str = "--range") -> float:
+    """A PromQL range in seconds (:func:`attnprof.facts.durations.promql_seconds`);
+    :class:`ReportInputError` otherwise."""
     try:
-        parse_duration(text, flag)
-    except ValueError as err:
+        return durations.promql_seconds(text, flag)
+    except durations.DurationError as err:
         raise ReportInputError(str(err)) from None
-    seconds = float(sum(int(n) * _RANGE_UNITS[u]
-                        for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", text)))
-    if seconds < 1:
-        raise ReportInputError(f"{flag} {text} is shorter than a second (e.g. 30m, 24h)")
-    return seconds
 
 
 class _Prom:
