@@ -368,10 +368,10 @@ def _enc_dec_profile(cross_kernel: str = "flash_cpu", cross_slow: float = 1.0,
                      seed: int = 0) -> ProfileReport:
     import copy
 
-    from tests.unit.test_contracts import LEGACY_PROFILE
+    from tests.unit.test_contracts import PROFILE_1_0
 
     rng = random.Random(seed)
-    doc = copy.deepcopy(LEGACY_PROFILE)
+    doc = copy.deepcopy(PROFILE_1_0)
     doc.pop("window_advice")
     base_layer = doc["layers"][0]
     layers, rows = [], []

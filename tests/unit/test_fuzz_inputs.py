@@ -90,7 +90,7 @@ def _make_world(root: Path) -> World:
 
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
     from attnprof.contracts.snapshot import Snapshot
-    from tests.unit.test_contracts import LEGACY_PROFILE
+    from tests.unit.test_contracts import PROFILE_1_0
 
     w = World(root)
     for d in ("inp", "out", "work", "home", "ckpt", "emptydir", "multiproc"):
@@ -103,7 +103,7 @@ def _make_world(root: Path) -> World:
     w.stats.write_text(json.dumps(HeadStatsAccumulator(2, 2, 2).to_dict()))
     w.prompts.write_text("The quick brown fox jumps over the lazy dog.\nA second prompt.\n")
     w.snap.write_text(json.dumps(Snapshot(time=1.0, model="m", enabled=True).to_json()))
-    w.profile.write_text(json.dumps(LEGACY_PROFILE))
+    w.profile.write_text(json.dumps(PROFILE_1_0))
     w.existing.write_text("old\n")
     return w
 
