@@ -38,6 +38,7 @@ def _one_line(err: pytest.ExceptionInfo[ContractError], *needles: str) -> None:
 
 
 # ----- schemas -----
+@pytest.mark.slow
 def test_published_schemas_are_current_and_valid_draft_2020_12() -> None:
     assert SCHEMA_DIR == REPO / "docs" / "schema"
     assert stale() == [], "run: python -m attnprof.contracts"
@@ -49,6 +50,7 @@ def test_published_schemas_are_current_and_valid_draft_2020_12() -> None:
                               "profile.schema.json"}
 
 
+@pytest.mark.slow
 def test_schema_command_check_mode(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "attnprof.contracts"]
     r = subprocess.run([*cmd, "--check", "--out", str(tmp_path)], capture_output=True,
@@ -89,6 +91,7 @@ def _advice(head_stats: bool) -> WindowAdvice:
     return export_summary(recommend(dist, arch, acc))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_stats", [True, False])
 def test_window_advice_validates_and_round_trips(head_stats: bool) -> None:
     adv = _advice(head_stats)
@@ -104,6 +107,7 @@ def test_window_advice_validates_and_round_trips(head_stats: bool) -> None:
             "safe", "summary", "per_layer"} <= set(doc)
 
 
+@pytest.mark.slow
 def test_advice_samples_read_the_wire_form() -> None:
     from attnprof.exporters.samples import advice_samples
 
@@ -129,6 +133,7 @@ def _snapshot(advice: WindowAdvice | AdviceUnavailable | None) -> Snapshot:
                     window_advice=advice)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["advice", "unavailable", "none"])
 def test_snapshot_with_each_advice_state(kind: str) -> None:
     advice = {"advice": _advice(True), "unavailable": AdviceUnavailable("no requests yet"),

@@ -16,6 +16,7 @@ def test_kv_bytes_per_token_formula() -> None:
     assert memory.kv_bytes_per_token(2, 32, torch.bfloat16)["per_layer"] == 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "extra"), [("llama", {}), ("qwen2", {})])
 def test_analytic_kv_equals_real_cache(family: str, extra: dict[str, int]) -> None:
     import transformers as tf
@@ -33,6 +34,7 @@ def test_analytic_kv_equals_real_cache(family: str, extra: dict[str, int]) -> No
     assert memory.cache_bytes(out.past_key_values) == per * B * L * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["flash_cpu", "math", "eager"])
 @pytest.mark.parametrize("length", [512, 1024])
 def test_analytic_peak_within_10_percent_fp32(path: str, length: int) -> None:
@@ -42,6 +44,7 @@ def test_analytic_peak_within_10_percent_fp32(path: str, length: int) -> None:
     assert memory.rel_err(modeled, measured["peak_bytes"]) < 0.10, (modeled, measured)
 
 
+@pytest.mark.slow
 def test_unfused_paths_hold_the_score_matrix() -> None:
     # Doubling L quadruples the math path's peak; the fused one grows at most linearly.
     def peak(path: str, length: int) -> float:

@@ -765,6 +765,7 @@ def test_the_harness_sees_refusals_and_long_work(cli_env: World) -> None:
         (w.out / "probe.txt").unlink()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", _flag_params())
 def test_bad_flag_values_are_one_line_exit_2_before_any_work(key: str, cli_env: World
                                                              ) -> None:
@@ -987,6 +988,7 @@ def test_bad_attnprof_variables_are_one_startup_line(name: str) -> None:
     _every_bad_value_is_one_startup_line(name, kind, ctx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _env_params())
 def test_good_and_any_attnprof_values(name: str) -> None:
     """Good values start and are read as given; any value either starts with something of
@@ -1241,6 +1243,7 @@ def test_header_and_endpoint_errors_never_show_a_credential(secret: str, form: i
 _PLUGIN_START = "from attnprof.capture.vllm import register; register()"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [
     {"ATTNPROF_TRACE_MAX_RANGES_PER_WORKER": "0"},
     {"ATTNPROF_ENABLED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": _ENDPOINT,

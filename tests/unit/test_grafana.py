@@ -332,6 +332,7 @@ def test_alert_checks_bite() -> None:
         check_alert_shape(rules, untested)
 
 
+@pytest.mark.slow
 def test_alert_rules_unit_tests() -> None:
     r = run_promtool("test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -396,6 +397,7 @@ def test_recording_rules_unit_tests() -> None:
     assert not untested, f"recording rules without a promtool test: {sorted(untested)}"
 
 
+@pytest.mark.slow
 def test_recording_rule_tests_bite(tmp_path: Path) -> None:
     """Plausible wrong aggregations make the committed rule tests fail."""
     tests = tmp_path / REC_TESTS.name
@@ -420,6 +422,7 @@ def test_recording_rule_tests_bite(tmp_path: Path) -> None:
         assert r.returncode != 0, f"recording rule tests still pass with {new!r}"
 
 
+@pytest.mark.slow
 def test_alert_unit_tests_bite(tmp_path: Path) -> None:
     """A wrong threshold, or a counter queried without _total (vLLM's public alert bug), makes
     the committed rule tests fail."""

@@ -56,12 +56,14 @@ def test_no_alias_package() -> None:
     assert r.returncode != 0 and "No module named 'attnprof.plugin'" in r.stderr
 
 
+@pytest.mark.slow
 def test_public_api_from_editable_install() -> None:
     r = run_py(_PUBLIC)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith(str(REPO / "plugin" / "attnprof"))
 
 
+@pytest.mark.slow
 def test_no_module_is_imported_twice_under_two_names(tmp_path: Path) -> None:
     code = ("import sys, attnprof, attnprof.exporters.hub, "
             "attnprof.capture.vllm.hooks, attnprof.cli; import importlib.util as u; "

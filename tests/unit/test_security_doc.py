@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "SECURITY.md"
@@ -32,6 +34,7 @@ def _missing(text: str) -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 def test_every_cited_test_exists() -> None:
     text = DOC.read_text()
     assert len(_CITE.findall(text)) > 60, "SECURITY.md lists the test beside each claim"
@@ -75,6 +78,7 @@ _LISTENERS = {"bind", "listen", "start_http_server", "start_wsgi_server", "serve
               "make_server", "create_server", "HTTPServer", "ThreadingHTTPServer", "run_simple"}
 
 
+@pytest.mark.slow
 def test_attnprof_binds_no_socket() -> None:
     """attnprof's package code never listens: no bind/listen/HTTP server call anywhere in it
     (its routes live on vLLM's port; OTLP is outbound). The test tools that start vLLM or a

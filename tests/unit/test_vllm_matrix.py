@@ -174,6 +174,7 @@ def test_off_grid_case_is_derived_now_from_vllm(capsys: Any) -> None:
     assert v["selected"] == "TRITON_ATTN"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regenerate", [True, False])
 def test_out_directory_is_rejected_before_any_work(tmp_path: Path, regenerate: bool) -> None:
     args = ["--regenerate"] if regenerate else ["--head-dim", "128"]
