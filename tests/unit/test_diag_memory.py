@@ -54,6 +54,7 @@ def test_unfused_paths_hold_the_score_matrix() -> None:
     assert peak("flash_cpu", 2048) / peak("flash_cpu", 1024) < 2.1  # tiles: same q split
 
 
+@pytest.mark.slow
 def test_measure_peak_sees_a_known_allocation() -> None:
     _, peak = memory.measure_peak(lambda: torch.empty(1 << 20, dtype=torch.uint8).sum())
     assert peak >= 1 << 20

@@ -256,6 +256,7 @@ def test_rates_use_rate_interval_and_divisions_guard_zero() -> None:
 
 # --- (c) every dashboard expr is valid PromQL -------------------------------------------------
 
+@pytest.mark.slow
 def test_dashboard_exprs_are_valid_promql(tmp_path: Path) -> None:
     exprs = dashboard_exprs(dashboard())
     rules = [{"record": f"attnprof_grafana_check:expr_{i}", "expr": substitute(e)}

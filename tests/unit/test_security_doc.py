@@ -41,6 +41,7 @@ def test_every_cited_test_exists() -> None:
     assert _missing(text) == [], "SECURITY.md cites tests that do not exist"
 
 
+@pytest.mark.slow
 def test_a_citation_that_does_not_exist_is_caught() -> None:
     """The checker itself can fail: a renamed test, a missing file, a missing surface id."""
     assert _missing("[test: tests/unit/test_redact.py::test_made_up_claim]")

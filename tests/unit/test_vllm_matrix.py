@@ -55,6 +55,7 @@ def test_regenerated_matrix_equals_the_shipped_data() -> None:
         shipped_text
 
 
+@pytest.mark.slow
 def test_regenerate_summary_names_the_fields_that_changed() -> None:
     from attnprof.cli.compat import _changed
 
