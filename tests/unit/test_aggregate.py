@@ -157,6 +157,7 @@ def _run_steps(cap: Capture, layers: list[_Layer], n: int) -> list[bool]:
     return wrapped_seen
 
 
+@pytest.mark.slow
 def test_layers_do_no_attnprof_work_on_unsampled_steps() -> None:
     cap = _capture(0.0)
     layers = [_Layer(i) for i in range(3)]

@@ -126,6 +126,7 @@ print(reg.get_sample_value("attnprof_plugin_processes", {"role": "worker"}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_process_writes_its_own_gauges_in_multiprocess_mode(tmp_path: Any) -> None:
     from tests.conftest import run_py

@@ -15,6 +15,10 @@ import pytest
 from tests.bearer_server import BearerJsonServer
 from tests.conftest import free_port
 
+# Every test here starts processes or runs for seconds: `make test` runs them,
+# `make unit` skips them.
+pytestmark = pytest.mark.slow
+
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os

@@ -112,6 +112,7 @@ def _restart_in_place(tmp_path: Path, wrapper: list[str]) -> tuple[dict[str, Any
     return first, second
 
 
+@pytest.mark.slow
 def test_without_the_wipe_a_restart_in_place_keeps_dead_series_and_doubles_counters(
         tmp_path: Path) -> None:
     """The flaw the entrypoint exists for (the manifest's old command: the server directly)."""
@@ -122,6 +123,7 @@ def test_without_the_wipe_a_restart_in_place_keeps_dead_series_and_doubles_count
     assert metric_value(m, "attnprof_internal_errors_total", model="m", place="capture") == 6
 
 
+@pytest.mark.slow
 def test_restart_in_place_through_the_manifest_entrypoint_leaves_no_stale_series(
         tmp_path: Path) -> None:
     first, second = _restart_in_place(tmp_path, _manifest_wrapper())
@@ -220,6 +222,7 @@ def _cli(env: dict[str, str], *argv: str) -> subprocess.Popen[str]:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_cli_execs_the_command_in_its_own_place_after_emptying(tmp_path: Path) -> None:
     d = _dir_with(tmp_path)
     show = ("import os, sys; print(os.getpid(), sorted(os.listdir("
@@ -231,6 +234,7 @@ def test_cli_execs_the_command_in_its_own_place_after_emptying(tmp_path: Path) -
     assert err.count("\n") == 1 and "removed 2 multiprocess metric file(s)" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["root", "unset", "stranger", "no-command", "bad-command"])
 def test_cli_refusals_are_one_line_exit_2_and_run_and_remove_nothing(tmp_path: Path,
                                                                       case: str) -> None:

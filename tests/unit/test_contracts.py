@@ -38,6 +38,7 @@ def _one_line(err: pytest.ExceptionInfo[ContractError], *needles: str) -> None:
 
 
 # ----- schemas -----
+@pytest.mark.slow
 def test_published_schemas_are_current_and_valid_draft_2020_12() -> None:
     assert SCHEMA_DIR == REPO / "docs" / "schema"
     assert stale() == [], "run: python -m attnprof.contracts"
@@ -49,6 +50,7 @@ def test_published_schemas_are_current_and_valid_draft_2020_12() -> None:
                               "profile.schema.json"}
 
 
+@pytest.mark.slow
 def test_schema_command_check_mode(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "attnprof.contracts"]
     r = subprocess.run([*cmd, "--check", "--out", str(tmp_path)], capture_output=True,
@@ -89,6 +91,7 @@ def _advice(head_stats: bool) -> WindowAdvice:
     return export_summary(recommend(dist, arch, acc))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_stats", [True, False])
 def test_window_advice_validates_and_round_trips(head_stats: bool) -> None:
     adv = _advice(head_stats)
@@ -104,6 +107,7 @@ def test_window_advice_validates_and_round_trips(head_stats: bool) -> None:
             "safe", "summary", "per_layer"} <= set(doc)
 
 
+@pytest.mark.slow
 def test_advice_samples_read_the_wire_form() -> None:
     from attnprof.exporters.samples import advice_samples
 
@@ -129,6 +133,7 @@ def _snapshot(advice: WindowAdvice | AdviceUnavailable | None) -> Snapshot:
                     window_advice=advice)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["advice", "unavailable", "none"])
 def test_snapshot_with_each_advice_state(kind: str) -> None:
     advice = {"advice": _advice(True), "unavailable": AdviceUnavailable("no requests yet"),
@@ -171,8 +176,9 @@ def test_nested_document_of_another_major_is_refused() -> None:
 
 # ----- profile.json -----
 _REASON = {"code": "mask", "backend": "flash", "message": "explicit mask"}
-LEGACY_PROFILE: dict[str, Any] = {
-    "schema_version": 1,
+# A profile.json of the oldest fields (1.0): a reader of 1.x still reads it.
+PROFILE_1_0: dict[str, Any] = {
+    "schema_version": "attnprof.profile/1.0",
     "model": {"name": "tiny", "path": "/tmp/ckpt", "architecture": "Qwen2ForCausalLM",
               "attn_implementation": "eager", "dtype": "float32", "static_bytes": 123456,
               "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
@@ -244,8 +250,8 @@ LEGACY_PROFILE: dict[str, Any] = {
 }
 
 
-def test_legacy_profile_json_reads_and_rewrites_valid() -> None:
-    rep = ProfileReport.from_json(copy.deepcopy(LEGACY_PROFILE))
+def test_profile_1_0_reads_and_rewrites_valid() -> None:
+    rep = ProfileReport.from_json(copy.deepcopy(PROFILE_1_0))
     assert rep.model.num_kv_heads == 2 and rep.layers[1].sliding_window == 16
     assert rep.window_advice is not None and rep.window_advice.window == 64
     assert rep.oom_prediction.validation is not None
@@ -253,12 +259,12 @@ def test_legacy_profile_json_reads_and_rewrites_valid() -> None:
     doc = json.loads(json.dumps(rep.to_json()))
     assert doc["schema_version"] == "attnprof.profile/1.3"
     _validate(doc, "profile.schema.json")
-    _validate(LEGACY_PROFILE, "profile.schema.json")  # old files still validate
+    _validate(PROFILE_1_0, "profile.schema.json")  # a 1.0 file still validates
     assert ProfileReport.from_json(doc) == rep
 
 
 def test_newer_minor_with_unknown_fields_reads() -> None:
-    doc = copy.deepcopy(LEGACY_PROFILE) | {"schema_version": "attnprof.profile/1.9",
+    doc = copy.deepcopy(PROFILE_1_0) | {"schema_version": "attnprof.profile/1.9",
                                            "something_new": {"x": 1}}
     assert ProfileReport.from_json(doc).model.name == "tiny"
 
@@ -266,11 +272,12 @@ def test_newer_minor_with_unknown_fields_reads() -> None:
 @pytest.mark.parametrize(("tag", "needle"), [
     ("attnprof.profile/2.0", "attnprof.profile version 2 is not supported"),
     (2, "is not of the form 'kind/major.minor'"),
+    (1, "is not of the form 'kind/major.minor'"),  # no reader of pre-1.0 integer tags
     ("attnprof.snapshot/1.2", "this is a attnprof.snapshot document, not attnprof.profile"),
     ("attnprof.profile/x", "has no numeric version"),
 ])
 def test_wrong_version_or_kind_is_one_line(tag: Any, needle: str) -> None:
-    doc = copy.deepcopy(LEGACY_PROFILE) | {"schema_version": tag}
+    doc = copy.deepcopy(PROFILE_1_0) | {"schema_version": tag}
     with pytest.raises(ContractError) as err:
         ProfileReport.from_json(doc)
     _one_line(err, needle)
@@ -298,7 +305,7 @@ def test_snapshot_given_to_the_profile_reader() -> None:
 ])
 def test_wrong_field_type_names_the_field(path: tuple[Any, ...], value: Any,
                                           needle: str) -> None:
-    doc = copy.deepcopy(LEGACY_PROFILE)
+    doc = copy.deepcopy(PROFILE_1_0)
     node: Any = doc
     for key in path[:-1]:
         node = node[key]
@@ -309,7 +316,7 @@ def test_wrong_field_type_names_the_field(path: tuple[Any, ...], value: Any,
 
 
 def test_missing_field_is_named() -> None:
-    doc = copy.deepcopy(LEGACY_PROFILE)
+    doc = copy.deepcopy(PROFILE_1_0)
     del doc["oom_prediction"]["batch_size"]
     with pytest.raises(ContractError) as err:
         ProfileReport.from_json(doc)
@@ -320,12 +327,12 @@ def test_profile_show_reads_through_the_contract(tmp_path: Path, capsys: Any) ->
     from attnprof.cli import main
 
     good = tmp_path / "profile.json"
-    good.write_text(json.dumps(LEGACY_PROFILE))
+    good.write_text(json.dumps(PROFILE_1_0))
     assert main(["profile", "--show", str(good)]) == 0
     out = capsys.readouterr().out
     assert "OOM prediction" in out and "Window advice: your traffic" in out
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(LEGACY_PROFILE | {"schema_version": "attnprof.profile/2.0"}))
+    bad.write_text(json.dumps(PROFILE_1_0 | {"schema_version": "attnprof.profile/2.0"}))
     assert main(["profile", "--show", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnprof: error: ")

@@ -384,6 +384,7 @@ def test_k8s_vllm_container_enables_every_plugin_and_multiproc_metrics() -> None
     assert svc["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
 
 
+@pytest.mark.slow
 def test_k8s_manifests_validate_against_kubernetes_schemas() -> None:
     _check_k8s_schemas(_k8s())
 
@@ -454,6 +455,7 @@ def test_compose_enables_every_plugin() -> None:
     assert env["PYTHONPATH"] == "/attnprof"
 
 
+@pytest.mark.slow
 def test_compose_validates_against_compose_spec() -> None:
     _check_compose_schema(_compose())
 
@@ -494,6 +496,7 @@ _NP = 3                                   # the NetworkPolicy
 _K8S_KINDS = ["ConfigMap", "Deployment", "Service", "NetworkPolicy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("check", "where", "mutation"), [
     ("k8s_schemas", "k8s", _weaken(*_VLLM, "securityContext", "readOnlyRootFilesytem",
                                    value=True)),
@@ -578,6 +581,7 @@ def test_local_prometheus_config_is_valid(cfg: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_sidecar_style_install_is_discovered_through_pythonpath(tmp_path: Path) -> None:
     """What the k8s init container does, with its own command and requirements: a wheel built
     from this checkout, pinned by `pip hash`, installed with `--require-hashes --no-deps

@@ -17,6 +17,7 @@ def test_kv_bytes_per_token_formula() -> None:
     assert memory.kv_bytes_per_token(2, 32, torch.bfloat16)["per_layer"] == 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "extra"), [("llama", {}), ("qwen2", {})])
 def test_analytic_kv_equals_real_cache(family: str, extra: dict[str, int]) -> None:
     import transformers as tf
@@ -34,6 +35,7 @@ def test_analytic_kv_equals_real_cache(family: str, extra: dict[str, int]) -> No
     assert memory_measure.cache_bytes(out.past_key_values) == per * B * L * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["flash_cpu", "math", "eager"])
 @pytest.mark.parametrize("length", [512, 1024])
 def test_analytic_peak_within_10_percent_fp32(path: str, length: int) -> None:
@@ -44,6 +46,7 @@ def test_analytic_peak_within_10_percent_fp32(path: str, length: int) -> None:
     assert memory.rel_err(modeled, measured["peak_bytes"]) < 0.10, (modeled, measured)
 
 
+@pytest.mark.slow
 def test_unfused_paths_hold_the_score_matrix() -> None:
     # Doubling L quadruples the math path's peak; the fused one grows at most linearly.
     def peak(path: str, length: int) -> float:
@@ -54,6 +57,7 @@ def test_unfused_paths_hold_the_score_matrix() -> None:
     assert peak("flash_cpu", 2048) / peak("flash_cpu", 1024) < 2.1  # tiles: same q split
 
 
+@pytest.mark.slow
 def test_measure_peak_sees_a_known_allocation() -> None:
     _, peak = memory_measure.measure_peak(lambda: torch.empty(1 << 20, dtype=torch.uint8).sum())
     assert peak >= 1 << 20

@@ -128,6 +128,7 @@ def test_vllm_backend_report_cpu() -> None:
     assert bad["backends"]["CPU_ATTN"]["reasons"] == ["head_size not supported"]
 
 
+@pytest.mark.slow
 def test_vllm_backend_report_gpu_target_reads_the_derived_matrix() -> None:
     # An H100 asked about from this CPU process: the derived matrix answers, and says so.
     rep = vllm_backend_report(9, 3, 96, torch.bfloat16, "fp8", 4096, device_capability=(9, 0))

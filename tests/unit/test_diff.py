@@ -49,6 +49,7 @@ def test_mann_whitney_matches_a_hand_computed_case() -> None:
     assert mann_whitney([], [1.0]) == (0.0, 1.0)
 
 
+@pytest.mark.slow
 def test_ratio_test_recovers_the_ratio_and_its_interval_covers_it() -> None:
     rng = random.Random(7)
     covered = 0
@@ -138,6 +139,7 @@ def _diff(a: Snapshot, b: Snapshot, **kw: object) -> DiffReport:
     return compare(a, b, base_name="a.json", new_name="b.json", **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_snapshot_kernel_downgrade_names_the_layers_and_the_input_that_changed() -> None:
     rep = _diff(_snap(), _snap(kernel="k[vec]", dtype="float32", seed=1))
     kern = [f for f in rep.findings if f.kind == "kernel"]
@@ -154,6 +156,7 @@ def test_a_snapshot_kernel_downgrade_names_the_layers_and_the_input_that_changed
     assert [f.severity for f in back.findings if f.kind == "kernel"] == ["improvement"]
 
 
+@pytest.mark.slow
 def test_noise_alone_is_not_a_regression_and_a_real_slowdown_is() -> None:
     for seed in range(10):
         rep = _diff(_snap(seed=seed), _snap(seed=seed + 100))
@@ -173,6 +176,7 @@ def test_noise_alone_is_not_a_regression_and_a_real_slowdown_is() -> None:
     assert not off.regression
 
 
+@pytest.mark.slow
 def test_a_busy_machine_slowing_everything_does_not_trip_the_time_check() -> None:
     base, new = _snap(), _snap(slow=2.0, seed=5)
     # Everything, not only attention, took twice as long in NEW.
@@ -183,6 +187,7 @@ def test_a_busy_machine_slowing_everything_does_not_trip_the_time_check() -> Non
     assert any("2.00x as long" in n for n in rep.notes)
 
 
+@pytest.mark.slow
 def test_two_models_are_incomparable_unless_allowed() -> None:
     with pytest.raises(Incomparable, match="different models"):
         _diff(_snap(), _snap(config="c2"))
@@ -201,6 +206,7 @@ def test_a_file_without_provenance_compares_by_label_and_attention_shape() -> No
         _diff(old, other)
 
 
+@pytest.mark.slow
 def test_context_shift_is_measured_and_fails_only_when_asked() -> None:
     a, b = _snap(hist=[10, 0, 0, 0]), _snap(hist=[0, 0, 10, 0], seed=1)
     rep = _diff(a, b)
@@ -368,10 +374,10 @@ def _enc_dec_profile(cross_kernel: str = "flash_cpu", cross_slow: float = 1.0,
                      seed: int = 0) -> ProfileReport:
     import copy
 
-    from tests.unit.test_contracts import LEGACY_PROFILE
+    from tests.unit.test_contracts import PROFILE_1_0
 
     rng = random.Random(seed)
-    doc = copy.deepcopy(LEGACY_PROFILE)
+    doc = copy.deepcopy(PROFILE_1_0)
     doc.pop("window_advice")
     base_layer = doc["layers"][0]
     layers, rows = [], []

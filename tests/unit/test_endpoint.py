@@ -146,6 +146,7 @@ def test_a_stale_cache_refreshes_once(state: runtime.State, monkeypatch: pytest.
     assert len(eng.calls) == 2
 
 
+@pytest.mark.slow
 def test_a_hung_engine_times_out_and_never_gets_a_second_rpc(state: runtime.State) -> None:
     eng = FakeEngine(delay=5.0)  # far past ATTNPROF_RPC_TIMEOUT_S = 1
     app = _app(eng, [KEY])
@@ -192,6 +193,7 @@ def _acc_with_data(layers: int, kv: int, group: int, seed: int) -> HeadStatsAccu
     return acc
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_merge_by_global_head_index(state: runtime.State) -> None:
     # 2 layers, 4 KV heads x 2 query heads in all, split over 2 TP ranks (2 KV heads each).
     r0, r1 = _acc_with_data(2, 2, 2, seed=1), _acc_with_data(2, 2, 2, seed=2)

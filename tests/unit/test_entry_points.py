@@ -73,6 +73,7 @@ def test_enabled_plugin_patches_once_even_if_loaded_twice() -> None:
     assert out[:3] == ["patched", "patched", "True"], r.stdout
 
 
+@pytest.mark.slow
 def test_bad_setting_fails_startup_with_one_clear_line() -> None:
     r = run_py("from attnprof.capture.vllm import register; register()",
                env={"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "abc"})

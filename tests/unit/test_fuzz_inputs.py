@@ -91,7 +91,7 @@ def _make_world(root: Path) -> World:
 
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
     from attnprof.contracts.snapshot import Snapshot
-    from tests.unit.test_contracts import LEGACY_PROFILE
+    from tests.unit.test_contracts import PROFILE_1_0
 
     w = World(root)
     for d in ("inp", "out", "work", "home", "ckpt", "emptydir", "multiproc"):
@@ -104,7 +104,7 @@ def _make_world(root: Path) -> World:
     w.stats.write_text(json.dumps(HeadStatsAccumulator(2, 2, 2).to_dict()))
     w.prompts.write_text("The quick brown fox jumps over the lazy dog.\nA second prompt.\n")
     w.snap.write_text(json.dumps(Snapshot(time=1.0, model="m", enabled=True).to_json()))
-    w.profile.write_text(json.dumps(LEGACY_PROFILE))
+    w.profile.write_text(json.dumps(PROFILE_1_0))
     w.existing.write_text("old\n")
     return w
 
@@ -766,6 +766,7 @@ def test_the_harness_sees_refusals_and_long_work(cli_env: World) -> None:
         (w.out / "probe.txt").unlink()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", _flag_params())
 def test_bad_flag_values_are_one_line_exit_2_before_any_work(key: str, cli_env: World
                                                              ) -> None:
@@ -988,6 +989,7 @@ def test_bad_attnprof_variables_are_one_startup_line(name: str) -> None:
     _every_bad_value_is_one_startup_line(name, kind, ctx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _env_params())
 def test_good_and_any_attnprof_values(name: str) -> None:
     """Good values start and are read as given; any value either starts with something of
@@ -1242,6 +1244,7 @@ def test_header_and_endpoint_errors_never_show_a_credential(secret: str, form: i
 _PLUGIN_START = "from attnprof.capture.vllm import register; register()"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [
     {"ATTNPROF_TRACE_MAX_RANGES_PER_WORKER": "0"},
     {"ATTNPROF_ENABLED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": _ENDPOINT,

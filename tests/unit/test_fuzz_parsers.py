@@ -116,6 +116,7 @@ def _check_contract(cls: type[Record], data: Any) -> None:
         json.dumps(out.to_json())  # what was read can be written back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", DOCUMENTS, ids=lambda c: c.__name__)
 def test_document_from_json(cls: type[Record]) -> None:
     @FAST
@@ -126,6 +127,7 @@ def test_document_from_json(cls: type[Record]) -> None:
     run()
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(pair=st.sampled_from([c for c in CONTRACTS if c not in DOCUMENTS]).flatmap(
     lambda cls: st.tuples(st.just(cls), _shaped(cls) | json_values)))
@@ -153,6 +155,7 @@ def scratch(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "input"
 
 
+@pytest.mark.slow
 @FAST
 @given(text=_texts)
 def test_lengths_file(scratch: Path, text: str) -> None:
@@ -165,6 +168,7 @@ def test_lengths_file(scratch: Path, text: str) -> None:
         assert all(math.isfinite(w) and w > 0 for w in dist.weights)
 
 
+@pytest.mark.slow
 @FAST
 @given(data=_shaped(CONTRACTS[CONTRACTS.index(__import__(
     "attnprof.contracts.profile", fromlist=["ProfileReport"]).ProfileReport)]) | json_values,
@@ -176,6 +180,7 @@ def test_profile_show(scratch: Path, data: Any, raw: bool, junk: bytes) -> None:
     _expect(lambda: show_profile(scratch), CliError)
 
 
+@pytest.mark.slow
 @FAST
 @given(data=_shaped(__import__("attnprof.contracts.snapshot",
                                fromlist=["Snapshot"]).Snapshot) | json_values)
@@ -215,6 +220,7 @@ def _head_stats(draw: st.DrawFn) -> dict[str, Any]:
     return d
 
 
+@pytest.mark.slow
 @FAST
 @given(data=_head_stats() | json_values)
 def test_head_stats_file(scratch: Path, data: Any) -> None:
@@ -224,6 +230,7 @@ def test_head_stats_file(scratch: Path, data: Any) -> None:
     _expect(lambda: load_head_stats(scratch), CliError)
 
 
+@pytest.mark.slow
 @FAST
 @given(manifest=st.fixed_dictionaries({}, optional={"files": json_values,
                                                     "sha256": json_values,
@@ -273,6 +280,7 @@ def raw() -> Iterator[RawServer]:
     srv.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(answer=_http_answers())
@@ -283,6 +291,7 @@ def test_snapshot_url_answers(raw: RawServer, answer: bytes) -> None:
     _expect(lambda: fetch_snapshot(raw.url, timeout=5), CliError)
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(answer=_http_answers())
@@ -318,6 +327,7 @@ _prom_result = st.lists(st.fixed_dictionaries({}, optional={
                        | json_values).map(list) | json_values}), max_size=5)
 
 
+@pytest.mark.slow
 @FAST
 @given(result=_prom_result | json_values, status=st.sampled_from(["success", "error", 1]))
 def test_prometheus_answer_body(result: Any, status: Any) -> None:

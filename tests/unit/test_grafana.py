@@ -4,6 +4,7 @@ pass their promtool tests."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -28,6 +29,14 @@ RULE_TESTS = GRAFANA / "alerts" / "attnprof-rules.test.yaml"
 REC_RULES = GRAFANA / "recording" / "attnprof-report-rules.yaml"
 REC_TESTS = GRAFANA / "recording" / "attnprof-report-rules.test.yaml"
 DS_UID = "${datasource}"
+# The alerts grafana/alerts/attnprof-rules.yaml defines, in its order (grafana/README.md
+# documents each): a rule lost or renamed fails the tests, not only a wrong one.
+EXPECTED_ALERTS = (
+    "AttnProfFusedKernelFallback", "AttnProfCaptureBlind", "AttnProfSampleRateThrottled",
+    "AttnProfInternalErrors", "AttnProfCaptureDisabled", "AttnProfPluginMissing",
+    "AttnProfKVCacheHigh", "AttnProfKVBound", "AttnProfKVPreemptions",
+    "AttnProfContextLongTail",
+)
 
 _KINDS = {m.name: m.kind for m in CATALOG}
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
@@ -164,10 +173,15 @@ def test_dashboard_metrics_exist_in_catalog() -> None:
     assert "attnprof_layer_info" in seen
 
 
-def test_alert_metrics_exist_in_catalog() -> None:
-    for rule in alert_rules():
+def check_alert_metrics(rules: list[dict[str, Any]]) -> None:
+    assert [r["alert"] for r in rules] == list(EXPECTED_ALERTS)
+    for rule in rules:
         assert metric_names(rule["expr"]), rule["alert"]
         assert not not_in_catalog(rule["expr"]), (rule["alert"], not_in_catalog(rule["expr"]))
+
+
+def test_alert_metrics_exist_in_catalog() -> None:
+    check_alert_metrics(alert_rules())
 
 
 def test_recording_rule_metrics_exist_in_catalog() -> None:
@@ -242,6 +256,7 @@ def test_rates_use_rate_interval_and_divisions_guard_zero() -> None:
 
 # --- (c) every dashboard expr is valid PromQL -------------------------------------------------
 
+@pytest.mark.slow
 def test_dashboard_exprs_are_valid_promql(tmp_path: Path) -> None:
     exprs = dashboard_exprs(dashboard())
     rules = [{"record": f"attnprof_grafana_check:expr_{i}", "expr": substitute(e)}
@@ -262,16 +277,22 @@ def test_promql_check_bites(tmp_path: Path) -> None:
 
 # --- (d) alert rules: promtool check + unit tests ----------------------------------------------
 
+def test_alert_rules_are_the_documented_ones() -> None:
+    assert [r["alert"] for r in alert_rules()] == list(EXPECTED_ALERTS)
+    documented = re.findall(r"^\| `(AttnProf\w+)` \|", (GRAFANA / "README.md").read_text(),
+                            re.M)
+    assert sorted(documented) == sorted(EXPECTED_ALERTS)
+
+
 def test_alert_rules_check() -> None:
     r = run_promtool("check", "rules", str(RULES))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(EXPECTED_ALERTS)} rules found" in r.stdout, r.stdout
 
 
-def test_alert_rules_shape() -> None:
-    rules = alert_rules()
+def check_alert_shape(rules: list[dict[str, Any]], tested: dict[str, Any]) -> None:
     names = [r["alert"] for r in rules]
-    assert len(names) == len(set(names))
-    tested = yaml.safe_load(RULE_TESTS.read_text())
+    assert names == list(EXPECTED_ALERTS)
     fired: set[str] = set()
     silent: set[str] = set()
     for t in tested["tests"]:
@@ -286,6 +307,33 @@ def test_alert_rules_shape() -> None:
         assert r["alert"] in silent, f"{r['alert']}: no promtool test where it stays silent"
 
 
+def test_alert_rules_shape() -> None:
+    check_alert_shape(alert_rules(), yaml.safe_load(RULE_TESTS.read_text()))
+
+
+def test_alert_checks_bite() -> None:
+    """The checks above fail on no rules, a missing rule, a renamed one, an untemplated
+    summary and a rule no promtool test fires."""
+    rules, tested = alert_rules(), yaml.safe_load(RULE_TESTS.read_text())
+    renamed = copy.deepcopy(rules)
+    renamed[0]["alert"] = "AttnProfSomethingElse"
+    flat = copy.deepcopy(rules)
+    flat[1]["annotations"]["summary"] = "no template"
+    for bad in ([], rules[1:], renamed):
+        with pytest.raises(AssertionError):
+            check_alert_metrics(bad)
+        with pytest.raises(AssertionError):
+            check_alert_shape(bad, tested)
+    with pytest.raises(AssertionError):
+        check_alert_shape(flat, tested)
+    untested = {"tests": [dict(t, alert_rule_test=[c for c in t.get("alert_rule_test", [])
+                                                   if c["alertname"] != EXPECTED_ALERTS[2]])
+                          for t in tested["tests"]]}
+    with pytest.raises(AssertionError, match=EXPECTED_ALERTS[2]):
+        check_alert_shape(rules, untested)
+
+
+@pytest.mark.slow
 def test_alert_rules_unit_tests() -> None:
     r = run_promtool("test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -350,6 +398,7 @@ def test_recording_rules_unit_tests() -> None:
     assert not untested, f"recording rules without a promtool test: {sorted(untested)}"
 
 
+@pytest.mark.slow
 def test_recording_rule_tests_bite(tmp_path: Path) -> None:
     """Plausible wrong aggregations make the committed rule tests fail."""
     tests = tmp_path / REC_TESTS.name
@@ -374,6 +423,7 @@ def test_recording_rule_tests_bite(tmp_path: Path) -> None:
         assert r.returncode != 0, f"recording rule tests still pass with {new!r}"
 
 
+@pytest.mark.slow
 def test_alert_unit_tests_bite(tmp_path: Path) -> None:
     """A wrong threshold, or a counter queried without _total (vLLM's public alert bug), makes
     the committed rule tests fail."""
@@ -389,3 +439,7 @@ def test_alert_unit_tests_bite(tmp_path: Path) -> None:
         (tmp_path / RULES.name).write_text(text.replace(old, new))
         r = run_promtool("test", "rules", tests.name, cwd=tmp_path)
         assert r.returncode != 0, f"rule tests still pass with {new!r}"
+    # No rules at all: every test that expects an alert fails.
+    (tmp_path / RULES.name).write_text("groups: []\n")
+    r = run_promtool("test", "rules", tests.name, cwd=tmp_path)
+    assert r.returncode != 0, "rule tests pass with an empty rules file"

@@ -80,6 +80,7 @@ def runs() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     return truth, {name: np.stack(v) for name, v in est.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stat", ["coverage", "entropy", "topk"])
 def test_sampled_statistics_centre_on_the_all_query_value(
         runs: tuple[dict[str, np.ndarray], dict[str, np.ndarray]], stat: str) -> None:
@@ -94,6 +95,7 @@ def test_sampled_statistics_centre_on_the_all_query_value(
     assert np.all(np.abs(bias) <= 0.25 * spread + 1e-3), (stat, bias, spread)
 
 
+@pytest.mark.slow
 def test_sampling_error_is_reported_and_honest(
         runs: tuple[dict[str, np.ndarray], dict[str, np.ndarray]]) -> None:
     """The standard error one run reports is the right size for the spread across seeds."""
@@ -129,6 +131,7 @@ def test_every_layer_of_a_request_samples_the_same_positions() -> None:
     assert sum(w for _, w in det) == pytest.approx(1500)
 
 
+@pytest.mark.slow
 def test_weighted_state_merges_serializes_and_reads_old_state() -> None:
     q, k, scale = _attention()
     a = HeadStatsAccumulator(1, 1, 4, sinks_grid=SINKS, window_grid=WINDOWS, seed=1)
@@ -255,6 +258,7 @@ def test_wilson_bound_is_one_sided_and_never_zero() -> None:
     assert np.isnan(wilson_bounds(0.0, 0.0, 1.0)[1]) and math.isnan(wilson_low(1, 0))
 
 
+@pytest.mark.slow
 def test_window_decisions_pass_fail_and_undecided() -> None:
     """Sampled (64 queries, ~55 eligible): the clean head passes, the 30% head fails, the 4%
     head is undecided and therefore not windowed; the all-query census decides it (pass)."""
@@ -296,6 +300,7 @@ def test_a_sample_with_no_failures_is_not_proof() -> None:
     assert _decisions(acc) == ["undecided"] * 3
 
 
+@pytest.mark.slow
 def test_exact_flag_survives_serialization_and_merging_clears_it() -> None:
     q, k, _ = _needle_attention()
     census = _acc()

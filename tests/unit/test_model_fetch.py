@@ -256,6 +256,7 @@ _RACER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force", ["", "force"])
 def test_two_concurrent_fetches_serialize_and_yield_a_verified_cache(
         tmp_path: Path, fake_gguf: Path, force: str) -> None:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_py
+
+# Every test here starts processes or runs for seconds: `make test` runs them,
+# `make unit` skips them.
+pytestmark = pytest.mark.slow
 
 SCRIPT = r'''
 import json, multiprocessing as mp, os, signal, sys

@@ -119,6 +119,7 @@ def _profile(ckpt: Path, out: Path, *args: str) -> dict[str, Any]:
     return dict(json.loads((out / "profile.json").read_text()))
 
 
+@pytest.mark.slow
 def test_default_sdpa_math_what_if_is_physically_possible(
         smol_shape_ckpt: Path, tmp_path: Path, capsys: Any) -> None:
     """`attnprof profile smollm2 --seq-lens 128,256`: the math what-if used to be 93,950
@@ -145,6 +146,7 @@ def test_default_sdpa_math_what_if_is_physically_possible(
             f"{o['max_seq_len']:,}") in text
 
 
+@pytest.mark.slow
 def test_eager_headline_is_for_the_eager_path_it_ran(
         smol_shape_ckpt: Path, tmp_path: Path, capsys: Any) -> None:
     """`--attn-implementation eager --seq-lens 256,512` used to report 102,990 tokens (the
@@ -168,6 +170,7 @@ def test_eager_headline_is_for_the_eager_path_it_ran(
     assert "eager: all layers" in text
 
 
+@pytest.mark.slow
 def test_eager_prediction_holds_when_run_at_the_predicted_length(
         smol_shape_ckpt: Path, tmp_path: Path) -> None:
     """A budget this machine can afford (160 MiB over the weights): the prediction from

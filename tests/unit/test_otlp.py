@@ -189,6 +189,7 @@ def samples(total: float, ctx: list[float], gauge: float = 0.25) -> list[MetricS
     ]
 
 
+@pytest.mark.slow
 def test_values_names_units_and_resource_on_both_transports(receiver: OtlpReceiver) -> None:
     cfg = config(receiver.endpoint, receiver.protocol, headers=(("x-tenant", "t1"),),
                  resource_attributes=(("deployment.environment", "ci"),))
@@ -253,6 +254,7 @@ def test_values_names_units_and_resource_on_both_transports(receiver: OtlpReceiv
     assert len(receiver.wait_for(3)) == 3
 
 
+@pytest.mark.slow
 def test_counter_totals_never_go_backwards() -> None:
     with OtlpReceiver() as r:
         sink = OtlpSink(config(r.endpoint), role="worker")
@@ -264,6 +266,7 @@ def test_counter_totals_never_go_backwards() -> None:
     assert [p.as_double for p in m.sum.data_points] == [7.0]
 
 
+@pytest.mark.slow
 def test_hub_drives_the_sink_and_stop_sends_the_last_values() -> None:
     with OtlpReceiver() as r:
         errors: list[str] = []
@@ -352,6 +355,7 @@ def test_exponential_conversion_refuses_when_not_exact(bounds: list[float],
     assert exponential_buckets(hist(bounds, values)) is None
 
 
+@pytest.mark.slow
 def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
     pow2 = pow2_buckets(2048)
     vals = [0, 1, 2, 3, 40, 41, 900, 5000]
@@ -384,6 +388,7 @@ def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
 
 # ----------------------------------------------------------------------------- fork
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_sink_inherited_across_fork_builds_its_own_provider() -> None:
     with OtlpReceiver() as r:
@@ -443,6 +448,7 @@ with OtlpReceiver() as r:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_fork_after_provider_does_not_deadlock_the_child() -> None:
     # A fresh interpreter, so the import order is the one under test.
@@ -466,6 +472,7 @@ def _failing_flushes(sink: OtlpSink, n: int) -> list[float]:
     return times
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("fault", ["down", "refusing"])
 def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None:
@@ -506,6 +513,7 @@ def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None
             rec.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_slow_endpoint_is_bounded_by_the_timeout(protocol: str) -> None:
     with OtlpReceiver(protocol, mode="slow", delay=3.0) as r:

@@ -36,14 +36,36 @@ def test_every_subpackage_is_listed_for_the_wheel() -> None:
     assert listed == _packages_in_tree()
 
 
+def test_face_signatures_are_the_capture_ones() -> None:
+    """attnprof.instrument/profile spell out capture.transformers' arguments (so that
+    ``import attnprof`` loads no capture code): names, kinds and defaults must agree."""
+    import inspect
+
+    import attnprof
+    from attnprof.capture import transformers as tr
+
+    for name in ("instrument", "profile"):
+        face = inspect.signature(getattr(attnprof, name)).parameters
+        impl = inspect.signature(getattr(tr, name)).parameters
+        assert [(p.name, p.kind, p.default) for p in face.values()] == \
+            [(p.name, p.kind, p.default) for p in impl.values()], name
+
+
+def test_no_alias_package() -> None:
+    r = run_py("import attnprof.plugin")
+    assert r.returncode != 0 and "No module named 'attnprof.plugin'" in r.stderr
+
+
+@pytest.mark.slow
 def test_public_api_from_editable_install() -> None:
     r = run_py(_PUBLIC)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith(str(REPO / "plugin" / "attnprof"))
 
 
+@pytest.mark.slow
 def test_no_module_is_imported_twice_under_two_names(tmp_path: Path) -> None:
-    code = ("import sys, attnprof, attnprof.plugin, attnprof.exporters.hub, "
+    code = ("import sys, attnprof, attnprof.exporters.hub, "
             "attnprof.capture.vllm.hooks, attnprof.cli; import importlib.util as u; "
             "files = {}; "
             "[files.setdefault(getattr(m, '__file__', None), []).append(n) "

@@ -141,6 +141,7 @@ def test_redaction_is_idempotent_on_every_form() -> None:
     assert redact_argv(once) == once and len(once) == len(argv)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.lists(st.text(max_size=40), max_size=12))
 def test_never_raises_keeps_length_and_every_flag(argv: list[str]) -> None:
@@ -151,6 +152,7 @@ def test_never_raises_keeps_length_and_every_flag(argv: list[str]) -> None:
             assert a == b  # flags are what make the command readable
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.lists(st.from_regex(r"[A-Za-z0-9_\-]{6,20}", fullmatch=True), min_size=1,
                 max_size=4))
@@ -196,6 +198,7 @@ def test_a_diff_of_an_old_file_shows_no_key() -> None:
     assert "--api-key" in text and not _leaks([text], "k1-77", "k2-77")
 
 
+@pytest.mark.slow
 def test_attnprof_env_never_prints_a_secret_value() -> None:
     env = {**os.environ, "ATTNPROF_API_KEY": "k-77", "ATTNPROF_HOME": "/srv/attnprof"}
     out = subprocess.run([sys.executable, "-m", "attnprof.cli", "env"], env=env,

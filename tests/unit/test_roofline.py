@@ -142,6 +142,7 @@ def test_roofline_samples_use_catalog_labels() -> None:
     assert roofline_samples("m", None, None) == []
 
 
+@pytest.mark.slow
 def test_render_png_and_svg() -> None:
     pytest.importorskip("matplotlib")
     from attnprof.exporters.roofline_plot import render, summary_lines
@@ -315,6 +316,7 @@ def test_causal_window_counts_match_the_mask() -> None:
         assert keys_read(q, s, w) == int(rows.any(axis=0).sum())
 
 
+@pytest.mark.slow
 def test_profile_roofline_counts_each_layers_own_mask() -> None:
     """attnprof profile's roofline: a decoder layer's sliding window and causal mask limit its
     pairs, while encoder self-attention and cross-attention are dense (brute-force counts)."""
@@ -342,6 +344,7 @@ def test_profile_roofline_counts_each_layers_own_mask() -> None:
     assert flops[3] / flops[0] == pytest.approx(8 * L / L**2)
 
 
+@pytest.mark.slow
 def test_probe_waits_for_an_idle_worker() -> None:
     """The live probe runs at the worker's first idle gap (a probe under load reads low), and
     says so in its note when the worker never idles."""
@@ -359,6 +362,7 @@ def test_probe_waits_for_an_idle_worker() -> None:
     assert not wait_idle(lambda: next(ticks), idle_s=0.05, max_wait_s=0.3, poll_s=0.01)
 
 
+@pytest.mark.slow
 def test_profile_roofline_keeps_encoder_decoder_and_cross_sites_apart() -> None:
     """An encoder-decoder numbers each stack from 0: encoder.L0, decoder.L0 and
     decoder.L0.cross are three roofline points with their own work, not one merged layer 0."""
@@ -418,6 +422,7 @@ def _thp_available() -> bool:
             and "[never]" not in thp.read_text(errors="replace"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _thp_available(), reason="needs Linux transparent huge pages")
 def test_probe_arrays_live_in_huge_pages() -> None:
     """The probe's CPU arrays ask for 2 MiB pages (torch's own allocator does not, and on

@@ -99,6 +99,7 @@ def test_good_sampling_bodies() -> None:
     assert sampling_body(b'{"sample_rate": 1, "head_stats_rate": 0.25}') == (1.0, 0.25)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.recursive(st.none() | st.booleans() | st.floats(allow_nan=True, allow_infinity=True)
                     | st.integers() | st.text(max_size=8),
@@ -122,6 +123,7 @@ class SlowEngine(FakeEngine):
     """Answers the sampling switch after ``delay`` seconds (or never: a hung engine)."""
 
 
+@pytest.mark.slow
 def test_switches_are_one_in_flight_and_one_a_second(state: runtime.State,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     eng = FakeEngine(delay=0.2)
@@ -201,6 +203,7 @@ def test_unauthenticated_and_unkeyed_switches_never_touch_the_limit(state: runti
     assert r.status_code == 403
 
 
+@pytest.mark.slow
 def test_a_flood_of_timed_out_switches_never_trips_the_read_only_routes(
         state: runtime.State) -> None:
     from attnprof._safety import ErrorBook
@@ -286,6 +289,7 @@ class Workers:
         return out
 
 
+@pytest.mark.slow
 def test_trace_ranges_are_bounded_per_worker_and_in_all_and_taken_in_pages(
         state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(live_trace, "TRACE_PAGE_RANGES", 500)
@@ -324,6 +328,7 @@ def test_a_worker_at_its_bound_stops_recording_and_says_so() -> None:
     assert len(page) == 1 and not more and buf.count() == 0  # forgotten once taken
 
 
+@pytest.mark.slow
 def test_the_default_bounds_keep_an_80_layer_8_rank_trace_under_64_mb() -> None:
     """At the default ATTNPROF_TRACE_MAX_RANGES, a trace of an 80-layer model on 8
     tensor-parallel ranks with the largest realistic values in every field stays under the

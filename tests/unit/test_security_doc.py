@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "SECURITY.md"
@@ -32,12 +34,14 @@ def _missing(text: str) -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 def test_every_cited_test_exists() -> None:
     text = DOC.read_text()
     assert len(_CITE.findall(text)) > 60, "SECURITY.md lists the test beside each claim"
     assert _missing(text) == [], "SECURITY.md cites tests that do not exist"
 
 
+@pytest.mark.slow
 def test_a_citation_that_does_not_exist_is_caught() -> None:
     """The checker itself can fail: a renamed test, a missing file, a missing surface id."""
     assert _missing("[test: tests/unit/test_redact.py::test_made_up_claim]")
@@ -75,6 +79,7 @@ _LISTENERS = {"bind", "listen", "start_http_server", "start_wsgi_server", "serve
               "make_server", "create_server", "HTTPServer", "ThreadingHTTPServer", "run_simple"}
 
 
+@pytest.mark.slow
 def test_attnprof_binds_no_socket() -> None:
     """attnprof's package code never listens: no bind/listen/HTTP server call anywhere in it
     (its routes live on vLLM's port; OTLP is outbound). The test tools that start vLLM or a

@@ -70,6 +70,7 @@ def test_large_samples_within_relative_error(q: float) -> None:
     assert abs(got - exact) <= 0.01 * exact + 0.5
 
 
+@pytest.mark.slow
 def test_switches_to_sketch_past_the_limit_and_memory_is_bounded() -> None:
     est = QuantileEstimator(exact_limit=10)
     for x in range(1, 11):

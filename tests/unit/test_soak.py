@@ -18,6 +18,10 @@ from typing import Any
 
 import pytest
 
+# Every test here starts processes or runs for seconds: `make test` runs them,
+# `make unit` skips them.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -28,6 +28,7 @@ def snap_server() -> Iterator[BearerJsonServer]:
     srv.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_real_signal_ends_the_nap_and_the_old_handler_comes_back(sig: int) -> None:
     before = signal.getsignal(sig)
@@ -57,6 +58,7 @@ def test_a_handler_run_inside_a_weakref_callback_is_not_lost() -> None:
         assert ref() is None and stop.requested
 
 
+@pytest.mark.slow
 def test_record_stopped_by_sigterm_still_writes_the_shorter_window(
         snap_server: BearerJsonServer, tmp_path: Path) -> None:
     out = tmp_path / "rec.json"

@@ -82,6 +82,7 @@ TINY_PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x0
             b"\x05\x00\x01\xff\x89\x99=\x1d\x00\x00\x00\x00IEND\xaeB`\x82")
 
 
+@pytest.mark.slow
 def test_profile_event_file_reads_back_with_the_right_tags_and_values(tmp_path: Path) -> None:
     from attnprof.exporters import activation_map as am
     from attnprof.exporters.tensorboard import write_profile_events
@@ -232,6 +233,7 @@ def _expected_live(doc: dict[str, Any], step: int) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_tensorboard_cli_polls_count_snapshots(snap_server: BearerJsonServer, tmp_path: Path,
                                                capsys: Any) -> None:
     logdir = tmp_path / "tb" / "live"
@@ -258,6 +260,7 @@ def test_tensorboard_cli_polls_count_snapshots(snap_server: BearerJsonServer, tm
     assert "TORCH_SDPA" in texts[1].tensor_proto.string_val[0].decode()
 
 
+@pytest.mark.slow
 def test_tensorboard_cli_stops_after_duration(snap_server: BearerJsonServer, tmp_path: Path
                                               ) -> None:
     t0 = time.monotonic()
@@ -268,6 +271,7 @@ def test_tensorboard_cli_stops_after_duration(snap_server: BearerJsonServer, tmp
     assert sorted(scalars(accumulator(tmp_path))["context/p50"]) == [0, 1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: BearerJsonServer, tmp_path: Path,
                                                sig: int) -> None:
@@ -287,6 +291,7 @@ def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: BearerJsonServer, tm
     assert len(steps) >= 3 and sorted(steps) == list(range(len(steps)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_inside_a_weakref_callback_still_stops(
         snap_server: BearerJsonServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -339,6 +344,7 @@ def _one_line(r: subprocess.CompletedProcess[str], *needles: str) -> None:
         assert n in lines[0], r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "needle"), [
     (["--interval", "abc"], "--interval"),
     (["--interval", "0"], "--interval"),
@@ -354,12 +360,14 @@ def test_bad_inputs_one_line_nothing_written(args: list[str], needle: str,
     assert not logdir.exists()
 
 
+@pytest.mark.slow
 def test_wrong_api_key_writes_nothing(snap_server: BearerJsonServer, tmp_path: Path) -> None:
     _one_line(_cli("tensorboard", "--url", snap_server.url, "--logdir", str(tmp_path / "tb"),
                    "--api-key", "nope"), "401")
     assert not (tmp_path / "tb").exists()
 
 
+@pytest.mark.slow
 def test_logdir_that_is_a_file_or_under_a_file(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("x")
@@ -369,6 +377,7 @@ def test_logdir_that_is_a_file_or_under_a_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+@pytest.mark.slow
 def test_missing_tensorboard_is_one_line(tmp_path: Path) -> None:
     for args in (["tensorboard", "--logdir", str(tmp_path / "tb")],
                  ["profile", "smollm2", "--tensorboard", str(tmp_path / "tb"), "--out",
@@ -382,6 +391,7 @@ def test_missing_tensorboard_is_one_line(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_importing_the_exporters_stays_light() -> None:
     code = ("import sys, attnprof, attnprof.exporters.tensorboard, "
             "attnprof.exporters.activation_map, attnprof.cli.tensorboard\n"
@@ -399,6 +409,7 @@ def test_snapshot_contract_of_the_stand_in_is_complete() -> None:
 
 # ----- attnprof snapshot --png (the same picture from a live snapshot) -----
 
+@pytest.mark.slow
 def test_snapshot_png_writes_png_and_svg(snap_server: BearerJsonServer, tmp_path: Path,
                                          capsys: Any) -> None:
     from attnprof.exporters import activation_map as am
@@ -412,6 +423,7 @@ def test_snapshot_png_writes_png_and_svg(snap_server: BearerJsonServer, tmp_path
     assert "Attention layers in worker" in capsys.readouterr().out  # the table as before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["dir", "under_file"])
 def test_snapshot_png_bad_path_fails_before_fetching(snap_server: BearerJsonServer,
                                                      tmp_path: Path, where: str) -> None:

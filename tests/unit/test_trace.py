@@ -273,6 +273,7 @@ def test_a_client_that_goes_away_frees_the_workers_and_the_slot(state: runtime.S
     assert not trace.busy  # the next trace is not refused with 409
 
 
+@pytest.mark.slow
 def test_trace_route_times_out_with_what_it_has_and_a_second_trace_gets_409(
         state: runtime.State) -> None:
     eng = TraceEngine(per_poll=0, delay=0.01)  # the steps never come
@@ -353,6 +354,7 @@ def test_spans_config_is_off_by_default_and_checked_at_start_up() -> None:
     assert off is not None and not off.spans
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
 def test_span_sink_sends_steps_with_layer_children(protocol: str) -> None:
     from attnprof.exporters.otlp import OtlpSpanSink, otlp_config_from_env
@@ -429,6 +431,7 @@ def test_profile_trace_nests_each_layer_call_inside_its_forward(tmp_path: Any) -
         assert kids[0]["args"]["max_seq_len"] == int(f["name"].split("=")[1])
 
 
+@pytest.mark.slow
 def test_a_refusing_collector_is_counted_never_raised() -> None:
     from attnprof.exporters.otlp import OtlpSpanSink, otlp_config_from_env
     from tests.otlp_receiver import OtlpReceiver

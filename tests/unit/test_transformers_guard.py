@@ -54,6 +54,7 @@ def qkv(cls: type[torch.Tensor] = torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 # ----- bounded records -----
 
+@pytest.mark.slow
 def test_long_loop_keeps_records_and_memory_bounded() -> None:
     """Default settings, many more calls than the ring holds: the record count stops growing
     and so does Python memory (an unbounded list grows by a CallRecord per call)."""
@@ -85,6 +86,7 @@ def test_long_loop_keeps_records_and_memory_bounded() -> None:
     assert not prof.errors and prof.error_count == 0
 
 
+@pytest.mark.slow
 def test_model_loop_ring_size_and_unbounded_opt_in() -> None:
     m = tiny()
     ids = torch.randint(0, 100, (1, 8))

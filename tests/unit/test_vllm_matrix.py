@@ -55,6 +55,7 @@ def test_regenerated_matrix_equals_the_shipped_data() -> None:
         shipped_text
 
 
+@pytest.mark.slow
 def test_regenerate_summary_names_the_fields_that_changed() -> None:
     from attnprof.cli.compat import _changed
 
@@ -174,6 +175,7 @@ def test_off_grid_case_is_derived_now_from_vllm(capsys: Any) -> None:
     assert v["selected"] == "TRITON_ATTN"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regenerate", [True, False])
 def test_out_directory_is_rejected_before_any_work(tmp_path: Path, regenerate: bool) -> None:
     args = ["--regenerate"] if regenerate else ["--head-dim", "128"]

@@ -30,7 +30,7 @@ from attnprof.contracts.advice import (
     WindowAdvice,
 )
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "print_summary"]
 
 
 def add_parser(sub: Any) -> None:
@@ -94,7 +94,6 @@ def _run(args: argparse.Namespace) -> int:
     from attnprof.cli._common import ensure_writable_dir
     from attnprof.cli.serve import check_config
     from attnprof.cli.snapshot import fetch_snapshot
-    from attnprof.exporters.terminal import render_snapshot
     from attnprof.tools import http, models
     from attnprof.tools.server import ServerError, VllmServer, port_error
     from attnprof.tools.traffic import build_mix, run_traffic
@@ -199,6 +198,19 @@ def _run(args: argparse.Namespace) -> int:
         w.pop("head_stats", None)
     report["timing"]["total_s"] = round(time.monotonic() - t_start, 1)
     write_json(args.out, report)
+    print_summary(report, advice, traffic_s, startup, args.out)
+    _cost_report(snap, srv.base_url, advice, args)
+    return 0
+
+
+def print_summary(report: dict[str, Any], advice: WindowAdvice | AdviceUnavailable,
+                  traffic_s: float, startup: float, out: Path) -> None:
+    """What the demo prints once its report is written: the snapshot's tables, the traffic,
+    the window advice, the KV verdict and the roofline (tests/unit/test_golden.py checks
+    its section headings against the demo's)."""
+    from attnprof.exporters.terminal import render_snapshot
+
+    snap = report["snapshot"]
     print()
     print(render_snapshot(snap), end="")
     print(f"\nTraffic: {report['traffic']['requests']} requests "
@@ -215,9 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"KV verdict: {kv['verdict']} ({kv['confidence']} confidence): "
               f"{(kv.get('evidence') or ['no evidence'])[0]}")
     _print_roofline(snap)
-    print(f"Report: {args.out}")
-    _cost_report(snap, srv.base_url, advice, args)
-    return 0
+    print(f"Report: {out}")
 
 
 def _cost_report(snap: dict[str, Any], url: str, advice: WindowAdvice | AdviceUnavailable,

@@ -55,14 +55,11 @@ def read_document(path: Path) -> tuple[ProfileReport | Snapshot, dict[str, Any]]
         raise CliError(f"{path}: not an attnprof profile or snapshot (a JSON "
                        f"{type(data).__name__})")
     tag = data.get("schema_version")
-    if tag == 1 or tag == 1.0:  # profile.json before 1.1 wrote the integer 1
-        kind = ProfileReport.KIND
-    else:
-        try:
-            kind = parse_version(tag)[0]
-        except ContractError:
-            raise CliError(f"{path}: not an attnprof profile or snapshot (schema_version "
-                           f"{str(tag)[:40]!r})") from None
+    try:
+        kind = parse_version(tag)[0]
+    except ContractError:
+        raise CliError(f"{path}: not an attnprof profile or snapshot (schema_version "
+                       f"{str(tag)[:40]!r})") from None
     cls = _READERS.get(kind)
     if cls is None:
         raise CliError(f"{path}: a {kind[:40]} document; attnprof diff compares "

@@ -238,15 +238,10 @@ class Record:
 
 
 class Document(Record):
-    """A versioned document. Subclasses set ``KIND`` and ``VERSION`` ((major, minor)).
-
-    ``LEGACY_TAGS`` maps ``schema_version`` values written before the ``kind/major.minor``
-    form (e.g. profile.json's integer ``1``) to the tag they mean.
-    """
+    """A versioned document. Subclasses set ``KIND`` and ``VERSION`` ((major, minor))."""
 
     KIND: ClassVar[str] = ""
     VERSION: ClassVar[tuple[int, int]] = (1, 0)
-    LEGACY_TAGS: ClassVar[dict[Any, str]] = {}
 
     @classmethod
     def version_tag(cls) -> str:
@@ -264,8 +259,6 @@ class Document(Record):
         tag = data.get("schema_version")
         if "schema_version" not in data:
             raise ContractError(f"not a {cls.KIND} document: no schema_version")
-        if not isinstance(tag, str) and type(tag) in (int, float) and tag in cls.LEGACY_TAGS:
-            tag = cls.LEGACY_TAGS[tag]
         kind, major, _minor = parse_version(tag)
         if kind != cls.KIND:
             raise ContractError(f"this is a {kind} document, not {cls.KIND}")
@@ -368,11 +361,8 @@ def _schema_bare(tp: Any, defs: dict[str, Any], owners: dict[str, type]) -> dict
 
 
 def _version_schema(cls: type[Document]) -> dict[str, Any]:
-    tag = {"type": "string",
-           "pattern": f"^{cls.KIND.replace('.', '[.]')}/{cls.VERSION[0]}" r"(\.[0-9]+)?$"}
-    if not cls.LEGACY_TAGS:
-        return tag
-    return {"anyOf": [tag, {"enum": list(cls.LEGACY_TAGS)}]}
+    return {"type": "string",
+            "pattern": f"^{cls.KIND.replace('.', '[.]')}/{cls.VERSION[0]}" r"(\.[0-9]+)?$"}
 
 
 @functools.cache

@@ -2,15 +2,14 @@
 per-layer time and memory, scaling fits, an OOM prediction and advice. Sizes in bytes, times
 in seconds.
 
-Version 1.1 writes ``schema_version: "attnprof.profile/1.1"``; files from before it carry the
-integer ``1`` and read as 1.0 (same fields). 1.2 adds ``provenance`` (what ``attnprof diff``
-reports as "what changed") and each layer's per-call times (``timing.samples_s_by_seq_len``,
-what its statistical test runs on). 1.3 adds ``roofline`` and ``probe``, the OOM
-prediction's bounds and how sure it is (``analytic_max_seq_len``, ``extrapolation_factor``,
-``extrapolation``, ``confidence``, ``attention_paths``, ``model_max_context``), layer
-``stack``/``kind`` (encoder/decoder, self/cross) and per-call ``q_len``/``kv_len``. Deep
-leaves that vary by path or by torch version (SDPA arguments, shape-class tags) stay
-free-form objects.
+``schema_version`` is ``"attnprof.profile/1.<minor>"``. 1.2 adds ``provenance`` (what
+``attnprof diff`` reports as "what changed") and each layer's per-call times
+(``timing.samples_s_by_seq_len``, what its statistical test runs on). 1.3 adds ``roofline``
+and ``probe``, the OOM prediction's bounds and how sure it is (``analytic_max_seq_len``,
+``extrapolation_factor``, ``extrapolation``, ``confidence``, ``attention_paths``,
+``model_max_context``), layer ``stack``/``kind`` (encoder/decoder, self/cross) and per-call
+``q_len``/``kv_len``. Deep leaves that vary by path or by torch version (SDPA arguments,
+shape-class tags) stay free-form objects.
 """
 
 from __future__ import annotations
@@ -348,7 +347,6 @@ class ProfileReport(Document):
 
     KIND = "attnprof.profile"
     VERSION = (1, 3)
-    LEGACY_TAGS = {1: "attnprof.profile/1.0"}
 
     model: ProfileModel
     environment: Environment
