@@ -25,8 +25,6 @@ _ROOTS = {REPO / "plugin" / "attnprof": "attnprof",
 # test_pending_lists_only_live_violations fails on an entry nothing needs any more.
 PENDING: dict[str, set[str]] = {
     "attnprof.aggregate.head_stats": {"torch"},
-    "attnprof.analyze.memory": {"torch", "torch.profiler", "sys.stderr"},
-    "attnprof.analyze.scaling": {"torch"},
     "attnprof.analyze.vllm_backends": {"vllm"},
 }
 
