@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real modules import torch lazily; the face does not load them
     from attnprof.capture.transformers import AttentionCallEvent, Profile
+    from attnprof.config import Config
     from attnprof.contracts.snapshot import Snapshot
 
 try:
@@ -47,13 +48,18 @@ def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = N
                 max_records=max_records)
 
 
-def _rpc_timeout() -> float:
-    """``ATTNPROF_RPC_TIMEOUT_S`` as this process runs with it: the engine stops waiting for
-    its workers after it, so no attnprof RPC holds the engine's loop longer."""
+def _config() -> Config:
+    """attnprof's configuration as this process runs with it."""
     from attnprof.capture.vllm.runtime import STATE
     from attnprof.config import Config
 
-    return (STATE.config or Config()).rpc_timeout_s
+    return STATE.config or Config()
+
+
+def _rpc_timeout() -> float:
+    """``ATTNPROF_RPC_TIMEOUT_S`` as this process runs with it: the engine stops waiting for
+    its workers after it, so no attnprof RPC holds the engine's loop longer."""
+    return _config().rpc_timeout_s
 
 
 def set_sampling(rate: float | None = None, head_stats_rate: float | None = None,
@@ -91,6 +97,7 @@ def snapshot(llm: Any) -> Snapshot:
     import time
 
     from attnprof.contracts.snapshot import Snapshot, WorkerSnapshot
+    from attnprof.facts.label import model_label
     from attnprof.tools.provenance import collect
 
     try:
@@ -101,6 +108,6 @@ def snapshot(llm: Any) -> Snapshot:
         raise RuntimeError(f"attnprof: the LLM's workers did not answer "
                            f"({type(exc).__name__}); is attnprof enabled in them?") from exc
     mc = llm.llm_engine.model_config
-    label = str(getattr(mc, "served_model_name", None) or mc.model)
+    label = _config().model_label or model_label(mc)  # the label the live metrics carry
     return Snapshot(time=time.time(), model=label, enabled=True, workers=workers,
                     provenance=collect(label, mc.model))
