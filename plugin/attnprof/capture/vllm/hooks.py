@@ -38,6 +38,7 @@ from attnprof.aggregate.layers import (
 )
 from attnprof.aggregate.sampler import STREAM_HEAD_STATS, StepSampler
 from attnprof.aggregate.trace import MAX_RANGES, LayerRange, StepTrace, TraceBuffer
+from attnprof.capture import head_rows
 from attnprof.capture.vllm.runtime import State
 from attnprof.contracts.snapshot import (
     HeadStatsCost,
@@ -502,8 +503,8 @@ class Capture:
             for a, n in todo:
                 qs = q[a:a + n].view(n, info.num_heads, info.head_size)
                 ks = k[a:a + n].view(n, info.num_kv_heads, info.head_size)
-                got = acc.update(info.index, qs, ks, info.scale or info.head_size ** -0.5,
-                                 q_start=0)
+                got = head_rows.update(acc, info.index, qs, ks,
+                                       info.scale or info.head_size ** -0.5, q_start=0)
                 self.hs.queries += got
                 if id(md) not in self._hs_seen:
                     self._hs_seen.add(id(md))
