@@ -249,7 +249,7 @@ def _md(q_lens: list[int], seq_lens: list[int]) -> object:
 
 def _live_work(info: LayerInfo, md: object) -> roofline.PhaseWork:
     """One sampled step of ``info`` over ``md`` through the live capture's own path."""
-    from attnprof.capture.vllm.hooks import batch_shape
+    from attnprof.capture.vllm.args import batch_shape
 
     aggs = WorkerAggregates()
     aggs.add_layer(info)

@@ -23,7 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer"]
+from attnprof.aggregate.layers import StepRecord
+
+__all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer",
+           "step_trace"]
 
 MAX_STEPS = 1000
 """Most steps one live trace may ask for (the route refuses more)."""
@@ -95,6 +98,24 @@ class StepTrace:
                    str(raw["outcome"]), float(raw["effective_rate"]), int(raw["tokens"]),
                    int(raw["num_reqs"]), int(raw["max_seq_len"]), float(raw["mean_seq_len"]),
                    _ranges(raw["ranges"], int(raw["layers"])), str(raw.get("label", "")))
+
+
+def step_trace(rec: StepRecord, offsets_ns: list[float], wall_ns: int, dur_ns: float,
+               effective_rate: float) -> StepTrace:
+    """The trace record of one sampled step: its wall start (Unix ns), duration (ns), and
+    each timed call of ``rec`` at its offset from the step's start (``offsets_ns``, one per
+    call, in order) with the batch facts of its attention metadata."""
+    ranges = []
+    for off, call in zip(offsets_ns, rec.calls, strict=True):
+        info, sh = call.layer, call.shape
+        ranges.append(LayerRange(
+            info.index, info.backend, info.kernel or info.impl, int(off),
+            int(call.time_s * 1e9), sh.phase, sh.num_tokens, sh.num_reqs, sh.max_seq_len,
+            sh.kv_tokens / sh.num_reqs if sh.num_reqs else 0.0))
+    first = rec.calls[0].shape
+    return StepTrace(wall_ns, int(dur_ns), first.phase, rec.outcome, effective_rate,
+                     first.num_tokens, first.num_reqs, first.max_seq_len,
+                     first.kv_tokens / first.num_reqs if first.num_reqs else 0.0, ranges)
 
 
 _FIELDS = len(LayerRange._fields)
