@@ -11,7 +11,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot"]
+__all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot", "uninstrument"]
 
 
 def instrument(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:
@@ -20,6 +20,20 @@ def instrument(model: Any, on_call: Callable[[Any], None] | None = None, **kw: A
     from attnprof.capture.transformers import instrument as impl
 
     return impl(model, on_call=on_call, **kw)
+
+
+def uninstrument() -> None:
+    """Undo everything attnprof patched in this process: vLLM's classes (as the plugin's
+    install left them) and every instrumented transformers model. Idempotent, and a no-op
+    when nothing was instrumented (it then imports nothing)."""
+    import sys
+
+    vllm_install = sys.modules.get("attnprof.capture.vllm.install")
+    if vllm_install is not None:
+        vllm_install.uninstall()
+    hf = sys.modules.get("attnprof.capture.transformers")
+    if hf is not None:
+        hf.uninstrument_all()
 
 
 def profile(model: Any, on_call: Callable[[Any], None] | None = None, **kw: Any) -> Any:

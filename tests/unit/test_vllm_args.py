@@ -3,13 +3,14 @@ shaped like that version's calls, and the installed vLLM's own signatures."""
 
 from __future__ import annotations
 
-import inspect
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from attnprof.capture.vllm import args as vargs
+from tests.conftest import run_py
 
 
 class _Tokens:
@@ -71,21 +72,32 @@ def test_metadata_readers() -> None:
 
 
 # ----- the installed vLLM -----
+_SIGNATURES = r"""
+import inspect, json
+import vllm
+from vllm.v1.attention.backend import AttentionImpl
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+after_self = lambda f: list(inspect.signature(f).parameters)[1:]
+print("RESULT " + json.dumps({
+    "version": vllm.__version__,
+    "impl": [after_self(c.forward) for c in (AttentionImpl, CPUAttentionBackendImpl)],
+    "model_forward": after_self(GPUModelRunner._model_forward)}))
+"""
+
+
+@pytest.mark.slow
 def test_installed_vllm_signatures_match_the_adapter() -> None:
     """The positions the adapter reads are the installed vLLM's (a vLLM upgrade that moves
-    an argument fails here, not silently in a server)."""
+    an argument fails here, not silently in a server). In a fresh process: importing vLLM
+    here would change what other tests' fake layers see (``"vllm" in sys.modules``)."""
     pytest.importorskip("vllm")
-    try:
-        import vllm
-        from vllm.v1.attention.backend import AttentionImpl
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except Exception as exc:  # a vLLM build that cannot import here (CUDA wheels on CPU)
-        pytest.skip(f"vLLM does not import: {type(exc).__name__}")
-    ad = vargs.for_version(vllm.__version__)
-    assert any(vllm.__version__.startswith(v) for v in ad.versions), vllm.__version__
-    for impl in (AttentionImpl, CPUAttentionBackendImpl):
-        params = list(inspect.signature(impl.forward).parameters)[1:]  # after self
-        assert tuple(params[:len(ad.impl_forward)]) == ad.impl_forward, impl
-    params = list(inspect.signature(GPUModelRunner._model_forward).parameters)[1:]
-    assert tuple(params[:len(ad.model_forward)]) == ad.model_forward
+    proc = run_py(_SIGNATURES, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(x for x in proc.stdout.splitlines()
+                          if x.startswith("RESULT ")).removeprefix("RESULT "))
+    ad = vargs.for_version(got["version"])
+    assert any(got["version"].startswith(v + ".") for v in ad.versions), got["version"]
+    for params in got["impl"]:
+        assert tuple(params[:len(ad.impl_forward)]) == ad.impl_forward
+    assert tuple(got["model_forward"][:len(ad.model_forward)]) == ad.model_forward

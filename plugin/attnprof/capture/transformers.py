@@ -68,6 +68,7 @@ __all__ = [
     "Profile",
     "instrument",
     "profile",
+    "uninstrument_all",
 ]
 
 logger = logging.getLogger("attnprof")
@@ -78,6 +79,8 @@ _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 # is ~400 bytes (tracemalloc), so the default ring stays near 1.5 MiB however long it runs.
 DEFAULT_MAX_RECORDS = 4096
 _MAX_ERROR_MESSAGES = 100
+_LIVE: list[Profile] = []
+"""Installed profiles, in install order (what :func:`uninstrument_all` undoes)."""
 
 # Module-name segments of cross-attention in transformers' modeling files (BART/Marian/
 # Whisper/mBART: encoder_attn; BERT/RoBERTa as decoders: crossattention; T5: EncDecAttention;
@@ -400,6 +403,7 @@ class Profile:
             self._saved.append((cfg, cfg._attn_implementation_internal))
             cfg._attn_implementation_internal = key
         self._installed = True
+        _LIVE.append(self)
         return self
 
     def _eager_missing(self) -> str | None:
@@ -433,6 +437,8 @@ class Profile:
         self._saved.clear()
         self._keys.clear()
         self._installed = False
+        if self in _LIVE:
+            _LIVE.remove(self)
 
     def __enter__(self) -> Profile:
         return self.install()
@@ -773,3 +779,10 @@ def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = N
     """``with profile(model) as prof: model(...)``: instrument for the block, then undo."""
     return Profile(model, on_call=on_call, explain=explain, keep_records=keep_records,
                    max_records=max_records)
+
+
+def uninstrument_all() -> None:
+    """Undo every installed :class:`Profile` in this process, newest first (configs,
+    registry keys and module forwards as they were). Idempotent."""
+    for prof in reversed(list(_LIVE)):
+        prof.uninstrument()
