@@ -17,7 +17,8 @@ import torch
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.capture import head_rows
 from attnprof.capture.vllm import endpoint, runtime
-from attnprof.capture.vllm.endpoint import AttnProfEndpoint, LiveView, TokenCheck
+from attnprof.capture.vllm.endpoint import AttnProfEndpoint, TokenCheck
+from attnprof.capture.vllm.live_view import LiveView
 from attnprof.config import Config, api_tokens
 from attnprof.contracts.snapshot import WorkerSnapshot
 
