@@ -466,3 +466,24 @@ def test_an_engine_failing_the_rpc_is_reported_not_a_breaker(state: runtime.Stat
     assert info["errors"] == ["RuntimeError: engine core died"]
     assert check_trace(doc) == []
     assert state.errors.by_place.get("trace_rpc") == 1 and "endpoint" not in state.errors.by_place
+
+
+def test_trace_pages_merge_per_worker_and_trim_to_the_bound() -> None:
+    """Pages of two workers merge into one answer each (errors aside, strangers dropped);
+    past the bound the largest answer loses its last steps, never its first."""
+    from attnprof.aggregate.trace import TracePages
+
+    def step(n: int) -> dict[str, Any]:
+        return {"layers": n}
+
+    pages = TracePages({1, 2})
+    assert pages.add([{"pid": 1, "steps": [step(3), step(3)], "more": True},
+                      {"pid": 2, "steps": [step(2)]}, {"pid": 9, "steps": [step(50)]},
+                      {"error": "TimeoutError"}])
+    assert not pages.add([{"pid": 1, "steps": [step(3)], "truncated": True}])
+    assert pages.total == 11
+    assert not pages.trim(11)
+    assert pages.trim(6)
+    got = pages.answers()
+    assert [(a.get("pid"), len(a.get("steps", []))) for a in got] == [(1, 1), (2, 1), (None, 0)]
+    assert got[0]["truncated"] and got[2] == {"error": "TimeoutError"}

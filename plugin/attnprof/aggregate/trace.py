@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from attnprof.aggregate.layers import StepRecord
 
 __all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer",
-           "step_trace"]
+           "TracePages", "page_ranges", "step_trace"]
 
 MAX_STEPS = 1000
 """Most steps one live trace may ask for (the route refuses more)."""
@@ -244,3 +244,54 @@ class TraceBuffer:
             out = list(self.span_queue)
             self.span_queue.clear()
             return out
+
+
+def page_ranges(answer: dict[str, Any]) -> int:
+    """Layer ranges in one worker's trace answer (its steps' ``layers`` counts)."""
+    return sum(int(s.get("layers") or 0) for s in answer.get("steps") or ()
+               if isinstance(s, dict) and isinstance(s.get("layers"), int))
+
+
+class TracePages:
+    """The API server's side of a paged live trace: every worker's pages merged into one
+    answer per worker (``pids``: the workers armed), RPC errors kept aside, and the layer
+    ranges counted so the trace can be held to its bound."""
+
+    def __init__(self, pids: set[Any]) -> None:
+        self.pids = pids
+        self.merged: dict[Any, dict[str, Any]] = {}
+        self.errors: list[dict[str, Any]] = []
+        self.total = 0
+
+    def add(self, page: list[dict[str, Any]]) -> bool:
+        """Fold one page (every worker's answer to one take); True when a worker has more."""
+        more = False
+        for a in page:
+            if a.get("error"):
+                self.errors.append(a)
+                continue
+            if a.get("pid") not in self.pids:
+                continue
+            have = self.merged.setdefault(a["pid"], {**a, "steps": []})
+            have["steps"] += a.get("steps") or []
+            have["truncated"] = have.get("truncated") or a.get("truncated")
+            self.total += page_ranges(a)
+            more |= bool(a.get("more"))
+        return more
+
+    def trim(self, max_ranges: int) -> bool:
+        """Drop the last steps of the largest answers until at most ``max_ranges`` ranges
+        are left (the last page's shares round up to whole steps; each worker keeps at least
+        one step); True when anything was over."""
+        if self.total <= max_ranges:
+            return False
+        over = self.total - max_ranges
+        for a in sorted(self.merged.values(), key=lambda a: -page_ranges(a)):
+            while over > 0 and len(a["steps"]) > 1:
+                last = a["steps"].pop()
+                over -= int(last.get("layers") or 0) if isinstance(last, dict) else 0
+        return True
+
+    def answers(self) -> list[dict[str, Any]]:
+        """One merged answer per worker, then the RPC errors."""
+        return [*self.merged.values(), *self.errors]
