@@ -26,7 +26,6 @@ from attnprof._safety import fault_point
 from attnprof.aggregate.layers import BatchShape, LayerCall, LayerInfo, StepRecord, WorkerAggregates
 from attnprof.aggregate.sampler import STREAM_HEAD_STATS, StepSampler
 from attnprof.aggregate.trace import TraceBuffer, step_trace
-from attnprof.capture import head_rows
 from attnprof.capture.vllm import args as vargs
 from attnprof.capture.vllm import model_info, worker_rpc
 from attnprof.capture.vllm.runtime import State
@@ -288,6 +287,8 @@ class Capture:
                     num_kv_heads=info.num_kv_heads,
                     group_size=max(1, info.num_heads // max(1, info.num_kv_heads)),
                     seed=0))
+            from attnprof.capture import head_rows  # numpy and torch: only once sampled
+
             acc = self.hs_buffer.active
             q, k = call.query, call.key
             for a, n in todo:
