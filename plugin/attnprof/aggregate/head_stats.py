@@ -1,5 +1,8 @@
 """Per-(layer, head) attention statistics on sampled queries, in bounded memory.
 
+(One module over 500 lines: the folds, estimators and wire format all walk the same arrays
+and field lists of one class; a split would declare every field twice.)
+
 Fused attention kernels return no probabilities, so for a bounded sample of queries capture
 recomputes the softmax row against all causal keys in fp32, in chunks of ``chunk_queries``
 queries (:mod:`attnprof.capture.head_rows`, the torch side), and this accumulator folds the

@@ -160,22 +160,8 @@ class Capture:
         self.state.add_role("worker")
         self.state.export_source("worker", functools.partial(worker_rpc.samples, self))
         if self.trace.spans and not self._spans_started:
-            self._start_spans()
-
-    def _start_spans(self) -> None:
-        """Add the OTLP span sink to this worker's export loop (its thread builds the spans)."""
-        self._spans_started = True
-        try:
-            from attnprof.exporters.otlp import OtlpSpanSink
-
-            hub = self.state.get_hub()
-            hub.add_sink(OtlpSpanSink(self.state.otlp, role="worker", take=self.trace.take_spans,
-                                      model=lambda: self.state.model_label,
-                                      on_error=self.errors.note))
-            hub.start()
-        except Exception as exc:
-            self.errors.record("export", exc)
-            self.trace.spans = False
+            self._spans_started = True
+            worker_rpc.start_spans(self)
 
     def _learn_model_label(self) -> None:
         model_info.learn_model(self)

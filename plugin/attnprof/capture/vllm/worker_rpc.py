@@ -1,5 +1,5 @@
 """A vLLM worker's answers to the API server: snapshot, poll, head-statistics deltas, the live
-trace's arm/count/take, and the export loop's samples, read from a running
+trace's arm/count/take, and the export loop's samples and spans, read from a running
 :class:`~attnprof.capture.vllm.hooks.Capture` (``cap``).
 
 These run between model steps (collective RPC) or on the export thread, never inside one;
@@ -23,7 +23,23 @@ from attnprof.aggregate.trace import MAX_RANGES
 from attnprof.contracts.snapshot import KernelGroup, SamplerStats, WorkerSnapshot
 
 __all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "snapshot",
-           "trace_arm", "trace_count", "trace_take", "worker_methods"]
+           "start_spans", "trace_arm", "trace_count", "trace_take", "worker_methods"]
+
+
+def start_spans(cap: Any) -> None:
+    """Add the OTLP span sink to this worker's export loop (its thread builds the spans);
+    a sink that cannot start is counted and spans stay off."""
+    try:
+        from attnprof.exporters.otlp import OtlpSpanSink
+
+        hub = cap.state.get_hub()
+        hub.add_sink(OtlpSpanSink(cap.state.otlp, role="worker", take=cap.trace.take_spans,
+                                  model=lambda: cap.state.model_label,
+                                  on_error=cap.errors.note))
+        hub.start()
+    except Exception as exc:
+        cap.errors.record("export", exc)
+        cap.trace.spans = False
 
 
 def sampler_stats(cap: Any) -> SamplerStats:
