@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.capture import head_rows
 from attnprof.capture.transformers import instrument
 from attnprof.tools.replay import default_prompts, load_model
 
@@ -69,7 +70,7 @@ def main() -> None:
         t0 = time.perf_counter()
         q_total = 0
         for layer, q, k, scale in captured:
-            q_total += acc.update_hf(layer, q, k, scale)
+            q_total += head_rows.update_hf(acc, layer, q, k, scale)
         return time.perf_counter() - t0, q_total
 
     prefill()  # warm-up (allocator, oneDNN primitives)

@@ -57,6 +57,8 @@ def _timed(fn: Any, repeats: int = 7) -> tuple[float, float, float]:
 def bench_armed(steps: int = 400, repeats: int = 15) -> dict[str, Any]:
     from tests.unit.test_aggregate import _capture, _Layer, _run_steps
 
+    from attnprof.capture.vllm import worker_rpc
+
     cap = _capture(1.0)
     layers = [_Layer(i) for i in range(LAYERS)]
     for lay in layers:
@@ -65,11 +67,11 @@ def bench_armed(steps: int = 400, repeats: int = 15) -> dict[str, Any]:
 
     def run(armed: bool) -> float:
         if armed:
-            cap.trace_arm(steps + 10, 600.0, "bench")
+            worker_rpc.trace_arm(cap, steps + 10, 600.0, "bench")
         t0 = time.perf_counter()
         _run_steps(cap, layers, steps)
         dt = (time.perf_counter() - t0) / steps
-        cap.trace_take("bench")
+        worker_rpc.trace_take(cap, "bench")
         return dt
 
     deltas, base = [], []

@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attnprof.capture import head_rows
 from attnprof.tools import models
 from attnprof.tools.server import VllmServer
 from overhead import fixed_prompts, load, pct, stream_one
@@ -214,7 +215,7 @@ def _filled(layers: int, kv: int, group: int, head: int, prompts: int = 40) -> A
         q = torch.randn(1024, kv * group, head, generator=g)
         k = torch.randn(1024, kv, head, generator=g)
         for lay in range(layers):
-            acc.update(lay, q, k, head ** -0.5, q_start=0)
+            head_rows.update(acc, lay, q, k, head ** -0.5, q_start=0)
     return acc
 
 

@@ -322,8 +322,8 @@ def _worker_side(layers: int, hub_interval: float, head_stats_rate: float
     if "vllm" not in sys.modules:
         for info in cap.aggs.layers.values():
             key = ("soak",)  # every fake layer has the same shape: one report
-            cap._report_keys[id(info)] = key
-            cap._reports[key] = {"valid": ["CPU_ATTN"], "backends": {}, "source": "soak"}
+            cap.reports.keys[id(info)] = key
+            cap.reports.reports[key] = {"valid": ["CPU_ATTN"], "backends": {}, "source": "soak"}
     return cap, fake_layers, reg
 
 
@@ -339,6 +339,7 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
     allocated blocks at each checkpoint plus the counters, timings and errors."""
     import torch
 
+    from attnprof.capture.vllm import worker_rpc
     from attnprof.capture.vllm.hooks import step_hook
 
     torch.set_num_threads(1)
@@ -417,7 +418,7 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
         if (i + 1) % poll_every == 0:
             # The API server's snapshot path: a worker poll (snapshot + head-stats delta),
             # the request summary with its mergeable sketch.
-            cap.poll()
+            worker_rpc.poll(cap)
             recorder.requests.summary(with_state=True).to_json()
             polls += 1
         if i >= warmup and (i + 1 - warmup) % max(1, steps // checkpoints) == 0:
@@ -432,7 +433,7 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
     marks.append({"iteration": total - warmup, "requests": done_req - base_req,
                   "rss": rss_bytes(), "vm_rss": proc_memory()["VmRSS"],
                   "blocks": sys.getallocatedblocks(), "final": True})
-    ss = cap.sampler_stats()
+    ss = worker_rpc.sampler_stats(cap)
     w_get = worker_reg.get_sample_value
     a_get = api_reg.get_sample_value
     steps_metric = {o: w_get("attnprof_steps_total", {"model": "soak", "outcome": o})
@@ -484,7 +485,7 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
         "requests_consistent": recorder.requests.requests == done_req == req_metric,
         "head_stats_queries": cap.hs.queries,
         "sizes": _sizes(cap, recorder.requests, api_reg, worker_reg),
-        "pending_gpu_steps": len(cap._pending),
+        "pending_gpu_steps": len(cap.pending),
         "errors": errors,
         "dropped": dropped,
         "platform": {"python": platform.python_version(), "machine": platform.machine(),
@@ -503,8 +504,8 @@ def _sizes(cap: Any, req: Any, api_reg: Any, worker_reg: Any) -> dict[str, int]:
         "quantile_sketch_buckets": sum(len(e.sketch.counts) for e in req.quantiles.values()
                                        if getattr(e, "sketch", None) is not None),
         "layer_phase_aggregates": len(cap.aggs.agg),
-        "pending_gpu_steps": len(cap._pending),
-        "kernel_reports": len(cap._reports),
+        "pending_gpu_steps": len(cap.pending),
+        "kernel_reports": len(cap.reports.reports),
         "api_server_series": series(api_reg),
         "worker_series": series(worker_reg),
     }

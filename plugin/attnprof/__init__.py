@@ -7,7 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real modules import torch lazily; the face does not load them
-    from attnprof.capture.transformers import AttentionCallEvent, Profile
+    from attnprof.capture.transformers import Profile
+    from attnprof.capture.transformers_records import AttentionCallEvent
     from attnprof.config import Config
     from attnprof.contracts.snapshot import Snapshot
 
@@ -16,10 +17,10 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot"]
+__all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot", "uninstrument"]
 
 # attnprof.capture.transformers.DEFAULT_MAX_RECORDS, spelled here so that `import attnprof`
-# loads no capture code; tests/unit/test_public_api.py keeps the two signatures equal.
+# loads no capture code; tests/unit/test_packaging.py keeps the two signatures equal.
 _DEFAULT_MAX_RECORDS = 4096
 
 
@@ -34,6 +35,20 @@ def instrument(model: Any, on_call: Callable[[AttentionCallEvent], None] | None 
 
     return impl(model, on_call=on_call, explain=explain, keep_records=keep_records,
                 max_records=max_records)
+
+
+def uninstrument() -> None:
+    """Undo everything attnprof patched in this process: vLLM's classes (as the plugin's
+    install left them) and every instrumented transformers model. Idempotent, and a no-op
+    when nothing was instrumented (it then imports nothing)."""
+    import sys
+
+    vllm_install = sys.modules.get("attnprof.capture.vllm.install")
+    if vllm_install is not None:
+        vllm_install.uninstall()
+    hf = sys.modules.get("attnprof.capture.transformers")
+    if hf is not None:
+        hf.uninstrument_all()
 
 
 def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = None, *,

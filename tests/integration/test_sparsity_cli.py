@@ -13,6 +13,7 @@ import pytest
 
 from attnprof.analyze.sparsity.recommend import evaluate
 from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.capture import head_rows
 from attnprof.cli import main
 from tests.conftest import REPO, free_port
 
@@ -191,7 +192,7 @@ def test_suggest_from_live_snapshot_and_prometheus(tiny_model: Path,
     acc = HeadStatsAccumulator(2, 2, 2, window_grid=(128, 256))
     torch.manual_seed(0)
     for layer in range(2):
-        acc.update(layer, torch.randn(300, 4, 64), torch.randn(300, 2, 64), 0.125)
+        head_rows.update(acc, layer, torch.randn(300, 4, 64), torch.randn(300, 2, 64), 0.125)
     _Endpoints.snapshot = {"schema_version": "attnprof.snapshot/1",
                            "requests": {"context_tokens": {"sketch": sk.to_dict()}},
                            "head_stats": acc.to_dict(),  # merged by the API server (1.4)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import attnprof
-from attnprof.capture.transformers import AttentionCallEvent, instrument
+from attnprof.capture.transformers import instrument
+from attnprof.capture.transformers_records import AttentionCallEvent
 
 COMMON: dict[str, Any] = dict(vocab_size=100, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

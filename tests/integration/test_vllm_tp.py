@@ -39,7 +39,7 @@ if __name__ == "__main__":
             break
         time.sleep(0.01)
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
-    from attnprof.capture.vllm.endpoint import LiveView
+    from attnprof.capture.vllm.live_view import LiveView
     view = LiveView(None)
     parts, part_requests = [], []
     for p, ds in zip(polls, deltas):

@@ -18,7 +18,9 @@ from attnprof.aggregate.layers import (
     attention_bytes,
     attention_flops,
 )
-from attnprof.capture.vllm.hooks import Capture, batch_shape, step_hook
+from attnprof.capture.vllm import worker_rpc
+from attnprof.capture.vllm.args import batch_shape
+from attnprof.capture.vllm.hooks import Capture, step_hook
 from attnprof.capture.vllm.runtime import State
 from attnprof.config import Config
 from attnprof.exporters.hub import ExportHub
@@ -181,7 +183,7 @@ def test_sampled_steps_time_every_layer_and_restore_vllms_forward() -> None:
     assert cap.aggs.outcomes["sampled"] == 4
     prof = cap.aggs.layer_profiles()
     assert [p.phases["decode"].calls for p in prof] == [4, 4, 4]
-    assert cap.sampler_stats().unsampled == 0
+    assert worker_rpc.sampler_stats(cap).unsampled == 0
     cap.state.hub.stop(final_flush=False)
 
 
@@ -273,13 +275,13 @@ def test_gpu_steps_are_timed_by_events_read_late_with_no_sync() -> None:
     for _ in range(3):
         hook(cuda, input_ids=[0, 0])
     # The GPU has not finished anything: nothing is folded, nobody waited.
-    assert cap.aggs.outcomes["sampled"] == 0 and len(cap._pending) == 3 and gpu.syncs == 0
+    assert cap.aggs.outcomes["sampled"] == 0 and len(cap.pending) == 3 and gpu.syncs == 0
     gpu.done_until = gpu.t  # all work done
     hook(cuda, input_ids=[0, 0])  # the next sampled step folds the finished ones
-    assert cap.aggs.outcomes["sampled"] == 3 and len(cap._pending) == 1
+    assert cap.aggs.outcomes["sampled"] == 3 and len(cap.pending) == 1
     gpu.done_until = gpu.t
-    snap = cap.snapshot(include_head_stats=False)  # the snapshot folds the rest
-    assert snap.sampler.sampled == 4 and not cap._pending and gpu.syncs == 0
+    snap = worker_rpc.snapshot(cap, include_head_stats=False)  # the snapshot folds the rest
+    assert snap.sampler.sampled == 4 and not cap.pending and gpu.syncs == 0
     prof = cap.aggs.layer_profiles()
     # Events 1 ms apart: each layer call spans exactly one event interval.
     assert prof[0].phases["decode"].calls == 4
@@ -306,14 +308,14 @@ def test_sampling_switch_and_poll_deltas() -> None:
 
     cap.hs_buffer = HeadStatsDoubleBuffer(HeadStatsAccumulator(1, 2, 4))
     cap.hs_buffer.active.queries[0, 0] = 3.0
-    got = cap.poll()
+    got = worker_rpc.poll(cap)
     assert got["snapshot"]["head_stats"] is None and got["rank"]["tp_rank"] == 0
     assert got["head_stats"]["deltas"] == []  # nothing finished before this pull
     assert cap.hs_buffer.wait() and not cap.hs_buffer.active.queries.any()
-    took = cap.head_stats_take()["head_stats"]
+    took = worker_rpc.head_stats_take(cap)["head_stats"]
     assert not took["pending"] and len(took["deltas"]) == 1
     assert HeadStatsAccumulator.from_bytes(took["deltas"][0]["data"]).queries[0, 0] == 3.0
-    again = cap.poll()["head_stats"]
+    again = worker_rpc.poll(cap)["head_stats"]
     assert again == {"deltas": [], "pending": False}  # nothing new since
     cap.state.hub.stop(final_flush=False)
 
@@ -326,7 +328,7 @@ def test_tp_ranks_other_than_zero_leave_per_layer_series_to_rank_zero() -> None:
         layers = [_Layer(0)]
         cap.wrap_layer(layers[0])
         _run_steps(cap, layers, 3)
-        names[rank] = {smp.name for smp in cap.samples()}
+        names[rank] = {smp.name for smp in worker_rpc.samples(cap)}
         cap.state.hub.stop(final_flush=False)
     per_layer = {"attnprof_attention_calls_total", "attnprof_attention_time_seconds_total",
                  "attnprof_step_time_seconds_total", "attnprof_steps_total",

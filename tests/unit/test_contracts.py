@@ -16,6 +16,7 @@ from typing import Any, Literal
 import jsonschema
 import pytest
 
+from attnprof.capture import head_rows
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.base import ContractError, Document, Record, decode, json_schema
 from attnprof.contracts.profile import ProfileReport
@@ -87,7 +88,7 @@ def _advice(head_stats: bool) -> WindowAdvice:
         acc = HeadStatsAccumulator(2, 2, 1, sinks_grid=(0, 4), window_grid=(8, 16, 32, 64))
         for layer, kinds in enumerate([[["block"], ["sink"]], [["block"], ["needle"]]]):
             q, k = build(kinds)
-            acc.update(layer, q, k, SCALE, sample=SAMPLE)
+            head_rows.update(acc, layer, q, k, SCALE, sample=SAMPLE)
     return export_summary(recommend(dist, arch, acc))
 
 

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.capture import head_rows
 from attnprof.capture.vllm import endpoint, runtime
-from attnprof.capture.vllm.endpoint import AttnProfEndpoint, LiveView, TokenCheck
+from attnprof.capture.vllm.endpoint import AttnProfEndpoint, TokenCheck
+from attnprof.capture.vllm.live_view import LiveView
 from attnprof.config import Config, api_tokens
 from attnprof.contracts.snapshot import WorkerSnapshot
 
@@ -189,7 +191,7 @@ def _acc_with_data(layers: int, kv: int, group: int, seed: int) -> HeadStatsAccu
     q = torch.randn(64, kv * group, 8, generator=g)
     k = torch.randn(64, kv, 8, generator=g)
     for lay in range(layers):
-        acc.update(lay, q, k, 8 ** -0.5, q_start=0)
+        head_rows.update(acc, lay, q, k, 8 ** -0.5, q_start=0)
     return acc
 
 

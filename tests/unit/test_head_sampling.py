@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.capture import head_rows
 
 T, D = 1536, 16
 SINKS, WINDOWS = (0, 4), (64, 256, 1024)
@@ -72,7 +73,7 @@ def runs() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     est: dict[str, list[np.ndarray]] = {"coverage": [], "entropy": [], "topk": []}
     for seed in range(SEEDS):
         acc = HeadStatsAccumulator(1, 1, 4, sinks_grid=SINKS, window_grid=WINDOWS, seed=seed)
-        acc.update(0, q, k, scale, q_start=0)
+        head_rows.update(acc, 0, q, k, scale, q_start=0)
         means = acc.per_head_means()
         est["coverage"].append(acc.coverage_mean()[0])
         est["entropy"].append(means["entropy"][0])
@@ -105,7 +106,7 @@ def test_sampling_error_is_reported_and_honest(
     ses = []
     for seed in range(8):
         acc = HeadStatsAccumulator(1, 1, 4, sinks_grid=SINKS, window_grid=WINDOWS, seed=seed)
-        acc.update(0, q, k, scale, q_start=0)
+        head_rows.update(acc, 0, q, k, scale, q_start=0)
         ses.append(acc.coverage_se()[0])
         assert np.all(acc.n_eff()[0] > 8)
     se = np.mean(ses, 0)
@@ -135,9 +136,9 @@ def test_every_layer_of_a_request_samples_the_same_positions() -> None:
 def test_weighted_state_merges_serializes_and_reads_old_state() -> None:
     q, k, scale = _attention()
     a = HeadStatsAccumulator(1, 1, 4, sinks_grid=SINKS, window_grid=WINDOWS, seed=1)
-    a.update(0, q[:900], k[:900], scale, q_start=0)
+    head_rows.update(a, 0, q[:900], k[:900], scale, q_start=0)
     b = HeadStatsAccumulator(1, 1, 4, sinks_grid=SINKS, window_grid=WINDOWS, seed=2)
-    b.update(0, q, k, scale, q_start=0)
+    head_rows.update(b, 0, q, k, scale, q_start=0)
     both = HeadStatsAccumulator.from_dict(a.to_dict()).merge(HeadStatsAccumulator.from_bytes(
         HeadStatsAccumulator.from_dict(b.to_dict()).take_bytes()))
     assert both.weight_sum[0, 0] == 900 + T  # estimated queries of both prompts
@@ -181,7 +182,7 @@ def test_confidence_margin_and_reported_sampling_error() -> None:
     sample = list(range(n - 30, n))
     q[sample[7]] = 0.0  # uniform: coverage (4 + 8) / 178 of its keys
     acc = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=(8, 16))
-    acc.update(0, q, k, 1.0, sample=sample)
+    head_rows.update(acc, 0, q, k, 1.0, sample=sample)
     p, se = acc.fail_share(0.9)
     assert p[0, 0, 1, 0] == pytest.approx(1 / 30) and se[0, 0, 1, 0] == pytest.approx(
         math.sqrt(1 / 30 * 29 / 30 / 30))
@@ -268,7 +269,7 @@ def test_window_decisions_pass_fail_and_undecided() -> None:
     assert exact[0] == 0 and exact[1] == pytest.approx(0.3, abs=0.01) \
         and exact[2] == pytest.approx(0.04, abs=0.005)
     acc = _acc()
-    acc.update(0, q, k, 1.0, q_start=0)
+    head_rows.update(acc, 0, q, k, 1.0, q_start=0)
     assert _decisions(acc) == ["pass", "fail", "undecided"]
     out = classify(acc, Thresholds())
     assert out["undecided"] == {str(W3): 1}
@@ -279,7 +280,7 @@ def test_window_decisions_pass_fail_and_undecided() -> None:
     assert not np.isfinite(head_windows(acc, Thresholds())[0, 2])
 
     census = _acc()
-    census.update(0, q, k, 1.0, q_start=0, sample=torch.arange(TT))
+    head_rows.update(census, 0, q, k, 1.0, q_start=0, sample=torch.arange(TT))
     acc.set_exact(census, [0])
     assert _decisions(acc) == ["pass", "fail", "pass"]  # 4% <= 5%, no sampling error
     p, se = acc.fail_share(0.9)
@@ -295,7 +296,8 @@ def test_a_sample_with_no_failures_is_not_proof() -> None:
     but 12 queries cannot show a share <= 0.05 (Wilson upper 1/13): undecided, not pass."""
     q, k, _ = _needle_attention(t=4 + W3 + 12)
     acc = _acc()
-    acc.update(0, q[:, :1].repeat(1, 3, 1), k, 1.0, q_start=0, sample=range(4 + W3, len(q)))
+    head_rows.update(acc, 0, q[:, :1].repeat(1, 3, 1), k, 1.0, q_start=0,
+                     sample=range(4 + W3, len(q)))
     assert acc.cov_n[0, 0, 1, 0] == 12
     assert _decisions(acc) == ["undecided"] * 3
 
@@ -304,9 +306,9 @@ def test_a_sample_with_no_failures_is_not_proof() -> None:
 def test_exact_flag_survives_serialization_and_merging_clears_it() -> None:
     q, k, _ = _needle_attention()
     census = _acc()
-    census.update(0, q, k, 1.0, q_start=0, sample=torch.arange(TT))
+    head_rows.update(census, 0, q, k, 1.0, q_start=0, sample=torch.arange(TT))
     acc = _acc()
-    acc.update(0, q, k, 1.0, q_start=0)
+    head_rows.update(acc, 0, q, k, 1.0, q_start=0)
     with pytest.raises(ValueError):
         acc.set_exact(census, [1])
     acc.set_exact(census, [0])

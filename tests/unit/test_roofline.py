@@ -250,7 +250,7 @@ def _md(q_lens: list[int], seq_lens: list[int]) -> object:
 
 def _live_work(info: LayerInfo, md: object) -> roofline.PhaseWork:
     """One sampled step of ``info`` over ``md`` through the live capture's own path."""
-    from attnprof.capture.vllm.hooks import batch_shape
+    from attnprof.capture.vllm.args import batch_shape
 
     aggs = WorkerAggregates()
     aggs.add_layer(info)
@@ -320,7 +320,7 @@ def test_causal_window_counts_match_the_mask() -> None:
 def test_profile_roofline_counts_each_layers_own_mask() -> None:
     """attnprof profile's roofline: a decoder layer's sliding window and causal mask limit its
     pairs, while encoder self-attention and cross-attention are dense (brute-force counts)."""
-    from attnprof.capture.transformers import CallRecord
+    from attnprof.capture.transformers_records import CallRecord
     from attnprof.tools.profile_run import _roofline
 
     def rec(layer: int, q: int, kv: int, window: int | None, stack: str | None,
@@ -366,7 +366,7 @@ def test_probe_waits_for_an_idle_worker() -> None:
 def test_profile_roofline_keeps_encoder_decoder_and_cross_sites_apart() -> None:
     """An encoder-decoder numbers each stack from 0: encoder.L0, decoder.L0 and
     decoder.L0.cross are three roofline points with their own work, not one merged layer 0."""
-    from attnprof.capture.transformers import CallRecord
+    from attnprof.capture.transformers_records import CallRecord
     from attnprof.tools.profile_run import _roofline
 
     def rec(layer: int, q: int, kv: int, stack: str, kind: str = "self",

@@ -13,6 +13,7 @@ from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.analyze.sparsity.classify import Thresholds, classify, head_windows
 from attnprof.analyze.sparsity.recommend import evaluate, export_summary, recommend
 from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.capture import head_rows
 
 T, D, LOGIT = 256, 64, 10.0
 SCALE = 1 / math.sqrt(D)
@@ -73,7 +74,7 @@ def test_exact_coverage_sink_mass_and_entropy() -> None:
     kinds = ["sink", "block", "needle", "uniform"]
     q, k = build([[x] for x in kinds])
     acc = acc_for(4, 1)
-    assert acc.update(0, q, k, SCALE, sample=SAMPLE) == len(SAMPLE)
+    assert head_rows.update(acc, 0, q, k, SCALE, sample=SAMPLE) == len(SAMPLE)
     cov = acc.coverage_mean()
     means = acc.per_head_means()
     for h, kind in enumerate(kinds):
@@ -117,7 +118,7 @@ def test_exact_coverage_sink_mass_and_entropy() -> None:
 def test_low_quantile_is_conservative_and_decides_windows_exactly() -> None:
     q, k = build([["sink"], ["block"], ["needle"], ["uniform"]])
     acc = acc_for(4, 1)
-    acc.update(0, q, k, SCALE, sample=SAMPLE)
+    head_rows.update(acc, 0, q, k, SCALE, sample=SAMPLE)
     cq = acc.coverage_quantile(0.05)
     for h, kind in enumerate(["sink", "block", "needle", "uniform"]):
         for wi, w in enumerate(acc.window_grid):
@@ -131,7 +132,7 @@ def test_low_quantile_is_conservative_and_decides_windows_exactly() -> None:
 def test_classification_mha() -> None:
     q, k = build([["sink"], ["block"], ["needle"], ["uniform"]])
     acc = acc_for(4, 1)
-    acc.update(0, q, k, SCALE, sample=SAMPLE)
+    head_rows.update(acc, 0, q, k, SCALE, sample=SAMPLE)
     cls = classify(acc, Thresholds(sinks=4))
     heads = cls["layers"][0]["kv_heads"]
     assert [h["class"] for h in heads] == ["sink", "streaming", "retrieval", "near_uniform"]
@@ -145,12 +146,12 @@ def test_untested_windows_leave_a_failing_head_undetermined() -> None:
     q, k = build([["weaksink"]])
     th = Thresholds(sinks=4, near_uniform_entropy=0.99)
     tested = acc_for(1, 1)
-    tested.update(0, q, k, SCALE, sample=SAMPLE)
+    head_rows.update(tested, 0, q, k, SCALE, sample=SAMPLE)
     head = classify(tested, th)["layers"][0]["kv_heads"][0]
     assert (head["class"], head["window"]) == ("retrieval", "full")
     # same head, but the grid's largest window is longer than every sampled query
     short = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=(8, 16, 32, 512))
-    short.update(0, q, k, SCALE, sample=SAMPLE)
+    head_rows.update(short, 0, q, k, SCALE, sample=SAMPLE)
     head = classify(short, th)["layers"][0]["kv_heads"][0]
     assert (head["class"], head["window"]) == ("unknown", None)
 
@@ -158,7 +159,7 @@ def test_untested_windows_leave_a_failing_head_undetermined() -> None:
 def test_gqa_decision_is_per_kv_head() -> None:
     q, k = build([["block", "needle"], ["block", "sink"]])
     acc = acc_for(2, 2)
-    acc.update(0, q, k, SCALE, sample=SAMPLE)
+    head_rows.update(acc, 0, q, k, SCALE, sample=SAMPLE)
     heads = classify(acc, Thresholds(sinks=4))["layers"][0]["kv_heads"]
     assert heads[0]["class"] == "retrieval" and heads[0]["window"] == "full"
     assert heads[0]["q_head_classes"] == ["streaming", "retrieval"]
@@ -169,8 +170,8 @@ def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
     q1, k1 = build([["block"], ["sink"]])
     q2, k2 = build([["block"], ["needle"]])
     acc = HeadStatsAccumulator(2, 2, 1, sinks_grid=(0, 4), window_grid=(8, 16, 32, 64))
-    acc.update(0, q1, k1, SCALE, sample=SAMPLE)
-    acc.update(1, q2, k2, SCALE, sample=SAMPLE)
+    head_rows.update(acc, 0, q1, k1, SCALE, sample=SAMPLE)
+    head_rows.update(acc, 1, q2, k2, SCALE, sample=SAMPLE)
     arch = Arch(2, 2, 2, D, 4)
     dist = LengthDistribution.from_lengths([40, 100, 256, 300])
     rec = recommend(dist, arch, acc)
@@ -194,14 +195,15 @@ def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
 def test_hf_layout_merge_and_roundtrip() -> None:
     q, k = build([["block"], ["needle"]])
     a = acc_for(2, 1)
-    a.update(0, q, k, SCALE, sample=SAMPLE)
+    head_rows.update(a, 0, q, k, SCALE, sample=SAMPLE)
     b = acc_for(2, 1)
-    b.update_hf(0, q.transpose(0, 1)[None], k.transpose(0, 1)[None], SCALE, sample=SAMPLE)
+    head_rows.update_hf(b, 0, q.transpose(0, 1)[None], k.transpose(0, 1)[None], SCALE,
+                        sample=SAMPLE)
     np.testing.assert_allclose(a.cov_sum, b.cov_sum)
     np.testing.assert_array_equal(a.cov_hist, b.cov_hist)
     half1, half2 = acc_for(2, 1), acc_for(2, 1)
-    half1.update(0, q, k, SCALE, sample=SAMPLE[:10])
-    half2.update(0, q, k, SCALE, sample=SAMPLE[10:])
+    head_rows.update(half1, 0, q, k, SCALE, sample=SAMPLE[:10])
+    head_rows.update(half2, 0, q, k, SCALE, sample=SAMPLE[10:])
     merged = HeadStatsAccumulator.from_dict(json.loads(json.dumps(half1.to_dict())))
     merged.merge(HeadStatsAccumulator.from_dict(half2.to_dict()))
     for f in ("queries", "cov_n", "cov_hist", "top1_out"):
@@ -218,11 +220,11 @@ def test_hf_layout_merge_and_roundtrip() -> None:
 
 def test_sampling_is_bounded_and_deterministic() -> None:
     acc = HeadStatsAccumulator(1, 1, 1, n_last=64, n_random=64)
-    idx = acc.sample_queries(4096, 0)
+    idx = head_rows.sample_queries(acc, 4096, 0)
     assert len(idx) <= 128 and list(idx[-64:]) == list(range(4032, 4096))
     assert len(set(idx.tolist())) == len(idx)
-    assert idx.tolist() == acc.sample_queries(4096, 0).tolist()
-    assert acc.sample_queries(10, 0).tolist() == list(range(10))
+    assert idx.tolist() == head_rows.sample_queries(acc, 4096, 0).tolist()
+    assert head_rows.sample_queries(acc, 10, 0).tolist() == list(range(10))
     # weights: every position of the prompt is represented exactly once in expectation
     _, w = acc.sample_plan(4096, 0)
     assert w.sum() == 4096 and np.all(w[-64:] == 1)
@@ -230,7 +232,7 @@ def test_sampling_is_bounded_and_deterministic() -> None:
     q, k = torch.randn(300, 1, 8), torch.randn(300, 1, 8)
     before = len(json.dumps(acc.to_dict()["arrays"]["cov_hist"]["index"]))
     for _ in range(3):
-        acc.update(0, q, k, 0.3)
+        head_rows.update(acc, 0, q, k, 0.3)
     assert acc.cov_hist.shape == (1, 1, 5, 9, 20) and acc.queries[0, 0] == 3 * 128
     assert before == 2  # "[]": nothing recorded before the first update
 
@@ -239,7 +241,7 @@ def test_learned_sinks_count_as_sink_mass() -> None:
     q, k = torch.zeros(50, 1, 8), torch.zeros(50, 1, 8)  # uniform over keys
     acc = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=(8,), n_last=1,
                                n_random=0)
-    acc.update(0, q, k, 1.0, sink_logits=torch.tensor([math.log(50.0)]))
+    head_rows.update(acc, 0, q, k, 1.0, sink_logits=torch.tensor([math.log(50.0)]))
     # query 49 sees 50 keys with weight 1 and a learned sink of weight 50: half the mass
     sink4 = acc.per_head_means()["sink_mass"][0, 0, 1]
     assert sink4 == pytest.approx(0.5 + 4 / 100, rel=1e-5)

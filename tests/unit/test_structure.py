@@ -24,7 +24,6 @@ _ROOTS = {REPO / "plugin" / "attnprof": "attnprof",
 # maths -> capture. THIS MUST BE EMPTY WHEN ISSUE 25 LANDS. It can only shrink:
 # test_pending_lists_only_live_violations fails on an entry nothing needs any more.
 PENDING: dict[str, set[str]] = {
-    "attnprof.aggregate.head_stats": {"torch"},
     "attnprof.analyze.vllm_backends": {"vllm"},
 }
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from attnprof.aggregate.trace import MAX_STEPS, LayerRange, StepTrace, TraceBuffer
-from attnprof.capture.vllm import runtime
+from attnprof.capture.vllm import runtime, worker_rpc
 from attnprof.capture.vllm.live_trace import LiveTrace
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_steps
@@ -98,7 +98,7 @@ def test_nothing_is_recorded_unarmed() -> None:
     _run_steps(cap, layers, 10)
     assert cap.aggs.outcomes["sampled"] == 10
     assert calls == [] and cap.trace.steps == [] and not cap.trace.span_queue
-    assert cap.trace_take()["steps"] == []
+    assert worker_rpc.trace_take(cap)["steps"] == []
     cap.state.hub.stop(final_flush=False)
 
 
@@ -108,12 +108,13 @@ def test_armed_capture_records_the_next_n_sampled_steps_then_stops() -> None:
     for lay in layers:
         cap.wrap_layer(lay)
     _run_steps(cap, layers, 2)  # before arming: not recorded
-    got = cap.trace_arm(4, timeout_s=60, trace_id="t1")
+    got = worker_rpc.trace_arm(cap, 4, timeout_s=60, trace_id="t1")
     assert got["armed"] and got["rank"]["tp_rank"] == 0
     _run_steps(cap, layers, 6)
-    assert cap.trace_count("t1")["steps"] == 4  # full after 4: steps 5 and 6 not kept
-    assert cap.trace_count("other")["steps"] == -1
-    out = cap.trace_take("t1")
+    # full after 4: steps 5 and 6 not kept
+    assert worker_rpc.trace_count(cap, "t1")["steps"] == 4
+    assert worker_rpc.trace_count(cap, "other")["steps"] == -1
+    out = worker_rpc.trace_take(cap, "t1")
     steps = [StepTrace.from_json(s) for s in json.loads(json.dumps(out["steps"]))]
     assert len(steps) == 4 and not out["truncated"]
     for s in steps:
@@ -125,7 +126,7 @@ def test_armed_capture_records_the_next_n_sampled_steps_then_stops() -> None:
             assert prev <= r.offset_ns and r.offset_ns + r.dur_ns <= s.dur_ns
             prev = r.offset_ns + r.dur_ns
     assert steps[0].start_ns < steps[-1].start_ns
-    assert cap.trace_take("t1")["steps"] == []  # taken: gone, disarmed
+    assert worker_rpc.trace_take(cap, "t1")["steps"] == []  # taken: gone, disarmed
     _run_steps(cap, layers, 3)
     assert cap.trace.steps == []
     doc = render_steps([TraceProcess(1, "w", steps)])
@@ -155,12 +156,13 @@ def test_an_armed_trace_nobody_takes_stops_recording_at_its_deadline() -> None:
 def test_gpu_steps_are_traced_from_late_read_events_without_a_sync() -> None:
     cap = _capture(1.0)
     gpu, hook, cuda = gpu_rig(cap)
-    cap.trace_arm(2, 60, "g")
+    worker_rpc.trace_arm(cap, 2, 60, "g")
     for _ in range(2):
         hook(cuda, input_ids=[0, 0])
-    assert cap.trace_count("g")["steps"] == 0  # events not complete: nothing read yet
+    # events not complete: nothing read yet
+    assert worker_rpc.trace_count(cap, "g")["steps"] == 0
     gpu.done_until = gpu.t
-    out = cap.trace_take("g")  # the take folds the completed steps first, no sync
+    out = worker_rpc.trace_take(cap, "g")  # folds the completed steps first, no sync
     assert gpu.syncs == 0 and len(out["steps"]) == 2
     s = StepTrace.from_json(out["steps"][0])
     # Fake events are 1 ms apart: step start, L0 start/end, L1 start/end, step end.
@@ -467,3 +469,24 @@ def test_an_engine_failing_the_rpc_is_reported_not_a_breaker(state: runtime.Stat
     assert info["errors"] == ["RuntimeError: engine core died"]
     assert check_trace(doc) == []
     assert state.errors.by_place.get("trace_rpc") == 1 and "endpoint" not in state.errors.by_place
+
+
+def test_trace_pages_merge_per_worker_and_trim_to_the_bound() -> None:
+    """Pages of two workers merge into one answer each (errors aside, strangers dropped);
+    past the bound the largest answer loses its last steps, never its first."""
+    from attnprof.aggregate.trace import TracePages
+
+    def step(n: int) -> dict[str, Any]:
+        return {"layers": n}
+
+    pages = TracePages({1, 2})
+    assert pages.add([{"pid": 1, "steps": [step(3), step(3)], "more": True},
+                      {"pid": 2, "steps": [step(2)]}, {"pid": 9, "steps": [step(50)]},
+                      {"error": "TimeoutError"}])
+    assert not pages.add([{"pid": 1, "steps": [step(3)], "truncated": True}])
+    assert pages.total == 11
+    assert not pages.trim(11)
+    assert pages.trim(6)
+    got = pages.answers()
+    assert [(a.get("pid"), len(a.get("steps", []))) for a in got] == [(1, 1), (2, 1), (None, 0)]
+    assert got[0]["truncated"] and got[2] == {"error": "TimeoutError"}

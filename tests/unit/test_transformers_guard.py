@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import attnprof
+from attnprof.capture import device_clock
 from attnprof.capture import sdpa as sdpa_mod
 from attnprof.capture import transformers as tr
 
@@ -196,7 +197,7 @@ def test_timer_fault_is_counted(monkeypatch: pytest.MonkeyPatch, counted_sdpa: l
     with torch.no_grad():
         ref = m(**batch).logits
         with attnprof.profile(m) as prof:
-            monkeypatch.setattr(tr, "time", SimpleNamespace(perf_counter=_boom))
+            monkeypatch.setattr(device_clock, "time", SimpleNamespace(perf_counter=_boom))
             out = m(**batch).logits
     assert torch.equal(ref, out) and len(counted_sdpa) == 4  # 2 layers, plain + profiled
     assert prof.error_count == 2 and not prof.records

@@ -20,6 +20,7 @@ from attnprof.analyze.sparsity.underused import (  # noqa: E402
     find_underused,
     kv_shares,
 )
+from attnprof.capture import head_rows  # noqa: E402
 
 BOS = 1
 DORMANT = (1, 3)
@@ -238,7 +239,7 @@ def test_replay_mask_is_built_on_the_query_device() -> None:
 
 
 def _pair_js_loop(p: Any) -> np.ndarray:
-    """The per-head loop _pair_js ran before it was batched (the reference)."""
+    """The per-head loop pair_js ran before it was batched (the reference)."""
     import math
 
     hq = p.shape[0]
@@ -280,7 +281,7 @@ def test_pair_js_is_batched_and_matches_the_loop(chunk: int | None) -> None:
     acc = HeadStatsAccumulator(3, 3, 3)
     kw = {} if chunk is None else {"chunk_elements": chunk}
     _CountingTensor.reads = 0
-    acc._pair_js(2, p.as_subclass(_CountingTensor), 0.5, **kw)
+    acc.fold_pairs(2, head_rows.pair_js(p.as_subclass(_CountingTensor), **kw), 0.5)
     assert _CountingTensor.reads == 1
     iu = np.triu_indices(hq, 1)
     np.testing.assert_array_equal(acc.js_sum[2][iu], 0.5 * ref[iu])  # same ops, same order

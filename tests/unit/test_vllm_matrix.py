@@ -243,7 +243,7 @@ _install_platform_facts(tuple(json.loads(sys.argv[1])))
 torch.set_default_dtype(torch.bfloat16)
 from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
 import attnprof.analyze as an
-from attnprof.capture.vllm import hooks
+from attnprof.capture.vllm import install, worker_rpc
 from attnprof.capture.vllm.runtime import State
 from attnprof.config import Config
 calls = []
@@ -252,7 +252,7 @@ def counting(*a, **k):
     calls.append(1)
     return real(*a, **k)
 an.vllm_backend_report = counting
-cap = hooks.install(State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m")))
+cap = install.install(State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m")))
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.attention.encoder_only_attention import EncoderOnlyAttention
 layers = {}
@@ -267,7 +267,8 @@ for i, (name, spec) in enumerate(json.loads(sys.argv[2]).items()):
     with set_current_vllm_config(cfg):  # model build: vLLM's own config context
         layers[name] = (i, cls(**kw))
 built = len(calls)
-kmap = [g.to_json() for g in cap.kernel_map()]  # later, outside any context: a snapshot RPC
+# later, outside any context: a snapshot RPC
+kmap = [g.to_json() for g in worker_rpc.kernel_map(cap)]
 facts = {info.index: info for info in cap.aggs.layers.values()}
 out = {"asked_at_build": built, "asked_by_snapshot": len(calls) - built}
 for name, (i, layer) in layers.items():
@@ -341,7 +342,7 @@ def test_layer_facts_carry_sinks_into_the_verdict_key() -> None:
     or a GPT-OSS layer would be judged as one without sinks."""
     import types
 
-    from attnprof.capture.vllm.hooks import _report_key, layer_info
+    from attnprof.capture.vllm.args import layer_info, report_key
 
     def layer(sink: bool) -> Any:
         return types.SimpleNamespace(
@@ -352,4 +353,4 @@ def test_layer_facts_carry_sinks_into_the_verdict_key() -> None:
     impl = types.SimpleNamespace(scale=0.125)
     with_sink, without = layer_info(layer(True), impl), layer_info(layer(False), impl)
     assert with_sink.has_sink and not without.has_sink and with_sink.index == 3
-    assert _report_key(with_sink) != _report_key(without)
+    assert report_key(with_sink) != report_key(without)

@@ -1,18 +1,22 @@
 """Per-(layer, head) attention statistics on sampled queries, in bounded memory.
 
-Fused attention kernels return no probabilities, so for a bounded sample of queries we
-recompute the softmax row against all causal keys in fp32, in chunks of ``chunk_queries``
-queries, and fold it into fixed-size arrays. The sample is stratified by position: ``n_random``
-strata cover the prompt (narrower towards its end, where more keys are seen and more windows
-can be tested), one uniform draw in each, plus the last ``n_last`` queries as a census
-stratum. Every sampled query carries the Horvitz-Thompson weight of its stratum (positions /
-draws), and every sum and histogram below is weighted, so means and quantiles estimate the
-all-query values without bias (the sample is not skewed towards the prompt's end). Entropy,
-top-k and output norms run on ``n_detail`` of the sampled queries, one drawn from each of
-``n_detail`` consecutive groups with probability proportional to weight (weight: the group's
-total), so they too estimate all-query means. Raw counts (``queries``, ``cov_n``,
-``detail_n``) stay alongside as evidence, and ``cov_w2`` (sum of squared weights) gives the
-effective sample size used for sampling errors.
+(One module over 500 lines: the folds, estimators and wire format all walk the same arrays
+and field lists of one class; a split would declare every field twice.)
+
+Fused attention kernels return no probabilities, so for a bounded sample of queries capture
+recomputes the softmax row against all causal keys in fp32, in chunks of ``chunk_queries``
+queries (:mod:`attnprof.capture.head_rows`, the torch side), and this accumulator folds the
+per-query numbers it hands over (numpy arrays) into fixed-size arrays. The sample is
+stratified by position: ``n_random`` strata cover the prompt (narrower towards its end,
+where more keys are seen and more windows can be tested), one uniform draw in each, plus the
+last ``n_last`` queries as a census stratum. Every sampled query carries the Horvitz-
+Thompson weight of its stratum (positions / draws), and every sum and histogram below is
+weighted, so means and quantiles estimate the all-query values without bias (the sample is
+not skewed towards the prompt's end). Entropy, top-k and output norms run on ``n_detail`` of
+the sampled queries, one drawn from each of ``n_detail`` consecutive groups with probability
+proportional to weight (weight: the group's total), so they too estimate all-query means.
+Raw counts (``queries``, ``cov_n``, ``detail_n``) stay alongside as evidence, and ``cov_w2``
+(sum of squared weights) gives the effective sample size used for sampling errors.
 
 * sink mass for each s in ``sinks_grid``: sum_{j<s} p_ij
 * coverage C(s, w) = local mass of the last w keys + sink mass, over queries that see more
@@ -33,7 +37,6 @@ state merges across requests, processes and replicas (:meth:`merge`).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -69,7 +72,6 @@ JS_CHUNK_ELEMENTS = 1 << 22
 """Head pairs x keys computed at once for the pairwise JS distances (bounds the scratch: a
 few float32 buffers of this size, 16 MiB each)."""
 _ENTROPY_BINS = 20
-_BLOCK = 32  # keys per block for range sums
 _SCHEMA = "attnprof.head_stats/2"
 _OLD_SCHEMA = "attnprof.head_stats/1"  # unweighted sums: read as weight 1 per sampled query
 # Sample density over a prompt's positions is proportional to position / length + this floor
@@ -200,12 +202,6 @@ class HeadStatsAccumulator:
         idx = np.concatenate([picked, np.arange(rest, n, dtype=np.int64)])
         return idx, np.concatenate([widths, np.ones(n_last)])
 
-    def sample_queries(self, num_queries: int, q_start: int) -> Any:
-        """Indices of :meth:`sample_plan` as a torch tensor (sorted)."""
-        import torch
-
-        return torch.as_tensor(self.sample_plan(num_queries, q_start)[0], dtype=torch.long)
-
     def detail_subset(self, num_sampled: int, weights: Any = None, q_start: int = 0
                       ) -> list[tuple[int, float]]:
         """(position in the sorted sample, weight) of the queries that also get entropy, top-k
@@ -225,136 +221,53 @@ class HeadStatsAccumulator:
         return out
 
     # ------------------------------------------------------------------ updates
-    def update(self, layer: int, q: Any, k: Any, scale: float, *, q_start: int | None = None,
-               v: Any = None, softcap: float | None = None, sink_logits: Any = None,
-               sample: Any = None) -> int:
-        """Fold one request's attention at ``layer`` into the statistics.
+    # Capture computes the softmax rows (:mod:`attnprof.capture.head_rows`, torch) and hands
+    # over per-query numbers as numpy arrays; the folds below only count them.
+    def fold_rows(self, layer: int, pos: Any, sink_m: Any, local: Any, top1: Any, maxw: Any,
+                  wts: Any = None) -> None:
+        """Fold one chunk of sampled queries at ``layer``: ``pos`` [c] their positions,
+        ``sink_m`` [c, hq, S] their mass on the first s keys, ``local`` [c, hq, W] on the last
+        w keys, ``top1`` [c, hq] the position of their largest weight, ``maxw`` [c, hq] that
+        weight, ``wts`` [c] their Horvitz-Thompson weights (default 1). Numpy only."""
+        self._fold(layer, pos, sink_m, local, top1, maxw, wts)
+        self._fold_sinks(layer, pos, sink_m, wts)
 
-        q: [Lq, Hq, D] queries (after RoPE) at positions q_start .. q_start+Lq-1 (default:
-        the last Lq of the keys, i.e. a prefill or a decode step); k: [Lk, Hkv, D] all keys
-        of the request so far, causal. v: [Lk, Hkv, Dv] optional (output norms).
-        softcap: Gemma-2 style tanh cap on logits; sink_logits: [Hq] learned sink logits
-        (gpt-oss), counted as sink mass. ``sample``: explicit query indices, each of weight
-        1 (default :meth:`sample_plan`, weighted). Returns the number of sampled queries.
-        """
-        import torch
+    def fold_detail(self, layer: int, n: int, entropy: Any, topk: Any, js: Any,
+                    out_norm: Any = None, weight: float = 1.0) -> None:
+        """Fold one detail query at ``layer`` that sees ``n`` keys: per query head its
+        normalized ``entropy``, ``topk`` (keys needed for ``mass_gamma`` of the mass), the
+        upper triangle ``js`` of its pairwise Jensen-Shannon distances (row-major, as
+        ``np.triu_indices``; None below two heads) and optionally its output norm, all
+        weighted by ``weight``."""
+        L = layer
+        hq = self.num_q_heads
+        self.detail_n[L] += 1
+        self.detail_w[L] += weight
+        self.entropy_sum[L] += weight * entropy
+        eb = np.clip((entropy * _ENTROPY_BINS).astype(np.int64), 0, _ENTROPY_BINS - 1)
+        self.entropy_hist[L, np.arange(hq), eb] += weight
+        self.topk_frac_sum[L] += weight * topk / n
+        kb = np.clip(np.searchsorted(self.k_edges, topk, side="left"), 0,
+                     len(self.k_edges) - 1)
+        self.topk_hist[L, np.arange(hq), kb] += weight
+        if js is not None:
+            self.fold_pairs(L, js, weight)
+        if out_norm is not None:
+            self.out_norm_sum[L] += weight * out_norm
+            self.out_norm_n[L] += weight
 
-        lq, hq, _ = q.shape
-        lk, hkv, _ = k.shape
-        if hq != self.num_q_heads or hkv != self.num_kv_heads:
-            raise ValueError(f"expected {self.num_q_heads} q / {self.num_kv_heads} kv heads, "
-                             f"got {hq} / {hkv}")
-        start = lk - lq if q_start is None else int(q_start)
-        if sample is None:
-            idx_np, wts = self.sample_plan(lq, start)
-        else:
-            idx_np = np.unique(torch.as_tensor(sample).cpu().numpy().astype(np.int64))
-            wts = np.ones(len(idx_np))
-        if len(idx_np) == 0:
-            return 0
-        idx = torch.as_tensor(idx_np, dtype=torch.long)
-        detail = dict(self.detail_subset(len(idx_np), wts, start))
-        with torch.no_grad():
-            kh = k.float().permute(1, 2, 0)  # [hkv, d, Lk]
-            for c0 in range(0, len(idx_np), self.chunk_queries):
-                ci = idx[c0:c0 + self.chunk_queries]
-                det = [i - c0 for i in range(c0, c0 + len(ci)) if i in detail]
-                det_w = [detail[i + c0] for i in det]
-                self._chunk(layer, q, kh, v, ci, start, scale, softcap, sink_logits, det,
-                            wts[c0:c0 + len(ci)], det_w)
+    def fold_pairs(self, layer: int, js: Any, weight: float = 1.0) -> None:
+        """Add one detail query's Jensen-Shannon distances ``js`` between every pair of query
+        heads (the upper triangle, row-major as ``np.triu_indices``) at ``layer``."""
+        iu = np.triu_indices(self.num_q_heads, 1)
+        self.js_sum[layer][iu] += weight * js
+        self.js_n[layer][iu] += weight
+        self.js_far[layer][iu] += weight * (js > JS_FAR)
+        self.js_k[layer][iu] += 1
+
+    def count_request(self, layer: int) -> None:
+        """One more request folded at ``layer``."""
         self.requests[layer] += 1
-        return len(idx_np)
-
-    def update_hf(self, layer: int, q: Any, k: Any, scale: float, *,
-                  v: Any = None, **kw: Any) -> int:
-        """Same as :meth:`update` for the transformers layout q [B, Hq, L, D], k/v
-        [B, Hkv, L, D] (each batch row is one request; no padding)."""
-        n = 0
-        for b in range(q.shape[0]):
-            n += self.update(layer, q[b].transpose(0, 1), k[b].transpose(0, 1), scale,
-                             v=None if v is None else v[b].transpose(0, 1), **kw)
-        return n
-
-    def _chunk(self, layer: int, q: Any, kh: Any, v: Any, ci: Any, start: int, scale: float,
-               softcap: float | None, sink_logits: Any, det: list[int], wts: Any = None,
-               det_w: list[float] | None = None) -> None:
-        """One chunk of sampled queries (``wts``: their weights, default 1; ``det_w``: the
-        weights of the detail queries ``det``). Rows are laid out [hkv, c*g] as bmm produces them,
-        so the [rows, keys] matrix is written once and read a handful of times (mask tail,
-        max, exp, block sums); no sort or cumsum over all keys."""
-        import torch
-
-        c = len(ci)
-        hkv, g = self.num_kv_heads, self.group_size
-        hq = hkv * g
-        pos = ci + start
-        pos_l = pos.tolist()
-        n = pos_l[-1] + 1
-        # scale folded into q: one pass over [rows, keys] fewer
-        qh = (q[ci].float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
-            hkv, c * g, -1)
-        x = torch.bmm(qh, kh[:, :, :n])  # [hkv, c*g, n] logits
-        dev = x.device  # CUDA in a GPU worker: keep index tensors there, results to numpy
-        if softcap:
-            x.div_(softcap).tanh_().mul_(softcap)
-        lo = pos_l[0] + 1
-        rowpos = pos.repeat_interleave(g).to(dev)  # row r belongs to query r // g
-        if lo < n:  # causal mask; a finite fill keeps 0 * fill == 0 below
-            keys = torch.arange(lo, n, device=dev)
-            x[:, :, lo:].masked_fill_(keys[None, None, :] > rowpos[None, :, None], -1e30)
-        m, top1 = x.max(-1)  # [hkv, c*g]
-        x.sub_(m[..., None]).exp_()  # unnormalized weights e, max 1
-        # Block sums (one pass) and their suffix sums in float64 give the mass of any key
-        # range [a, n) as suffix-of-blocks + a partial block: summed directly, never as
-        # total - prefix, so small local masses stay precise.
-        bs = _BLOCK
-        nb = n // bs
-        blocks = torch.empty(hkv, c * g, nb + 2, dtype=torch.float64, device=dev)
-        blocks[..., :nb] = x[..., :nb * bs].reshape(hkv, c * g, nb, bs).sum(-1)
-        blocks[..., nb] = x[..., nb * bs:].sum(-1)
-        blocks[..., nb + 1] = 0.0
-        suffix = blocks.flip(-1).cumsum(-1).flip(-1)  # suffix[b] = sum of blocks b..
-        z = suffix[..., 0]
-        wins_t = torch.tensor(self.window_grid, device=dev)
-        first = (rowpos[:, None] - wins_t[None, :] + 1).clamp(min=0)  # [rows, W] window start
-        fb = first // bs
-        t = torch.arange(bs, device=dev)
-        cols = fb[..., None] * bs + t  # [rows, W, bs] the rest of the start's block
-        ok = (cols >= first[..., None]) & (cols < n)
-        part = torch.gather(x, 2, cols.clamp(max=n - 1).reshape(1, c * g, -1)
-                            .expand(hkv, -1, -1)).reshape(hkv, c * g, len(self.window_grid),
-                                                          bs)
-        part = (part * ok[None]).sum(-1).double()
-        local = torch.gather(suffix, 2, (fb + 1).clamp(max=nb + 1)[None].expand(hkv, -1, -1))
-        local = local + part  # [hkv, rows, W]
-        smax = max(self.sinks_grid)
-        pre = x[:, :, :max(1, smax)].double().cumsum(-1)
-        sink_idx = torch.tensor([max(0, s - 1) for s in self.sinks_grid],
-                                device=dev).clamp(max=n - 1)
-        has = torch.tensor([s > 0 for s in self.sinks_grid], dtype=torch.float64, device=dev)
-        sink_m = pre[:, :, sink_idx] * has
-        learned = None
-        if sink_logits is not None:
-            sl = torch.as_tensor(sink_logits).to(dev).float().view(hkv, 1, g).expand(hkv, c, g)
-            extra = torch.exp(sl.reshape(hkv, c * g) - m).double()
-            z = z + extra
-            learned = extra / z
-        zz = z[..., None]
-        local = local / zz
-        sink_m = sink_m / zz
-        if learned is not None:
-            sink_m = sink_m + learned[..., None] * has
-
-        def rows_to_ch(t: Any) -> Any:  # [hkv, c*g, ...] -> [c, hq, ...] as float64 numpy
-            t = t.reshape(hkv, c, g, *t.shape[2:]).transpose(0, 1).reshape(c, hq, *t.shape[2:])
-            return t.double().cpu().numpy()
-
-        w_np = np.ones(c) if wts is None else np.asarray(wts, dtype=np.float64)
-        self._fold(layer, pos, rows_to_ch(sink_m), rows_to_ch(local), rows_to_ch(top1),
-                   rows_to_ch(1.0 / z), w_np)
-        self._fold_sinks(layer, pos, rows_to_ch(sink_m), w_np)
-        if det:
-            self._detail(layer, x, z.float(), pos_l, det, v, c, det_w)
 
     def _fold(self, layer: int, pos: Any, sink_m: Any, local: Any, top1: Any, maxw: Any,
               wts: Any = None) -> None:
@@ -364,7 +277,7 @@ class HeadStatsAccumulator:
         wq = np.ones(c) if wts is None else np.asarray(wts, dtype=np.float64)
         sinks = np.asarray(self.sinks_grid)
         wins = np.asarray(self.window_grid)
-        posn = pos.numpy()
+        posn = np.asarray(pos)
         nseen = posn + 1.0
         cov = np.minimum(local[:, :, None, :] + sink_m[..., None], 1.0)  # [c, hq, S, W]
         elig = nseen[:, None, None] > (sinks[:, None] + wins[None, :])[None]  # [c, S, W]
@@ -392,46 +305,11 @@ class HeadStatsAccumulator:
         counts = np.bincount(flat, weights=ew.ravel(), minlength=cb[0].size * nb)
         self.cov_hist[L] += counts.reshape(*cb.shape[1:], nb)
 
-    def _detail(self, layer: int, x: Any, z: Any, pos_l: list[int], det: list[int], v: Any,
-                c: int, det_w: list[float] | None = None) -> None:
-        """Entropy, top-k for ``mass_gamma`` and output norm on a few queries (sorting whole
-        rows is the costliest part, so it runs on ``n_detail`` queries per request), each
-        weighted by ``det_w`` (default 1)."""
-        import torch
-
-        hkv, g = self.num_kv_heads, self.group_size
-        hq = hkv * g
-        L = layer
-        for j, qi in enumerate(det):
-            dw = 1.0 if det_w is None else float(det_w[j])
-            p_ = pos_l[qi]
-            n = p_ + 1
-            rows = slice(qi * g, (qi + 1) * g)
-            p = (x[:, rows, :n] / z[:, rows, None]).reshape(hq, n)  # [hq, n] (kv-major)
-            ent = -torch.special.xlogy(p, p).sum(-1)
-            ent_n = (ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double().cpu().numpy()
-            srt = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
-            tk = ((srt < self.mass_gamma * srt[:, -1:]).sum(-1) + 1).cpu().numpy()
-            self.detail_n[L] += 1
-            self.detail_w[L] += dw
-            self.entropy_sum[L] += dw * ent_n
-            eb = np.clip((ent_n * _ENTROPY_BINS).astype(np.int64), 0, _ENTROPY_BINS - 1)
-            self.entropy_hist[L, np.arange(hq), eb] += dw
-            self.topk_frac_sum[L] += dw * tk / n
-            kb = np.clip(np.searchsorted(self.k_edges, tk, side="left"), 0,
-                         len(self.k_edges) - 1)
-            self.topk_hist[L, np.arange(hq), kb] += dw
-            self._pair_js(L, p, dw)
-            if v is not None:
-                o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
-                self.out_norm_sum[L] += dw * o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
-                self.out_norm_n[L] += dw
-
     def _fold_sinks(self, layer: int, pos: Any, sink_m: Any, weight: Any = None) -> None:
         """Histogram of each sampled query's sink mass per [q head, s] (``sink_m``: [c, hq,
         S]); only queries that see >= ``DORMANT_MIN_SEEN`` * s keys count at s. ``weight``:
         per-query weights [c] (default 1 each)."""
-        posn = np.asarray(pos.numpy() if hasattr(pos, "numpy") else pos, dtype=np.float64)
+        posn = np.asarray(pos, dtype=np.float64)
         w = np.ones(len(posn)) if weight is None else np.asarray(weight, dtype=np.float64)
         sinks = np.asarray(self.sinks_grid)
         elig = ((posn[:, None] + 1) >= DORMANT_MIN_SEEN * sinks[None, :]) & (sinks[None, :] > 0)
@@ -441,34 +319,6 @@ class HeadStatsAccumulator:
         onehot = b[..., None] == np.arange(nb)  # [c, hq, S, E]
         self.sink_hist[layer] += (onehot * ew[:, None, :, None]).sum(0)
         self.sink_n[layer] += elig.sum(0)[None, :]
-
-    def _pair_js(self, layer: int, p: Any, weight: float = 1.0,
-                 chunk_elements: int = JS_CHUNK_ELEMENTS) -> None:
-        """Jensen-Shannon distance (base 2) between every pair of query heads' rows ``p``
-        [hq, n] of one detail query, upper triangle only. Summed term by term
-        (p log 2p/(p+q)) so identical rows give exactly 0; cost O(hq^2 n). All pairs are
-        computed where ``p`` lives, ``chunk_elements`` (pairs x keys) at a time so scratch
-        stays bounded, and read back once: no device sync per head."""
-        import torch
-
-        hq, n = p.shape[0], p.shape[1]
-        if hq < 2:
-            return
-        ia, ib = torch.triu_indices(hq, hq, 1, device=p.device)  # row-major, as numpy's
-        step = max(1, chunk_elements // max(n, 1))
-        parts = []
-        for c in range(0, ia.numel(), step):
-            pa, pb = p[ia[c:c + step]], p[ib[c:c + step]]
-            m = (pa + pb).clamp(min=1e-38)
-            parts.append(0.5 * (torch.xlogy(pa, 2 * pa / m) + torch.xlogy(pb, 2 * pb / m))
-                         .sum(-1))
-        js = torch.cat(parts)
-        d = (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt().double().cpu().numpy()
-        iu = np.triu_indices(hq, 1)
-        self.js_sum[layer][iu] += weight * d
-        self.js_n[layer][iu] += weight
-        self.js_far[layer][iu] += weight * (d > JS_FAR)
-        self.js_k[layer][iu] += 1
 
     def js_mean(self) -> Any:
         """Mean JS distance per [layer, head a, head b] (symmetric; NaN: no pair data)."""

@@ -23,7 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer"]
+from attnprof.aggregate.layers import StepRecord
+
+__all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer",
+           "TracePages", "page_ranges", "step_trace"]
 
 MAX_STEPS = 1000
 """Most steps one live trace may ask for (the route refuses more)."""
@@ -95,6 +98,24 @@ class StepTrace:
                    str(raw["outcome"]), float(raw["effective_rate"]), int(raw["tokens"]),
                    int(raw["num_reqs"]), int(raw["max_seq_len"]), float(raw["mean_seq_len"]),
                    _ranges(raw["ranges"], int(raw["layers"])), str(raw.get("label", "")))
+
+
+def step_trace(rec: StepRecord, offsets_ns: list[float], wall_ns: int, dur_ns: float,
+               effective_rate: float) -> StepTrace:
+    """The trace record of one sampled step: its wall start (Unix ns), duration (ns), and
+    each timed call of ``rec`` at its offset from the step's start (``offsets_ns``, one per
+    call, in order) with the batch facts of its attention metadata."""
+    ranges = []
+    for off, call in zip(offsets_ns, rec.calls, strict=True):
+        info, sh = call.layer, call.shape
+        ranges.append(LayerRange(
+            info.index, info.backend, info.kernel or info.impl, int(off),
+            int(call.time_s * 1e9), sh.phase, sh.num_tokens, sh.num_reqs, sh.max_seq_len,
+            sh.kv_tokens / sh.num_reqs if sh.num_reqs else 0.0))
+    first = rec.calls[0].shape
+    return StepTrace(wall_ns, int(dur_ns), first.phase, rec.outcome, effective_rate,
+                     first.num_tokens, first.num_reqs, first.max_seq_len,
+                     first.kv_tokens / first.num_reqs if first.num_reqs else 0.0, ranges)
 
 
 _FIELDS = len(LayerRange._fields)
@@ -223,3 +244,54 @@ class TraceBuffer:
             out = list(self.span_queue)
             self.span_queue.clear()
             return out
+
+
+def page_ranges(answer: dict[str, Any]) -> int:
+    """Layer ranges in one worker's trace answer (its steps' ``layers`` counts)."""
+    return sum(int(s.get("layers") or 0) for s in answer.get("steps") or ()
+               if isinstance(s, dict) and isinstance(s.get("layers"), int))
+
+
+class TracePages:
+    """The API server's side of a paged live trace: every worker's pages merged into one
+    answer per worker (``pids``: the workers armed), RPC errors kept aside, and the layer
+    ranges counted so the trace can be held to its bound."""
+
+    def __init__(self, pids: set[Any]) -> None:
+        self.pids = pids
+        self.merged: dict[Any, dict[str, Any]] = {}
+        self.errors: list[dict[str, Any]] = []
+        self.total = 0
+
+    def add(self, page: list[dict[str, Any]]) -> bool:
+        """Fold one page (every worker's answer to one take); True when a worker has more."""
+        more = False
+        for a in page:
+            if a.get("error"):
+                self.errors.append(a)
+                continue
+            if a.get("pid") not in self.pids:
+                continue
+            have = self.merged.setdefault(a["pid"], {**a, "steps": []})
+            have["steps"] += a.get("steps") or []
+            have["truncated"] = have.get("truncated") or a.get("truncated")
+            self.total += page_ranges(a)
+            more |= bool(a.get("more"))
+        return more
+
+    def trim(self, max_ranges: int) -> bool:
+        """Drop the last steps of the largest answers until at most ``max_ranges`` ranges
+        are left (the last page's shares round up to whole steps; each worker keeps at least
+        one step); True when anything was over."""
+        if self.total <= max_ranges:
+            return False
+        over = self.total - max_ranges
+        for a in sorted(self.merged.values(), key=lambda a: -page_ranges(a)):
+            while over > 0 and len(a["steps"]) > 1:
+                last = a["steps"].pop()
+                over -= int(last.get("layers") or 0) if isinstance(last, dict) else 0
+        return True
+
+    def answers(self) -> list[dict[str, Any]]:
+        """One merged answer per worker, then the RPC errors."""
+        return [*self.merged.values(), *self.errors]

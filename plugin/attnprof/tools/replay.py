@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.capture import head_rows
 from attnprof.tools.masked_attention import ReplayError, masked_attention
 
 __all__ = [
@@ -138,7 +139,7 @@ def collect_head_stats(model: Any, tokenizer: Any, prompts: Iterable[Any],
             or 1 / math.sqrt(q.shape[-1])
         sinks = getattr(ev.module, "sinks", None)
         try:
-            acc.update_hf(ev.layer_idx, q, k, float(scale), v=ev.value,
+            head_rows.update_hf(acc, ev.layer_idx, q, k, float(scale), v=ev.value,
                           softcap=ev.kwargs.get("softcap"),
                           sink_logits=None if sinks is None else sinks.detach(),
                           sample=torch.arange(q.shape[2]) if every_query else None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from attnprof.capture.vllm import hooks, runtime
+from attnprof.capture.vllm import install, runtime
 from attnprof.config import Config, ConfigError
 
 __all__ = ["register", "start"]
@@ -32,4 +32,4 @@ def register() -> None:
 
 def start(cfg: Config, otlp: Any = None) -> None:
     """Set attnprof up in this vLLM process once: state, export loop, hooks."""
-    runtime.start(cfg, hooks.install, otlp)
+    runtime.start(cfg, install.install, otlp)

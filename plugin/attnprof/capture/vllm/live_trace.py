@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from attnprof.aggregate.trace import TracePages
 from attnprof.capture.vllm import runtime
 from attnprof.capture.vllm.rpc import rpc_all
 
@@ -64,11 +65,6 @@ def trace_params(query: Any) -> tuple[int, float]:
         raise ValueError(f"timeout must be seconds in (0, {TRACE_MAX_TIMEOUT_S:g}], "
                          f"got {raw_t!r}")
     return steps, timeout
-
-
-def _ranges(answer: dict[str, Any]) -> int:
-    return sum(int(s.get("layers") or 0) for s in answer.get("steps") or ()
-               if isinstance(s, dict) and isinstance(s.get("layers"), int))
 
 
 class LiveTrace:
@@ -181,41 +177,24 @@ class LiveTrace:
         """Every worker's records, a page per RPC, until ``max_ranges`` in all; the rest is
         dropped in the workers. Returns one merged answer per worker (and RPC errors as
         ``{"error": ...}``) and why records were left out, if they were."""
-        merged: dict[Any, dict[str, Any]] = {}
-        errors: list[dict[str, Any]] = []
-        total = 0
+        pages = TracePages(pids)
         self.pages = 0
         more = True
-        while more and total < max_ranges:
-            share = max(1, min(TRACE_PAGE_RANGES, (max_ranges - total) // max(1, len(pids))))
+        while more and pages.total < max_ranges:
+            share = max(1, min(TRACE_PAGE_RANGES,
+                               (max_ranges - pages.total) // max(1, len(pids))))
             page = await self._rpc(rpc_timeout, "take", trace_id, 0, 0.0, share)
             self.pages += 1
-            more = False
-            for a in page:
-                if a.get("error"):
-                    errors.append(a)
-                    continue
-                if a.get("pid") not in pids:
-                    continue
-                have = merged.setdefault(a["pid"], {**a, "steps": []})
-                have["steps"] += a.get("steps") or []
-                have["truncated"] = have.get("truncated") or a.get("truncated")
-                total += _ranges(a)
-                more |= bool(a.get("more"))
+            more = pages.add(page)
         cut = None
         if more:
             await self._rpc(rpc_timeout, "drop", trace_id)
             cut = (f"later steps left out: the trace reached ATTNPROF_TRACE_MAX_RANGES="
                    f"{max_ranges} layer ranges")
-        if total > max_ranges:  # the last page's shares rounded up to whole steps
+        if pages.trim(max_ranges):  # the last page's shares rounded up to whole steps
             cut = cut or (f"later steps left out: the trace reached "
                           f"ATTNPROF_TRACE_MAX_RANGES={max_ranges} layer ranges")
-            over = total - max_ranges
-            for a in sorted(merged.values(), key=lambda a: -_ranges(a)):
-                while over > 0 and len(a["steps"]) > 1:
-                    last = a["steps"].pop()
-                    over -= int(last.get("layers") or 0) if isinstance(last, dict) else 0
-        return [*merged.values(), *errors], cut
+        return pages.answers(), cut
 
     @staticmethod
     def _kv_sample(out: list[tuple[int, float]]) -> None:

@@ -1,0 +1,104 @@
+"""A vLLM worker's snapshot, assembled from its aggregates (pure Python, no torch or vLLM).
+
+Capture keeps the live state (the sampler, :class:`WorkerAggregates`, the backend reports it
+asked vLLM for at model build); these functions turn it into the typed records of
+:mod:`attnprof.contracts.snapshot`: the sampler's counters, the kernel map (identical layers
+grouped, each group with vLLM's verdict on every backend), the head-statistics cost, the
+poll's own cost, and the :class:`WorkerSnapshot` that holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from attnprof.aggregate.layers import LayerInfo, WorkerAggregates
+from attnprof.aggregate.sampler import StepSampler
+from attnprof.contracts.snapshot import (
+    HeadStatsCost,
+    KernelGroup,
+    PollCost,
+    SamplerStats,
+    WorkerSnapshot,
+)
+
+__all__ = ["head_stats_cost", "kernel_groups", "note_poll", "sampler_stats", "worker_snapshot"]
+
+
+def sampler_stats(sampler: StepSampler, outcomes: Mapping[str, int], seen: int,
+                  in_flight: int) -> SamplerStats:
+    """The sampler's counters. ``seen``: steps the hook saw; ``in_flight``: sampled steps
+    not recorded yet (GPU steps waiting for their events, the step running now): they are
+    not unsampled, and counting them so would overshoot an exported counter that cannot
+    come back down."""
+    s = sampler
+    o = outcomes
+    return SamplerStats(
+        seen=seen, sampled=o["sampled"], sampled_long=o["sampled_long"], blind=o["blind"],
+        unsampled=max(0, seen - sum(o.values()) - in_flight),
+        base_rate=s.base_rate,
+        effective_rate=s.rate, budget=s.budget, self_time_s=s.self_time,
+        self_time_fraction=s.self_time_fraction(), throttles=s.throttles,
+        step_index=s.step + 1, sync=s.sync_role, late_changes=s.late_changes,
+        unsynced=getattr(s.sync, "unread", 0), decisions_digest=s.decisions_digest,
+        rate_changes=[[st, sc] for st, sc in s.rate_changes])
+
+
+def kernel_groups(layers: Iterable[LayerInfo], report_key: Callable[[LayerInfo], Any],
+                  reports: Mapping[Any, dict[str, Any]]) -> list[KernelGroup]:
+    """Per group of identical layers (same backend, kernel and report key), in layer order:
+    the backend that ran, the kernel variant, and why each other vLLM backend is not valid
+    (``reports[report_key(info)]``, vLLM's own answer; see
+    :mod:`attnprof.analyze.vllm_backends`)."""
+    groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
+    for info in sorted(layers, key=lambda i: i.index):
+        groups.setdefault((info.backend, info.kernel, report_key(info)), []).append(info)
+    out = []
+    for (_, _, key), infos in groups.items():
+        rep = reports[key]
+        first = infos[0]
+        out.append(KernelGroup(
+            layers=[i.index for i in infos], backend=first.backend, kernel=first.kernel,
+            fused=first.fused, valid_backends=rep.get("valid"),
+            rejected={name: b.get("reasons") for name, b in
+                      (rep.get("backends") or {}).items() if not b.get("valid")},
+            source=rep.get("source"), error=rep.get("error"),
+            predicted=rep.get("predicted"),
+            flash_attn_version=rep.get("flash_attn_version"), note=rep.get("note")))
+    return out
+
+
+def head_stats_cost(hs: HeadStatsCost) -> HeadStatsCost:
+    """A copy of the running head-statistics cost with its share of the prefill time."""
+    out = HeadStatsCost(**{k: getattr(hs, k) for k in
+                           ("steps", "requests", "queries", "time_s", "prefill_time_s")})
+    out.fraction_of_prefill = (out.time_s / out.prefill_time_s if out.prefill_time_s > 0
+                               else None)
+    return out
+
+
+def note_poll(pc: PollCost, t0: float, t1: float, t2: float, buffer: Any = None) -> None:
+    """Record one poll's own cost in ``pc``: the snapshot from ``t0`` to ``t1``, the head
+    statistics from ``t1`` to ``t2`` (clock readings in seconds); ``buffer``: the
+    head-statistics double buffer, whose last drain time and delta size it carries."""
+    pc.polls += 1
+    pc.last_head_stats_s = t2 - t1
+    pc.max_head_stats_s = max(pc.max_head_stats_s, pc.last_head_stats_s)
+    pc.last_s = t2 - t0
+    pc.max_s = max(pc.max_s, pc.last_s)
+    if buffer is not None:
+        pc.drain_s, pc.delta_bytes = buffer.drain_s, buffer.delta_bytes
+
+
+def worker_snapshot(pid: int, process: str, aggs: WorkerAggregates, kernel_map: list[KernelGroup],
+                    sampler: SamplerStats, errors: Any, hs_cost: HeadStatsCost,
+                    poll_cost: PollCost, head_stats: dict[str, Any] | None,
+                    probe: Any = None) -> WorkerSnapshot:
+    """One worker's :class:`WorkerSnapshot`; ``errors``: its ``ErrorBook`` (copied)."""
+    return WorkerSnapshot(
+        pid=pid, process=process,
+        layers=aggs.layer_profiles(), kernel_map=kernel_map,
+        steps=aggs.step_stats(), sampler=sampler,
+        errors=dict(errors.by_place), dropped=dict(errors.dropped),
+        disabled=errors.disabled, head_stats_cost=hs_cost,
+        poll_cost=poll_cost, head_stats=head_stats, probe=probe)

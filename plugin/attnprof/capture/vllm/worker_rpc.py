@@ -1,0 +1,225 @@
+"""A vLLM worker's answers to the API server: snapshot, poll, head-statistics deltas, the live
+trace's arm/count/take, and the export loop's samples and spans, read from a running
+:class:`~attnprof.capture.vllm.hooks.Capture` (``cap``).
+
+These run between model steps (collective RPC) or on the export thread, never inside one;
+the snapshot itself is assembled in :mod:`attnprof.aggregate.worker_snapshot`.
+:func:`worker_methods` are the functions installed on vLLM's ``WorkerBase``: each catches
+its own errors (counted) and answers ``{"error": ...}``, never raising into vLLM's worker loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from attnprof._safety import fault_point
+from attnprof.aggregate import worker_snapshot as ws
+from attnprof.aggregate.trace import MAX_RANGES
+from attnprof.contracts.snapshot import KernelGroup, SamplerStats, WorkerSnapshot
+
+__all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "snapshot",
+           "start_spans", "trace_arm", "trace_count", "trace_take", "worker_methods"]
+
+
+def start_spans(cap: Any) -> None:
+    """Add the OTLP span sink to this worker's export loop (its thread builds the spans);
+    a sink that cannot start is counted and spans stay off."""
+    try:
+        from attnprof.exporters.otlp import OtlpSpanSink
+
+        hub = cap.state.get_hub()
+        hub.add_sink(OtlpSpanSink(cap.state.otlp, role="worker", take=cap.trace.take_spans,
+                                  model=lambda: cap.state.model_label,
+                                  on_error=cap.errors.note))
+        hub.start()
+    except Exception as exc:
+        cap.errors.record("export", exc)
+        cap.trace.spans = False
+
+
+def sampler_stats(cap: Any) -> SamplerStats:
+    """The sampler's counters; a step in progress or a GPU step waiting for its events is
+    not counted as unsampled."""
+    return ws.sampler_stats(cap.sampler, cap.aggs.outcomes, cap.seen,
+                             len(cap.pending) + cap.in_step)
+
+
+def samples(cap: Any) -> list[Any]:
+    """This worker's metric samples for the export loop (its thread)."""
+    from attnprof.exporters.samples import worker_samples
+
+    # Under tensor parallelism every rank times the same layers: per-layer series come
+    # from TP rank 0 only, or Prometheus' sum over processes would multiply them.
+    first_tp = cap.rank["tp_rank"] == 0
+    return worker_samples(cap.state.model_label, cap.aggs, sampler_stats(cap),
+                          cap.hs.queries, per_layer=first_tp,
+                          per_step=first_tp and cap.rank["pp_rank"] == 0)
+
+
+def kernel_map(cap: Any) -> list[KernelGroup]:
+    """The worker's kernel map (see :meth:`BackendReports.kernel_map`)."""
+    return cap.reports.kernel_map(list(cap.aggs.layers.values()))  # type: ignore[no-any-return]
+
+
+def snapshot(cap: Any, include_head_stats: bool = True, flush: bool = True) -> WorkerSnapshot:
+    """This worker's snapshot; GPU steps whose events completed are folded first, and
+    ``flush`` exports now."""
+    cap.resolve_pending()
+    if flush:
+        cap.state.flush()
+    return ws.worker_snapshot(
+        os.getpid(), multiprocessing.current_process().name, cap.aggs, kernel_map(cap),
+        sampler_stats(cap), cap.errors, ws.head_stats_cost(cap.hs),
+        dataclasses.replace(cap.poll_cost),
+        cap.hs_buffer.active.to_dict() if cap.hs_buffer is not None and include_head_stats
+        else None, cap.state.probe)
+
+
+def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
+         ) -> dict[str, Any]:
+    """The API server's periodic pull (between model steps, so small and cheap): this
+    worker's snapshot without head statistics, its parallel placement, and the head
+    statistics: the deltas finished since the last pull, and a swap of the accumulator's
+    halves whose delta a later :func:`head_stats_take` collects (serialized off the
+    engine's path). ``api_host``: the API server's :func:`host_id`; on this machine the
+    deltas travel as files, not in the answer."""
+    fault_point("capture")
+    t0 = time.perf_counter()
+    # No export flush here: the export thread flushes every second, and a flush (file
+    # writes) would lengthen the pause the engine takes for this poll.
+    snap = snapshot(cap, include_head_stats=False, flush=False).to_json()
+    t1 = time.perf_counter()
+    out = _placement(cap)
+    if with_head_stats:
+        out["head_stats"] = _take_deltas(cap, api_host, swap=True)
+    t2 = time.perf_counter()
+    # This pull's own cost, all but the pickling vLLM does with the answer.
+    ws.note_poll(cap.poll_cost, t0, t1, t2, cap.hs_buffer)
+    snap["poll_cost"] = cap.poll_cost.to_json()
+    out["snapshot"] = snap
+    return out
+
+
+def head_stats_take(cap: Any, api_host: str | None = None) -> dict[str, Any]:
+    """The deltas finished since the last pull, with this worker's placement (tiny: the
+    API server asks until none is pending)."""
+    fault_point("capture")
+    out = _placement(cap)
+    out["head_stats"] = _take_deltas(cap, api_host, swap=False)
+    return out
+
+
+def _placement(cap: Any) -> dict[str, Any]:
+    return {"pid": os.getpid(), "rank": dict(cap.rank),
+            "total_kv_heads": cap.total_kv_heads, "total_layers": cap.total_layers}
+
+
+def _take_deltas(cap: Any, api_host: str | None, swap: bool) -> dict[str, Any]:
+    buf = cap.hs_buffer
+    if buf is None:
+        return {"deltas": [], "pending": False}
+    if cap.deltas is None:  # a buffer set from outside (tests)
+        from attnprof.capture.vllm.deltas import DeltaFiles
+
+        cap.deltas = DeltaFiles()
+    if swap:
+        cap.deltas.forget_handed()  # a new pull: the last one's files were read
+    ready = buf.take_ready()
+    if swap:
+        buf.swap(cap.deltas.finish_for(api_host))
+    cap.deltas.hand(ready)
+    for e in buf.errors:
+        cap.errors.record("head_stats", RuntimeError(e))
+    buf.errors.clear()
+    return {"deltas": ready, "pending": buf.draining}
+
+
+def trace_arm(cap: Any, steps: int, timeout_s: float, trace_id: str = "",
+              max_ranges: int = MAX_RANGES) -> dict[str, Any]:
+    """Record the next ``steps`` sampled steps for a live trace, at most ``max_ranges``
+    layer ranges (RPC, between steps); returns this worker's identity. Recording stops
+    by itself after ``timeout_s``."""
+    cap.trace.arm(steps, timeout_s, trace_id, max_ranges)
+    return {"pid": os.getpid(), "process": multiprocessing.current_process().name,
+            "rank": dict(cap.rank), "armed": True}
+
+
+def trace_count(cap: Any, trace_id: str = "") -> dict[str, Any]:
+    """Steps recorded so far for the armed trace (tiny: the API server polls it)."""
+    cap.resolve_pending()  # GPU steps whose events completed are recorded now
+    return {"pid": os.getpid(), "steps": cap.trace.count(trace_id),
+            "recording": cap.trace.recording}
+
+
+def trace_take(cap: Any, trace_id: str = "", page_ranges: int | None = None) -> dict[str, Any]:
+    """One page of the recorded steps (compact JSON, at most ``page_ranges`` layer ranges)
+    and this worker's identity; ``more``: pages are left. Recording stops."""
+    cap.resolve_pending()
+    steps, truncated, more = cap.trace.take(trace_id, page_ranges)
+    return {"pid": os.getpid(), "process": multiprocessing.current_process().name,
+            "rank": dict(cap.rank), "truncated": truncated, "more": more,
+            "steps": [s.to_json() for s in steps]}
+
+
+def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, Any]]]:
+    """The ``attnprof_*`` methods for vLLM's ``WorkerBase`` (``collective_rpc`` names)."""
+
+    def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
+        try:
+            return snapshot(cap, include_head_stats).to_json()
+        except Exception as exc:  # runs in vLLM's worker loop: never raise there
+            state.errors.record("snapshot", exc)
+            return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
+
+    def attnprof_poll(self: Any, with_head_stats: bool = True,
+                      api_host: str | None = None) -> dict[str, Any]:
+        try:
+            return poll(cap, with_head_stats, api_host)
+        except Exception as exc:
+            state.errors.record("snapshot", exc)
+            return {"snapshot": {"pid": os.getpid(),
+                                 "error": f"{type(exc).__name__}: {exc}"}}
+
+    def attnprof_head_stats(self: Any, api_host: str | None = None) -> dict[str, Any]:
+        try:
+            return head_stats_take(cap, api_host)
+        except Exception as exc:
+            state.errors.record("snapshot", exc)
+            return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
+
+    def attnprof_set_sampling(self: Any, rate: float | None = None,
+                              head_stats_rate: float | None = None) -> dict[str, Any]:
+        try:
+            return cap.set_sampling(rate, head_stats_rate)  # type: ignore[no-any-return]
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def attnprof_trace(self: Any, op: str, trace_id: str = "", steps: int = 0,
+                       timeout_s: float = 0.0, max_ranges: int = MAX_RANGES
+                       ) -> dict[str, Any]:
+        """One RPC for the live trace: ``arm`` (``max_ranges``: this worker's bound),
+        ``count``, ``take`` (one page of at most ``max_ranges`` ranges) or ``drop``."""
+        try:
+            fault_point("capture")
+            if op == "arm":
+                return trace_arm(cap, steps, timeout_s, trace_id, max_ranges)
+            if op == "count":
+                return trace_count(cap, trace_id)
+            if op == "take":
+                return trace_take(cap, trace_id, max_ranges)
+            if op == "drop":
+                cap.trace.take(trace_id)
+                return {"pid": os.getpid(), "dropped": True}
+            return {"pid": os.getpid(), "error": f"unknown trace op {op!r}"}
+        except Exception as exc:
+            state.errors.record("trace", exc)
+            return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
+
+    return {"attnprof_snapshot": attnprof_snapshot, "attnprof_trace": attnprof_trace,
+            "attnprof_poll": attnprof_poll, "attnprof_head_stats": attnprof_head_stats,
+            "attnprof_set_sampling": attnprof_set_sampling}
