@@ -13,12 +13,13 @@ SCRIPT = r'''
 import json, multiprocessing as mp, os, signal, sys
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.exporters import catalog as cat
 from attnprof.exporters.samples import error_samples, s
 
 def export(role, backend, tripped, errors):
     sink = PrometheusSink()
     sink.export(error_samples("m", {"capture": errors}, {}, [role], tripped, ["capture"])
-                + [s("attnprof_layer_info", 1, model="m", layer="0", backend=backend,
+                + [s(cat.LAYER_INFO, 1, model="m", layer="0", backend=backend,
                      impl="X", fused="true")])
 
 def worker(backend, tripped, errors, ready, hold):
