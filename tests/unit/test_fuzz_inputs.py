@@ -1022,7 +1022,7 @@ def test_good_and_any_attnprof_values(name: str) -> None:
 # ----- OTEL_*: the standard variables the OTLP exporter reads
 
 def _otel_read() -> set[str]:
-    src = (REPO / "exporters/attnprof/exporters/otlp.py").read_text()
+    src = (REPO / "exporters/attnprof/exporters/otlp/config.py").read_text()
     return set(re.findall(r'"(OTEL_[A-Z_]+)"', src))
 
 
