@@ -97,10 +97,9 @@ def test_config_parses_standard_variables() -> None:
     assert cfg is not None
     assert cfg.endpoint == "http://collector:4318/v1/metrics"  # base URL + signal path
     assert cfg.protocol == "http/protobuf"
-    assert cfg.headers == (("authorization", "Bearer x"), ("x-team", "attn"))
+    # Headers and resource are the SDK's to read (test_sdk_reads_headers_and_resource).
+    assert (cfg.headers, cfg.resource_attributes, cfg.service_name) == ((), (), None)
     assert (cfg.interval_s, cfg.timeout_s) == (1.5, 0.25)
-    assert cfg.service_name == "fromattrs"
-    assert ("deployment.environment", "prod") in cfg.resource_attributes
     assert cfg.histogram == "exponential"
     # Signal-specific variables win; the metrics endpoint is used as given.
     cfg = otlp_config_from_env({
@@ -109,8 +108,60 @@ def test_config_parses_standard_variables() -> None:
         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "svc",
         "OTEL_RESOURCE_ATTRIBUTES": "service.name=ignored"})
     assert cfg is not None
-    assert (cfg.endpoint, cfg.protocol, cfg.service_name) == ("https://b:4317", "grpc", "svc")
+    assert (cfg.endpoint, cfg.protocol) == ("https://b:4317", "grpc")
     assert (cfg.interval_s, cfg.timeout_s, cfg.histogram) == (60.0, 5.0, "explicit")
+
+
+def test_spans_to_the_metrics_collector_carry_its_headers() -> None:
+    """The SDK's span exporter reads only the traces' and the generic headers; spans that
+    attnprof sends to the metrics' collector carry that collector's own headers, and spans
+    sent elsewhere do not."""
+    env = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318/v1/metrics",
+           "OTEL_EXPORTER_OTLP_METRICS_HEADERS": "Authorization=Bearer%20m",
+           "ATTNPROF_OTLP_SPANS": "1"}
+    cfg = otlp_config_from_env(env)
+    assert cfg is not None and cfg.traces_endpoint == "http://c:4318/v1/traces"
+    assert cfg.traces_headers == (("authorization", "Bearer m"),)
+    for other in ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/v1/traces"},
+                  {"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization=Bearer%20t"}):
+        cfg = otlp_config_from_env({**env, **other})
+        assert cfg is not None and cfg.traces_headers == ()
+
+
+@pytest.mark.parametrize(("env", "service"), [
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,service.name=fromattrs"},
+     "fromattrs"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,service.name=ignored",
+      "OTEL_SERVICE_NAME": "svc"}, "svc"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"}, "attnprof"),
+])
+def test_sdk_reads_headers_and_resource(receiver: OtlpReceiver, env: dict[str, str],
+                                        service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OTEL_* headers and resource variables reach the collector, read by the SDK from
+    the process's environment (attnprof only checked them at start-up); the per-process
+    identity still wins over the environment's."""
+    env = {**env, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.endpoint,
+           "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": receiver.protocol,
+           "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20x, X-Team=attn",
+           "OTEL_METRIC_EXPORT_INTERVAL": "600000", "OTEL_METRIC_EXPORT_TIMEOUT": "1000"}
+    env["OTEL_RESOURCE_ATTRIBUTES"] += ",service.instance.id=shared"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = otlp_config_from_env(os.environ)
+    assert cfg is not None
+    sink = OtlpSink(cfg, role="worker")
+    try:
+        sink.export(samples(1.0, CTX))
+        assert sink.force_flush()
+        (req,) = receiver.wait_for(1)[:1]
+    finally:
+        sink.shutdown()
+    assert receiver.headers[0]["authorization"] == "Bearer x"
+    assert receiver.headers[0]["x-team"] == "attn"
+    res = attrs(req.resource_metrics[0].resource.attributes)
+    assert res["service.name"] == service and res["deployment.environment"] == "prod"
+    assert res["service.instance.id"] == sink.instance_id
+    assert res["telemetry.sdk.language"] == "python" and res["host.name"]
 
 
 @pytest.mark.parametrize(("name", "raw"), [

@@ -18,7 +18,7 @@ so :func:`otlp_config_from_env` can say clearly when it is missing.
 from attnprof.exporters.otlp.config import PROTOCOLS, OtlpConfig, otlp_config_from_env
 from attnprof.exporters.otlp.histograms import ExponentialBuckets, exponential_buckets
 from attnprof.exporters.otlp.metrics import OtlpExportError, OtlpSink
-from attnprof.exporters.otlp.resource import ROLES, attributes, resource_attributes
+from attnprof.exporters.otlp.resource import ROLES, attributes, build_resource
 from attnprof.exporters.otlp.spans import OtlpSpanSink
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "OtlpSink",
     "OtlpSpanSink",
     "attributes",
+    "build_resource",
     "exponential_buckets",
     "otlp_config_from_env",
-    "resource_attributes",
 ]

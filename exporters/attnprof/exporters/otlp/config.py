@@ -1,10 +1,19 @@
-"""OTLP settings: the standard ``OTEL_*`` variables attnprof reads, checked at start-up.
+"""OTLP settings: what attnprof reads of the standard ``OTEL_*`` variables, and its start-up
+checks of the ones the OpenTelemetry SDK reads itself.
+
+attnprof reads what it decides with: whether OTLP is on and where metrics and spans go
+(the endpoints, which it also logs and derives the spans' collector from), the protocol
+(the SDK's exporters do not choose their transport), and the export interval and timeout
+(bounded: faster than 10 exports a second only burns CPU, and the SDK's timer thread
+overflowed on 1e300; the timeout defaults to 5 s, not the spec's 30 s, because it bounds
+every export and shutdown, which attnprof waits for). The SDK reads the headers
+(``OTEL_EXPORTER_OTLP_*HEADERS``) and the resource (``OTEL_RESOURCE_ATTRIBUTES``,
+``OTEL_SERVICE_NAME``) itself, from the process's environment; attnprof only checks them, so
+a bad value stops start-up instead of being dropped with a warning in each process.
 
 Every bad value is a :class:`~attnprof.config.ConfigError` whose message is one line naming
 the variable (header values are credentials: named by position, never shown; URL
-credentials are redacted). attnprof's own bounds on top of the OTel spec: a 5 s default
-export timeout (the spec's 30 s would hold shutdown), an interval and a timeout a timer
-can wait (the SDK's timer thread overflowed on 1e300), header values a header can carry.
+credentials are redacted).
 """
 
 from __future__ import annotations
@@ -40,11 +49,14 @@ class OtlpConfig:
     """http/protobuf: full URL incl. ``/v1/metrics``; grpc: ``http(s)://host:port``."""
     protocol: str = "http/protobuf"
     headers: Labels = ()
+    """Headers beside those the SDK reads from ``OTEL_EXPORTER_OTLP_*HEADERS``."""
     interval_s: float = DEFAULT_INTERVAL_MS / 1000
     timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
-    service_name: str = "attnprof"
+    service_name: str | None = None
+    """None: ``OTEL_SERVICE_NAME`` or ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES`` (read
+    by the SDK), else ``attnprof``."""
     resource_attributes: Labels = ()
-    """Parsed ``OTEL_RESOURCE_ATTRIBUTES``."""
+    """Resource attributes over those the SDK reads from ``OTEL_RESOURCE_ATTRIBUTES``."""
     histogram: str = "explicit"
     """``explicit`` or ``exponential`` (``ATTNPROF_OTLP_HISTOGRAM``)."""
     spans: bool = False
@@ -52,6 +64,9 @@ class OtlpConfig:
     traces_endpoint: str = ""
     """Where spans go: http/protobuf a full URL incl. ``/v1/traces``; grpc ``host:port`` URL."""
     traces_protocol: str = "http/protobuf"
+    traces_headers: Labels = ()
+    """Spans sent to the metrics' collector carry its ``OTEL_EXPORTER_OTLP_METRICS_HEADERS``
+    (the SDK's span exporter reads only the traces' and the generic headers)."""
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -84,41 +99,31 @@ def _ms(env: Mapping[str, str], name: str, default: float, lo: float, hi: float)
 _HEADER_KEY = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
-def _pairs(name: str, raw: str) -> Labels:
-    # W3C-baggage-like "k1=v1,k2=v2" with percent-encoded values (OTel spec for
-    # OTEL_RESOURCE_ATTRIBUTES; the headers are read by _headers).
-    out: list[tuple[str, str]] = []
+def _check_pairs(name: str, raw: str) -> None:
+    """``OTEL_RESOURCE_ATTRIBUTES`` is ``k1=v1,k2=v2`` (W3C-baggage-like, percent-encoded
+    values): the SDK reads it, and drops a malformed item with a warning; refuse it here."""
     for item in raw.split(","):
-        if not item.strip():
-            continue
-        key, sep, val = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
+        key, sep, _ = item.partition("=")
+        if item.strip() and (not sep or not key.strip()):
             raise ConfigError(f"{name}={raw!r} is malformed at {item.strip()!r} "
                               "(expected key=value pairs separated by commas)")
-        out.append((key, unquote(val.strip())))
-    return tuple(out)
 
 
-def _headers(name: str, raw: str) -> Labels:
-    """``k1=v1,k2=v2`` with percent-encoded values, as ``_pairs``, but the values are
+def _check_headers(name: str, raw: str) -> None:
+    """``k1=v1,k2=v2`` with percent-encoded values, which the SDK reads; the values are
     credentials (``Authorization=Bearer%20...``): an error names the item by its position and
     key, never its text. A value must be printable ASCII once decoded, as an HTTP header or
     gRPC metadata carries it (``%0A`` would split the request)."""
-    out: list[tuple[str, str]] = []
     for i, item in enumerate((x for x in raw.split(",") if x.strip()), 1):
         key, sep, val = item.partition("=")
         key = key.strip()
         if not sep or not _HEADER_KEY.match(key):
             raise ConfigError(f"{name} is malformed at its item {i} (expected key=value "
                               "pairs separated by commas; values are not shown)")
-        val = unquote(val.strip())
-        if not all(0x20 <= ord(c) < 0x7F for c in val):
+        if not all(0x20 <= ord(c) < 0x7F for c in unquote(val.strip())):
             raise ConfigError(f"{name}: the value of {key!r} (item {i}) holds control or "
                               "non-ASCII characters once percent-decoded, which a header "
                               "cannot carry (the value is not shown)")
-        out.append((key.lower(), val))  # gRPC metadata keys are lowercase
-    return tuple(out)
 
 
 def _endpoint(name: str, raw: str, example: str) -> None:
@@ -169,14 +174,14 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
     endpoint = raw_ep
     if protocol == "http/protobuf" and ep_var == "OTEL_EXPORTER_OTLP_ENDPOINT":
         endpoint = raw_ep.rstrip("/") + "/v1/metrics"  # base URL + signal path (OTel spec)
-    hdr = _first(env, "OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
-    headers = _headers(hdr[0], env[hdr[0]]) if hdr else ()
+    # Checked, not kept: the SDK's exporters and Resource read these themselves.
+    for name in ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"):
+        if (env.get(name) or "").strip():
+            _check_headers(name, env[name])
+    if (env.get("OTEL_RESOURCE_ATTRIBUTES") or "").strip():
+        _check_pairs("OTEL_RESOURCE_ATTRIBUTES", env["OTEL_RESOURCE_ATTRIBUTES"])
     interval = _ms(env, "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS, *INTERVAL_MS)
     timeout = _ms(env, "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_TIMEOUT_MS, *TIMEOUT_MS)
-    res_raw = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-    res = _pairs("OTEL_RESOURCE_ATTRIBUTES", res_raw) if res_raw.strip() else ()
-    service = (env.get("OTEL_SERVICE_NAME") or "").strip() or dict(res).get("service.name") \
-        or "attnprof"
     histogram = otlp_histogram(env)
     _require("opentelemetry.sdk.metrics", ep_var, "opentelemetry-sdk")
     if protocol == "grpc":
@@ -185,15 +190,24 @@ def otlp_config_from_env(env: Mapping[str, str]) -> OtlpConfig | None:
     else:
         _require("opentelemetry.exporter.otlp.proto.http", ep_var,
                  "opentelemetry-exporter-otlp-proto-http")
-    traces_endpoint, traces_protocol = "", protocol
+    traces_endpoint, traces_protocol, traces_headers = "", protocol, ()
     if spans:
         traces_endpoint, traces_protocol = _traces_endpoint(env, ep_var, raw_ep, protocol)
         _require("opentelemetry.sdk.trace", "ATTNPROF_OTLP_SPANS", "opentelemetry-sdk")
-    return OtlpConfig(endpoint=endpoint, protocol=protocol, headers=headers,
-                      interval_s=interval / 1000, timeout_s=timeout / 1000,
-                      service_name=service, resource_attributes=res, histogram=histogram,
-                      spans=spans, traces_endpoint=traces_endpoint,
-                      traces_protocol=traces_protocol)
+        own_headers = _first(env, "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+        if own_headers is not None:
+            _check_headers(*own_headers)
+        shared = _first(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") is None
+        if shared and own_headers is None \
+                and (env.get("OTEL_EXPORTER_OTLP_METRICS_HEADERS") or "").strip():
+            from opentelemetry.util.re import parse_env_headers
+
+            traces_headers = tuple(parse_env_headers(
+                env["OTEL_EXPORTER_OTLP_METRICS_HEADERS"], liberal=True).items())
+    return OtlpConfig(endpoint=endpoint, protocol=protocol, interval_s=interval / 1000,
+                      timeout_s=timeout / 1000, histogram=histogram, spans=spans,
+                      traces_endpoint=traces_endpoint, traces_protocol=traces_protocol,
+                      traces_headers=traces_headers)
 
 
 def _traces_endpoint(env: Mapping[str, str], ep_var: str, raw_ep: str,

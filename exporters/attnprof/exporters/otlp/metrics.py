@@ -37,7 +37,7 @@ from attnprof.exporters import catalog as cat
 from attnprof.exporters.catalog import MetricSpec
 from attnprof.exporters.otlp.config import Labels, OtlpConfig
 from attnprof.exporters.otlp.histograms import exponential_buckets
-from attnprof.exporters.otlp.resource import ROLES, SCOPE, attributes, resource_attributes, version
+from attnprof.exporters.otlp.resource import ROLES, SCOPE, attributes, build_resource, version
 from attnprof.exporters.samples import HistogramSample, MetricSample
 
 __all__ = ["OtlpExportError", "OtlpSink", "otlp_exporter"]
@@ -53,14 +53,16 @@ class OtlpExportError(RuntimeError):
     """An OTLP export that did not succeed (passed to ``on_error``, never raised)."""
 
 
-def otlp_exporter(signal: str, protocol: str, endpoint: str, config: OtlpConfig) -> Any:
+def otlp_exporter(signal: str, protocol: str, endpoint: str, config: OtlpConfig,
+                  headers: Labels = ()) -> Any:
     """The OTel SDK's OTLP exporter for ``signal`` ("metric" or "trace") over ``protocol``
-    (grpc or http/protobuf), with the sink's headers and timeout."""
+    (grpc or http/protobuf), with the sink's timeout. It reads the ``OTEL_EXPORTER_OTLP_*``
+    headers itself; ``headers`` are extra ones."""
     transport = "grpc" if protocol == "grpc" else "http"
     module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}."
                                      f"{signal}_exporter")
     cls = getattr(module, "OTLPMetricExporter" if signal == "metric" else "OTLPSpanExporter")
-    kw: dict[str, Any] = {"endpoint": endpoint, "headers": dict(config.headers) or None,
+    kw: dict[str, Any] = {"endpoint": endpoint, "headers": dict(headers) or None,
                           "timeout": config.timeout_s}
     if transport == "grpc":
         kw["insecure"] = urlparse(endpoint).scheme == "http"
@@ -68,7 +70,7 @@ def otlp_exporter(signal: str, protocol: str, endpoint: str, config: OtlpConfig)
 
 
 def _make_exporter(config: OtlpConfig) -> Any:
-    return otlp_exporter("metric", config.protocol, config.endpoint, config)
+    return otlp_exporter("metric", config.protocol, config.endpoint, config, config.headers)
 
 
 def _wrapping_exporter(inner: Any, sink: OtlpSink) -> Any:
@@ -277,11 +279,10 @@ class OtlpSink:
 
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         self.instance_id = str(uuid.uuid4())
-        self._resource = Resource(resource_attributes(self.config, self.role, self.instance_id))
+        self._resource = build_resource(self.config, self.role, self.instance_id)
         ver = version("attnprof")
         self._scope = InstrumentationScope(SCOPE, ver)
         exporter = _wrapping_exporter(_make_exporter(self.config), self)

