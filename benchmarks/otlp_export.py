@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.otlp_receiver import OtlpReceiver, free_port
 
 from attnprof.aggregate.histogram import BucketHistogram, log_buckets
+from attnprof.exporters import catalog as cat
 from attnprof.exporters.otlp import OtlpConfig, OtlpSink
 from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
 
@@ -35,21 +36,21 @@ def make_samples(layers: int, step: int) -> list[MetricSample]:
     for layer in range(layers):
         for phase in ("prefill", "decode", "mixed"):
             base = (("model", "m"), ("layer", str(layer)))
-            for name in ("attnprof_attention_calls_total", "attnprof_attention_time_seconds_total"):
-                out.append(Sample(name, (*base, ("backend", "FLASH_ATTN"), ("phase", phase)),
+            for m in (cat.ATTENTION_CALLS_TOTAL, cat.ATTENTION_TIME_SECONDS_TOTAL):
+                out.append(Sample(m, (*base, ("backend", "FLASH_ATTN"), ("phase", phase)),
                                   float(step * (layer + 1))))
-            for name in ("attnprof_attention_flops_total", "attnprof_attention_bytes_total",
-                         "attnprof_attention_tokens_total"):
-                out.append(Sample(name, (*base, ("phase", phase)), float(step * 1000 + layer)))
+            for m in (cat.ATTENTION_FLOPS_TOTAL, cat.ATTENTION_BYTES_TOTAL,
+                      cat.ATTENTION_TOKENS_TOTAL):
+                out.append(Sample(m, (*base, ("phase", phase)), float(step * 1000 + layer)))
     for outcome in ("sampled", "sampled_long", "unsampled", "blind"):
-        out.append(Sample("attnprof_steps_total", (("model", "m"), ("outcome", outcome)),
+        out.append(Sample(cat.STEPS_TOTAL, (("model", "m"), ("outcome", outcome)),
                           float(step)))
-    out.append(Sample("attnprof_sample_rate_ratio", (("model", "m"),), 0.05))
+    out.append(Sample(cat.SAMPLE_RATE_RATIO, (("model", "m"),), 0.05))
     h = BucketHistogram(log_buckets(32768))
     for i in range(step % 50 + 1):
         h.observe(17 * i + 1)
-    for q in ("context", "prompt", "generation"):
-        out.append(HistogramSample(f"attnprof_request_{q}_tokens", (("model", "m"),), h.state()))
+    for m in (cat.REQUEST_CONTEXT_TOKENS, cat.REQUEST_PROMPT_TOKENS, cat.REQUEST_GENERATION_TOKENS):
+        out.append(HistogramSample(m, (("model", "m"),), h.state()))
     return out
 
 

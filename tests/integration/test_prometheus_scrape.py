@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -16,8 +17,20 @@ pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 def test_promtool_accepts_the_exposition(tiny_server: Any) -> None:
     post_json(tiny_server.base_url + "/v1/completions",
                    {"model": "tiny", "prompt": "the model", "max_tokens": 2, "temperature": 0})
-    text = get_text(tiny_server.base_url + "/metrics")
-    ours = "\n".join(ln for ln in text.splitlines() if "attnprof_" in ln) + "\n"
+    # promtool passes an empty exposition: first, attnprof's series must be there, from the
+    # API server (request histograms, liveness) and from the worker (per-layer capture),
+    # once the export loops (a second apart) have written them.
+    want = {"attnprof_request_context_tokens", "attnprof_plugin_processes",
+            "attnprof_layer_info", "attnprof_steps_total"}
+    deadline = time.monotonic() + 30
+    while True:
+        text = get_text(tiny_server.base_url + "/metrics")
+        ours = "\n".join(ln for ln in text.splitlines() if "attnprof_" in ln) + "\n"
+        families = {ln.split()[2] for ln in ours.splitlines() if ln.startswith("# TYPE ")}
+        if want <= families or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert want <= families, sorted(families)
     r = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True,
                        text=True)
     # promtool exits 1 on lint findings; there must be none for attnprof's series.

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from attnprof.analyze.sparsity.recommend import evaluate
-from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.analyze.sparsity.savings import LengthDistribution
 from attnprof.capture import head_rows
 from attnprof.cli import main
+from attnprof.facts.shape import AttentionShape
 from tests.conftest import REPO, free_port
 
 
@@ -46,11 +47,11 @@ def test_suggest_json_contract(tiny_model: Path, lengths: Path,
     rc, out, _ = run(["suggest-window", "--lengths", str(lengths), "--model", str(tiny_model),
                       "--window", "64", "--sinks", "4", "--json"], capsys)
     ev = json.loads(out)
-    arch = Arch.from_model_dir(tiny_model)
+    arch = AttentionShape.from_model_dir(tiny_model)
     want = evaluate(LengthDistribution.from_lengths([40, 60, 80, 100, 120, 300, 500, 700]),
                     arch, 64, 4)
     assert (ev["window"], ev["sinks"]) == (64, 4)
-    assert ev["attention_flop_saving"] == want["attention_flop_saving"] > 0
+    assert ev["attention_flop_saving"] == want.attention_flop_saving > 0
     assert ev["exact_request_fraction"] == pytest.approx(2 / 8)  # 40 and 60 <= 4 + 64
     rc, out, _ = run(["suggest-window", "--lengths", str(lengths), "--model", str(tiny_model),
                       "--window", "64", "--sinks", "4", "--layers", "1"], capsys)

@@ -14,8 +14,9 @@ import pytest
 
 from attnprof.analyze.sparsity.classify import CLASSES, Thresholds, classify
 from attnprof.analyze.sparsity.recommend import format_summary, recommend
-from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.analyze.sparsity.savings import LengthDistribution
 from attnprof.cli import main
+from attnprof.facts.shape import AttentionShape
 from attnprof.tools.replay import collect_head_stats, load_model, replay
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
@@ -83,8 +84,8 @@ def test_head_statistics_end_to_end(smollm2_dir: Path) -> None:
     assert np.all((cov[np.isfinite(cov)] > 0) & (cov[np.isfinite(cov)] <= 1 + 1e-6))
     assert np.all((means["entropy"] >= 0) & (means["entropy"] <= 1 + 1e-6))
     cls = classify(acc, Thresholds(sinks=4))
-    assert sum(cls["class_counts"].values()) == 30 * 3
-    assert set(cls["class_counts"]) <= set(CLASSES)
+    assert sum(cls.class_counts.values()) == 30 * 3
+    assert set(cls.class_counts) <= set(CLASSES)
     per_layer = sink[:, :, s1].mean(1)
     print("\nSmolLM2 first-token sink mass per layer:", np.round(per_layer, 3).tolist())
     print("share of (layer, q head) with 4-sink mass > 0.3:",
@@ -92,9 +93,10 @@ def test_head_statistics_end_to_end(smollm2_dir: Path) -> None:
     mean_cov = [round(float(cov[:, :, s4, i].mean()), 3) if np.isfinite(cov[:, :, s4, i]).all()
                 else None for i in range(len(acc.window_grid))]
     print("mean coverage (s=4) by window", acc.window_grid, ":", mean_cov)
-    print("KV-head classes:", cls["class_counts"])
+    print("KV-head classes:", cls.class_counts)
     lengths = [len(tok(p)["input_ids"]) + 24 for p in prompts] + [2000, 3000, 4000]
-    rec = recommend(LengthDistribution.from_lengths(lengths), Arch.from_model_dir(path), acc)
+    rec = recommend(LengthDistribution.from_lengths(lengths), AttentionShape.from_model_dir(path),
+                    acc).to_json()
     assert rec["heads_at_risk_count"] == 0  # windowed layers are covered by construction
     assert json.loads(json.dumps(acc.to_dict()))["num_layers"] == 30
     res = None

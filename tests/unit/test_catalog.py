@@ -8,9 +8,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from attnprof.aggregate.histogram import BucketHistogram
-from attnprof.exporters.catalog import CATALOG, spec
+from attnprof.exporters import catalog as cat
+from attnprof.exporters.catalog import CATALOG, MetricSpec, spec
 from attnprof.exporters.prometheus import PrometheusSink
-from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
+from attnprof.exporters.samples import HistogramSample, MetricSample, Sample, s
 
 _NAME = re.compile(r"^attnprof_[a-z0-9_]+$")
 _FORBIDDEN_LABELS = {"request_id", "prompt", "text", "token", "token_id", "user", "length"}
@@ -38,21 +39,92 @@ def _every_metric_samples(counter_total: float = 2.0) -> list[MetricSample]:
         if m.kind == "histogram":
             h = BucketHistogram([1, 10, 100])
             h.observe(5)
-            out.append(HistogramSample(m.name, labels, h.state()))
+            out.append(HistogramSample(m, labels, h.state()))
         else:
-            out.append(Sample(m.name, labels, counter_total if m.kind == "counter" else 3.0))
+            out.append(Sample(m, labels, counter_total if m.kind == "counter" else 3.0))
     return out
 
 
-def test_sink_renders_every_metric_with_fresh_registry() -> None:
+CREATED = 1700000000.5
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_created`` series read the clock: fix it so the exposition is exact text."""
+    import time
+
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+
+def _expected(m: MetricSpec) -> list[str]:
+    """Exposition lines of one catalog metric after :func:`_every_metric_samples`, spelled
+    out the way the Prometheus text format (0.0.4) writes them."""
+    lab = ",".join(f'{k}="x"' for k in sorted(m.labels))
+    name = m.base_name
+
+    def series(suffix: str, value: str, extra: str = "") -> str:
+        inner = ",".join(x for x in (extra, lab) if x) if extra.startswith("le") else lab
+        if extra and not extra.startswith("le"):
+            inner = extra
+        return f"{name}{suffix}{{{inner}}} {value}" if inner else f"{name}{suffix} {value}"
+
+    created = [f"# HELP {name}_created {m.help}", f"# TYPE {name}_created gauge",
+               series("_created", "1.7000000005e+09")]
+    if m.kind == "gauge":
+        return [f"# HELP {name} {m.help}", f"# TYPE {name} gauge", series("", "3.0")]
+    if m.kind == "counter":
+        return [f"# HELP {name}_total {m.help}", f"# TYPE {name}_total counter",
+                series("_total", "2.0"), *created]
+    buckets = [f'{name}_bucket{{le="{le}",{lab}}} {v}'
+               for le, v in (("1.0", "0.0"), ("10.0", "1.0"), ("100.0", "1.0"), ("+Inf", "1.0"))]
+    return [f"# HELP {name} {m.help}", f"# TYPE {name} histogram", *buckets,
+            series("_count", "1.0"), series("_sum", "5.0"), *created]
+
+
+def test_sink_renders_every_metric_exactly(frozen_clock: None) -> None:
     reg = CollectorRegistry()
     sink = PrometheusSink(registry=reg)
     sink.export(_every_metric_samples())
-    text = generate_latest(reg).decode()
-    for m in CATALOG:
-        assert m.name in text or f"{m.name}_bucket" in text, m.name
-    assert 'attnprof_request_context_tokens_bucket{le="10.0",model="x"} 1.0' in text
-    assert 'attnprof_request_context_tokens_sum{model="x"} 5.0' in text
+    want = [ln for m in CATALOG for ln in _expected(m)]
+    assert generate_latest(reg).decode().splitlines() == want
+
+
+def test_sink_exposition_reads_as_written(frozen_clock: None) -> None:
+    """The exact text for one counter, one labelled gauge and one histogram, written out by
+    hand (as prometheus/client_python's own tests pin theirs)."""
+    reg = CollectorRegistry()
+    sink = PrometheusSink(registry=reg)
+    h = BucketHistogram([10, 100])
+    for v in (3, 40, 40, 700):
+        h.observe(v)
+    sink.export([
+        s(cat.SELF_TIME_SECONDS_TOTAL, 1.25, model="m"),
+        s(cat.PLUGIN_PROCESSES, 1, role="worker"),
+        s(cat.PLUGIN_PROCESSES, 2, role="api_server"),
+        HistogramSample(cat.REQUEST_PROMPT_TOKENS, (("model", "m"),), h.state()),
+    ])
+    assert generate_latest(reg).decode() == """\
+# HELP attnprof_self_time_seconds_total attnprof's own time spent on sampled steps.
+# TYPE attnprof_self_time_seconds_total counter
+attnprof_self_time_seconds_total{model="m"} 1.25
+# HELP attnprof_self_time_seconds_created attnprof's own time spent on sampled steps.
+# TYPE attnprof_self_time_seconds_created gauge
+attnprof_self_time_seconds_created{model="m"} 1.7000000005e+09
+# HELP attnprof_plugin_processes Processes the attnprof plugin is live in, by role.
+# TYPE attnprof_plugin_processes gauge
+attnprof_plugin_processes{role="worker"} 1.0
+attnprof_plugin_processes{role="api_server"} 2.0
+# HELP attnprof_request_prompt_tokens Prompt tokens of finished requests.
+# TYPE attnprof_request_prompt_tokens histogram
+attnprof_request_prompt_tokens_bucket{le="10.0",model="m"} 1.0
+attnprof_request_prompt_tokens_bucket{le="100.0",model="m"} 3.0
+attnprof_request_prompt_tokens_bucket{le="+Inf",model="m"} 4.0
+attnprof_request_prompt_tokens_count{model="m"} 4.0
+attnprof_request_prompt_tokens_sum{model="m"} 783.0
+# HELP attnprof_request_prompt_tokens_created Prompt tokens of finished requests.
+# TYPE attnprof_request_prompt_tokens_created gauge
+attnprof_request_prompt_tokens_created{model="m"} 1.7000000005e+09
+"""
 
 
 def test_sink_is_idempotent_per_registry() -> None:
@@ -71,7 +143,7 @@ def test_histogram_deltas_are_exact() -> None:
     for batch in ([3, 10, 11], [], [500, 100]):
         for v in batch:
             h.observe(v)
-        sink.export([HistogramSample("attnprof_request_prompt_tokens", labels, h.state())])
+        sink.export([HistogramSample(cat.REQUEST_PROMPT_TOKENS, labels, h.state())])
     name = "attnprof_request_prompt_tokens"
     get = reg.get_sample_value
     assert get(f"{name}_bucket", {"model": "m", "le": "10.0"}) == 2
@@ -98,10 +170,11 @@ def test_docs_metric_table_is_generated_from_catalog() -> None:
 def test_counter_totals_export_each_increment_once() -> None:
     reg = CollectorRegistry()
     sink = PrometheusSink(registry=reg)
-    name = "attnprof_internal_errors_total"
+    m = cat.INTERNAL_ERRORS_TOTAL
+    name = m.name
     for total in (2, 2, 5, 3):  # repeated and stale totals add nothing
-        sink.export([Sample(name, (("model", "m"), ("place", "capture")), total)])
-    sink.export([Sample(name, (("model", "m"), ("place", "metrics")), 1)])
+        sink.export([Sample(m, (("model", "m"), ("place", "capture")), total)])
+    sink.export([Sample(m, (("model", "m"), ("place", "metrics")), 1)])
     assert reg.get_sample_value(name, {"model": "m", "place": "capture"}) == 5
     assert reg.get_sample_value(name, {"model": "m", "place": "metrics"}) == 1
 
@@ -110,10 +183,11 @@ _FORKED_GAUGE = """
 import os, sys
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
+from attnprof.exporters import catalog as cat
 from attnprof.exporters.prometheus import PrometheusSink
 from attnprof.exporters.samples import Sample
 sink = PrometheusSink()
-live = [Sample("attnprof_plugin_processes", (("role", "worker"),), 1)]
+live = [Sample(cat.PLUGIN_PROCESSES, (("role", "worker"),), 1)]
 sink.export(live)
 pid = os.fork()
 if pid == 0:

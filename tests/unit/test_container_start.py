@@ -36,6 +36,7 @@ SERVER = r'''
 import json, os, sys
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.exporters import catalog as cat
 from attnprof.exporters.samples import error_samples, s
 
 first = sys.argv[1] == "first"
@@ -43,7 +44,7 @@ roles = ["api_server", "engine_core"] if first else ["api_server"]
 backend = "OLD_BACKEND" if first else "NEW_BACKEND"
 PrometheusSink().export(
     error_samples("m", {"capture": 3}, {}, roles, ["capture"] if first else [], ["capture"])
-    + [s("attnprof_layer_info", 1, model="m", layer="0", backend=backend, impl="X",
+    + [s(cat.LAYER_INFO, 1, model="m", layer="0", backend=backend, impl="X",
          fused="true")])
 reg = CollectorRegistry()
 multiprocess.MultiProcessCollector(reg)

@@ -78,10 +78,11 @@ def test_field_docstrings_become_descriptions() -> None:
 def _advice(head_stats: bool) -> WindowAdvice:
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
     from attnprof.analyze.sparsity.recommend import export_summary, recommend
-    from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+    from attnprof.analyze.sparsity.savings import LengthDistribution
+    from attnprof.facts.shape import AttentionShape
     from tests.unit.test_sparsity_stats import SAMPLE, SCALE, D, build
 
-    arch = Arch(2, 2, 2, D, 4)
+    arch = AttentionShape(2, 2, 2, D, "float32")
     dist = LengthDistribution.from_lengths([40, 100, 256, 300])
     acc = None
     if head_stats:

@@ -195,11 +195,10 @@ def test_normalize_and_rules_use_one_table() -> None:
 
 def test_savings_and_memory_use_the_table() -> None:
     from attnprof.analyze import memory
-    from attnprof.analyze.sparsity.savings import Arch
 
     assert memory.kv_bytes_per_token(2, 16, "bf16")["per_layer"] == 2 * 2 * 16 * 2
-    assert Arch.from_config({**_BASE, "torch_dtype": "float32"}).dtype_bytes == 4
-    assert Arch.from_config({**_BASE, "dtype": "float8_e4m3fn"}).dtype_bytes == 1
+    assert AttentionShape.from_config({**_BASE, "torch_dtype": "float32"}).dtype_bytes == 4
+    assert AttentionShape.from_config({**_BASE, "dtype": "float8_e4m3fn"}).dtype_bytes == 1
 
 
 # ---- label ----

@@ -1025,7 +1025,7 @@ def test_good_and_any_attnprof_values(name: str) -> None:
 # ----- OTEL_*: the standard variables the OTLP exporter reads
 
 def _otel_read() -> set[str]:
-    src = (REPO / "exporters/attnprof/exporters/otlp.py").read_text()
+    src = (REPO / "exporters/attnprof/exporters/otlp/config.py").read_text()
     return set(re.findall(r'"(OTEL_[A-Z_]+)"', src))
 
 
@@ -1099,12 +1099,12 @@ def _otel_kinds() -> dict[str, EnvKind]:
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": _otel_protocol(),
         "OTEL_EXPORTER_OTLP_HEADERS": _otel_headers(),
         "OTEL_EXPORTER_OTLP_METRICS_HEADERS": _otel_headers(),
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS": _otel_headers(),
         "OTEL_METRIC_EXPORT_INTERVAL": _otel_ms(100, 86_400_000),
         "OTEL_METRIC_EXPORT_TIMEOUT": _otel_ms(1, 3_600_000),
         "OTEL_RESOURCE_ATTRIBUTES": EnvKind(
             bad=st.sampled_from(["broken", "=x", "a=1,b", " =1"]),
             good=_good_pairs(_TOKEN), ok=lambda v, raw: True),
-        "OTEL_SERVICE_NAME": FREE,
     }
 
 

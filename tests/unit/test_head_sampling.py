@@ -11,7 +11,6 @@ and against the tolerance the decisions need. A sample weighted towards the prom
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
@@ -156,12 +155,6 @@ def test_weighted_state_merges_serializes_and_reads_old_state() -> None:
     assert np.all(np.isfinite(back.coverage_se()[back.cov_n >= 2]))
 
 
-def rec_pareto(rec: dict[str, Any]) -> list[Any]:
-    from attnprof.contracts.advice import ParetoPoint
-
-    return [ParetoPoint.from_json(p) for p in rec["pareto"]]
-
-
 def test_confidence_margin_and_reported_sampling_error() -> None:
     """One query in 30 misses the window: the point estimate (1/30 <= 0.05) passes, but with
     30 effective queries the Wilson interval (z = 1: 0.013..0.084) straddles 0.05, so the
@@ -173,7 +166,8 @@ def test_confidence_margin_and_reported_sampling_error() -> None:
         format_summary,
         recommend,
     )
-    from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+    from attnprof.analyze.sparsity.savings import LengthDistribution
+    from attnprof.facts.shape import AttentionShape
 
     n = 200
     pos = torch.arange(n, dtype=torch.float32)
@@ -187,28 +181,31 @@ def test_confidence_margin_and_reported_sampling_error() -> None:
     assert p[0, 0, 1, 0] == pytest.approx(1 / 30) and se[0, 0, 1, 0] == pytest.approx(
         math.sqrt(1 / 30 * 29 / 30 / 30))
     assert acc.n_eff()[0, 0, 1, 0] == pytest.approx(30)
-    loose = classify(acc, Thresholds(confidence_z=0.0))["layers"][0]["kv_heads"][0]
-    strict = classify(acc, Thresholds())["layers"][0]["kv_heads"][0]
-    assert loose["window"] == 8 and strict["window"] != 8
-    assert strict["coverage_n_eff"]["8"] == 30.0 and 0 < strict["coverage_se"]["8"] < 0.1
-    arch = Arch(1, 1, 1, 2, 4)
+    loose = classify(acc, Thresholds(confidence_z=0.0)).layers[0].kv_heads[0]
+    strict = classify(acc, Thresholds()).layers[0].kv_heads[0]
+    assert loose.window == 8 and strict.window != 8
+    se = strict.coverage_se[8]
+    assert strict.coverage_n_eff[8] == 30.0 and se is not None and 0 < se < 0.1
+    arch = AttentionShape(1, 1, 1, 2, "float32")
     dist = LengthDistribution.from_lengths([150, 200, 400])
-    ev = evaluate(dist, arch, 8, 4, head_stats=acc)
+    ev = evaluate(dist, arch, 8, 4, head_stats=acc).to_json()
     assert ev["heads_at_risk_count"] == 0 and ev["heads_undecided_count"] == 1
     assert ev["heads_undecided"][0]["n_eff"] == 30.0 and ev["sampling"]["min_n_eff"] == 30.0
-    assert strict["decision"]["8"] == "undecided" and loose["decision"]["8"] == "pass"
+    assert strict.decision[8] == "undecided" and loose.decision[8] == "pass"
     rec = recommend(dist, arch, acc, thresholds=Thresholds(confidence_z=0.0))
-    assert rec["window"] == 8 and "effective n >= 30" in format_summary(rec)
+    assert rec.best.window == 8 and "effective n >= 30" in format_summary(rec.to_json())
     # at z = 1 the head is undecided at both windows: nothing is windowed, and the advice
     # and the sentence say why
     rec = recommend(dist, arch, acc)
-    assert rec["layers"] == [] and rec["undecided"] == {"8": 1, "16": 1}
-    assert rec["advice"][0].startswith("1 KV head undecided at w=16, 1 at w=8: need more "
-                                       "traffic")
-    assert "1 KV head undecided at w=16, 1 at w=8: need more traffic" in format_summary(rec)
+    assert rec.best.layers == () and rec.undecided == {8: 1, 16: 1}
+    assert rec.to_json()["undecided"] == {"8": 1, "16": 1}
+    assert rec.advice[0].startswith("1 KV head undecided at w=16, 1 at w=8: need more "
+                                    "traffic")
+    assert "1 KV head undecided at w=16, 1 at w=8: need more traffic" \
+        in format_summary(rec.to_json())
     adv = export_summary(rec)
     assert adv.heads_undecided == {"8": 1, "16": 1}
-    assert [p.heads_undecided for p in rec_pareto(rec)] == [1, 1]
+    assert [p.heads_undecided for p in rec.pareto] == [1, 1]
 
 
 # ---------------------------------------------------------------- three-valued decisions
@@ -247,7 +244,7 @@ def _decisions(acc: HeadStatsAccumulator, z: float = 1.0) -> list[str | None]:
     from attnprof.analyze.sparsity.classify import Thresholds, classify
 
     out = classify(acc, Thresholds(confidence_z=z))
-    return [k["decision"][str(W3)] for k in out["layers"][0]["kv_heads"]]
+    return [k.decision[W3] for k in out.layers[0].kv_heads]
 
 
 def test_wilson_bound_is_one_sided_and_never_zero() -> None:
@@ -271,7 +268,7 @@ def test_window_decisions_pass_fail_and_undecided() -> None:
     acc = _acc()
     head_rows.update(acc, 0, q, k, 1.0, q_start=0)
     assert _decisions(acc) == ["pass", "fail", "undecided"]
-    out = classify(acc, Thresholds())
+    out = classify(acc, Thresholds()).to_json()
     assert out["undecided"] == {str(W3): 1}
     kv2 = out["layers"][0]["kv_heads"][2]
     assert 0 < kv2["fail_share"][str(W3)] < kv2["fail_share_upper"][str(W3)]
@@ -286,9 +283,9 @@ def test_window_decisions_pass_fail_and_undecided() -> None:
     p, se = acc.fail_share(0.9)
     np.testing.assert_allclose(p[0, :, 1, 0], exact, atol=1e-12)
     assert np.all(se[0, :, 1, 0] == 0) and np.all(acc.coverage_se()[0, :, 1, 0] == 0)
-    out = classify(acc, Thresholds())
-    assert out["undecided"] == {} and out["decided_exactly_kv_heads"] == 3
-    assert out["layers"][0]["kv_heads"][2]["window"] == W3
+    cls = classify(acc, Thresholds())
+    assert cls.undecided == {} and cls.decided_exactly_kv_heads == 3
+    assert cls.layers[0].kv_heads[2].window == W3
 
 
 def test_a_sample_with_no_failures_is_not_proof() -> None:

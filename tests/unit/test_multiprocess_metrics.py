@@ -19,12 +19,13 @@ SCRIPT = r'''
 import json, multiprocessing as mp, os, signal, sys
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.exporters import catalog as cat
 from attnprof.exporters.samples import error_samples, s
 
 def export(role, backend, tripped, errors):
     sink = PrometheusSink()
     sink.export(error_samples("m", {"capture": errors}, {}, [role], tripped, ["capture"])
-                + [s("attnprof_layer_info", 1, model="m", layer="0", backend=backend,
+                + [s(cat.LAYER_INFO, 1, model="m", layer="0", backend=backend,
                      impl="X", fused="true")])
 
 def worker(backend, tripped, errors, ready, hold):
@@ -84,3 +85,36 @@ def test_dead_workers_stop_counting_but_their_counters_stay(tmp_path: Path) -> N
     assert _value(after, "attnprof_capture_disabled", model="m", place="capture") == 0
     # Counters of dead processes stay: the errors happened.
     assert _value(after, "attnprof_internal_errors_total", model="m", place="capture") == 8
+
+
+HISTOGRAM = r'''
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from attnprof.aggregate.histogram import BucketHistogram
+from attnprof.exporters import catalog as cat
+from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.exporters.samples import HistogramSample
+sink = PrometheusSink()
+h = BucketHistogram([10, 100])
+for batch in ([3, 40], [], [40, 700]):
+    for v in batch:
+        h.observe(v)
+    sink.export([HistogramSample(cat.REQUEST_PROMPT_TOKENS, (("model", "m"),), h.state())])
+reg = CollectorRegistry()
+multiprocess.MultiProcessCollector(reg)
+print(generate_latest(reg).decode())
+'''
+
+
+def test_histogram_deltas_reach_the_multiprocess_files(tmp_path: Path) -> None:
+    """Bucket counts and sum advance by their deltas in prometheus_client's files (the one
+    place the sink writes its per-bucket values)."""
+    r = run_py(HISTOGRAM, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("attnprof_")]
+    assert lines == [
+        'attnprof_request_prompt_tokens_sum{model="m"} 783.0',
+        'attnprof_request_prompt_tokens_bucket{le="10.0",model="m"} 1.0',
+        'attnprof_request_prompt_tokens_bucket{le="100.0",model="m"} 3.0',
+        'attnprof_request_prompt_tokens_bucket{le="+Inf",model="m"} 4.0',
+        'attnprof_request_prompt_tokens_count{model="m"} 4.0',
+    ]

@@ -18,7 +18,8 @@ import pytest
 from attnprof.aggregate.histogram import BucketHistogram, HistogramState, log_buckets, pow2_buckets
 from attnprof.aggregate.requests import RequestAggregates
 from attnprof.config import Config, ConfigError
-from attnprof.exporters.catalog import CATALOG, spec
+from attnprof.exporters import catalog as cat
+from attnprof.exporters.catalog import CATALOG, MetricSpec, spec
 from attnprof.exporters.hub import ExportHub
 from attnprof.exporters.otlp import (
     OtlpConfig,
@@ -96,10 +97,9 @@ def test_config_parses_standard_variables() -> None:
     assert cfg is not None
     assert cfg.endpoint == "http://collector:4318/v1/metrics"  # base URL + signal path
     assert cfg.protocol == "http/protobuf"
-    assert cfg.headers == (("authorization", "Bearer x"), ("x-team", "attn"))
+    # Headers and resource are the SDK's to read (test_sdk_reads_headers_and_resource).
+    assert (cfg.headers, cfg.resource_attributes, cfg.service_name) == ((), (), None)
     assert (cfg.interval_s, cfg.timeout_s) == (1.5, 0.25)
-    assert cfg.service_name == "fromattrs"
-    assert ("deployment.environment", "prod") in cfg.resource_attributes
     assert cfg.histogram == "exponential"
     # Signal-specific variables win; the metrics endpoint is used as given.
     cfg = otlp_config_from_env({
@@ -108,8 +108,60 @@ def test_config_parses_standard_variables() -> None:
         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "svc",
         "OTEL_RESOURCE_ATTRIBUTES": "service.name=ignored"})
     assert cfg is not None
-    assert (cfg.endpoint, cfg.protocol, cfg.service_name) == ("https://b:4317", "grpc", "svc")
+    assert (cfg.endpoint, cfg.protocol) == ("https://b:4317", "grpc")
     assert (cfg.interval_s, cfg.timeout_s, cfg.histogram) == (60.0, 5.0, "explicit")
+
+
+def test_spans_to_the_metrics_collector_carry_its_headers() -> None:
+    """The SDK's span exporter reads only the traces' and the generic headers; spans that
+    attnprof sends to the metrics' collector carry that collector's own headers, and spans
+    sent elsewhere do not."""
+    env = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318/v1/metrics",
+           "OTEL_EXPORTER_OTLP_METRICS_HEADERS": "Authorization=Bearer%20m",
+           "ATTNPROF_OTLP_SPANS": "1"}
+    cfg = otlp_config_from_env(env)
+    assert cfg is not None and cfg.traces_endpoint == "http://c:4318/v1/traces"
+    assert cfg.traces_headers == (("authorization", "Bearer m"),)
+    for other in ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:4318/v1/traces"},
+                  {"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization=Bearer%20t"}):
+        cfg = otlp_config_from_env({**env, **other})
+        assert cfg is not None and cfg.traces_headers == ()
+
+
+@pytest.mark.parametrize(("env", "service"), [
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,service.name=fromattrs"},
+     "fromattrs"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,service.name=ignored",
+      "OTEL_SERVICE_NAME": "svc"}, "svc"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"}, "attnprof"),
+])
+def test_sdk_reads_headers_and_resource(receiver: OtlpReceiver, env: dict[str, str],
+                                        service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OTEL_* headers and resource variables reach the collector, read by the SDK from
+    the process's environment (attnprof only checked them at start-up); the per-process
+    identity still wins over the environment's."""
+    env = {**env, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.endpoint,
+           "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": receiver.protocol,
+           "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20x, X-Team=attn",
+           "OTEL_METRIC_EXPORT_INTERVAL": "600000", "OTEL_METRIC_EXPORT_TIMEOUT": "1000"}
+    env["OTEL_RESOURCE_ATTRIBUTES"] += ",service.instance.id=shared"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = otlp_config_from_env(os.environ)
+    assert cfg is not None
+    sink = OtlpSink(cfg, role="worker")
+    try:
+        sink.export(samples(1.0, CTX))
+        assert sink.force_flush()
+        (req,) = receiver.wait_for(1)[:1]
+    finally:
+        sink.shutdown()
+    assert receiver.headers[0]["authorization"] == "Bearer x"
+    assert receiver.headers[0]["x-team"] == "attn"
+    res = attrs(req.resource_metrics[0].resource.attributes)
+    assert res["service.name"] == service and res["deployment.environment"] == "prod"
+    assert res["service.instance.id"] == sink.instance_id
+    assert res["telemetry.sdk.language"] == "python" and res["host.name"]
 
 
 @pytest.mark.parametrize(("name", "raw"), [
@@ -163,12 +215,6 @@ def test_every_catalog_metric_has_a_unique_otel_name_and_ucum_unit() -> None:
     assert spec("attnprof_attention_flops_total").otel_name == "attnprof.attention.flops"
 
 
-def test_opentelemetry_is_imported_only_in_exporters() -> None:
-    for path in (REPO / "plugin").rglob("*.py"):
-        text = path.read_text()
-        assert not re.search(r"^\s*(from|import) opentelemetry", text, re.M), path
-
-
 # ----------------------------------------------------------------------------- on the wire
 
 CTX = [1, 3, 3, 9, 600]
@@ -178,14 +224,14 @@ PROMPT = [2, 2, 5]
 def samples(total: float, ctx: list[float], gauge: float = 0.25) -> list[MetricSample]:
     b = [1.0, 2.0, 4.0, 8.0, 16.0]
     return [
-        Sample("attnprof_attention_calls_total", attn("0", "decode"), total),
-        Sample("attnprof_attention_calls_total", attn("1", "prefill"), 2 * total),
-        Sample("attnprof_attention_time_seconds_total", attn("0", "decode"), total / 8),
-        Sample("attnprof_sample_rate_ratio", lab(model="m1"), gauge),
-        Sample("attnprof_plugin_processes", lab(role="worker"), 1),
-        HistogramSample("attnprof_request_context_tokens", lab(model="m1"), hist(b, ctx)),
-        HistogramSample("attnprof_request_context_tokens", lab(model="m2"), hist(b, PROMPT)),
-        HistogramSample("attnprof_request_prompt_tokens", lab(model="m1"), hist(b, [])),
+        Sample(cat.ATTENTION_CALLS_TOTAL, attn("0", "decode"), total),
+        Sample(cat.ATTENTION_CALLS_TOTAL, attn("1", "prefill"), 2 * total),
+        Sample(cat.ATTENTION_TIME_SECONDS_TOTAL, attn("0", "decode"), total / 8),
+        Sample(cat.SAMPLE_RATE_RATIO, lab(model="m1"), gauge),
+        Sample(cat.PLUGIN_PROCESSES, lab(role="worker"), 1),
+        HistogramSample(cat.REQUEST_CONTEXT_TOKENS, lab(model="m1"), hist(b, ctx)),
+        HistogramSample(cat.REQUEST_CONTEXT_TOKENS, lab(model="m2"), hist(b, PROMPT)),
+        HistogramSample(cat.REQUEST_PROMPT_TOKENS, lab(model="m1"), hist(b, [])),
     ]
 
 
@@ -258,8 +304,8 @@ def test_values_names_units_and_resource_on_both_transports(receiver: OtlpReceiv
 def test_counter_totals_never_go_backwards() -> None:
     with OtlpReceiver() as r:
         sink = OtlpSink(config(r.endpoint), role="worker")
-        sink.export([Sample("attnprof_steps_total", lab(model="m", outcome="sampled"), 7)])
-        sink.export([Sample("attnprof_steps_total", lab(model="m", outcome="sampled"), 3)])
+        sink.export([Sample(cat.STEPS_TOTAL, lab(model="m", outcome="sampled"), 7)])
+        sink.export([Sample(cat.STEPS_TOTAL, lab(model="m", outcome="sampled"), 3)])
         assert sink.force_flush()
         sink.shutdown()
         m = metrics_by_name(r.wait_for(1)[0])["attnprof.steps"]
@@ -272,7 +318,7 @@ def test_hub_drives_the_sink_and_stop_sends_the_last_values() -> None:
         errors: list[str] = []
         hub = ExportHub(interval=3600, on_error=lambda place, exc: errors.append(place))
         total = [0.0]
-        hub.add_source("w", lambda: [Sample("attnprof_self_time_seconds_total",
+        hub.add_source("w", lambda: [Sample(cat.SELF_TIME_SECONDS_TOTAL,
                                             lab(model="m"), total[0])])
         hub.add_sink(OtlpSink(config(r.endpoint), role="api_server", on_error=hub._error))
         total[0] = 1.25
@@ -364,9 +410,9 @@ def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
     try:
         for _ in range(2):  # the fallback is sticky and warned once
             sink.export([
-                HistogramSample("attnprof_request_context_tokens", lab(model="m"),
+                HistogramSample(cat.REQUEST_CONTEXT_TOKENS, lab(model="m"),
                                 hist(pow2, vals)),
-                HistogramSample("attnprof_request_prompt_tokens", lab(model="m"),
+                HistogramSample(cat.REQUEST_PROMPT_TOKENS, lab(model="m"),
                                 hist(log_buckets(1000), vals))])
             assert sink.force_flush()
         reqs = receiver.wait_for(2)
@@ -393,14 +439,14 @@ def test_exponential_option_on_the_wire(receiver: OtlpReceiver) -> None:
 def test_sink_inherited_across_fork_builds_its_own_provider() -> None:
     with OtlpReceiver() as r:
         sink = OtlpSink(config(r.endpoint), role="engine_core")
-        sink.export([Sample("attnprof_steps_total", lab(model="parent", outcome="blind"), 5)])
+        sink.export([Sample(cat.STEPS_TOTAL, lab(model="parent", outcome="blind"), 5)])
         assert sink.force_flush()
         parent_id = sink.instance_id
         pid = os.fork()
         if pid == 0:  # child: only the child's own samples, under a new identity
             code = 1
             try:
-                sink.export([Sample("attnprof_steps_total", lab(model="child", outcome="blind"),
+                sink.export([Sample(cat.STEPS_TOTAL, lab(model="child", outcome="blind"),
                                     2)])
                 code = 0 if sink.force_flush() and sink.instance_id != parent_id else 3
                 sink.shutdown()
@@ -425,17 +471,18 @@ _FORK_ORDER = """
 import os, signal, sys, time
 from tests.otlp_receiver import OtlpReceiver
 from tests.unit.test_otlp import config, lab
+from attnprof.exporters import catalog as cat
 from attnprof.exporters.otlp import OtlpSink
 from attnprof.exporters.samples import Sample
 assert "concurrent.futures.thread" not in sys.modules
 with OtlpReceiver() as r:
     sink = OtlpSink(config(r.endpoint), role="api_server")
-    sink.export([Sample("attnprof_steps_total", lab(model="p", outcome="blind"), 1)])
+    sink.export([Sample(cat.STEPS_TOTAL, lab(model="p", outcome="blind"), 1)])
     assert sink.force_flush()
     import concurrent.futures.thread  # as vLLM may, after the provider exists
     pid = os.fork()
     if pid == 0:
-        sink.export([Sample("attnprof_steps_total", lab(model="c", outcome="blind"), 1)])
+        sink.export([Sample(cat.STEPS_TOTAL, lab(model="c", outcome="blind"), 1)])
         os._exit(0 if sink.force_flush() else 3)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -534,7 +581,8 @@ def test_export_errors_inside_the_sink_are_reported_not_raised() -> None:
     errors: list[str] = []
     sink = OtlpSink(config(f"http://127.0.0.1:{free_port()}/v1/metrics"), role="worker",
                     on_error=lambda place, exc: errors.append(place))
-    sink.export([Sample("attnprof_not_in_catalog", (), 1.0)])  # KeyError inside
+    bogus = MetricSpec("attnprof_not_in_catalog", "gauge", "Not in the catalog.", "no_unit")
+    sink.export([Sample(bogus, (), 1.0)])  # KeyError inside (a unit without a UCUM name)
     assert errors == ["export_otlp"]
     sink.shutdown()
     sink.export(samples(1.0, CTX))  # after shutdown: a no-op, never a new provider

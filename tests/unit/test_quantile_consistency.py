@@ -13,9 +13,9 @@ import pytest
 from attnprof.aggregate.requests import RequestAggregates
 from attnprof.analyze.sparsity.inputs import from_snapshot
 from attnprof.analyze.sparsity.recommend import format_summary, recommend
-from attnprof.analyze.sparsity.savings import Arch
 from attnprof.exporters.samples import Sample, request_samples
 from attnprof.exporters.terminal import render_snapshot
+from attnprof.facts.shape import AttentionShape
 
 # The demo's mix: 16 short chats and 4 long documents (20 requests).
 DEMO = [97, 120, 133, 141, 150, 160, 171, 186, 190, 201, 215, 230, 244, 260, 281, 305,
@@ -44,7 +44,7 @@ def test_same_quantiles_everywhere(n: int) -> None:
     # Window advice: snapshot -> distribution -> recommendation -> the printed sentence.
     dist = from_snapshot(snap)
     assert (dist.quantile(0.5), dist.quantile(0.9), dist.quantile(0.99)) == table
-    rec = recommend(dist, Arch(4, 4, 2, 16))
+    rec = recommend(dist, AttentionShape(4, 4, 2, 16)).to_json()
     assert (rec["traffic"]["p50"], rec["traffic"]["p90"], rec["traffic"]["p99"]) == table
     m = re.search(r"P50/P90/P99 = (\d+)/(\d+)/(\d+)", format_summary(rec))
     assert m is not None and tuple(int(g) for g in m.groups()) == table

@@ -17,7 +17,8 @@ from attnprof.analyze.sparsity.inputs import (
     parse_lengths_text,
 )
 from attnprof.analyze.sparsity.recommend import evaluate, format_summary, recommend
-from attnprof.analyze.sparsity.savings import Arch, LengthDistribution, pairs_window
+from attnprof.analyze.sparsity.savings import LengthDistribution, pairs_window
+from attnprof.facts.shape import AttentionShape
 
 
 def keys_seen(i: int, w: int | None, s: int) -> int:
@@ -27,7 +28,7 @@ def keys_seen(i: int, w: int | None, s: int) -> int:
     return sum(1 for j in range(i + 1) if j < s or j > i - w)
 
 
-def brute(lengths: list[int], weights: list[float], arch: Arch, w: int, s: int,
+def brute(lengths: list[int], weights: list[float], arch: AttentionShape, w: int, s: int,
           layers: set[int]) -> tuple[float, float, float]:
     """Per request, per layer, per query: FLOP and KV sums, then ratios of the sums."""
     fl_full = fl_win = kv_full = kv_win = 0.0
@@ -35,7 +36,7 @@ def brute(lengths: list[int], weights: list[float], arch: Arch, w: int, s: int,
     for t, wt in zip(lengths, weights, strict=True):
         exact += wt * (t <= w + s)
         for layer in range(arch.num_layers):
-            nat = arch.native_window(layer)
+            nat = arch.window(layer)
             base = sum(keys_seen(i, nat, 0) for i in range(t))
             kvb = t if nat is None else min(t, nat)
             if layer in layers:
@@ -63,10 +64,10 @@ def test_savings_equal_brute_force_sum_over_requests() -> None:
     lengths = [rng.randint(1, 90) for _ in range(40)]
     weights = [rng.choice([1.0, 2.0, 0.5]) for _ in lengths]
     # hybrid: layers 1 and 3 have a native window of 24
-    arch = Arch(4, 4, 2, 8, 2, layer_windows=(None, 24, None, 24))
+    arch = AttentionShape(4, 4, 2, 8, layer_windows=(None, 24, None, 24))
     dist = LengthDistribution.from_lengths(lengths, weights=weights)
     for w, s, layers in ((16, 4, {0, 2}), (8, 0, {0, 1, 2, 3}), (30, 2, {2})):
-        ev = evaluate(dist, arch, w, s, layers=layers)
+        ev = evaluate(dist, arch, w, s, layers=layers).to_json()
         fl, kv, ex = brute(lengths, weights, arch, w, s, layers)
         assert ev["attention_flop_saving"] == pytest.approx(fl, abs=1e-6)
         assert ev["kv_memory_saving"] == pytest.approx(kv, abs=1e-6)
@@ -75,9 +76,9 @@ def test_savings_equal_brute_force_sum_over_requests() -> None:
 
 def test_notes_worked_example() -> None:
     """sparsity.md section 2: Llama-3.1-8B shape, 80/15/5 traffic, w=2048, s=4."""
-    arch = Arch(32, 32, 8, 128, 2, n_params=7e9)
+    arch = AttentionShape(32, 32, 8, 128, n_params=7e9)
     dist = LengthDistribution.from_lengths([1000, 8000, 32000], weights=[80, 15, 5])
-    ev = evaluate(dist, arch, 2048, 4)
+    ev = evaluate(dist, arch, 2048, 4).to_json()
     assert ev["exact_request_fraction"] == pytest.approx(0.80)
     assert round(ev["attention_flop_saving"], 3) == 0.814
     assert round(ev["naive_mean_request_saving"], 3) == 0.127
@@ -90,9 +91,9 @@ def test_notes_worked_example() -> None:
 
 
 def test_recommend_without_stats_keeps_min_exact_and_pareto_is_monotone() -> None:
-    arch = Arch(2, 4, 2, 16)
+    arch = AttentionShape(2, 4, 2, 16)
     dist = LengthDistribution.from_lengths([100] * 50 + [300] * 45 + [5000] * 5)
-    rec = recommend(dist, arch, min_exact=0.9)
+    rec = recommend(dist, arch, min_exact=0.9).to_json()
     assert rec["exact_request_fraction"] >= 0.9
     smaller = [e for e in rec["pareto"] if e["window"] < rec["window"]]
     assert all(e["exact_request_fraction"] < 0.9 for e in smaller)
@@ -104,37 +105,37 @@ def test_recommend_without_stats_keeps_min_exact_and_pareto_is_monotone() -> Non
 
 def test_native_windows_report_never_binds_and_global_share() -> None:
     # 5 local : 1 global, window 1024, every request 32768 tokens: notes say 86.5%
-    arch = Arch(6, 8, 4, 64, 2, layer_windows=(1024, 1024, 1024, 1024, 1024, None))
-    rec = recommend(LengthDistribution.from_lengths([32768]), arch)
+    arch = AttentionShape(6, 8, 4, 64, layer_windows=(1024, 1024, 1024, 1024, 1024, None))
+    rec = recommend(LengthDistribution.from_lengths([32768]), arch).to_json()
     nw = rec["native_windows"]
     assert round(nw["global_kv_share"], 3) == 0.865
     assert nw["sliding"][0]["never_binds"] is False
     assert any("global layers hold 86%" in a for a in rec["advice"])
     assert any("dynamic sparse prefill" not in a for a in rec["advice"])
-    short = recommend(LengthDistribution.from_lengths([500, 900]), arch)
+    short = recommend(LengthDistribution.from_lengths([500, 900]), arch).to_json()
     assert short["native_windows"]["sliding"][0]["never_binds"] is True
     assert any("never binds" in a for a in short["advice"])
-    long = recommend(LengthDistribution.from_lengths([1000] * 9 + [40000]), arch)
+    long = recommend(LengthDistribution.from_lengths([1000] * 9 + [40000]), arch).to_json()
     assert any("10.0% of requests" in a and "dynamic sparse" in a for a in long["advice"])
-    all_sliding = Arch(2, 4, 2, 16, layer_windows=(64, 64))
-    rec = recommend(LengthDistribution.from_lengths([10, 500]), all_sliding)
+    all_sliding = AttentionShape(2, 4, 2, 16, layer_windows=(64, 64))
+    rec = recommend(LengthDistribution.from_lengths([10, 500]), all_sliding).to_json()
     assert rec["layers"] == [] and "every layer already slides" in format_summary(rec)
 
 
-def test_arch_from_configs() -> None:
-    llama = Arch.from_config({"num_hidden_layers": 30, "num_attention_heads": 9,
+def test_shape_from_configs() -> None:
+    llama = AttentionShape.from_config({"num_hidden_layers": 30, "num_attention_heads": 9,
                               "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576,
                               "dtype": "float32"})
     assert (llama.num_layers, llama.kv_bytes_per_token_layer, llama.hybrid) == (30, 1536, False)
-    mistral = Arch.from_config({"num_hidden_layers": 2, "num_attention_heads": 4,
+    mistral = AttentionShape.from_config({"num_hidden_layers": 2, "num_attention_heads": 4,
                                 "hidden_size": 256, "sliding_window": 4096})
     assert mistral.layer_windows == (4096, 4096)
-    gemma = Arch.from_config({"num_hidden_layers": 3, "num_attention_heads": 4,
+    gemma = AttentionShape.from_config({"num_hidden_layers": 3, "num_attention_heads": 4,
                               "hidden_size": 256, "sliding_window": 512,
                               "layer_types": ["sliding_attention", "sliding_attention",
                                               "full_attention"]})
     assert gemma.layer_windows == (512, 512, None) and gemma.full_layers == [2]
-    qwen = Arch.from_config({"num_hidden_layers": 2, "num_attention_heads": 4,
+    qwen = AttentionShape.from_config({"num_hidden_layers": 2, "num_attention_heads": 4,
                              "hidden_size": 256, "sliding_window": 4096,
                              "use_sliding_window": False})
     assert not qwen.hybrid
@@ -188,10 +189,10 @@ def test_snapshot_sketch_to_distribution() -> None:
     assert d.total_weight == 100
     for q, want in ((0.2, 50), (0.5, 700), (0.95, 3000)):
         assert abs(d.quantile(q) - want) <= 0.01 * want + 1
-    arch = Arch(4, 4, 2, 16)
+    arch = AttentionShape(4, 4, 2, 16)
     exact = evaluate(LengthDistribution.from_lengths(lengths), arch, 256, 4)
     approx = evaluate(d, arch, 256, 4)
-    assert approx["attention_flop_saving"] == pytest.approx(exact["attention_flop_saving"],
+    assert approx.attention_flop_saving == pytest.approx(exact.attention_flop_saving,
                                                             abs=0.01)
     with pytest.raises(InputError, match="no finished requests"):
         from_snapshot({"schema_version": "attnprof.snapshot/1", "requests": None})

@@ -12,8 +12,9 @@ import torch
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.analyze.sparsity.classify import Thresholds, classify, head_windows
 from attnprof.analyze.sparsity.recommend import evaluate, export_summary, recommend
-from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.analyze.sparsity.savings import LengthDistribution
 from attnprof.capture import head_rows
+from attnprof.facts.shape import AttentionShape
 
 T, D, LOGIT = 256, 64, 10.0
 SCALE = 1 / math.sqrt(D)
@@ -133,7 +134,7 @@ def test_classification_mha() -> None:
     q, k = build([["sink"], ["block"], ["needle"], ["uniform"]])
     acc = acc_for(4, 1)
     head_rows.update(acc, 0, q, k, SCALE, sample=SAMPLE)
-    cls = classify(acc, Thresholds(sinks=4))
+    cls = classify(acc, Thresholds(sinks=4)).to_json()
     heads = cls["layers"][0]["kv_heads"]
     assert [h["class"] for h in heads] == ["sink", "streaming", "retrieval", "near_uniform"]
     assert [h["window"] for h in heads] == [8, 16, "full", "full"]
@@ -147,23 +148,23 @@ def test_untested_windows_leave_a_failing_head_undetermined() -> None:
     th = Thresholds(sinks=4, near_uniform_entropy=0.99)
     tested = acc_for(1, 1)
     head_rows.update(tested, 0, q, k, SCALE, sample=SAMPLE)
-    head = classify(tested, th)["layers"][0]["kv_heads"][0]
-    assert (head["class"], head["window"]) == ("retrieval", "full")
+    head = classify(tested, th).layers[0].kv_heads[0]
+    assert (head.cls, head.window) == ("retrieval", "full")
     # same head, but the grid's largest window is longer than every sampled query
     short = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=(8, 16, 32, 512))
     head_rows.update(short, 0, q, k, SCALE, sample=SAMPLE)
-    head = classify(short, th)["layers"][0]["kv_heads"][0]
-    assert (head["class"], head["window"]) == ("unknown", None)
+    head = classify(short, th).layers[0].kv_heads[0]
+    assert (head.cls, head.window) == ("unknown", None)
 
 
 def test_gqa_decision_is_per_kv_head() -> None:
     q, k = build([["block", "needle"], ["block", "sink"]])
     acc = acc_for(2, 2)
     head_rows.update(acc, 0, q, k, SCALE, sample=SAMPLE)
-    heads = classify(acc, Thresholds(sinks=4))["layers"][0]["kv_heads"]
-    assert heads[0]["class"] == "retrieval" and heads[0]["window"] == "full"
-    assert heads[0]["q_head_classes"] == ["streaming", "retrieval"]
-    assert heads[1]["class"] == "streaming" and heads[1]["window"] == 16
+    heads = classify(acc, Thresholds(sinks=4)).layers[0].kv_heads
+    assert heads[0].cls == "retrieval" and heads[0].window == "full"
+    assert heads[0].q_head_classes == ("streaming", "retrieval")
+    assert heads[1].cls == "streaming" and heads[1].window == 16
 
 
 def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
@@ -172,18 +173,18 @@ def test_recommend_windows_only_layers_whose_heads_are_covered() -> None:
     acc = HeadStatsAccumulator(2, 2, 1, sinks_grid=(0, 4), window_grid=(8, 16, 32, 64))
     head_rows.update(acc, 0, q1, k1, SCALE, sample=SAMPLE)
     head_rows.update(acc, 1, q2, k2, SCALE, sample=SAMPLE)
-    arch = Arch(2, 2, 2, D, 4)
+    arch = AttentionShape(2, 2, 2, D, "float32")
     dist = LengthDistribution.from_lengths([40, 100, 256, 300])
     rec = recommend(dist, arch, acc)
-    assert rec["window"] == 16 and rec["layers"] == [0]
-    assert rec["heads_at_risk_count"] == 0
+    assert rec.best.window == 16 and rec.best.layers == (0,)
+    assert rec.best.heads_at_risk_count == 0
     ev = evaluate(dist, arch, 16, 4, head_stats=acc, thresholds=Thresholds(sinks=4))
-    assert ev["layers"] == [0, 1]
-    assert [(r["layer"], r["kv_head"]) for r in ev["heads_at_risk"]] == [(1, 1)]
-    assert rec["attention_flop_saving"] == pytest.approx(
-        evaluate(dist, arch, 16, 4, layers=[0])["attention_flop_saving"])
-    assert rec["head_level_split"]["windowed_kv_heads"] == 3
-    assert any(a.startswith("a head-level split (3 ") for a in rec["advice"])
+    assert ev.layers == (0, 1) and ev.evidence is not None
+    assert [(r.layer, r.kv_head) for r in ev.evidence.heads_at_risk] == [(1, 1)]
+    assert rec.best.attention_flop_saving == pytest.approx(
+        evaluate(dist, arch, 16, 4, layers=[0]).attention_flop_saving)
+    assert rec.head_level_split is not None and rec.head_level_split.windowed_kv_heads == 3
+    assert any(a.startswith("a head-level split (3 ") for a in rec.advice)
     exp = export_summary(rec)
     assert exp.per_layer is not None
     assert [x.windowed for x in exp.per_layer] == [True, False]

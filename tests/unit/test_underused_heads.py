@@ -14,13 +14,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator  # noqa: E402
-from attnprof.analyze.sparsity.savings import Arch, LengthDistribution  # noqa: E402
+from attnprof.analyze.sparsity.savings import LengthDistribution  # noqa: E402
 from attnprof.analyze.sparsity.underused import (  # noqa: E402
     UnderusedThresholds,
     find_underused,
     kv_shares,
 )
 from attnprof.capture import head_rows  # noqa: E402
+from attnprof.facts.shape import AttentionShape  # noqa: E402
 
 BOS = 1
 DORMANT = (1, 3)
@@ -182,8 +183,8 @@ def test_accumulator_pairs_merge_and_serialize(built: tuple[Any, HeadStatsAccumu
 
 
 def test_kv_share_weights_sliding_layers_by_traffic() -> None:
-    arch = Arch(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                layer_windows=(128, None))
+    arch = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          layer_windows=(128, None))
     dist = LengthDistribution.from_lengths([1024])
     share, basis = kv_shares(2, 2, arch, dist)
     # the sliding layer holds 128 tokens, the full one 1024, per KV head
@@ -209,16 +210,16 @@ def test_findings_reach_the_window_advice(built: tuple[Any, HeadStatsAccumulator
     from attnprof.exporters.terminal_suggest import render
 
     _, acc = built
-    arch = Arch(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=HEAD_DIM)
+    arch = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM)
     rec = recommend(LengthDistribution.from_lengths([160] * 3), arch, acc)
     adv = WindowAdvice.from_json(export_summary(rec).to_json())
     got = sorted((h.kind, h.layer, h.head, h.twin) for h in adv.underused_heads or [])
     assert got == [("dormant", *DORMANT, None), ("redundant", TWINS[0], TWINS[2], TWINS[1])]
     assert all(h.kv_share == pytest.approx(0.125) and not h.safe
                for h in adv.underused_heads or [])
-    text = render(rec | {"replay": None})
+    text = render(rec.to_json() | {"replay": None})
     assert "underused heads: 1 dormant, 0 near-uniform, 1 redundant of 8 query heads" in text
-    assert recommend(LengthDistribution.from_lengths([160]), arch)["underused_heads"] is None
+    assert recommend(LengthDistribution.from_lengths([160]), arch).underused_heads is None
 
 
 def test_replay_mask_is_built_on_the_query_device() -> None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnprof.aggregate.histogram import HistogramState
-from attnprof.exporters.catalog import spec
+from attnprof.exporters import catalog as cat
+from attnprof.exporters.catalog import MetricSpec
 
 __all__ = [
     "HistogramSample",
@@ -36,30 +37,39 @@ Labels = tuple[tuple[str, str], ...]
 class Sample:
     """A counter's running total or a gauge's value for one label set."""
 
-    name: str
+    metric: MetricSpec
     labels: Labels
     value: float
+
+    @property
+    def name(self) -> str:
+        return self.metric.name
 
 
 @dataclass(frozen=True, slots=True)
 class HistogramSample:
-    name: str
+    metric: MetricSpec
     labels: Labels
     state: HistogramState
+
+    @property
+    def name(self) -> str:
+        return self.metric.name
 
 
 MetricSample = Sample | HistogramSample
 SampleSource = Callable[[], Iterable[MetricSample]]
 
 
-def _labels(name: str, **labels: str) -> Labels:
+def _labels(metric: MetricSpec, **labels: str) -> Labels:
     # Catalog order; a label the catalog does not declare is a bug, caught by tests.
-    names = spec(name).labels
-    return tuple((k, str(labels[k])) for k in names)
+    return tuple((k, str(labels[k])) for k in metric.labels)
 
 
-def s(name: str, value: float, **labels: str) -> Sample:
-    return Sample(name, _labels(name, **labels), float(value))
+def s(metric: MetricSpec, value: float, **labels: str) -> Sample:
+    """A sample of a catalog metric (one of the :mod:`~attnprof.exporters.catalog`
+    constants, never a name looked up here)."""
+    return Sample(metric, _labels(metric, **labels), float(value))
 
 
 def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
@@ -91,54 +101,58 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
         backend = info.backend if info else "unknown"
         lay = str(idx)
         out += [
-            s("attnprof_attention_calls_total", calls, model=model, layer=lay, backend=backend,
+            s(cat.ATTENTION_CALLS_TOTAL, calls, model=model, layer=lay, backend=backend,
               phase=phase),
-            s("attnprof_attention_time_seconds_total", t, model=model, layer=lay,
+            s(cat.ATTENTION_TIME_SECONDS_TOTAL, t, model=model, layer=lay,
               backend=backend, phase=phase),
-            s("attnprof_attention_flops_total", flops, model=model, layer=lay, phase=phase),
-            s("attnprof_attention_bytes_total", nbytes, model=model, layer=lay, phase=phase),
-            s("attnprof_attention_tokens_total", tokens, model=model, layer=lay, phase=phase),
+            s(cat.ATTENTION_FLOPS_TOTAL, flops, model=model, layer=lay, phase=phase),
+            s(cat.ATTENTION_BYTES_TOTAL, nbytes, model=model, layer=lay, phase=phase),
+            s(cat.ATTENTION_TOKENS_TOTAL, tokens, model=model, layer=lay, phase=phase),
         ]
     for phase, model_t, attn_t in steps:
-        out.append(s("attnprof_step_time_seconds_total", model_t, model=model, phase=phase))
-        out.append(s("attnprof_step_attention_time_seconds_total", attn_t, model=model,
+        out.append(s(cat.STEP_TIME_SECONDS_TOTAL, model_t, model=model, phase=phase))
+        out.append(s(cat.STEP_ATTENTION_TIME_SECONDS_TOTAL, attn_t, model=model,
                      phase=phase))
     if per_step:  # every TP rank and PP stage sees every step
         for outcome in ("sampled", "sampled_long", "blind"):
-            out.append(s("attnprof_steps_total", outcomes.get(outcome, 0), model=model,
+            out.append(s(cat.STEPS_TOTAL, outcomes.get(outcome, 0), model=model,
                          outcome=outcome))
-        out.append(s("attnprof_steps_total", sampler.unsampled, model=model,
+        out.append(s(cat.STEPS_TOTAL, sampler.unsampled, model=model,
                      outcome="unsampled"))
-    out.append(s("attnprof_self_time_seconds_total", sampler.self_time_s, model=model))
+    out.append(s(cat.SELF_TIME_SECONDS_TOTAL, sampler.self_time_s, model=model))
     if per_layer:  # TP ranks fold the same queries (their own heads of them)
-        out.append(s("attnprof_head_stats_queries_total", head_queries, model=model))
-    out.append(s("attnprof_sample_rate_ratio", sampler.effective_rate, model=model))
+        out.append(s(cat.HEAD_STATS_QUERIES_TOTAL, head_queries, model=model))
+    out.append(s(cat.SAMPLE_RATE_RATIO, sampler.effective_rate, model=model))
     for info in infos:
         if per_layer:
-            out.append(s("attnprof_layer_info", 1, model=model, layer=str(info.index),
+            out.append(s(cat.LAYER_INFO, 1, model=model, layer=str(info.index),
                          backend=info.backend, impl=info.impl, fused=str(info.fused).lower()))
         # Every rank holds its own share of each layer's KV cache: summed (livesum).
         if info.kv_cache_bytes:
-            out.append(s("attnprof_kv_cache_bytes", info.kv_cache_bytes, model=model,
+            out.append(s(cat.KV_CACHE_BYTES, info.kv_cache_bytes, model=model,
                          layer=str(info.index)))
     return out
+
+
+_REQUEST_HISTOGRAMS = {"context": cat.REQUEST_CONTEXT_TOKENS, "prompt": cat.REQUEST_PROMPT_TOKENS,
+                       "generation": cat.REQUEST_GENERATION_TOKENS}
 
 
 def request_samples(model: str, req: Any) -> list[MetricSample]:
     """Request histograms and KV-cache usage (``req``: ``RequestAggregates``)."""
     out: list[MetricSample] = []
     for q, state in req.histogram_states().items():
-        name = f"attnprof_request_{q}_tokens"
-        out.append(HistogramSample(name, _labels(name, model=model), state))
-    out.append(s("attnprof_max_model_len_tokens", req.max_model_len, model=model))
+        metric = _REQUEST_HISTOGRAMS[q]
+        out.append(HistogramSample(metric, _labels(metric, model=model), state))
+    out.append(s(cat.MAX_MODEL_LEN_TOKENS, req.max_model_len, model=model))
     if req.kv_cache_usage is not None:
-        out.append(s("attnprof_kv_cache_usage_ratio", req.kv_cache_usage, model=model))
+        out.append(s(cat.KV_CACHE_USAGE_RATIO, req.kv_cache_usage, model=model))
     summary = req.summary(with_state=False)
     for q, summ in (("context", summary.context_tokens), ("prompt", summary.prompt_tokens),
                     ("generation", summary.generation_tokens)):
         for quant, v in (("0.5", summ.p50), ("0.9", summ.p90), ("0.99", summ.p99)):
             if v is not None:
-                out.append(s("attnprof_request_tokens_quantile", v, model=model, quantity=q,
+                out.append(s(cat.REQUEST_TOKENS_QUANTILE, v, model=model, quantity=q,
                              q=quant))
     return out
 
@@ -151,35 +165,35 @@ def kv_samples(model: str, st: Any, a: Any, head_bytes: Mapping[int, float],
     ``head_bytes`` the bytes each KV head of a layer holds now, ``verdicts`` every verdict
     (the current one is 1, the others 0)."""
     out: list[MetricSample] = [
-        s("attnprof_kv_cache_busy_seconds_total", st.busy_seconds, model=model),
-        s("attnprof_kv_cache_above_90_seconds_total", a.above_90_seconds, model=model),
-        s("attnprof_kv_preemptions_total", st.preemptions, model=model),
-        s("attnprof_kv_waiting_seconds_total", st.waiting_kv_high_seconds, model=model,
+        s(cat.KV_CACHE_BUSY_SECONDS_TOTAL, st.busy_seconds, model=model),
+        s(cat.KV_CACHE_ABOVE_90_SECONDS_TOTAL, a.above_90_seconds, model=model),
+        s(cat.KV_PREEMPTIONS_TOTAL, st.preemptions, model=model),
+        s(cat.KV_WAITING_SECONDS_TOTAL, st.waiting_kv_high_seconds, model=model,
           kv_usage="above_90"),
-        s("attnprof_kv_waiting_seconds_total",
+        s(cat.KV_WAITING_SECONDS_TOTAL,
           max(0.0, st.waiting_seconds - st.waiting_kv_high_seconds), model=model,
           kv_usage="below_90"),
     ]
     if st.peak is not None:
-        out.append(s("attnprof_kv_cache_usage_peak_ratio", st.peak, model=model))
+        out.append(s(cat.KV_CACHE_USAGE_PEAK_RATIO, st.peak, model=model))
     if a.p95 is not None:
-        out.append(s("attnprof_kv_cache_usage_p95_ratio", a.p95, model=model))
+        out.append(s(cat.KV_CACHE_USAGE_P95_RATIO, a.p95, model=model))
     if a.capacity_tokens is not None:
-        out.append(s("attnprof_kv_capacity_tokens", a.capacity_tokens, model=model))
+        out.append(s(cat.KV_CAPACITY_TOKENS, a.capacity_tokens, model=model))
     if st.kv_dtype:
-        out.append(s("attnprof_kv_cache_dtype_info", 1.0, model=model, kv_dtype=st.kv_dtype))
+        out.append(s(cat.KV_CACHE_DTYPE_INFO, 1.0, model=model, kv_dtype=st.kv_dtype))
     for name, bsec in zip(st.class_names, st.class_block_seconds, strict=False):
-        out.append(s("attnprof_kv_block_seconds_total", bsec, model=model, length_class=name))
+        out.append(s(cat.KV_BLOCK_SECONDS_TOTAL, bsec, model=model, length_class=name))
     for v in verdicts:
-        out.append(s("attnprof_kv_verdict", 1.0 if v == a.verdict else 0.0, model=model,
+        out.append(s(cat.KV_VERDICT, 1.0 if v == a.verdict else 0.0, model=model,
                      verdict=v))
     for k, cap in a.capacity_sequences.items():
-        out.append(s("attnprof_kv_capacity_sequences", cap, model=model, context=k))
+        out.append(s(cat.KV_CAPACITY_SEQUENCES, cap, model=model, context=k))
     for lay in st.layers:
-        out.append(s("attnprof_kv_bytes_per_token", lay.bytes_per_token, model=model,
+        out.append(s(cat.KV_BYTES_PER_TOKEN, lay.bytes_per_token, model=model,
                      layer=str(lay.layer)))
     for layer, b in head_bytes.items():
-        out.append(s("attnprof_kv_head_bytes", b, model=model, layer=str(layer)))
+        out.append(s(cat.KV_HEAD_BYTES, b, model=model, layer=str(layer)))
     return out
 
 
@@ -189,13 +203,13 @@ def error_samples(model: str, errors: Mapping[str, int], dropped: Mapping[str, i
     """Self-observability of one process: errors by place, drops, its roles, and each
     breaker's state (``areas``: the ones this process runs; ``tripped``: those switched off)."""
     off = set(tripped)
-    out: list[MetricSample] = [s("attnprof_internal_errors_total", n, model=model, place=p)
+    out: list[MetricSample] = [s(cat.INTERNAL_ERRORS_TOTAL, n, model=model, place=p)
                                for p, n in list(errors.items())]
-    out += [s("attnprof_capture_disabled", 1.0 if a in off else 0.0, model=model, place=a)
+    out += [s(cat.CAPTURE_DISABLED, 1.0 if a in off else 0.0, model=model, place=a)
             for a in sorted(set(areas) | off)]
-    out += [s("attnprof_dropped_samples_total", n, model=model, reason=r)
+    out += [s(cat.DROPPED_SAMPLES_TOTAL, n, model=model, reason=r)
             for r, n in list(dropped.items())]
-    out += [s("attnprof_plugin_processes", 1, role=r) for r in sorted(roles)]
+    out += [s(cat.PLUGIN_PROCESSES, 1, role=r) for r in sorted(roles)]
     return out
 
 
@@ -204,27 +218,27 @@ def advice_samples(model: str, adv: Mapping[str, Any]) -> list[MetricSample]:
     if "error" in adv:
         return []
     out: list[MetricSample] = [
-        s("attnprof_window_recommended_tokens", adv["window"] if adv["layers"] else 0,
+        s(cat.WINDOW_RECOMMENDED_TOKENS, adv["window"] if adv["layers"] else 0,
           model=model),
-        s("attnprof_window_sinks_tokens", adv["sinks"], model=model),
-        s("attnprof_window_layers", len(adv["layers"]), model=model),
-        s("attnprof_window_attention_flop_saving_ratio", adv["attention_flop_saving"],
+        s(cat.WINDOW_SINKS_TOKENS, adv["sinks"], model=model),
+        s(cat.WINDOW_LAYERS, len(adv["layers"]), model=model),
+        s(cat.WINDOW_ATTENTION_FLOP_SAVING_RATIO, adv["attention_flop_saving"],
           model=model),
-        s("attnprof_window_kv_memory_saving_ratio", adv["kv_memory_saving"], model=model),
-        s("attnprof_window_exact_request_ratio", adv["exact_request_fraction"], model=model),
-        s("attnprof_window_heads_at_risk", adv.get("heads_at_risk_count") or 0, model=model),
+        s(cat.WINDOW_KV_MEMORY_SAVING_RATIO, adv["kv_memory_saving"], model=model),
+        s(cat.WINDOW_EXACT_REQUEST_RATIO, adv["exact_request_fraction"], model=model),
+        s(cat.WINDOW_HEADS_AT_RISK, adv.get("heads_at_risk_count") or 0, model=model),
     ]
     for lay in adv.get("per_layer") or []:
         layer = str(lay["layer"])
         if lay.get("sink_mass") is not None:
-            out.append(s("attnprof_head_sink_mass_ratio", lay["sink_mass"], model=model,
+            out.append(s(cat.HEAD_SINK_MASS_RATIO, lay["sink_mass"], model=model,
                          layer=layer))
         for w, c in (lay.get("coverage_q") or {}).items():
             if c is not None:
-                out.append(s("attnprof_head_coverage_ratio", c, model=model, layer=layer,
+                out.append(s(cat.HEAD_COVERAGE_RATIO, c, model=model, layer=layer,
                              window=str(w)))
         for cls, n in (lay.get("classes") or {}).items():
-            out.append(s("attnprof_head_class_heads", n, model=model, layer=layer,
+            out.append(s(cat.HEAD_CLASS_HEADS, n, model=model, layer=layer,
                          **{"class": cls}))
     return out
 
@@ -235,20 +249,20 @@ def roofline_samples(model: str, probe: Any, rl: Any) -> list[MetricSample]:
     if probe is None:
         return []
     out: list[MetricSample] = [
-        s("attnprof_memory_bandwidth_peak_bytes_per_second", probe.bandwidth_bytes_per_second,
+        s(cat.MEMORY_BANDWIDTH_PEAK_BYTES_PER_SECOND, probe.bandwidth_bytes_per_second,
           model=model),
-        s("attnprof_matmul_peak_flops_per_second", probe.matmul_flops_per_second, model=model)]
+        s(cat.MATMUL_PEAK_FLOPS_PER_SECOND, probe.matmul_flops_per_second, model=model)]
     if probe.spec is not None and probe.spec.bandwidth_ratio is not None:
-        out.append(s("attnprof_memory_bandwidth_spec_ratio", probe.spec.bandwidth_ratio,
+        out.append(s(cat.MEMORY_BANDWIDTH_SPEC_RATIO, probe.spec.bandwidth_ratio,
                      model=model))
     for phase, p in (rl.phases.items() if rl is not None else ()):
         if p.intensity_flops_per_byte is not None:
-            out.append(s("attnprof_arithmetic_intensity_flops_per_byte",
+            out.append(s(cat.ARITHMETIC_INTENSITY_FLOPS_PER_BYTE,
                          p.intensity_flops_per_byte, model=model, phase=phase))
         if phase == "decode" and p.bandwidth_utilization is not None:
-            out.append(s("attnprof_decode_attention_bandwidth_utilization_ratio",
+            out.append(s(cat.DECODE_ATTENTION_BANDWIDTH_UTILIZATION_RATIO,
                          p.bandwidth_utilization, model=model))
         if phase == "prefill" and p.compute_utilization is not None:
-            out.append(s("attnprof_prefill_attention_compute_utilization_ratio",
+            out.append(s(cat.PREFILL_ATTENTION_COMPUTE_UTILIZATION_RATIO,
                          p.compute_utilization, model=model))
     return out

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
+from attnprof.facts.shape import AttentionShape
+
+if TYPE_CHECKING:
+    from attnprof.analyze.sparsity.results import Recommendation
 
 __all__ = [
     "advise",
@@ -22,14 +26,12 @@ __all__ = [
 
 
 @functools.lru_cache(maxsize=4)
-def _arch(model_path: str) -> Any:
-    from attnprof.analyze.sparsity.savings import Arch
-
-    return Arch.from_model_dir(Path(model_path))
+def _shape(model_path: str) -> AttentionShape:
+    return AttentionShape.from_model_dir(Path(model_path))
 
 
 def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
-                            ) -> tuple[dict[str, Any], Any]:
+                            ) -> tuple[Recommendation, Any]:
     """Full recommendation and the merged head statistics for a snapshot's traffic.
 
     Raises ``InputError`` when the snapshot has no finished requests yet.
@@ -39,10 +41,10 @@ def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
 
     dist = from_snapshot(snap)
     acc = head_stats_from_snapshot(snap)
-    return recommend(dist, _arch(str(model_path)), acc), acc
+    return recommend(dist, _shape(str(model_path)), acc), acc
 
 
-def summarize(rec: dict[str, Any], acc: Any, replay: dict[str, Any] | None = None
+def summarize(rec: Recommendation, acc: Any, replay: dict[str, Any] | None = None
               ) -> WindowAdvice:
     """The bounded window advice (snapshot, demo report) with the head-statistics sample."""
     from attnprof.analyze.sparsity.recommend import export_summary
@@ -67,7 +69,7 @@ def advise(requests: Any, acc: Any, model_path: str | None) -> WindowAdvice | Ad
         return AdviceUnavailable("snapshot: no finished requests recorded yet "
                                  "(requests.context_tokens.sketch is missing)")
     try:
-        rec = recommend(from_sketch(sketch, "snapshot"), _arch(str(model_path)), acc)
+        rec = recommend(from_sketch(sketch, "snapshot"), _shape(str(model_path)), acc)
     except InputError as err:
         return AdviceUnavailable(str(err))
     return summarize(rec, acc)

@@ -25,8 +25,6 @@ from attnprof.cli._common import (
 )
 from attnprof.contracts.advice import (
     AdviceUnavailable,
-    HeadLevelSplit,
-    ParetoPoint,
     WindowAdvice,
 )
 
@@ -278,20 +276,20 @@ def _window_advice(model_dir: Path, snap: dict[str, Any], prompts: list[str],
     except InputError as err:
         return AdviceUnavailable(str(err))
     evidence: dict[str, Any] | None = None
-    if replay and rec.get("binds") and rec.get("layers"):
+    best = rec.best
+    if replay and rec.binds and best.layers:
         from attnprof.tools.replay import load_model
         from attnprof.tools.replay import replay as run_replay
 
-        print(f"attnprof: replaying {len(prompts)} documents with {rec['sinks']} sinks + "
-              f"{rec['window']} window vs full attention", file=sys.stderr)
+        print(f"attnprof: replaying {len(prompts)} documents with {best.sinks} sinks + "
+              f"{best.window} window vs full attention", file=sys.stderr)
         model, tok, _ = load_model(str(model_dir))
         bar = progress_bar(len(prompts), "replay", unit="prompt")
-        evidence = run_replay(model, tok, prompts, rec["window"], rec["sinks"],
-                              layers=rec["layers"], progress=lambda n: bar.update(n))
+        evidence = run_replay(model, tok, prompts, best.window, best.sinks,
+                              layers=list(best.layers), progress=lambda n: bar.update(n))
         bar.close()
     # Same bounded shape as the live snapshot's window_advice, plus the replay evidence.
     out = summarize(rec, acc, evidence)
-    out.pareto = [ParetoPoint.from_json(p) for p in rec.get("pareto") or []]
-    if rec.get("head_level_split"):
-        out.head_level_split = HeadLevelSplit.from_json(rec["head_level_split"])
+    out.pareto = list(rec.pareto)
+    out.head_level_split = rec.head_level_split
     return out

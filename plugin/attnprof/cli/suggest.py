@@ -112,11 +112,12 @@ def parse_layers(spec: str | None, n: int) -> list[int] | None:
 
 
 def load_arch(spec: str) -> Any:
-    from attnprof.analyze.sparsity.savings import Arch
+    from attnprof.facts.shape import AttentionShape
 
     path = resolve_model(spec)
     try:
-        arch = Arch.from_model_dir(path, name="smollm2" if spec == "smollm2" else path.name)
+        arch = AttentionShape.from_model_dir(path, name="smollm2" if spec == "smollm2"
+                                             else path.name)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError,
             RecursionError) as err:
         raise CliError(f"cannot read the architecture from {path}/config.json: "
@@ -283,24 +284,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.collect_stats:
         stats, refinement = _collect(args, sinks)
     if stats is not None and (stats.num_layers, stats.num_q_heads) != (arch.num_layers,
-                                                                        arch.num_q_heads):
+                                                                        arch.num_heads):
         raise CliError(f"head statistics are for {stats.num_layers} layers x "
                        f"{stats.num_q_heads} heads, the model has {arch.num_layers} x "
-                       f"{arch.num_q_heads}")
+                       f"{arch.num_heads}")
     th = _thresholds(args, sinks, stats)
     if args.window is not None:
         out = evaluate(dist, arch, args.window, sinks, head_stats=stats, thresholds=th,
-                       layers=layers)
+                       layers=layers).to_json()
         out["basis"] = "evaluated as given (--window/--sinks)"
     else:
         out = recommend(dist, arch, stats, sinks=sinks, thresholds=th,
-                        min_exact=args.min_exact)
+                        min_exact=args.min_exact).to_json()
         if layers is not None:  # user-fixed layers: re-score the chosen window on them
             keep = {k: out[k] for k in ("pareto", "per_layer", "classification",
                                         "head_level_split", "dynamic_sparse_prefill",
                                         "native_windows", "basis", "undecided")}
             out = evaluate(dist, arch, out["window"], sinks, head_stats=stats, thresholds=th,
-                           layers=layers) | keep
+                           layers=layers).to_json() | keep
     out["refinement"] = refinement
     out["replay"] = _validate(args, out) if args.validate else None
     out["safe"] = bool(out["replay"] and out["replay"]["safe"])

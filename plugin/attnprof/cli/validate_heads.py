@@ -99,14 +99,14 @@ def _run(args: argparse.Namespace) -> int:
     arch = load_arch(str(path))
     stats = load_head_stats(args.head_stats) if args.head_stats is not None else None
     if stats is not None and (stats.num_layers, stats.num_q_heads) != (arch.num_layers,
-                                                                        arch.num_q_heads):
+                                                                        arch.num_heads):
         raise CliError(f"head statistics are for {stats.num_layers} layers x "
                        f"{stats.num_q_heads} heads, the model has {arch.num_layers} x "
-                       f"{arch.num_q_heads}")
+                       f"{arch.num_heads}")
     edits = None
     if args.heads is not None:  # bounds from config.json, before the weights load
         try:
-            edits = parse_heads(args.heads, arch.num_layers, arch.num_q_heads)
+            edits = parse_heads(args.heads, arch.num_layers, arch.num_heads)
         except ReplayError as err:
             raise CliError(str(err)) from None
     found: dict[str, Any] | None = None
@@ -162,7 +162,7 @@ def _findings(stats: Any, arch: Any, dist: Any, limit: int) -> dict[str, Any]:
         th.validate(stats)
     except ValueError as err:
         raise CliError(f"--head-stats: {err}") from None
-    found = find_underused(stats, th, arch=arch, dist=dist)
+    found = find_underused(stats, th, shape=arch, dist=dist)
     if not found["findings"]:
         raise CliError(f"nothing to validate: no underused heads found in "
                        f"{found['heads_checked']} query heads with statistics (give --heads "

@@ -33,8 +33,10 @@ The window is the number of most recent keys a query sees, itself included (tran
 from __future__ import annotations
 
 import json
+import math
+import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,11 @@ class AttentionShape:
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
     model_type: str = ""
+    n_params: float | None = None
+    """Parameter count (from the safetensors headers: :meth:`from_model_dir`), for
+    attention's share of a step's FLOPs (~2 N per token elsewhere); None: unknown."""
+    name: str = ""
+    """The model's name in outputs (:meth:`from_model_dir`: its directory's name)."""
 
     @property
     def dtype_bytes(self) -> int:
@@ -121,6 +128,21 @@ class AttentionShape:
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def full_layers(self) -> list[int]:
+        """Layers with full attention (no sliding window)."""
+        return [i for i in range(self.num_layers) if self.window(i) is None]
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layer has a sliding window."""
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def flops_per_pair(self) -> int:
+        """Attention FLOPs per query-key pair, every query head: QK^T and PV, 2 each."""
+        return 4 * self.head_dim * self.num_heads
 
     @property
     def layer_types(self) -> list[str]:
@@ -158,13 +180,33 @@ class AttentionShape:
                    str(c.get("model_type") or outer.get("model_type") or ""))
 
     @classmethod
-    def from_model_dir(cls, path: Path) -> AttentionShape:
-        """From ``path/config.json`` (no transformers needed)."""
+    def from_model_dir(cls, path: Path, name: str = "") -> AttentionShape:
+        """From ``path/config.json`` (no transformers needed) and the parameter count in the
+        safetensors headers (no weights are read); ``name`` defaults to the directory's."""
+        path = Path(path)
         try:
-            cfg = json.loads((Path(path) / "config.json").read_text())
+            cfg = json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as err:
-            raise ShapeError(f"cannot read {Path(path) / 'config.json'}: {err}") from None
-        return cls.from_config(cfg)
+            raise ShapeError(f"cannot read {path / 'config.json'}: {err}") from None
+        return replace(cls.from_config(cfg), n_params=_count_params(path),
+                       name=name or path.name)
+
+
+def _count_params(path: Path) -> float | None:
+    """Parameter count from safetensors headers (None: no safetensors, or one unreadable)."""
+    total = 0
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return None
+        for k, v in header.items():
+            if k != "__metadata__":
+                total += math.prod(v["shape"])
+    return float(total) if files else None
 
 
 @dataclass(frozen=True)

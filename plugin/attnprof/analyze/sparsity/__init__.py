@@ -20,13 +20,15 @@ from attnprof.analyze.sparsity.recommend import (
     format_summary,
     recommend,
 )
-from attnprof.analyze.sparsity.savings import Arch, LengthDistribution
+from attnprof.analyze.sparsity.results import Evaluation, Recommendation
+from attnprof.analyze.sparsity.savings import LengthDistribution
 
 __all__ = [
-    "Arch",
+    "Evaluation",
     "HeadStatsAccumulator",
     "InputError",
     "LengthDistribution",
+    "Recommendation",
     "Thresholds",
     "classify",
     "evaluate",

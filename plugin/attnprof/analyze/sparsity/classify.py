@@ -31,16 +31,17 @@ window decision is fail if any query head fails, else undecided if any is undeci
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.analyze.sparsity.confidence import wilson_bounds
 
-__all__ = ["CLASSES", "DECISIONS", "Thresholds", "classify", "head_windows", "kv_decisions",
-           "window_decisions"]
+__all__ = ["CLASSES", "DECISIONS", "Classification", "KvHeadClass", "LayerClass", "Thresholds",
+           "Window", "by_window", "classify", "head_windows", "kv_decisions", "window_decisions"]
 
 DECISIONS = {1: "pass", 0: "undecided", -1: "fail"}
 """Codes of :func:`window_decisions` (NaN: no evidence, fewer than ``min_queries``)."""
@@ -80,6 +81,82 @@ class Thresholds:
         if self.sinks < 0 or self.min_queries < 1:
             raise ValueError("sinks must be >= 0 and min_queries >= 1")
         return self
+
+
+Window = int | Literal["full"] | None
+"""A window w*: the smallest grid window that passes ("full": none does; None: no evidence)."""
+
+
+def by_window(d: Mapping[int, Any]) -> dict[str, Any]:
+    """A per-window mapping as JSON writes it (window keys as strings)."""
+    return {str(w): v for w, v in d.items()}
+
+
+@dataclass(frozen=True)
+class KvHeadClass:
+    """One KV head: its class, window and the statistics behind them, per grid window."""
+
+    kv_head: int
+    cls: str
+    window: Window
+    coverage_q: dict[int, float | None]
+    coverage_n_eff: dict[int, float]
+    coverage_se: dict[int, float | None]
+    sink_mass: float | None
+    entropy: float | None
+    topk_fraction: float | None
+    q_head_classes: tuple[str, ...]
+    decision: dict[int, str | None]
+    """``pass``, ``undecided`` or ``fail`` (None: no evidence) per grid window."""
+    fail_share: dict[int, float | None]
+    fail_share_upper: dict[int, float | None]
+    exact: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kv_head": self.kv_head, "class": self.cls, "window": self.window,
+                "coverage_q": by_window(self.coverage_q),
+                "coverage_n_eff": by_window(self.coverage_n_eff),
+                "coverage_se": by_window(self.coverage_se),
+                "sink_mass": self.sink_mass, "entropy": self.entropy,
+                "topk_fraction": self.topk_fraction, "q_head_classes": list(self.q_head_classes),
+                "decision": by_window(self.decision), "fail_share": by_window(self.fail_share),
+                "fail_share_upper": by_window(self.fail_share_upper), "exact": self.exact}
+
+
+@dataclass(frozen=True)
+class LayerClass:
+    layer: int
+    queries: int
+    window: Window
+    """The layer-wide window: the largest of its KV heads'."""
+    classes: dict[str, int]
+    sink_mass: float | None
+    kv_heads: tuple[KvHeadClass, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "queries": self.queries, "window": self.window,
+                "classes": dict(self.classes), "sink_mass": self.sink_mass,
+                "kv_heads": [k.to_json() for k in self.kv_heads]}
+
+
+@dataclass(frozen=True)
+class Classification:
+    """:func:`.classify.classify`: every layer's KV heads."""
+
+    thresholds: Thresholds
+    window_grid: tuple[int, ...]
+    class_counts: dict[str, int]
+    layers: tuple[LayerClass, ...]
+    undecided: dict[int, int]
+    """KV heads per window whose sampling error straddles the target (never passed)."""
+    decided_exactly_kv_heads: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"thresholds": asdict(self.thresholds), "window_grid": list(self.window_grid),
+                "class_counts": dict(self.class_counts),
+                "layers": [x.to_json() for x in self.layers],
+                "undecided": by_window(self.undecided),
+                "decided_exactly_kv_heads": self.decided_exactly_kv_heads}
 
 
 def _sink_index(acc: HeadStatsAccumulator, sinks: int) -> int:
@@ -131,7 +208,7 @@ def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = 
     return np.where(enough.any(-1), w, math.nan)
 
 
-def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[str, Any]:
+def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> Classification:
     """Per layer and KV head: class, window w*, and the statistics behind the decision."""
     th = (th or Thresholds()).validate()
     si = _sink_index(acc, th.sinks)
@@ -146,7 +223,7 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
     kvd = kv_decisions(wd["decision"], acc.group_size)  # [L, KV, W]
     grid = list(acc.window_grid)
     g = acc.group_size
-    layers: list[dict[str, Any]] = []
+    layers: list[LayerClass] = []
     totals = dict.fromkeys(CLASSES, 0)
     for layer in range(acc.num_layers):
         norms = means["output_norm"][layer]
@@ -181,7 +258,7 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
             else:
                 c = "local"
             qclass.append(c)
-        kv_heads: list[dict[str, Any]] = []
+        kv_heads: list[KvHeadClass] = []
         for kv in range(acc.num_kv_heads):
             hs = range(kv * g, (kv + 1) * g)
             cls_ = min((qclass[h] for h in hs), key=CLASSES.index)
@@ -189,49 +266,48 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> dict[st
             w_kv = (math.inf if any(math.isinf(x) for x in ws)
                     else math.nan if any(math.isnan(x) for x in ws) else max(ws))
             totals[cls_] += 1
-            kv_heads.append({
-                "kv_head": kv, "class": cls_, "window": _w(w_kv),
-                "coverage_q": {str(w): _r(float(np.nanmin(cq[layer, list(hs), i])))
-                               if np.isfinite(cq[layer, list(hs), i]).any() else None
-                               for i, w in enumerate(grid)},
+            hl = list(hs)
+            kv_heads.append(KvHeadClass(
+                kv_head=kv, cls=cls_, window=_w(w_kv),
+                coverage_q={w: _r(float(np.nanmin(cq[layer, hl, i])))
+                            if np.isfinite(cq[layer, hl, i]).any() else None
+                            for i, w in enumerate(grid)},
                 # sampling error behind coverage_q: effective sample size (fewest of the
                 # group) and the largest standard error of the group's mean coverage
-                "coverage_n_eff": {str(w): round(float(neff[layer, list(hs), i].min()), 1)
-                                   for i, w in enumerate(grid)},
-                "coverage_se": {str(w): _r(float(np.nanmax(cse[layer, list(hs), i])))
-                                if np.isfinite(cse[layer, list(hs), i]).any() else None
+                coverage_n_eff={w: round(float(neff[layer, hl, i].min()), 1)
                                 for i, w in enumerate(grid)},
-                "sink_mass": _r(float(np.mean([means["sink_mass"][layer, h, si] for h in hs]))),
-                "entropy": _r(float(np.mean([means["entropy"][layer, h] for h in hs]))),
-                "topk_fraction": _r(float(np.mean([means["topk_fraction"][layer, h]
-                                                   for h in hs]))),
-                "q_head_classes": [qclass[h] for h in hs],
+                coverage_se={w: _r(float(np.nanmax(cse[layer, hl, i])))
+                             if np.isfinite(cse[layer, hl, i]).any() else None
+                             for i, w in enumerate(grid)},
+                sink_mass=_r(float(np.mean([means["sink_mass"][layer, h, si] for h in hs]))),
+                entropy=_r(float(np.mean([means["entropy"][layer, h] for h in hs]))),
+                topk_fraction=_r(float(np.mean([means["topk_fraction"][layer, h] for h in hs]))),
+                q_head_classes=tuple(qclass[h] for h in hs),
                 # three-valued decision per window and the failing share behind it (the
                 # group's worst query head; upper: its Wilson bound, = share when exact)
-                "decision": {str(w): _decision(kvd[layer, kv, i]) for i, w in enumerate(grid)},
-                "fail_share": {str(w): _rmax(wd["share"][layer, list(hs), i])
-                               for i, w in enumerate(grid)},
-                "fail_share_upper": {str(w): _rmax(wd["high"][layer, list(hs), i])
-                                     for i, w in enumerate(grid)},
-                "exact": bool(acc.exact[layer, list(hs)].all()),
-            })
-        ws_layer = [k["window"] for k in kv_heads]
-        layers.append({
-            "layer": layer,
-            "queries": int(acc.queries[layer].max()),
-            "window": _layer_window(ws_layer),
-            "classes": {c: sum(k["class"] == c for k in kv_heads) for c in CLASSES
-                        if any(k["class"] == c for k in kv_heads)},
-            "sink_mass": _r(float(means["sink_mass"][layer, :, si].mean())),
-            "kv_heads": kv_heads,
-        })
-    undecided = {str(w): int((kvd[..., i] == 0).sum()) for i, w in enumerate(grid)}
-    return {"thresholds": asdict(th), "window_grid": grid,
-            "class_counts": {c: n for c, n in totals.items() if n}, "layers": layers,
-            # KV heads per window whose sampling error straddles the target (never passed)
-            "undecided": {w: n for w, n in undecided.items() if n},
-            "decided_exactly_kv_heads": int(acc.exact.reshape(acc.num_layers, -1,
-                                                              acc.group_size).all(-1).sum())}
+                decision={w: _decision(kvd[layer, kv, i]) for i, w in enumerate(grid)},
+                fail_share={w: _rmax(wd["share"][layer, hl, i]) for i, w in enumerate(grid)},
+                fail_share_upper={w: _rmax(wd["high"][layer, hl, i])
+                                  for i, w in enumerate(grid)},
+                exact=bool(acc.exact[layer, hl].all()),
+            ))
+        layers.append(LayerClass(
+            layer=layer,
+            queries=int(acc.queries[layer].max()),
+            window=_layer_window([k.window for k in kv_heads]),
+            classes={c: sum(k.cls == c for k in kv_heads) for c in CLASSES
+                     if any(k.cls == c for k in kv_heads)},
+            sink_mass=_r(float(means["sink_mass"][layer, :, si].mean())),
+            kv_heads=tuple(kv_heads),
+        ))
+    undecided = {w: int((kvd[..., i] == 0).sum()) for i, w in enumerate(grid)}
+    return Classification(
+        thresholds=th, window_grid=tuple(grid),
+        class_counts={c: n for c, n in totals.items() if n}, layers=tuple(layers),
+        # KV heads per window whose sampling error straddles the target (never passed)
+        undecided={w: n for w, n in undecided.items() if n},
+        decided_exactly_kv_heads=int(acc.exact.reshape(acc.num_layers, -1,
+                                                       acc.group_size).all(-1).sum()))
 
 
 def _decision(code: float) -> str | None:
@@ -243,15 +319,14 @@ def _rmax(x: Any) -> float | None:
     return _r(float(np.nanmax(x))) if np.isfinite(x).any() else None
 
 
-def _layer_window(ws: list[Any]) -> int | str | None:
+def _layer_window(ws: list[Window]) -> Window:
     if "full" in ws:
         return "full"
-    if any(w is None for w in ws):
-        return None
-    return max(int(w) for w in ws)
+    ints = [w for w in ws if isinstance(w, int)]
+    return max(ints) if ints and len(ints) == len(ws) else None
 
 
-def _w(w: float) -> int | str | None:
+def _w(w: float) -> Window:
     if math.isnan(w):
         return None
     return "full" if math.isinf(w) else int(w)

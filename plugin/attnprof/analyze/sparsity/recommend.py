@@ -1,7 +1,9 @@
 """Window recommendations from traffic (+ head statistics when available).
 
-``evaluate`` scores one (sinks, window) configuration; ``recommend`` scores a grid of windows,
-picks one and returns a Pareto table; ``format_summary`` is the one-line demo sentence.
+``evaluate`` scores one (sinks, window) configuration (an :class:`Evaluation`); ``recommend``
+scores a grid of windows, picks one and returns a :class:`Recommendation` with its Pareto
+table; ``format_summary`` is the one-line demo sentence (over the ``suggest-window --json``
+document) and ``export_summary`` the :class:`WindowAdvice` contract.
 Savings are ratios of expectations over requests (cost-weighted), exactness is
 P(T <= s + w). Each KV head's window decision is three-valued (:func:`.classify.window_decisions`):
 heads at risk fail the coverage target, undecided heads are within sampling error of it
@@ -19,13 +21,22 @@ import numpy as np
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.analyze.sparsity.classify import (
+    Classification,
     Thresholds,
     classify,
     kv_decisions,
     window_decisions,
 )
+from attnprof.analyze.sparsity.results import (
+    DynamicSparse,
+    Evaluation,
+    HeadEvidence,
+    HeadRisk,
+    NativeWindows,
+    Recommendation,
+    SlidingGroup,
+)
 from attnprof.analyze.sparsity.savings import (
-    Arch,
     LengthDistribution,
     kv_tokens,
     pairs_full,
@@ -34,12 +45,15 @@ from attnprof.analyze.sparsity.savings import (
 )
 from attnprof.contracts.advice import (
     AdviceTraffic,
+    HeadLevelSplit,
     LayerAdvice,
+    ParetoPoint,
     ReplayEvidence,
     UnderusedHead,
     WindowAdvice,
 )
 from attnprof.facts.layers import ranges_text
+from attnprof.facts.shape import AttentionShape
 
 __all__ = [
     "DYNAMIC_SPARSE_MIN_TOKENS",
@@ -110,93 +124,84 @@ def _kv_n_eff(acc: HeadStatsAccumulator, sinks: int, window: int) -> Any:
     return acc.n_eff()[:, :, si, wi].reshape(*shape, acc.group_size).min(-1)
 
 
-def _naive_mean(dist: LengthDistribution, arch: Arch, window: int, sinks: int,
+def _naive_mean(dist: LengthDistribution, shape: AttentionShape, window: int, sinks: int,
                 layers: set[int]) -> float:
     t = dist.t
     full = np.zeros_like(t)
     win = np.zeros_like(t)
-    for layer in range(arch.num_layers):
-        nat = arch.native_window(layer)
+    for layer in range(shape.num_layers):
+        nat = shape.window(layer)
         base = pairs_full(t) if nat is None else pairs_window(t, nat, 0)
         full += base
         win += np.minimum(base, pairs_window(t, window, sinks)) if layer in layers else base
     return dist.expect(1 - win / full)
 
 
-def evaluate(lengths: Any, arch: Arch, window: int, sinks: int, *,
+def evaluate(lengths: Any, shape: AttentionShape, window: int, sinks: int, *,
              head_stats: HeadStatsAccumulator | None = None,
              thresholds: Thresholds | None = None,
-             layers: Iterable[int] | None = None) -> dict[str, Any]:
+             layers: Iterable[int] | None = None) -> Evaluation:
     """Score sinks + window on ``layers`` (default: every full-attention layer)."""
     if window < 1 or sinks < 0:
         raise ValueError("window must be >= 1 and sinks >= 0")
     dist = as_distribution(lengths)
     th = (thresholds or Thresholds()).validate()
-    chosen = sorted(set(arch.full_layers if layers is None else layers))
-    bad = [x for x in chosen if not 0 <= x < arch.num_layers]
+    chosen = sorted(set(shape.full_layers if layers is None else layers))
+    bad = [x for x in chosen if not 0 <= x < shape.num_layers]
     if bad:
-        raise ValueError(f"layer {bad[0]} is outside 0..{arch.num_layers - 1}")
-    c = workload_costs(dist, arch, window, sinks, chosen)
-    attn_full = c["attention_flops_full"]
+        raise ValueError(f"layer {bad[0]} is outside 0..{shape.num_layers - 1}")
+    c = workload_costs(dist, shape, window, sinks, chosen)
+    attn_full = c.attention_flops_full
     share = None
     e2e = None
-    saving = 1 - c["attention_flops_windowed"] / attn_full if attn_full else 0.0
-    if arch.n_params:
-        other = 2 * arch.n_params * c["tokens"]
+    saving = 1 - c.attention_flops_windowed / attn_full if attn_full else 0.0
+    if shape.n_params:
+        other = 2 * shape.n_params * c.tokens
         share = attn_full / (attn_full + other)
         e2e = saving * share
-    out: dict[str, Any] = {
-        "sinks": sinks,
-        "window": window,
-        "layers": chosen,
-        "attention_flop_saving": round(saving, 6),
-        "kv_memory_saving": round(1 - c["kv_bytes_windowed"] / c["kv_bytes_full"], 6),
-        "exact_request_fraction": round(dist.fraction_at_most(window + sinks), 6),
-        "naive_mean_request_saving": round(_naive_mean(dist, arch, window, sinks, set(chosen)),
-                                           6),
-        "attention_flops_per_request": {"full": attn_full,
-                                        "windowed": c["attention_flops_windowed"]},
-        "kv_bytes_per_request": {"full": c["kv_bytes_full"],
-                                 "windowed": c["kv_bytes_windowed"]},
-        "attention_flop_share": None if share is None else round(share, 6),
-        "end_to_end_flop_saving": None if e2e is None else round(e2e, 6),
-        "traffic": dist.summary(),
-        "model": arch.to_dict(),
-        "head_stats": head_stats is not None,
-        "heads_at_risk": None,
-        "heads_at_risk_count": None,
-        "heads_unverified_count": None,
-        "heads_undecided_count": None,
-    }
-    if head_stats is not None:
-        cov = kv_coverage(head_stats, th, sinks, window)
-        neff = _kv_n_eff(head_stats, sinks, window)
-        dec = _kv_decision(head_stats, th, sinks, window)
-        risk: list[dict[str, Any]] = []
-        undecided: list[dict[str, Any]] = []
-        unverified = 0
-        for layer in chosen:
-            for kv in range(head_stats.num_kv_heads):
-                v, d = cov[layer, kv], dec[layer, kv]
-                if math.isnan(d) or math.isnan(v):
-                    unverified += 1
-                elif d < 1:  # fails, or within sampling error of the target: not covered
-                    (risk if d < 0 else undecided).append(
-                        {"layer": layer, "kv_head": kv, "coverage_q": round(float(v), 4),
-                         "n_eff": round(float(neff[layer, kv]), 1)})
-        out["heads_at_risk_count"] = len(risk)
-        out["heads_at_risk"] = sorted(risk, key=lambda r: r["coverage_q"])[:_MAX_LISTED_HEADS]
-        out["heads_unverified_count"] = unverified
-        out["heads_undecided_count"] = len(undecided)
-        out["heads_undecided"] = undecided[:_MAX_LISTED_HEADS]
-        out["coverage_target"] = {"tau": th.tau, "quantile": th.quantile,
-                                  "confidence_z": th.confidence_z}
-        ok = [float(neff[x, kv]) for x in chosen for kv in range(head_stats.num_kv_heads)
-              if np.isfinite(cov[x, kv])]
+    return Evaluation(
+        sinks=sinks, window=window, layers=tuple(chosen),
+        attention_flop_saving=round(saving, 6),
+        kv_memory_saving=round(1 - c.kv_bytes_windowed / c.kv_bytes_full, 6),
+        exact_request_fraction=round(dist.fraction_at_most(window + sinks), 6),
+        naive_mean_request_saving=round(_naive_mean(dist, shape, window, sinks, set(chosen)),
+                                        6),
+        attention_flops_full=attn_full, attention_flops_windowed=c.attention_flops_windowed,
+        kv_bytes_full=c.kv_bytes_full, kv_bytes_windowed=c.kv_bytes_windowed,
+        attention_flop_share=None if share is None else round(share, 6),
+        end_to_end_flop_saving=None if e2e is None else round(e2e, 6),
+        traffic=dist.summary(), shape=shape,
+        evidence=None if head_stats is None
+        else _evidence(head_stats, th, sinks, window, chosen))
+
+
+def _evidence(acc: HeadStatsAccumulator, th: Thresholds, sinks: int, window: int,
+              chosen: Sequence[int]) -> HeadEvidence:
+    """Coverage of each chosen layer's KV heads at (sinks, window), three-valued."""
+    cov = kv_coverage(acc, th, sinks, window)
+    neff = _kv_n_eff(acc, sinks, window)
+    dec = _kv_decision(acc, th, sinks, window)
+    risk: list[HeadRisk] = []
+    undecided: list[HeadRisk] = []
+    unverified = 0
+    for layer in chosen:
+        for kv in range(acc.num_kv_heads):
+            v, d = cov[layer, kv], dec[layer, kv]
+            if math.isnan(d) or math.isnan(v):
+                unverified += 1
+            elif d < 1:  # fails, or within sampling error of the target: not covered
+                (risk if d < 0 else undecided).append(HeadRisk(
+                    layer, kv, round(float(v), 4), round(float(neff[layer, kv]), 1)))
+    ok = [float(neff[x, kv]) for x in chosen for kv in range(acc.num_kv_heads)
+          if np.isfinite(cov[x, kv])]
+    return HeadEvidence(
+        heads_at_risk=tuple(sorted(risk, key=lambda r: r.coverage_q)[:_MAX_LISTED_HEADS]),
+        heads_at_risk_count=len(risk), heads_unverified_count=unverified,
+        heads_undecided_count=len(undecided),
+        heads_undecided=tuple(undecided[:_MAX_LISTED_HEADS]), thresholds=th,
+        sampled_queries=int(acc.queries.max(initial=0)),
         # how sure: the weakest evidence behind a windowed layer's coverage
-        out["sampling"] = {"sampled_queries": int(head_stats.queries.max(initial=0)),
-                           "min_n_eff": round(min(ok), 1) if ok else None}
-    return out
+        min_n_eff=round(min(ok), 1) if ok else None)
 
 
 def _candidate_windows(dist: LengthDistribution, acc: HeadStatsAccumulator | None
@@ -211,20 +216,20 @@ def _candidate_windows(dist: LengthDistribution, acc: HeadStatsAccumulator | Non
     return out
 
 
-def _head_split(dist: LengthDistribution, arch: Arch, cls: Mapping[str, Any], sinks: int
-                ) -> dict[str, Any]:
+def _head_split(dist: LengthDistribution, shape: AttentionShape, cls: Classification,
+                sinks: int) -> HeadLevelSplit:
     """Window only the KV heads whose own w* is known, the rest of their layer stays full."""
     t = dist.t
     full_p = full_kv = win_p = win_kv = 0.0
     split = 0
-    for layer in cls["layers"]:
-        nat = arch.native_window(layer["layer"])
+    for layer in cls.layers:
+        nat = shape.window(layer.layer)
         base_p = dist.expect(pairs_full(t) if nat is None else pairs_window(t, nat, 0))
         base_kv = dist.expect(kv_tokens(t, nat))
-        for kv in layer["kv_heads"]:
+        for kv in layer.kv_heads:
             full_p += base_p
             full_kv += base_kv
-            w = kv["window"]
+            w = kv.window
             if isinstance(w, int) and nat is None:
                 split += 1
                 win_p += dist.expect(pairs_window(t, w, sinks))
@@ -232,61 +237,60 @@ def _head_split(dist: LengthDistribution, arch: Arch, cls: Mapping[str, Any], si
             else:
                 win_p += base_p
                 win_kv += base_kv
-    return {"windowed_kv_heads": split,
-            "attention_flop_saving": round(1 - win_p / full_p, 6) if full_p else 0.0,
-            "kv_memory_saving": round(1 - win_kv / full_kv, 6) if full_kv else 0.0,
-            "note": "each KV head at its own w* (needs per-head windows, e.g. DuoAttention-style "
-                    "streaming heads); heads without a window stay full"}
+    return HeadLevelSplit(
+        windowed_kv_heads=split,
+        attention_flop_saving=round(1 - win_p / full_p, 6) if full_p else 0.0,
+        kv_memory_saving=round(1 - win_kv / full_kv, 6) if full_kv else 0.0,
+        note="each KV head at its own w* (needs per-head windows, e.g. DuoAttention-style "
+             "streaming heads); heads without a window stay full")
 
 
-def _dynamic_sparse(dist: LengthDistribution, arch: Arch, acc: HeadStatsAccumulator | None
-                    ) -> dict[str, Any]:
+def _dynamic_sparse(dist: LengthDistribution, shape: AttentionShape,
+                    acc: HeadStatsAccumulator | None) -> DynamicSparse:
     t = dist.t
     big = t > DYNAMIC_SPARSE_MIN_TOKENS
-    pf = pairs_full(t) * len(arch.full_layers)
+    pf = pairs_full(t) * len(shape.full_layers)
     share = float((pf * big * dist.w).sum() / max((pf * dist.w).sum(), 1e-300))
     density = None
     if acc is not None and acc.detail_w.sum() > 0:
         # all-query mean over detail queries (weighted), averaged over heads
         density = float(acc.topk_frac_sum.sum() / acc.detail_w.sum())
-    return {"min_tokens": DYNAMIC_SPARSE_MIN_TOKENS,
-            "request_fraction": round(float(dist.w[big].sum() / dist.total_weight), 6),
-            "attention_flop_share": round(share, 6),
-            "topk_mass_density": None if density is None else round(density, 4),
-            "expected_attention_flop_saving": None if density is None
-            else round(share * (1 - density), 6)}
+    return DynamicSparse(
+        min_tokens=DYNAMIC_SPARSE_MIN_TOKENS,
+        request_fraction=round(float(dist.w[big].sum() / dist.total_weight), 6),
+        attention_flop_share=round(share, 6),
+        topk_mass_density=None if density is None else round(density, 4),
+        expected_attention_flop_saving=None if density is None
+        else round(share * (1 - density), 6))
 
 
-def _native_windows(dist: LengthDistribution, arch: Arch) -> dict[str, Any] | None:
-    if not arch.hybrid:
+def _native_windows(dist: LengthDistribution, shape: AttentionShape) -> NativeWindows | None:
+    if not shape.hybrid:
         return None
     t = dist.t
     groups: dict[int, list[int]] = {}
-    for layer in range(arch.num_layers):
-        nat = arch.native_window(layer)
+    for layer in range(shape.num_layers):
+        nat = shape.window(layer)
         if nat is not None:
             groups.setdefault(nat, []).append(layer)
-    kv_all = sum(dist.expect(kv_tokens(t, arch.native_window(x))) for x in range(arch.num_layers))
-    kv_global = sum(dist.expect(t) for _ in arch.full_layers)
-    p_all = sum(dist.expect(pairs_full(t) if arch.native_window(x) is None
-                            else pairs_window(t, arch.native_window(x) or 0, 0))
-                for x in range(arch.num_layers))
-    p_global = dist.expect(pairs_full(t)) * len(arch.full_layers)
-    sliding = []
-    for w, ls in sorted(groups.items()):
-        binds = 1 - dist.fraction_at_most(w)
-        sliding.append({"window": w, "layers": ls, "binding_request_fraction": round(binds, 6),
-                        "never_binds": binds == 0.0,
-                        "note": "traffic shorter than the window: no saving from it"
-                        if binds == 0.0 else "window binds for longer requests"})
-    return {"sliding": sliding, "global_layers": arch.full_layers,
-            "global_kv_share": round(kv_global / kv_all, 6) if kv_all else 0,
-            "global_attention_flop_share": round(p_global / p_all, 6) if p_all else 0}
+    kv_all = sum(dist.expect(kv_tokens(t, shape.window(x))) for x in range(shape.num_layers))
+    kv_global = sum(dist.expect(t) for _ in shape.full_layers)
+    p_all = sum(dist.expect(pairs_full(t) if shape.window(x) is None
+                            else pairs_window(t, shape.window(x) or 0, 0))
+                for x in range(shape.num_layers))
+    p_global = dist.expect(pairs_full(t)) * len(shape.full_layers)
+    return NativeWindows(
+        sliding=tuple(SlidingGroup(w, tuple(ls), round(1 - dist.fraction_at_most(w), 6))
+                      for w, ls in sorted(groups.items())),
+        global_layers=tuple(shape.full_layers),
+        global_kv_share=round(kv_global / kv_all, 6) if kv_all else 0,
+        global_attention_flop_share=round(p_global / p_all, 6) if p_all else 0)
 
 
-def recommend(lengths: Any, arch: Arch, head_stats: HeadStatsAccumulator | None = None, *,
+def recommend(lengths: Any, shape: AttentionShape,
+              head_stats: HeadStatsAccumulator | None = None, *,
               sinks: int | None = None, windows: Sequence[int] | None = None,
-              thresholds: Thresholds | None = None, min_exact: float = 0.9) -> dict[str, Any]:
+              thresholds: Thresholds | None = None, min_exact: float = 0.9) -> Recommendation:
     """Choose sinks + window for the traffic.
 
     With head statistics: for each grid window W, window the full-attention layers whose
@@ -301,98 +305,94 @@ def recommend(lengths: Any, arch: Arch, head_stats: HeadStatsAccumulator | None 
         th = replace(th, sinks=s)  # classify at the sinks being recommended
     cls = classify(head_stats, th) if head_stats is not None else None
     cands = list(windows) if windows else _candidate_windows(dist, head_stats)
-    pareto: list[dict[str, Any]] = []
+    pareto: list[Evaluation] = []
     for w in cands:
         if cls is not None:
-            layers = [x["layer"] for x in cls["layers"]
-                      if arch.native_window(x["layer"]) is None
-                      and isinstance(x["window"], int) and x["window"] <= w]
+            layers = [x.layer for x in cls.layers
+                      if shape.window(x.layer) is None
+                      and isinstance(x.window, int) and x.window <= w]
         else:
-            layers = arch.full_layers
-        ev = evaluate(dist, arch, w, s, head_stats=head_stats, thresholds=th, layers=layers)
-        pareto.append(ev)
+            layers = shape.full_layers
+        pareto.append(evaluate(dist, shape, w, s, head_stats=head_stats, thresholds=th,
+                               layers=layers))
     if cls is not None:
-        best = max(pareto, key=lambda e: (round(e["attention_flop_saving"], 9), e["window"]))
+        best = max(pareto, key=lambda e: (round(e.attention_flop_saving, 9), e.window))
         basis = (f"head statistics: layers whose every KV head keeps {th.quantile:g}-quantile "
                  f"coverage >= {th.tau:g} at s={s}")
     else:
-        ok = [e for e in pareto if e["exact_request_fraction"] >= min_exact]
-        best = min(ok, key=lambda e: e["window"]) if ok else pareto[-1]
+        ok = [e for e in pareto if e.exact_request_fraction >= min_exact]
+        best = min(ok, key=lambda e: e.window) if ok else pareto[-1]
         basis = (f"traffic only (no head statistics): smallest window keeping >= "
                  f"{min_exact:.0%} of requests exact; coverage risk unknown")
-    rec = dict(best)
-    rec["basis"] = basis
     # KV heads (full-attention layers) whose decision the sample cannot make, per window:
     # they keep their layer full until more queries (traffic, or offline refinement) decide
-    rec["undecided"] = None if cls is None else {
-        str(w): n for w in cls["window_grid"]
-        if (n := sum(k["decision"].get(str(w)) == "undecided" for x in cls["layers"]
-                     if arch.native_window(x["layer"]) is None for k in x["kv_heads"]))}
-    rec["binds"] = best["exact_request_fraction"] < 1.0 and bool(best["layers"])
-    rec["pareto"] = [{k: e[k] for k in ("window", "sinks", "attention_flop_saving",
-                                        "kv_memory_saving", "exact_request_fraction",
-                                        "heads_at_risk_count")} | {"layers": len(e["layers"])}
-                     | {"heads_undecided": None if rec["undecided"] is None
-                        else rec["undecided"].get(str(e["window"]), 0)}
-                     for e in pareto]
-    rec["per_layer"] = None if cls is None else [
-        {"layer": x["layer"], "window": x["window"], "classes": x["classes"],
-         "sink_mass": x["sink_mass"]} for x in cls["layers"]]
-    rec["classification"] = cls
-    rec["head_level_split"] = None if cls is None else _head_split(dist, arch, cls, s)
-    rec["dynamic_sparse_prefill"] = _dynamic_sparse(dist, arch, head_stats)
-    rec["native_windows"] = _native_windows(dist, arch)
-    rec["underused_heads"] = _underused(head_stats, arch, dist)
-    rec["advice"] = _advice(rec)
-    return rec
+    undecided = None if cls is None else {
+        w: n for w in cls.window_grid
+        if (n := sum(k.decision.get(w) == "undecided" for x in cls.layers
+                     if shape.window(x.layer) is None for k in x.kv_heads))}
+    head_split = None if cls is None else _head_split(dist, shape, cls, s)
+    dynamic = _dynamic_sparse(dist, shape, head_stats)
+    native = _native_windows(dist, shape)
+    return Recommendation(
+        best=best, basis=basis, undecided=undecided,
+        binds=best.exact_request_fraction < 1.0 and bool(best.layers),
+        pareto=tuple(ParetoPoint(
+            window=e.window, sinks=e.sinks, attention_flop_saving=e.attention_flop_saving,
+            kv_memory_saving=e.kv_memory_saving,
+            exact_request_fraction=e.exact_request_fraction,
+            heads_at_risk_count=e.heads_at_risk_count, layers=len(e.layers),
+            heads_undecided=None if undecided is None else undecided.get(e.window, 0))
+            for e in pareto),
+        classification=cls, head_level_split=head_split, dynamic_sparse_prefill=dynamic,
+        native_windows=native, underused_heads=_underused(head_stats, shape, dist),
+        advice=tuple(_advice(best, undecided, native, head_split, dynamic)))
 
 
-def _underused(acc: HeadStatsAccumulator | None, arch: Arch, dist: LengthDistribution
-               ) -> dict[str, Any] | None:
+def _underused(acc: HeadStatsAccumulator | None, shape: AttentionShape,
+               dist: LengthDistribution) -> dict[str, Any] | None:
     """Underused heads (:mod:`.underused`) with KV shares weighted by this traffic; None
     without statistics or when the statistics' sinks grid lacks the default sinks."""
     from attnprof.analyze.sparsity.underused import UnderusedThresholds, find_underused
 
     if acc is None or UnderusedThresholds().sinks not in acc.sinks_grid:
         return None
-    return find_underused(acc, arch=arch, dist=dist)
+    return find_underused(acc, shape=shape, dist=dist)
 
 
-def _advice(rec: Mapping[str, Any]) -> list[str]:
+def _advice(best: Evaluation, undecided: Mapping[int, int] | None,
+            nw: NativeWindows | None, hs: HeadLevelSplit | None,
+            ds: DynamicSparse) -> list[str]:
     """Where something other than the chosen layer-wide window would save more."""
     out: list[str] = []
-    und = _undecided_phrase(rec)
+    und = _undecided_phrase(undecided)
     if und:
         out.append(und)
-    nw = rec.get("native_windows")
     if nw:
-        for g in nw["sliding"]:
-            if g["never_binds"]:
-                out.append(f"the native window {g['window']} never binds on this traffic: "
-                           f"its {len(g['layers'])} sliding layers save nothing")
-        if nw["global_kv_share"] >= 0.5:
-            out.append(f"global layers hold {nw['global_kv_share']:.0%} of KV memory: window "
+        for g in nw.sliding:
+            if g.never_binds:
+                out.append(f"the native window {g.window} never binds on this traffic: "
+                           f"its {len(g.layers)} sliding layers save nothing")
+        if nw.global_kv_share >= 0.5:
+            out.append(f"global layers hold {nw.global_kv_share:.0%} of KV memory: window "
                        "or split heads there first")
-    hs = rec.get("head_level_split")
-    if hs and hs["attention_flop_saving"] > rec["attention_flop_saving"] + 0.01:
-        out.append(f"a head-level split ({hs['windowed_kv_heads']} streaming/local KV heads at "
+    if hs and hs.attention_flop_saving > best.attention_flop_saving + 0.01:
+        out.append(f"a head-level split ({hs.windowed_kv_heads} streaming/local KV heads at "
                    f"their own window, the rest full) would save "
-                   f"{hs['attention_flop_saving']:.1%} of attention FLOPs and "
-                   f"{hs['kv_memory_saving']:.1%} of KV memory vs "
-                   f"{rec['attention_flop_saving']:.1%} / {rec['kv_memory_saving']:.1%}")
-    ds = rec.get("dynamic_sparse_prefill")
-    if ds and ds["request_fraction"] > 0:
-        exp = ds.get("expected_attention_flop_saving")
-        out.append(f"{ds['request_fraction']:.1%} of requests ({ds['attention_flop_share']:.0%}"
-                   f" of attention FLOPs) exceed {ds['min_tokens']} tokens: dynamic sparse "
+                   f"{hs.attention_flop_saving:.1%} of attention FLOPs and "
+                   f"{hs.kv_memory_saving:.1%} of KV memory vs "
+                   f"{best.attention_flop_saving:.1%} / {best.kv_memory_saving:.1%}")
+    if ds.request_fraction > 0:
+        exp = ds.expected_attention_flop_saving
+        out.append(f"{ds.request_fraction:.1%} of requests ({ds.attention_flop_share:.0%}"
+                   f" of attention FLOPs) exceed {ds.min_tokens} tokens: dynamic sparse "
                    "prefill applies there" + (f", expected saving {exp:.1%} of attention "
                                               "FLOPs" if exp is not None else ""))
     return out
 
 
-def _undecided_phrase(rec: Mapping[str, Any]) -> str | None:
-    """'3 KV heads undecided at w=1024, 1 at w=512: need more traffic' (None: none)."""
-    und = rec.get("undecided") or {}
+def _undecided_phrase(und: Mapping[Any, int] | None) -> str | None:
+    """'3 KV heads undecided at w=1024, 1 at w=512: need more traffic' (None: none).
+    ``und``: KV heads per window (int keys, or the JSON's string keys)."""
     if not und:
         return None
     items = sorted(((int(w), n) for w, n in und.items()), reverse=True)
@@ -416,7 +416,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         else:
             parts.append("suggestion: keep full attention (no layer has every KV head "
                          "covered by a window in the grid; see the head-level split)")
-        phrase = _undecided_phrase(rec)
+        phrase = _undecided_phrase(rec.get("undecided"))
         if phrase:
             parts.append(phrase.split(" (", 1)[0])
         return "; ".join(parts)
@@ -447,7 +447,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     return "; ".join(parts)
 
 
-def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = None
+def export_summary(rec: Recommendation, replay: Mapping[str, Any] | None = None
                    ) -> WindowAdvice:
     """Bounded view of a recommendation for metrics, snapshot JSON and profile.json.
 
@@ -455,43 +455,44 @@ def export_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     KV-head class counts and the worst KV head's low-quantile coverage at each grid window.
     No lengths of individual requests, no text. Never raises on a ``recommend`` result.
     """
-    cls = rec.get("classification")
+    best, cls = rec.best, rec.classification
     per_layer = None
     if cls:
         per_layer = []
-        for x in cls["layers"]:
+        for x in cls.layers:
             cov: dict[str, float | None] = {}
-            for w in cls["window_grid"]:
-                vals = [k["coverage_q"][str(w)] for k in x["kv_heads"]
-                        if k["coverage_q"].get(str(w)) is not None]
-                cov[str(w)] = min(vals) if len(vals) == len(x["kv_heads"]) else None
+            for w in cls.window_grid:
+                vals = [v for k in x.kv_heads if (v := k.coverage_q.get(w)) is not None]
+                cov[str(w)] = min(vals) if len(vals) == len(x.kv_heads) else None
             per_layer.append(LayerAdvice(
-                layer=x["layer"], window=x["window"], windowed=x["layer"] in rec["layers"],
-                sink_mass=x["sink_mass"], classes=dict(x["classes"]), coverage_q=cov))
-    tr = rec["traffic"]
+                layer=x.layer, window=x.window, windowed=x.layer in best.layers,
+                sink_mass=x.sink_mass, classes=dict(x.classes), coverage_q=cov))
+    tr = best.traffic
     return WindowAdvice(
-        sinks=rec["sinks"], window=rec["window"], layers=list(rec["layers"]),
-        attention_flop_saving=rec["attention_flop_saving"],
-        kv_memory_saving=rec["kv_memory_saving"],
-        exact_request_fraction=rec["exact_request_fraction"],
-        heads_at_risk_count=rec.get("heads_at_risk_count"),
-        heads_undecided=None if rec.get("undecided") is None else dict(rec["undecided"]),
-        min_n_eff=(rec.get("sampling") or {}).get("min_n_eff"),
-        basis=rec.get("basis"),
-        traffic=AdviceTraffic(requests=tr["requests"], p50=tr["p50"], p90=tr["p90"],
-                              p99=tr["p99"], max=tr["max"]),
+        sinks=best.sinks, window=best.window, layers=list(best.layers),
+        attention_flop_saving=best.attention_flop_saving,
+        kv_memory_saving=best.kv_memory_saving,
+        exact_request_fraction=best.exact_request_fraction,
+        heads_at_risk_count=best.heads_at_risk_count,
+        heads_undecided=None if rec.undecided is None
+        else {str(w): n for w, n in rec.undecided.items()},
+        min_n_eff=best.min_n_eff,
+        basis=rec.basis,
+        traffic=AdviceTraffic(requests=tr.requests, p50=tr.p50, p90=tr.p90, p99=tr.p99,
+                              max=tr.max),
         replay=None if replay is None else ReplayEvidence(
             agreement=replay["agreement"], mean_kl=replay["mean_kl"],
             positions=replay["positions"], safe=bool(replay["safe"]),
             verdict=replay["verdict"]),
         safe=bool(replay and replay.get("safe")),
-        summary=format_summary(rec, replay),
+        # the sentence renders the suggest-window document: the one text both print
+        summary=format_summary(rec.to_json(), replay),
         per_layer=per_layer,
-        underused_heads=None if not rec.get("underused_heads") else [
+        underused_heads=None if not rec.underused_heads else [
             UnderusedHead(kind=f["kind"], layer=f["layer"], head=f["head"],
                           kv_head=f["kv_head"], twin=f["twin"], kv_share=f["kv_share"],
                           kv_head_share=f["kv_head_share"], queries=f["queries"],
                           evidence=dict(f["evidence"]), confidence=f["confidence"],
                           safe=bool(f.get("safe")))
-            for f in rec["underused_heads"]["findings"]],
+            for f in rec.underused_heads["findings"]],
     )

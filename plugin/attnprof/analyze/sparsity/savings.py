@@ -13,23 +13,20 @@ of expectations over requests (long requests dominate), never means of per-reque
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from attnprof.aggregate.quantiles import nearest_rank
+from attnprof.analyze.sparsity.results import TrafficSummary
 from attnprof.facts.kv import held_tokens
 from attnprof.facts.shape import AttentionShape
 
 __all__ = [
-    "Arch",
     "LengthDistribution",
+    "WorkloadCosts",
     "kv_tokens",
     "pairs_full",
     "pairs_window",
@@ -106,93 +103,27 @@ class LengthDistribution:
     def expect(self, values: Any) -> float:
         return float((np.asarray(values) * self.w).sum() / self.total_weight)
 
-    def summary(self) -> dict[str, Any]:
-        return {"requests": round(self.total_weight, 3), "source": self.source,
-                "exact_lengths": self.exact, "mean": round(self.expect(self.t), 1),
-                "p50": self.quantile(0.5), "p90": self.quantile(0.9),
-                "p99": self.quantile(0.99), "max": self.lengths[-1]}
+    def summary(self) -> TrafficSummary:
+        return TrafficSummary(requests=round(self.total_weight, 3), source=self.source,
+                              exact_lengths=self.exact, mean=round(self.expect(self.t), 1),
+                              p50=self.quantile(0.5), p90=self.quantile(0.9),
+                              p99=self.quantile(0.99), max=self.lengths[-1])
 
 
 @dataclass(frozen=True)
-class Arch:
-    """What the cost model needs from a model's config."""
+class WorkloadCosts:
+    """Expected attention FLOPs and peak KV bytes per request, full vs windowed."""
 
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-    layer_windows: tuple[int | None, ...] = field(default=())
-    """Native sliding window per layer (None: full attention); empty means all full."""
-    n_params: float | None = None
-    """Parameter count, for attention's share of total FLOPs (~2*N per token elsewhere)."""
-    name: str = ""
-
-    def native_window(self, layer: int) -> int | None:
-        return self.layer_windows[layer] if self.layer_windows else None
-
-    @property
-    def full_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if self.native_window(i) is None]
-
-    @property
-    def hybrid(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
-
-    @property
-    def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def flops_per_pair(self) -> int:
-        return 4 * self.head_dim * self.num_q_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "num_layers": self.num_layers,
-                "num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "dtype_bytes": self.dtype_bytes,
-                "layer_windows": list(self.layer_windows) or None, "n_params": self.n_params}
-
-    @classmethod
-    def from_shape(cls, shape: AttentionShape, name: str = "",
-                   n_params: float | None = None) -> Arch:
-        """The cost model's view of :class:`attnprof.facts.shape.AttentionShape`."""
-        return cls(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                   shape.dtype_bytes, shape.layer_windows, n_params, name)
-
-    @classmethod
-    def from_config(cls, cfg: Any, name: str = "", n_params: float | None = None) -> Arch:
-        """From a config.json dict or a transformers config (text tower of multimodal
-        models); ``ShapeError`` (a ``ValueError``) names a missing field."""
-        return cls.from_shape(AttentionShape.from_config(cfg), name, n_params)
-
-    @classmethod
-    def from_model_dir(cls, path: Path, name: str = "") -> Arch:
-        """From ``path/config.json`` (read by :class:`AttentionShape`, no transformers) and
-        the parameter count in the safetensors headers."""
-        return cls.from_shape(AttentionShape.from_model_dir(path), name or path.name,
-                              _count_params(path))
+    attention_flops_full: float
+    attention_flops_windowed: float
+    kv_bytes_full: float
+    kv_bytes_windowed: float
+    tokens: float
+    """Expected request length."""
 
 
-def _count_params(path: Path) -> float | None:
-    """Parameter count from safetensors headers (no weights are read)."""
-    total = 0
-    files = sorted(path.glob("*.safetensors"))
-    for f in files:
-        try:
-            with f.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
-            return None
-        for k, v in header.items():
-            if k != "__metadata__":
-                total += math.prod(v["shape"])
-    return float(total) if files else None
-
-
-def workload_costs(dist: LengthDistribution, arch: Arch, window: int | None, sinks: int,
-                   layers: Iterable[int]) -> dict[str, float]:
+def workload_costs(dist: LengthDistribution, shape: AttentionShape, window: int | None,
+                   sinks: int, layers: Iterable[int]) -> WorkloadCosts:
     """Expected attention FLOPs and peak KV bytes per request, full vs windowed.
 
     ``layers`` are the layers that get sinks + window; layers with a native window keep it.
@@ -200,8 +131,8 @@ def workload_costs(dist: LengthDistribution, arch: Arch, window: int | None, sin
     t = dist.t
     chosen = set(layers)
     full_pairs = win_pairs = full_kv = win_kv = 0.0
-    for layer in range(arch.num_layers):
-        native = arch.native_window(layer)
+    for layer in range(shape.num_layers):
+        native = shape.window(layer)
         base_p = pairs_full(t) if native is None else pairs_window(t, native, 0)
         base_kv = kv_tokens(t, native)
         if layer in chosen and window is not None:
@@ -215,10 +146,10 @@ def workload_costs(dist: LengthDistribution, arch: Arch, window: int | None, sin
         win_pairs += dist.expect(new_p)
         full_kv += dist.expect(base_kv)
         win_kv += dist.expect(new_kv)
-    return {
-        "attention_flops_full": full_pairs * arch.flops_per_pair,
-        "attention_flops_windowed": win_pairs * arch.flops_per_pair,
-        "kv_bytes_full": full_kv * arch.kv_bytes_per_token_layer,
-        "kv_bytes_windowed": win_kv * arch.kv_bytes_per_token_layer,
-        "tokens": dist.expect(t),
-    }
+    return WorkloadCosts(
+        attention_flops_full=full_pairs * shape.flops_per_pair,
+        attention_flops_windowed=win_pairs * shape.flops_per_pair,
+        kv_bytes_full=full_kv * shape.kv_bytes_per_token_layer,
+        kv_bytes_windowed=win_kv * shape.kv_bytes_per_token_layer,
+        tokens=dist.expect(t),
+    )

@@ -42,6 +42,8 @@ import numpy as np
 
 from attnprof.aggregate.head_stats import JS_FAR, SINK_MASS_EDGES, HeadStatsAccumulator
 from attnprof.analyze.sparsity.confidence import wilson_low as _wilson_low
+from attnprof.analyze.sparsity.savings import LengthDistribution, kv_tokens
+from attnprof.facts.shape import AttentionShape
 
 __all__ = ["KINDS", "UnderusedThresholds", "find_underused", "format_findings", "kv_shares"]
 
@@ -83,20 +85,17 @@ class UnderusedThresholds:
         return self
 
 
-def kv_shares(num_layers: int, num_kv_heads: int, arch: Any = None, dist: Any = None
-              ) -> tuple[Any, str]:
+def kv_shares(num_layers: int, num_kv_heads: int, shape: AttentionShape | None = None,
+              dist: LengthDistribution | None = None) -> tuple[Any, str]:
     """(share of the model's KV bytes held by one KV head of each layer [layers], basis).
 
-    ``arch``: an :class:`~attnprof.analyze.sparsity.savings.Arch` (native windows);
-    ``dist``: a :class:`~attnprof.analyze.sparsity.savings.LengthDistribution`. Head dim and
-    KV dtype are the same in every layer, so they cancel out of the share."""
-    from attnprof.analyze.sparsity.savings import kv_tokens
-
+    ``shape`` gives the native windows; ``dist`` the traffic's context lengths. Head dim
+    and KV dtype are the same in every layer, so they cancel out of the share."""
     tokens = np.ones(num_layers)
     basis = "every layer holds the same KV per head (full attention everywhere)"
-    if arch is not None and arch.hybrid:
+    if shape is not None and shape.hybrid:
         if dist is not None:
-            tokens = np.asarray([dist.expect(kv_tokens(dist.t, arch.native_window(x)))
+            tokens = np.asarray([dist.expect(kv_tokens(dist.t, shape.window(x)))
                                  for x in range(num_layers)])
             basis = ("expected KV tokens per layer over the traffic's context lengths "
                      "(sliding layers hold min(T, w))")
@@ -110,7 +109,7 @@ def kv_shares(num_layers: int, num_kv_heads: int, arch: Any = None, dist: Any = 
 
 
 def find_underused(acc: HeadStatsAccumulator, th: UnderusedThresholds | None = None, *,
-                   arch: Any = None, dist: Any = None,
+                   shape: AttentionShape | None = None, dist: LengthDistribution | None = None,
                    layers: Sequence[int] | None = None) -> dict[str, Any]:
     """Dormant, near-uniform and redundant query heads with their KV shares.
 
@@ -119,7 +118,7 @@ def find_underused(acc: HeadStatsAccumulator, th: UnderusedThresholds | None = N
     evidence, confidence, safe (False: not replayed)``."""
     th = (th or UnderusedThresholds()).validate(acc)
     g = acc.group_size
-    share, basis = kv_shares(acc.num_layers, acc.num_kv_heads, arch, dist)
+    share, basis = kv_shares(acc.num_layers, acc.num_kv_heads, shape, dist)
     frac, n_elig = acc.sink_share_at_least(th.dormant_mass, th.sinks)
     means = acc.per_head_means()
     ent = means["entropy"]
