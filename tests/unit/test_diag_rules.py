@@ -8,7 +8,8 @@ from importlib import resources
 import pytest
 import torch
 
-from attnprof.analyze import compat, rules, vllm_backend_report
+from attnprof.analyze import compat, rules
+from attnprof.capture.vllm.backends import vllm_backend_report
 
 
 def test_matrix_is_versioned_and_sourced() -> None:

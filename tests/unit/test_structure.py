@@ -19,14 +19,6 @@ from tests.conftest import REPO
 _ROOTS = {REPO / "plugin" / "attnprof": "attnprof",
           REPO / "exporters" / "attnprof" / "exporters": "attnprof.exporters"}
 
-# Today's violations (module -> the names it may still use), while issue 25 moves them out:
-# analyze.memory / scaling / vllm_backends' measuring code -> tools, and head_stats' torch
-# maths -> capture. THIS MUST BE EMPTY WHEN ISSUE 25 LANDS. It can only shrink:
-# test_pending_lists_only_live_violations fails on an entry nothing needs any more.
-PENDING: dict[str, set[str]] = {
-    "attnprof.analyze.vllm_backends": {"vllm"},
-}
-
 _EXPORT_LIBS = ("prometheus_client", "opentelemetry", "tensorboard", "matplotlib")
 _MODEL_LIBS = ("torch", "vllm", "transformers")
 _IMPORTERS = ("import_module", "__import__")
@@ -97,7 +89,7 @@ def _matches(name: str, banned: tuple[str, ...]) -> str | None:
 def _violations(rooms: tuple[str, ...], banned: tuple[str, ...], *, uses: bool = False,
                 exempt: Callable[[str], bool] = lambda m: False) -> set[tuple[str, str]]:
     """(module, banned name) for each module in ``rooms`` that imports (or, with ``uses``,
-    reads) something under ``banned``; PENDING not yet subtracted."""
+    reads) something under ``banned``."""
     out = set()
     for mod, path in _modules().items():
         if not mod.startswith(rooms) or exempt(mod):
@@ -105,10 +97,6 @@ def _violations(rooms: tuple[str, ...], banned: tuple[str, ...], *, uses: bool =
         names = uses_in(path.read_text()) if uses else _all_imports()[mod]
         out |= {(mod, b) for n in names if (b := _matches(n, banned))}
     return out
-
-
-def _pending() -> set[tuple[str, str]]:
-    return {(m, n) for m, names in PENDING.items() for n in names}
 
 
 # Each rule: (rooms it binds, what they must not import or read, read attributes too,
@@ -136,7 +124,7 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool, Callable[[str], b
 
 def _check(rule: str) -> None:
     rooms, banned, uses, exempt = RULES[rule]
-    bad = sorted(_violations(rooms, banned, uses=uses, exempt=exempt) - _pending())
+    bad = sorted(_violations(rooms, banned, uses=uses, exempt=exempt))
     assert not bad, f"{rule}: " + "; ".join(f"{m} uses {n}" for m, n in bad)
 
 
@@ -187,15 +175,6 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
-
-
-def test_pending_lists_only_live_violations() -> None:
-    """PENDING only shrinks: an entry no rule needs any more must be deleted."""
-    live: set[tuple[str, str]] = set()
-    for rooms, banned, uses, exempt in RULES.values():
-        live |= _violations(rooms, banned, uses=uses, exempt=exempt)
-    stale = sorted(_pending() - live)
-    assert not stale, f"remove from PENDING (no longer needed): {stale}"
 
 
 @pytest.mark.parametrize("source", [

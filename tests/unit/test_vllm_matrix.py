@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from attnprof.analyze import compat, rules, vllm_backend_report, vllm_matrix
+from attnprof.analyze import compat, rules, vllm_matrix
+from attnprof.capture.vllm.backends import vllm_backend_report
 from attnprof.cli import main
 from attnprof.tools import vllm_matrix as derive
 
@@ -242,7 +243,7 @@ from attnprof.tools.vllm_matrix import _install_platform_facts
 _install_platform_facts(tuple(json.loads(sys.argv[1])))
 torch.set_default_dtype(torch.bfloat16)
 from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
-import attnprof.analyze as an
+import attnprof.capture.vllm.backends as an
 from attnprof.capture.vllm import install, worker_rpc
 from attnprof.capture.vllm.runtime import State
 from attnprof.config import Config

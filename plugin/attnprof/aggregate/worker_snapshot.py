@@ -49,7 +49,7 @@ def kernel_groups(layers: Iterable[LayerInfo], report_key: Callable[[LayerInfo],
     """Per group of identical layers (same backend, kernel and report key), in layer order:
     the backend that ran, the kernel variant, and why each other vLLM backend is not valid
     (``reports[report_key(info)]``, vLLM's own answer; see
-    :mod:`attnprof.analyze.vllm_backends`)."""
+    :mod:`attnprof.capture.vllm.backends`)."""
     groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
     for info in sorted(layers, key=lambda i: i.index):
         groups.setdefault((info.backend, info.kernel, report_key(info)), []).append(info)

@@ -341,7 +341,7 @@ def _child(capability: tuple[int, int], cases: list[dict[str, Any]] | None) -> d
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from attnprof.analyze.vllm_backends import ask_cuda
+    from attnprof.capture.vllm.backends import ask_cuda
 
     if cases is None:
         cases = [{"head_size": h, "dtype": d, "features": list(f)}

@@ -40,9 +40,9 @@ class BackendReports:
         rep = self.reports.get(key)
         if rep is None:
             try:
-                from attnprof.analyze import vllm_backend_report
+                from attnprof.capture.vllm import backends
 
-                rep = vllm_backend_report(
+                rep = backends.vllm_backend_report(
                     info.num_heads, info.num_kv_heads, info.head_size, info.dtype,
                     info.kv_cache_dtype, info.sliding_window, has_sink=info.has_sink,
                     selected=info.backend, selector_config=selector,
@@ -58,7 +58,7 @@ class BackendReports:
     def kernel_map(self, layers: list[LayerInfo]) -> list[KernelGroup]:
         """Per group of identical layers: the backend that ran, the kernel variant, and why
         each other vLLM backend is not valid, asked of vLLM itself on this device (see
-        :mod:`attnprof.analyze.vllm_backends`). Computed once per layer shape."""
+        :mod:`attnprof.capture.vllm.backends`). Computed once per layer shape."""
         for info in sorted(layers, key=lambda i: i.index):
             self.report(info)  # cached since model build (lazily without vLLM)
         return kernel_groups(layers, lambda i: self.keys[id(i)], self.reports)
