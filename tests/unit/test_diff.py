@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 
 from attnprof.aggregate.window import window_between
-from attnprof.analyze.diff import (
-    Incomparable,
-    compare,
-    format_layers,
-    format_sites,
-    parse_fail_on,
-)
+from attnprof.analyze.diff import Incomparable, compare
+from attnprof.analyze.diff_thresholds import parse_fail_on
 from attnprof.analyze.twosample import distribution_distance, mann_whitney, ratio_test
 from attnprof.contracts.diff import DiffReport
 from attnprof.contracts.profile import ProfileReport
@@ -34,6 +29,7 @@ from attnprof.contracts.snapshot import (
     WorkerSnapshot,
 )
 from attnprof.exporters.diff_report import render_markdown, render_text
+from attnprof.facts.layers import format_layers, format_sites
 from attnprof.tools.provenance import git_log, model_identity, redact_argv
 
 

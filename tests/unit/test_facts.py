@@ -243,13 +243,12 @@ def test_torch_dtype_from_any_alias() -> None:
 
 
 def test_layer_ranges_are_written_one_way() -> None:
-    from attnprof.facts.layers import ranges_text, runs
+    from attnprof.facts.layers import format_layers, ranges_text, runs
 
     assert runs([5, 0, 1, 2, 2]) == [(0, 2), (5, 5)]
     assert ranges_text([5, 0, 1, 2]) == "0-2,5" and ranges_text([]) == ""
     assert ranges_text([28, 29, 30, 5], ", ", "\u2013", "L") == "L5, L28\u2013L30"
     # Each reader of the one definition: a finding, the demo sentence, a table, the report.
-    from attnprof.analyze.diff import format_layers
     from attnprof.exporters.report_format import layers_text
 
     assert format_layers([0, 1, 2, 5]) == "layers 0-2, 5" and format_layers([3]) == "layer 3"

@@ -349,7 +349,7 @@ DURATION = Kind(
 
 
 def _fail_on_keys() -> list[str]:
-    from attnprof.analyze.diff import DEFAULT_THRESHOLDS
+    from attnprof.analyze.diff_thresholds import DEFAULT_THRESHOLDS
 
     return list(DEFAULT_THRESHOLDS)
 

@@ -6,6 +6,7 @@ then what changed in versions, hardware, model and source (with ``git log``).
 from __future__ import annotations
 
 from attnprof.contracts.diff import DiffReport, Finding
+from attnprof.facts.layers import format_layers, format_sites
 
 __all__ = ["render_markdown", "render_text"]
 
@@ -34,8 +35,6 @@ def _collapse(items: list[Finding]) -> list[Finding]:
     per = [f for f in items if f.kind == "layer_time"]
     if len(per) <= 3:
         return items
-    from attnprof.analyze.diff import format_layers, format_sites
-
     lo = min(f.change or 0.0 for f in per)
     hi = max(f.change or 0.0 for f in per)
     layers = sorted(x for f in per for x in f.layers)

@@ -59,10 +59,8 @@ def render(out: dict[str, Any]) -> str:
                          f"{x['sink_mass']}  " + " ".join(f"{k}={v}"
                                                            for k, v in x["classes"].items()))
     if out.get("underused_heads"):
-        from attnprof.analyze.sparsity.underused import format_findings
-
         lines.append("")
-        lines += format_findings(out["underused_heads"])
+        lines += _underused_lines(out["underused_heads"])
     hs = out.get("head_level_split")
     if hs:
         lines.append(f"head-level split ({hs['windowed_kv_heads']} KV heads at their own "
@@ -85,3 +83,22 @@ def render(out: dict[str, Any]) -> str:
         lines.append(f"global layers hold {nw['global_kv_share']:.1%} of KV memory and "
                      f"{nw['global_attention_flop_share']:.1%} of attention FLOPs")
     return "\n".join(lines) + "\n"
+
+
+def _underused_lines(found: dict[str, Any], limit: int = 20) -> list[str]:
+    """The underused-heads result (:func:`attnprof.analyze.sparsity.underused.find_underused`)
+    as lines: the counts, then one line per finding (at most ``limit``)."""
+    c = found["counts"]
+    lines = [f"underused heads: {c['dormant']} dormant, {c['near_uniform']} near-uniform, "
+             f"{c['redundant']} redundant of {found['heads_checked']} query heads, holding "
+             f"{(found['kv_share_total'] or 0):.2%} of KV (not replayed: run attnprof "
+             "validate-heads before acting)"]
+    for f in found["findings"][:limit]:
+        ev = ", ".join(f"{k} {v}" for k, v in f["evidence"].items())
+        twin = "" if f["twin"] is None else f" ~ head {f['twin']}"
+        share = "?" if f["kv_share"] is None else f"{f['kv_share']:.2%}"
+        lines.append(f"  {f['kind']:<12} layer {f['layer']:>3} head {f['head']:>3}{twin}: "
+                     f"KV share {share} ({ev})")
+    if len(found["findings"]) > limit:
+        lines.append(f"  ... {len(found['findings']) - limit} more (--json lists them)")
+    return lines

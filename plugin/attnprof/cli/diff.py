@@ -72,7 +72,8 @@ def read_document(path: Path) -> tuple[ProfileReport | Snapshot, dict[str, Any]]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from attnprof.analyze.diff import Incomparable, compare, parse_fail_on
+    from attnprof.analyze.diff import Incomparable, compare
+    from attnprof.analyze.diff_thresholds import parse_fail_on
     from attnprof.exporters.diff_report import render_markdown, render_text
     from attnprof.tools.provenance import git_log
 

@@ -1,11 +1,12 @@
-"""Layer indices written as runs (``0-2,5``): the one definition every finding, table and
-report uses."""
+"""Layer indices written as runs (``0-2,5``, ``layers 0-2, 5``): the one definition every
+finding, table and report uses."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
-__all__ = ["ranges_text", "runs"]
+__all__ = ["format_layers", "format_sites", "ranges_text", "runs"]
 
 
 def runs(values: Iterable[int]) -> list[tuple[int, int]]:
@@ -25,3 +26,27 @@ def ranges_text(values: Iterable[int], sep: str = ",", dash: str = "-",
     e.g. ``L0``, en dash, ``L2`` for the report); ``""`` for none."""
     return sep.join(f"{prefix}{a}{dash}{prefix}{b}" if b > a else f"{prefix}{a}"
                     for a, b in runs(values))
+
+
+def format_layers(layers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"layers 0-2, 5"`` (``"layer 3"`` for one)."""
+    rs = runs(layers)
+    if not rs:
+        return "no layers"
+    return (("layer " if len(rs) == 1 and rs[0][0] == rs[0][1] else "layers ")
+            + ranges_text(layers, ", "))
+
+
+_PLAIN = re.compile(r"L(\d+)")
+
+
+def format_sites(labels: Iterable[str]) -> str:
+    """Site labels (:func:`attnprof.facts.shape.layer_label`, in model order): plain
+    one-stack layers as ranges, every other site by its label, in the order given:
+    ``["L0", "L1", "L2", "L5"]`` -> ``"layers 0-2, 5"``; ``["encoder.L0",
+    "decoder.L0.cross"]`` -> ``"encoder.L0, decoder.L0.cross"``."""
+    xs = list(dict.fromkeys(labels))
+    plain = [int(m.group(1)) for x in xs if (m := _PLAIN.fullmatch(x))]
+    parts = ([format_layers(plain)] if plain else []) + \
+        [x for x in xs if not _PLAIN.fullmatch(x)]
+    return ", ".join(parts) if parts else "no layers"

@@ -3,7 +3,9 @@
 ``evaluate`` scores one (sinks, window) configuration (an :class:`Evaluation`); ``recommend``
 scores a grid of windows, picks one and returns a :class:`Recommendation` with its Pareto
 table; ``format_summary`` is the one-line demo sentence (over the ``suggest-window --json``
-document) and ``export_summary`` the :class:`WindowAdvice` contract.
+document) and ``export_summary`` the :class:`WindowAdvice` contract. The sentence stays here,
+not in the exporters, because it is data: ``WindowAdvice.summary`` in snapshots and
+profiles, filled by the live server's advice loop (:mod:`attnprof.analyze.window_advice`).
 Savings are ratios of expectations over requests (cost-weighted), exactness is
 P(T <= s + w). Each KV head's window decision is three-valued (:func:`.classify.window_decisions`):
 heads at risk fail the coverage target, undecided heads are within sampling error of it

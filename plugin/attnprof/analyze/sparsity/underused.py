@@ -45,7 +45,7 @@ from attnprof.analyze.sparsity.confidence import wilson_low as _wilson_low
 from attnprof.analyze.sparsity.savings import LengthDistribution, kv_tokens
 from attnprof.facts.shape import AttentionShape
 
-__all__ = ["KINDS", "UnderusedThresholds", "find_underused", "format_findings", "kv_shares"]
+__all__ = ["KINDS", "UnderusedThresholds", "find_underused", "kv_shares"]
 
 KINDS = ("dormant", "near_uniform", "redundant")
 _MAX_FINDINGS = 256  # bound exports; the counts stay exact
@@ -187,24 +187,6 @@ def find_underused(acc: HeadStatsAccumulator, th: UnderusedThresholds | None = N
             "counts": counts,
             "kv_share_total": _r(sum(f["kv_share"] or 0.0 for f in findings), 8),
             "findings": findings[:_MAX_FINDINGS]}
-
-
-def format_findings(found: dict[str, Any], limit: int = 20) -> list[str]:
-    """Terminal lines: the counts, then one line per finding (at most ``limit``)."""
-    c = found["counts"]
-    lines = [f"underused heads: {c['dormant']} dormant, {c['near_uniform']} near-uniform, "
-             f"{c['redundant']} redundant of {found['heads_checked']} query heads, holding "
-             f"{(found['kv_share_total'] or 0):.2%} of KV (not replayed: run attnprof "
-             "validate-heads before acting)"]
-    for f in found["findings"][:limit]:
-        ev = ", ".join(f"{k} {v}" for k, v in f["evidence"].items())
-        twin = "" if f["twin"] is None else f" ~ head {f['twin']}"
-        share = "?" if f["kv_share"] is None else f"{f['kv_share']:.2%}"
-        lines.append(f"  {f['kind']:<12} layer {f['layer']:>3} head {f['head']:>3}{twin}: "
-                     f"KV share {share} ({ev})")
-    if len(found["findings"]) > limit:
-        lines.append(f"  ... {len(found['findings']) - limit} more (--json lists them)")
-    return lines
 
 
 def _r(x: float, nd: int = 4) -> float | None:
