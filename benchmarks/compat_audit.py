@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/compat_audit.json"))
     args = ap.parse_args()
     # After: attnprof's vLLM verdicts are the derived matrix itself, so 0 by construction;
-    # tests/unit/test_vllm_matrix.py regenerates it from vLLM and compares byte for byte.
+    # tests/unit/analyze/test_vllm_matrix.py regenerates it from vLLM and compares byte for byte.
     old = load_old(args.old)
     res = {"old": args.old, "derived_from": vllm_matrix.source_line(),
            "before": audit(old, FA_ROWS), "before_live_report": audit(old, FA_ROW_LIVE),

@@ -55,7 +55,7 @@ def _timed(fn: Any, repeats: int = 7) -> tuple[float, float, float]:
 
 # ----- armed vs unarmed sampled steps -----
 def bench_armed(steps: int = 400, repeats: int = 15) -> dict[str, Any]:
-    from tests.unit.test_aggregate import _capture, _Layer, _run_steps
+    from tests.unit.aggregate.test_aggregate import _capture, _Layer, _run_steps
 
     from attnprof.capture.vllm import worker_rpc
 

@@ -824,7 +824,7 @@ def _mb(x: float) -> str:
 def write_markdown() -> None:
     lines = [MD_BEGIN, "", "## Soak and bounds", "",
              "`benchmarks/soak.py` (raw data: `benchmarks/results/soak_synthetic.json`, "
-             "`benchmarks/results/soak_live.json`; `tests/unit/test_soak.py` runs a 100k "
+             "`benchmarks/results/soak_live.json`; `tests/unit/aggregate/test_soak.py` runs a 100k "
              "version of the synthetic part).", ""]
     if OUT_SYNTH.exists():
         r = json.loads(OUT_SYNTH.read_text())

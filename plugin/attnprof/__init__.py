@@ -20,7 +20,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 __all__ = ["__version__", "instrument", "profile", "set_sampling", "snapshot", "uninstrument"]
 
 # attnprof.capture.transformers.DEFAULT_MAX_RECORDS, spelled here so that `import attnprof`
-# loads no capture code; tests/unit/test_packaging.py keeps the two signatures equal.
+# loads no capture code; tests/unit/project/test_packaging.py keeps the two signatures equal.
 _DEFAULT_MAX_RECORDS = 4096
 
 

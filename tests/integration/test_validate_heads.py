@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from attnprof.cli import main
-from tests.unit.test_underused_heads import BOS, DORMANT, TWINS, build_model
+from tests.unit.analyze.test_underused_heads import BOS, DORMANT, TWINS, build_model
 
 PROMPT_FILE_LINES = 4
 

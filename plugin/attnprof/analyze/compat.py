@@ -156,7 +156,7 @@ def _vllm_markdown() -> list[str]:
     out = ["## vLLM on CUDA (derived from vLLM's own code)", "",
            f"Every cell below is {vllm_matrix.source_line(d)}: `attnprof compat --regenerate` "
            "runs `CudaPlatform.get_valid_backends` and `get_flash_attn_version` with vLLM's "
-           "CUDA platform pinned to each capability, and `tests/unit/test_vllm_matrix.py` "
+           "CUDA platform pinned to each capability, and `tests/unit/analyze/test_vllm_matrix.py` "
            "regenerates it and compares, so a vLLM upgrade that changes a rule fails loudly.",
            "",
            "Cells name the backend vLLM picks without `--attention-backend` and, for "

@@ -5,7 +5,7 @@ Two layers, both pure Python (no torch, no GPU):
   (``data/compat_matrix.json``) and returns exact reasons for a rejection.
 - :func:`predict_sdpa_cuda` ports torch 2.13's CUDA SDPA selector (``sdp_utils.cpp``):
   priority order, per-backend checks, FA3/FA4 implementation switch. On a machine with a GPU,
-  ``tests/unit/test_diag_rules.py`` compares it with ``torch._fused_sdp_choice``.
+  ``tests/unit/analyze/test_diag_rules.py`` compares it with ``torch._fused_sdp_choice``.
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
 def print_summary(report: dict[str, Any], advice: WindowAdvice | AdviceUnavailable,
                   traffic_s: float, startup: float, out: Path) -> None:
     """What the demo prints once its report is written: the snapshot's tables, the traffic,
-    the window advice, the KV verdict and the roofline (tests/unit/test_golden.py checks
+    the window advice, the KV verdict and the roofline (tests/unit/contracts/test_golden.py checks
     its section headings against the demo's)."""
     from attnprof.exporters.terminal import render_snapshot
 

@@ -285,7 +285,7 @@ FAMILIES: dict[str, Family] = {
     "llama4": Family(lambda _i, _c: False), "llama4_text": Family(lambda _i, _c: False),
 }
 """Families whose defaults differ from "every layer windowed when ``sliding_window`` is set",
-read off each ``configuration_*.py`` of transformers 5.x (tests/unit/test_facts.py builds the
+read off each ``configuration_*.py`` of transformers 5.x (tests/unit/facts/test_facts.py builds the
 config classes and checks the reader against the ``layer_types`` they derive)."""
 
 

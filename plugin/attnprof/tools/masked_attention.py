@@ -3,7 +3,7 @@ replay, head edits): causal, the model's own sliding window and padding kept, an
 sinks + window restriction on chosen layers. Registered as a transformers attention function.
 
 Every tensor it creates is made on the input's device (a replay on CUDA must not build its
-position tensors on the CPU); ``tests/unit/test_masked_attention.py`` runs it on the ``meta``
+position tensors on the CPU); ``tests/unit/tools/test_masked_attention.py`` runs it on the ``meta``
 device to prove it.
 """
 

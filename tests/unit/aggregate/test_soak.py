@@ -22,7 +22,7 @@ import pytest
 # `make unit` skips them.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _soak() -> Any:

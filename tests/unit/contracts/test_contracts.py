@@ -23,7 +23,7 @@ from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.schemas import SCHEMA_DIR, render, schemas, stale
 from attnprof.contracts.snapshot import LayerProfile, PhaseStats, RequestStats, Snapshot
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _validate(doc: dict[str, Any], name: str) -> None:
@@ -80,7 +80,7 @@ def _advice(head_stats: bool) -> WindowAdvice:
     from attnprof.analyze.sparsity.recommend import export_summary, recommend
     from attnprof.analyze.sparsity.savings import LengthDistribution
     from attnprof.facts.shape import AttentionShape
-    from tests.unit.test_sparsity_stats import SAMPLE, SCALE, D, build
+    from tests.unit.analyze.test_sparsity_stats import SAMPLE, SCALE, D, build
 
     arch = AttentionShape(2, 2, 2, D, "float32")
     dist = LengthDistribution.from_lengths([40, 100, 256, 300])

@@ -21,7 +21,7 @@ import yaml
 from attnprof.exporters.catalog import CATALOG
 from attnprof.tools import report_queries as rq
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GRAFANA = REPO / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "attnprof.json"
 RULES = GRAFANA / "alerts" / "attnprof-rules.yaml"

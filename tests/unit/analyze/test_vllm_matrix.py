@@ -203,7 +203,7 @@ def test_gpu_check_reads_vllms_own_log_lines() -> None:
     import importlib.util as iu
 
     spec = iu.spec_from_file_location(
-        "gpu_compat_check", Path(__file__).parents[2] / "benchmarks" / "gpu_compat_check.py")
+        "gpu_compat_check", Path(__file__).parents[3] / "benchmarks" / "gpu_compat_check.py")
     assert spec is not None and spec.loader is not None
     mod = iu.module_from_spec(spec)
     spec.loader.exec_module(mod)

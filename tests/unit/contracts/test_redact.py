@@ -186,7 +186,7 @@ def test_a_diff_of_an_old_file_shows_no_key() -> None:
     clear) reaches no diff output (library path; the canary checks the real server's CLI)."""
     from attnprof.contracts.snapshot import Snapshot
     from attnprof.exporters.diff_report import render_markdown, render_text
-    from tests.unit.test_diff import _diff, _snap
+    from tests.unit.analyze.test_diff import _diff, _snap
 
     doc = _snap().to_json()
     doc["provenance"]["command"] = ["serve", "--api-key", "k1-77", "k2-77"]

@@ -51,7 +51,7 @@ from attnprof.config import Config, ConfigError
 from attnprof.environment_variables import VARIABLES, EnvVar
 from attnprof.facts.durations import MAX_SECONDS, UNIT_SECONDS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 URL = "http://127.0.0.1:9"  # never contacted: the network is a marker here
 _CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
@@ -91,7 +91,7 @@ def _make_world(root: Path) -> World:
 
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
     from attnprof.contracts.snapshot import Snapshot
-    from tests.unit.test_contracts import PROFILE_1_0
+    from tests.unit.contracts.test_contracts import PROFILE_1_0
 
     w = World(root)
     for d in ("inp", "out", "work", "home", "ckpt", "emptydir", "multiproc"):

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions  # type: ignore[import-untyped]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 K8S_DIR = REPO / "deploy/k8s"
 COMPOSE = REPO / "deploy/local/compose.yaml"
 PROMETHEUS_COMPOSE = REPO / "deploy/local/prometheus-compose.yml"
@@ -250,7 +250,7 @@ def _check_k8s_multiproc_wiped_at_start(docs: list[Doc]) -> None:
     """The multiprocess emptyDir outlives a container restart in the pod, so the vLLM
     container's own command (it runs at every start; an init container runs once per pod)
     empties it through `attnprof container-start` before execing the server
-    (tests/unit/test_container_start.py restarts that command in place)."""
+    (tests/unit/tools/test_container_start.py restarts that command in place)."""
     spec, vllm = _vllm(docs)
     cmd = vllm.get("command", [])
     assert cmd[:len(_CONTAINER_START)] == _CONTAINER_START, \

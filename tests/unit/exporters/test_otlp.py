@@ -30,7 +30,7 @@ from attnprof.exporters.otlp import (
 from attnprof.exporters.samples import HistogramSample, MetricSample, Sample
 from tests.otlp_receiver import OtlpReceiver, exporter_threads, free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROTOCOLS = ["http/protobuf", "grpc"]
 
 
@@ -470,7 +470,7 @@ def test_sink_inherited_across_fork_builds_its_own_provider() -> None:
 _FORK_ORDER = """
 import os, signal, sys, time
 from tests.otlp_receiver import OtlpReceiver
-from tests.unit.test_otlp import config, lab
+from tests.unit.exporters.test_otlp import config, lab
 from attnprof.exporters import catalog as cat
 from attnprof.exporters.otlp import OtlpSink
 from attnprof.exporters.samples import Sample

@@ -18,7 +18,7 @@ import pytest
 
 from attnprof.cli._common import StopSignals
 from tests.bearer_server import BearerJsonServer
-from tests.unit.test_tensorboard import _snapshot_doc
+from tests.unit.exporters.test_tensorboard import _snapshot_doc
 
 
 @pytest.fixture

@@ -370,7 +370,7 @@ def _enc_dec_profile(cross_kernel: str = "flash_cpu", cross_slow: float = 1.0,
                      seed: int = 0) -> ProfileReport:
     import copy
 
-    from tests.unit.test_contracts import PROFILE_1_0
+    from tests.unit.contracts.test_contracts import PROFILE_1_0
 
     rng = random.Random(seed)
     doc = copy.deepcopy(PROFILE_1_0)

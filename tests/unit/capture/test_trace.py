@@ -20,8 +20,8 @@ from attnprof.capture.vllm import runtime, worker_rpc
 from attnprof.capture.vllm.live_trace import LiveTrace
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_steps
-from tests.unit.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
-from tests.unit.test_endpoint import _app
+from tests.unit.aggregate.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
+from tests.unit.capture.test_endpoint import _app
 
 KEY = "trace-key"
 

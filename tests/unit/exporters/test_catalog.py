@@ -163,7 +163,7 @@ def test_docs_metric_table_is_generated_from_catalog() -> None:
 
     from attnprof.exporters.catalog import markdown_table
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "metrics.md").read_text()
     assert markdown_table() in doc, "regenerate: python -m attnprof.exporters.catalog"
 
 

@@ -44,7 +44,7 @@ def test_every_cited_test_exists() -> None:
 @pytest.mark.slow
 def test_a_citation_that_does_not_exist_is_caught() -> None:
     """The checker itself can fail: a renamed test, a missing file, a missing surface id."""
-    assert _missing("[test: tests/unit/test_redact.py::test_made_up_claim]")
+    assert _missing("[test: tests/unit/contracts/test_redact.py::test_made_up_claim]")
     assert _missing("[test: tests/unit/test_nothing_here.py::test_x]")
     assert _missing("tests/integration/test_privacy_canary.py::test_surface_leaks_nothing[nope]")
     assert not _missing("tests/integration/test_privacy_canary.py::"

@@ -19,7 +19,7 @@ from attnprof.cli import main
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.snapshot import Snapshot
 from tests.bearer_server import BearerJsonServer
-from tests.unit.test_activation_map import live_snapshot, mixed_rows
+from tests.unit.exporters.test_activation_map import live_snapshot, mixed_rows
 
 pytest.importorskip("tensorboard")
 

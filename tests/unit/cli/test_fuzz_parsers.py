@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from attnprof.analyze.sparsity.inputs import InputError
 from attnprof.cli._common import CliError
 from attnprof.contracts.base import ContractError, Document, Record
-from tests.unit.test_cli_errors import RawServer
+from tests.unit.cli.test_cli_errors import RawServer
 
 MAX_LENGTH = 2**31 - 1  # attnprof.cli._common.MAX_LENGTH (checked in test_doc_lengths)
 

@@ -24,7 +24,7 @@ import yaml
 from attnprof.tools.container_start import WipeError, wipe_multiproc_dir
 from tests.conftest import metric_value
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 K8S_MANIFEST = REPO / "deploy/k8s/attnprof-vllm.yaml"
 
 # The server stand-in: what attnprof's export loop writes in vLLM's API-server process, then a

@@ -8,7 +8,7 @@ import pytest
 from attnprof.config import Config, ConfigError
 from attnprof.environment_variables import VARIABLES, markdown_table
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_defaults_when_unset() -> None:

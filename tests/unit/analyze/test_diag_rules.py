@@ -112,7 +112,7 @@ def test_markdown_matrix_lists_every_backend() -> None:
 def test_docs_compat_matrix_is_generated() -> None:
     from pathlib import Path
 
-    doc = Path(__file__).resolve().parents[2] / "docs" / "compat-matrix.md"
+    doc = Path(__file__).resolve().parents[3] / "docs" / "compat-matrix.md"
     assert doc.read_text() == compat.markdown_matrix() + "\n", \
         "regenerate: attnprof compat --markdown --out docs/compat-matrix.md"
 
