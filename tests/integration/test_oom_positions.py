@@ -15,6 +15,7 @@ import torch
 
 from attnprof.analyze import memory, oom
 from attnprof.cli import main
+from attnprof.contracts.profile import ActivationRow
 from attnprof.tools import model_inputs, profile_run
 from tests.integration.model_families import build
 
@@ -78,6 +79,10 @@ def test_validation_skipped_past_learned_positions(
     assert "validation skipped: L=" in text and "beyond the model's maximum context" in text
 
 
+def _amap(prof: dict[str, Any]) -> list[ActivationRow]:
+    return [ActivationRow.from_json(r) for r in prof["activation_map"]]
+
+
 def _floor(prof: dict[str, Any], sites: list[oom.FloorSite] | None, L: int) -> float:
     m, o = prof["model"], prof["oom_prediction"]
     return oom.forward_floor(
@@ -101,7 +106,7 @@ def test_encoder_floor_holds_no_kv_and_no_causal_mask(tmp_path: Path) -> None:
     a causal decoder with L tokens of KV) and below every measured peak."""
     prof = _profiled(tmp_path, "bert", "64,128")
     sites = oom.floor_sites(
-        oom.run_sites(prof["activation_map"], prof["model"]["num_layers"]), False, None)
+        oom.run_sites(_amap(prof), prof["model"]["num_layers"]), False, None)
     assert [s.keeps_kv or s.causal for s in sites] == [False, False]
     for r in prof["scaling"]["by_seq_len"]:
         L = r["seq_len"]
@@ -115,8 +120,8 @@ def test_encoder_decoder_floor_uses_decoder_kv(tmp_path: Path) -> None:
     """BART: the encoder holds no KV; each decoder layer holds ceil(L/2) self KV and L cross
     KV, which is exactly the measured EncoderDecoderCache at the end of the forward."""
     prof = _profiled(tmp_path, "bart", "64,128")
-    run = oom.run_sites(prof["activation_map"], prof["model"]["num_layers"])
-    assert [s["label"] for s in run] == ["encoder.L0", "encoder.L1", "decoder.L0",
+    run = oom.run_sites(_amap(prof), prof["model"]["num_layers"])
+    assert [s.label for s in run] == ["encoder.L0", "encoder.L1", "decoder.L0",
                                         "decoder.L0.cross", "decoder.L1", "decoder.L1.cross"]
     sites = oom.floor_sites(run, True, None)
     assert [(s.causal, s.keeps_kv, s.decoder, s.cross) for s in sites] == [

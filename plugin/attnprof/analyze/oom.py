@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Literal
 
 from attnprof.analyze.memory import (
     AttnShape,
@@ -27,21 +27,34 @@ from attnprof.analyze.memory import (
     model_mask_bytes,
 )
 from attnprof.analyze.scaling import PATHS, eval_poly2, fit_poly2, predict_max
+from attnprof.contracts.profile import (
+    ActivationRow,
+    LayerReport,
+    OomPrediction,
+    Scaling,
+    Validation,
+    WhatIf,
+)
+from attnprof.facts.shape import AttentionShape, layer_label, site_order
 
 __all__ = [
     "CONFIDENCE_RULE",
     "EXTRAPOLATION_LIMIT",
     "FloorSite",
+    "Prediction",
+    "Site",
     "analytic_path",
+    "attention_model_error",
     "confidence",
     "floor_sites",
     "forward_floor",
     "oom_prediction",
     "predict_oom",
-    "run_paths",
     "run_sites",
     "site_causal",
 ]
+
+Confidence = Literal["high", "medium", "low"]
 
 EXTRAPOLATION_LIMIT = 4.0
 """Beyond this extrapolation factor (predicted length / longest measured length) every output
@@ -65,57 +78,45 @@ def analytic_path(kernel: str | None) -> str:
     return "flash_cpu"
 
 
-def run_paths(activation_map: Sequence[dict[str, Any]], num_layers: int) -> list[str]:
-    """The attention path each layer ran for an unpadded prefill (the calls the scaling runs
-    make), from the kernel map; the longest length bucket wins (the dispatcher may change
-    kernel with length). Layers without such a row take their costliest kernel seen."""
-    best: dict[int, tuple[int, str]] = {}
-    seen: dict[int, set[str]] = {}
+@dataclass(frozen=True)
+class Site:
+    """One attention site as it ran (:func:`run_sites`): its stack (None: single-stack
+    model), layer index, kind (self/cross), label (:func:`attnprof.facts.shape.layer_label`)
+    and the memory model's path (:func:`analytic_path`)."""
+
+    stack: str | None
+    layer: int
+    kind: str
+    label: str
+    path: str
+
+
+def run_sites(activation_map: Sequence[ActivationRow], num_layers: int) -> list[Site]:
+    """Each attention site's path, in model order, from the kernel map: for an unpadded
+    prefill (the calls the scaling runs make) the longest length bucket wins (the
+    dispatcher may change kernel with length); a site without such a row takes its
+    costliest kernel seen. Sites are told apart by (stack, layer, kind), so an
+    encoder-decoder's encoder.L0, decoder.L0 and decoder.L0.cross are three sites; a
+    single-stack model without rows for some layers gets them as plain sites."""
+    best: dict[tuple[str | None, int, str], tuple[int, str]] = {}
+    seen: dict[tuple[str | None, int, str], set[str]] = {}
     for r in activation_map:
-        i = int(r["layer_idx"])
-        seen.setdefault(i, set()).add(analytic_path(r.get("kernel")))
-        if r.get("phase") == "prefill" and r.get("mask") == "none":
-            b = int(r.get("length_bucket") or 0)
-            if i not in best or b >= best[i][0]:
-                best[i] = (b, analytic_path(r.get("kernel")))
-    order = {"eager": 0, "math": 1, "flash_cpu": 2}
-    out = []
-    for i in range(num_layers):
-        if i in best:
-            out.append(best[i][1])
-        else:
-            out.append(min(seen.get(i, {"flash_cpu"}), key=order.__getitem__))
-    return out
-
-
-def run_sites(activation_map: Sequence[dict[str, Any]], num_layers: int
-              ) -> list[dict[str, Any]]:
-    """Each attention site's path (as :func:`run_paths`), in model order: ``stack``,
-    ``layer``, ``kind``, ``label`` and ``path``. Sites are told apart by (stack, layer,
-    kind), so an encoder-decoder's encoder.L0, decoder.L0 and decoder.L0.cross are three
-    sites; a single-stack model without rows for some layers gets them as plain sites."""
-    from attnprof.facts.shape import layer_label, site_order
-
-    best: dict[tuple[Any, ...], tuple[int, str]] = {}
-    seen: dict[tuple[Any, ...], set[str]] = {}
-    for r in activation_map:
-        key = (r.get("stack"), int(r["layer_idx"]), r.get("kind") or "self")
-        seen.setdefault(key, set()).add(analytic_path(r.get("kernel")))
-        if r.get("phase") == "prefill" and r.get("mask") == "none":
-            b = int(r.get("length_bucket") or 0)
+        key = (r.stack, int(r.layer_idx), r.kind)
+        seen.setdefault(key, set()).add(analytic_path(r.kernel))
+        if r.phase == "prefill" and r.mask == "none":
+            b = int(r.length_bucket or 0)
             if key not in best or b >= best[key][0]:
-                best[key] = (b, analytic_path(r.get("kernel")))
+                best[key] = (b, analytic_path(r.kernel))
     if not any(k[0] is not None for k in seen):
         for i in range(num_layers):
             seen.setdefault((None, i, "self"), set())
     order = {"eager": 0, "math": 1, "flash_cpu": 2}
     out = []
-    for key in sorted(seen, key=lambda k: site_order(k[0], k[1], k[2])):
-        stack, i, kind = key
-        path = best[key][1] if key in best else min(seen[key] or {"flash_cpu"},
-                                                    key=order.__getitem__)
-        out.append({"stack": stack, "layer": i, "kind": kind,
-                    "label": layer_label(i, stack, kind), "path": path})
+    for site in sorted(seen, key=lambda k: site_order(k[0], k[1], k[2])):
+        stack, i, kind = site
+        path = best[site][1] if site in best else min(seen[site] or {"flash_cpu"},
+                                                      key=order.__getitem__)
+        out.append(Site(stack, i, kind, layer_label(i, stack, kind), path))
     return out
 
 
@@ -172,31 +173,53 @@ def forward_floor(L: int, *, static_bytes: float, batch: int, num_heads: int, nu
 
 
 def confidence(factor: float | None, *, validated: bool = False,
-               model_error: float | None = None) -> str:
+               model_error: float | None = None) -> Confidence:
     """high / medium / low by :data:`CONFIDENCE_RULE`."""
     if factor is None or factor <= 0:
         return "low"
     if validated:
         return "high"
-    levels = ["low", "medium", "high"]
+    levels: list[Confidence] = ["low", "medium", "high"]
     i = 2 if factor <= 2 else (1 if factor <= EXTRAPOLATION_LIMIT else 0)
     if model_error is not None and model_error > 0.10:
         i = max(0, i - 1)
     return levels[i]
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """:func:`predict_oom`'s answer for one attention path."""
+
+    max_seq_len: int
+    """The longest length whose predicted peak fits the budget (0: none)."""
+    predicted_peak_bytes_at_max: float | None
+    analytic_max_seq_len: int
+    """The bound: the longest length the analytic floor alone allows."""
+    fit_max_seq_len: int
+    """The plain ``a + b*L + c*L^2`` fit's answer, for comparison."""
+    extrapolation_factor: float | None
+    extrapolation: bool
+    confidence: Confidence
+    note: str | None = None
+
+    def what_if(self) -> WhatIf:
+        """profile.json's ``if_attention_path`` entry for this prediction."""
+        return WhatIf(self.max_seq_len, self.extrapolation_factor, self.extrapolation,
+                      self.confidence, self.analytic_max_seq_len,
+                      self.predicted_peak_bytes_at_max)
+
+
 def predict_oom(lengths: Sequence[int], peaks: Sequence[float], budget: float,
                 floor: Callable[[int], float], *,
                 attention_peaks: Sequence[float] | None = None,
-                model_error: float | None = None, hi: int = 1 << 24) -> dict[str, Any]:
+                model_error: float | None = None, hi: int = 1 << 24) -> Prediction:
     """The longest length whose predicted peak fits ``budget``, never past what the analytic
     ``floor`` allows.
 
     ``peaks``: measured peak bytes per length (whole forward, or one call); ``attention_peaks``:
-    what was held at the highest attention call of each forward (default ``peaks``). Returns
-    ``max_seq_len``, ``predicted_peak_bytes_at_max``, ``analytic_max_seq_len`` (the bound),
-    ``fit_max_seq_len`` (the plain ``a + b*L + c*L^2`` fit's answer, for comparison),
-    ``extrapolation_factor``, ``extrapolation``, ``confidence`` and a ``note``.
+    what was held at the highest attention call of each forward (default ``peaks``). The
+    :class:`Prediction` carries the bound, the plain fit's answer, the extrapolation factor,
+    the confidence and a note when the plain fit would go past the bound.
     """
     xs = [int(x) for x in lengths]
     att = list(attention_peaks) if attention_peaks is not None else list(peaks)
@@ -214,20 +237,18 @@ def predict_oom(lengths: Sequence[int], peaks: Sequence[float], budget: float,
     fit_only = predict_max(plain, budget, hi=hi)
     longest = max(xs)
     factor = round(L / longest, 2) if L else None
-    out: dict[str, Any] = {
-        "max_seq_len": L, "predicted_peak_bytes_at_max": est(L) if L else None,
-        "analytic_max_seq_len": bound, "fit_max_seq_len": fit_only,
-        "extrapolation_factor": factor,
-        "extrapolation": bool(factor is not None and factor > EXTRAPOLATION_LIMIT),
-        "confidence": confidence(factor, model_error=model_error), "note": None,
-    }
+    note = None
     if fit_only > bound:
         c_need = (floor(2 * longest) - 2 * floor(longest) + floor(0)) / (2.0 * longest**2)
-        out["note"] = (
+        note = (
             f"the fit of the measured peaks alone (L^2 term {plain['c']:.1f} B/token^2 from "
             f"{len(xs)} lengths) would allow {fit_only:,} tokens, which the analytic model "
             f"rules out: the attention path must hold ~{c_need:.1f} B/token^2")
-    return out
+    return Prediction(
+        max_seq_len=L, predicted_peak_bytes_at_max=est(L) if L else None,
+        analytic_max_seq_len=bound, fit_max_seq_len=fit_only, extrapolation_factor=factor,
+        extrapolation=bool(factor is not None and factor > EXTRAPOLATION_LIMIT),
+        confidence=confidence(factor, model_error=model_error), note=note)
 
 
 def site_causal(stack: str | None, kind: str, causal: bool) -> bool:
@@ -236,116 +257,122 @@ def site_causal(stack: str | None, kind: str, causal: bool) -> bool:
     return kind == "self" and stack != "encoder" and (stack == "decoder" or causal)
 
 
-def floor_sites(sites: list[dict[str, Any]], causal: bool,
-                 windows: list[int | None] | None) -> list[FloorSite]:
+def floor_sites(sites: Sequence[Site], causal: bool,
+                windows: Sequence[int | None] | None) -> list[FloorSite]:
     """The floor's view of each site: the causal ones and cross-attention write a KV cache
     (a decoder's); encoder layers (BERT, ViT, an encoder-decoder's encoder) hold none."""
     out = []
     for s in sites:
-        c = site_causal(s["stack"], s["kind"], causal)
-        w = windows[s["layer"]] if s["stack"] is None and windows and \
-            s["layer"] < len(windows) else None
-        out.append(FloorSite(s["path"], causal=c, keeps_kv=c or s["kind"] == "cross",
-                                     decoder=s["stack"] == "decoder",
-                                     cross=s["kind"] == "cross", window=w))
+        c = site_causal(s.stack, s.kind, causal)
+        w = windows[s.layer] if s.stack is None and windows and \
+            s.layer < len(windows) else None
+        out.append(FloorSite(s.path, causal=c, keeps_kv=c or s.kind == "cross",
+                             decoder=s.stack == "decoder", cross=s.kind == "cross",
+                             window=w))
     return out
 
 
-def oom_prediction(sc: dict[str, Any], per_len: dict[int, dict[str, Any]], static: int,
-                   shape: dict[str, Any], dtype: str, *, budget: int, batch: int,
-                   threads: int, available_bytes: int, validate: bool = True,
-                   validate_max_seconds: float = 120.0,
-                   amap: list[dict[str, Any]] | None = None,
-                   layers: list[dict[str, Any]] | None = None, causal: bool = True,
-                   decoder_len: Callable[[int], int] | None = None) -> dict[str, Any]:
+def attention_model_error(layers: Sequence[LayerReport]) -> float | None:
+    """How far the analytic attention model is from the measured per-layer peaks on the
+    paths they ran: the largest relative error (None: nothing measured)."""
+    errs = [float(p.rel_error) for lay in layers for p in lay.memory.attention_peak
+            if p.rel_error is not None]
+    return max(errs) if errs else None
+
+
+def oom_prediction(sc: Scaling, static: int, shape: AttentionShape, dtype: str, *,
+                   budget: int, batch: int, threads: int, available_bytes: int,
+                   validate: bool = True, validate_max_seconds: float = 120.0,
+                   amap: Sequence[ActivationRow] = (), model_error: float | None = None,
+                   causal: bool = True,
+                   decoder_len: Callable[[int], int] | None = None) -> OomPrediction:
     """profile.json's ``oom_prediction`` (before the validation run): the longest length
     whose predicted peak fits ``budget`` (:func:`predict_oom` over the analytic floor of the
     sites as they ran, from the kernel map ``amap``), the max batch per measured length, the
     what-ifs with every site on another path, and whether a validation run is affordable
     (``available_bytes``: free memory now; ``validate_max_seconds``: the longest forward
-    allowed). ``sc``: :func:`attnprof.analyze.scaling.scaling_summary`; ``per_len``: its runs
-    per length; ``shape``: profile.json's ``model`` fields; ``threads``: intra-op threads of
-    the runs; ``decoder_len``: an encoder-decoder's decoder length per encoder length.
-    ``_model_error`` is left in the result for the caller's validated confidence."""
+    allowed). ``sc``: :func:`attnprof.analyze.scaling.scaling_summary` (its runs per length
+    and the forward-time fit); ``shape``: the model's attention shape (``dtype`` is the one
+    it ran in); ``threads``: intra-op threads of the runs; ``model_error``:
+    :func:`attention_model_error`; ``decoder_len``: an encoder-decoder's decoder length per
+    encoder length."""
     B = batch
     # Per site (stack, layer, kind): an encoder-decoder's encoder.L0, decoder.L0 and
     # decoder.L0.cross are three sites with their own paths, masks and KV.
-    sites = run_sites(amap or [], int(shape["num_layers"]))
-    paths = [s["path"] for s in sites]
+    sites = run_sites(amap, shape.num_layers)
+    paths = [s.path for s in sites]
     by_path: dict[str, list[int]] = {}
     by_site: dict[str, list[str]] = {}
     for s in sites:
-        if s["layer"] not in by_path.setdefault(s["path"], []):
-            by_path[s["path"]].append(s["layer"])
-        by_site.setdefault(s["path"], []).append(s["label"])
-    out: dict[str, Any] = {
-        "memory_budget_bytes": budget, "batch_size": B, "static_bytes": static,
-        "method": (
+        if s.layer not in by_path.setdefault(s.path, []):
+            by_path[s.path].append(s.layer)
+        by_site.setdefault(s.path, []).append(s.label)
+    out = OomPrediction(
+        memory_budget_bytes=budget, batch_size=B, static_bytes=static,
+        method=(
             "largest L whose predicted peak fits the budget; predicted peak = max(analytic "
             "floor(L) + fitted remainder of the attention-moment peaks, linear fit of the "
             "forward peaks); floor = weights + KV cache + each layer's modeled attention peak "
             "on the path it ran (kernel map) + eager's mask. Never past the analytic bound."),
-        "attention_paths": by_path, "attention_sites": by_site,
-        "extrapolation_limit": EXTRAPOLATION_LIMIT,
-        "confidence_rule": CONFIDENCE_RULE}
-    Ls = sorted(per_len)
+        attention_paths=by_path, attention_sites=by_site,
+        extrapolation_limit=EXTRAPOLATION_LIMIT, confidence_rule=CONFIDENCE_RULE)
+    runs = sorted(sc.by_seq_len, key=lambda r: r.seq_len)
+    Ls = [r.seq_len for r in runs]
     if len(Ls) < 2:
-        out.update(max_seq_len=None, note="need at least two --seq-lens to fit")
-        return out
+        return replace(out, max_seq_len=None, note="need at least two --seq-lens to fit")
     if static >= budget:
-        out.update(max_seq_len=0, note="the weights alone exceed the budget",
-                   confidence="high", extrapolation=False)
-        return out
-    peaks = [float(per_len[L]["peak_total_bytes"]) for L in Ls]
-    held = [per_len[L].get("attention_peak_total_bytes") for L in Ls]
+        return replace(out, max_seq_len=0, note="the weights alone exceed the budget",
+                       confidence="high", extrapolation=False)
+    peaks = [float(r.peak_total_bytes) for r in runs]
+    held = [r.attention_peak_total_bytes for r in runs]
     att = None if any(h is None for h in held) else [float(h or 0) for h in held]
-    # How far the analytic attention model is from the measured per-layer peaks (run paths).
-    errs = [float(p["rel_error"]) for lay in (layers or [])
-            for p in lay.get("memory", {}).get("attention_peak", [])
-            if p.get("rel_error") is not None]
-    model_error = max(errs) if errs else None
-    windows = shape.get("layer_windows") or None
-
-    fsites = floor_sites(sites, causal, windows)
+    fsites = floor_sites(sites, causal, list(shape.layer_windows) or None)
 
     def floor_for(layer_paths: list[str]) -> Callable[[int], float]:
         run = [replace(f, path=p) for f, p in zip(fsites, layer_paths, strict=True)]
         return lambda x: forward_floor(
-            x, static_bytes=static, batch=B, num_heads=shape["num_heads"],
-            num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], dtype=dtype,
+            x, static_bytes=static, batch=B, num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=dtype,
             sites=run, threads=threads, decoder_len=decoder_len)
 
     head = predict_oom(Ls, peaks, budget, floor_for(paths), attention_peaks=att,
                        model_error=model_error)
-    out.update(head)
-    Lmax = int(head["max_seq_len"])
-    # Max batch at each measured length: activations scale ~linearly with batch.
-    out["max_batch_by_seq_len"] = {
-        str(L): max(0, int((budget - static) // max(1, (r["peak_total_bytes"] - static) / B)))
-        for L, r in sorted(per_len.items())}
+    Lmax = int(head.max_seq_len)
     # What-if: every layer on another path; the rest of the forward as measured.
     rest = [a - floor_for(paths)(x) for x, a in zip(Ls, att or peaks, strict=True)]
-    what_if: dict[str, Any] = {}
+    what_if: dict[str, WhatIf] = {}
     for path in PATHS:
         if set(paths) == {path}:
             continue
         fl = floor_for([path] * len(paths))
-        w = predict_oom(Ls, peaks, budget, fl,
-                        attention_peaks=[fl(x) + r for x, r in zip(Ls, rest, strict=True)])
-        what_if[path] = {k: w[k] for k in ("max_seq_len", "extrapolation_factor",
-                                           "extrapolation", "confidence",
-                                           "analytic_max_seq_len",
-                                           "predicted_peak_bytes_at_max")}
-    out["if_attention_path"] = what_if
-    est_t = eval_poly2(sc["fits"]["forward_time_s"], Lmax) if Lmax else math.inf
+        what_if[path] = predict_oom(
+            Ls, peaks, budget, fl,
+            attention_peaks=[fl(x) + r for x, r in zip(Ls, rest, strict=True)]).what_if()
+    est_t = eval_poly2(_coefs(sc, "forward_time_s"), Lmax) if Lmax else math.inf
     affordable = (validate and Lmax > 0 and est_t <= validate_max_seconds
-                  and float(head["predicted_peak_bytes_at_max"]) - static
+                  and float(head.predicted_peak_bytes_at_max or 0) - static
                   < 0.5 * available_bytes)
-    out["validation"] = {"planned": affordable, "estimated_forward_s": est_t if Lmax else None}
+    validation = Validation(planned=affordable,
+                            estimated_forward_s=est_t if Lmax else None)
     if not affordable:
-        out["validation"]["skipped"] = (
+        validation.skipped = (
             "disabled (--no-validate)" if not validate else
             f"running at L={Lmax} is not affordable here (estimated {est_t:.0f} s forward, "
             f"limit {validate_max_seconds:.0f} s, or over half the free memory)")
-    out["_model_error"] = model_error
-    return out
+    return replace(
+        out, max_seq_len=head.max_seq_len, note=head.note,
+        predicted_peak_bytes_at_max=head.predicted_peak_bytes_at_max,
+        # Max batch at each measured length: activations scale ~linearly with batch.
+        max_batch_by_seq_len={
+            str(r.seq_len): max(0, int((budget - static)
+                                       // max(1, (r.peak_total_bytes - static) / B)))
+            for r in runs},
+        if_attention_path=what_if, validation=validation,
+        extrapolation_factor=head.extrapolation_factor, extrapolation=head.extrapolation,
+        confidence=head.confidence, analytic_max_seq_len=head.analytic_max_seq_len,
+        fit_max_seq_len=head.fit_max_seq_len)
+
+
+def _coefs(sc: Scaling, name: str) -> dict[str, float]:
+    f = sc.fits[name]
+    return {"a": f.a, "b": f.b, "c": f.c}

