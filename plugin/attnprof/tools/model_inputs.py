@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-__all__ = ["Kind", "can_run", "check_positions", "check_seq_lens", "decoder_len",
-           "forward_kwargs", "inputs_note", "model_kind", "patch_grid", "position_limit"]
+__all__ = ["Kind", "can_run", "check_positions", "check_seq_lens", "decoder_len", "forward",
+           "forward_kwargs", "inputs_note", "model_kind", "patch_grid", "position_limit",
+           "random_ids"]
 
 Kind = Literal["text", "encoder_decoder", "vision"]
 
@@ -137,3 +138,20 @@ def inputs_note(cfg: Any) -> str:
         return ("random token ids (no text): the encoder reads seq_len tokens, the decoder "
                 "ceil(seq_len / 2); cross-attention's KV length is the encoder's")
     return "random token ids (no text)"
+
+
+def random_ids(vocab: int, batch: int, length: int, seed: int = 0) -> Any:
+    """``[batch, length]`` token ids drawn uniformly from the vocabulary (no text: attention
+    cost does not depend on token values), reproducible by ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(1, vocab), (batch, length), generator=g)
+
+
+def forward(model: Any, ids: Any, mask: Any = None) -> Any:
+    """One no-grad forward of ``model`` on ``ids`` with the family's inputs."""
+    import torch
+
+    with torch.no_grad():
+        return model(**forward_kwargs(model, ids, mask))

@@ -28,18 +28,16 @@ from attnprof.contracts.profile import (
     LayerReport,
     LayerTiming,
     LengthResult,
-    OomPrediction,
     PeakRow,
     ProfileModel,
     ProfileReport,
     Reason,
     RunInfo,
     ShapeClass,
-    Validation,
 )
 from attnprof.facts.kv import kv_bytes_per_token
 from attnprof.facts.shape import AttentionShape
-from attnprof.tools import memory_measure, model_inputs, provenance, scaling_bench
+from attnprof.tools import memory_measure, model_inputs, oom_validate, provenance, scaling_bench
 from attnprof.tools.profile_trace import TRACE_PREFIX, Forward, write_trace
 
 __all__ = ["ProfileOptions", "environment", "run_profile"]
@@ -141,20 +139,6 @@ def _vocab(shape: AttentionShape) -> int:
     return int(shape.vocab_size or 0)
 
 
-def _ids(vocab: int, batch: int, length: int, seed: int = 0) -> Any:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, max(1, vocab), (batch, length), generator=g)
-
-
-def _forward(model: Any, ids: Any, mask: Any = None) -> Any:
-    import torch
-
-    with torch.no_grad():
-        return model(**model_inputs.forward_kwargs(model, ids, mask))
-
-
 def _static_bytes(model: Any) -> int:
     return int(sum(p.numel() * p.element_size() for p in model.parameters())
                + sum(b.numel() * b.element_size() for b in model.buffers()))
@@ -183,14 +167,14 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     try:
         # 1) Shape classes: padded prefill and decode, short, for the activation map.
         small = max(8, min(64, min(opts.seq_lens)))
-        ids = _ids(vocab, 2, small)
+        ids = model_inputs.random_ids(vocab, 2, small)
         mask = torch.ones_like(ids)
         mask[1, : small // 4] = 0  # left padding on row 2
         with prof.tag(padded=True):
-            _forward(model, ids, mask)
+            model_inputs.forward(model, ids, mask)
         if is_causal_lm:
             with prof.tag(padded=False), torch.no_grad():
-                model.generate(_ids(vocab, 1, small), max_new_tokens=2,
+                model.generate(model_inputs.random_ids(vocab, 1, small), max_new_tokens=2,
                                do_sample=False, pad_token_id=0)
         say("shape classes")
 
@@ -203,11 +187,11 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
         layer_time: dict[str, dict[int, list[float]]] = {}
         layer_peak: dict[str, dict[int, int]] = {}
         for L in opts.seq_lens:
-            ids = _ids(vocab, B, L, seed=L)
+            ids = model_inputs.random_ids(vocab, B, L, seed=L)
             with prof.tag(padded=False, seq_len=L, run="memory"), \
                     memory_measure.memory_profile() as tp:
                 f0, s0 = len(prof.records), time.perf_counter_ns()
-                out = _forward(model, ids)
+                out = model_inputs.forward(model, ids)
                 forwards.append(Forward(f"forward L={L} (memory profile)", s0,
                                          time.perf_counter_ns(), f0, len(prof.records)))
             total_peak, ranges = memory_measure.peak_in_ranges(tp, TRACE_PREFIX)
@@ -226,7 +210,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
                 with prof.tag(padded=False, seq_len=L, run=f"time{r}"):
                     f0, s0 = len(prof.records), time.perf_counter_ns()
                     t0 = time.perf_counter()
-                    _forward(model, ids)
+                    model_inputs.forward(model, ids)
                     times.append(time.perf_counter() - t0)
                     forwards.append(Forward(f"forward L={L} (time{r})", s0,
                                              time.perf_counter_ns(), f0, len(prof.records)))
@@ -292,7 +276,7 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     # Memory is not the only limit: past the model's trained positions the prediction says
     # what memory allows, not a length the model can serve.
     pred.model_max_context = shape.max_position_embeddings
-    _validate_prediction(pred, model, cfg, vocab, B, static, model_error, say)
+    oom_validate.validate_prediction(pred, model, cfg, vocab, B, static, model_error, say)
     adv = advice_mod.advise(amap, {"time_s": bench.time_s, "peak_bytes": bench.peak_bytes})
     if not adv:
         adv = [{"reason": "none", "message": "every attention call ran a fused kernel",
@@ -320,40 +304,6 @@ def run_profile(opts: ProfileOptions) -> ProfileReport:
     )
 
 
-def _validate_prediction(pred: OomPrediction, model: Any, cfg: Any, vocab: int, B: int,
-                         static: int, model_error: float | None,
-                         say: Callable[[str], None]) -> None:
-    """Run the model at the predicted maximum length when the prediction planned it and the
-    model can take that length; ``pred.validation`` and ``pred.confidence`` say how it
-    went (a failed run is a skipped validation, never a traceback)."""
-    if pred.validation is None or not pred.validation.planned:
-        return
-    length = int(pred.max_seq_len or 0)
-    if not model_inputs.can_run(cfg, length):
-        pred.validation = Validation(planned=False, skipped=(
-            f"a vision model's sequence is n^2 patches + 1; L={pred.max_seq_len} is not "
-            "one, so it cannot be run as predicted"))
-        return
-    positions = model_inputs.position_limit(model)
-    if positions is not None and length > positions:
-        pred.validation = Validation(planned=False, skipped=(
-            f"L={pred.max_seq_len} is past the model's {positions} learned absolute "
-            "positions, so it cannot be run as predicted"))
-        return
-    say(f"validating at L={length}")
-    try:
-        v = pred.validation = _validate(model, vocab, B, length, static, pred)
-    except Exception as exc:  # a minutes-long profile never ends in a traceback here
-        msg = (str(exc).strip().splitlines() or [""])[0][:200]
-        pred.validation = Validation(planned=False, skipped=(
-            f"the run at L={length} failed: {type(exc).__name__}: {msg}"))
-        return
-    pred.confidence = oom.confidence(
-        pred.extrapolation_factor,
-        validated=bool(v.fits_budget and (v.rel_error or 0.0) <= 0.05),
-        model_error=model_error)
-
-
 def _decode_steps(prof: Any, model: Any, vocab: int, B: int, L: int,
                   steps: int) -> None:
     """``steps`` greedy decode steps after a length-``L`` prefill (tagged ``run=decode``;
@@ -361,9 +311,9 @@ def _decode_steps(prof: Any, model: Any, vocab: int, B: int, L: int,
     attention over a real KV cache."""
     import torch
 
-    ids = _ids(vocab, B, L, seed=3)
+    ids = model_inputs.random_ids(vocab, B, L, seed=3)
     with prof.tag(padded=False, seq_len=L, run="decode_prefill"):
-        out = _forward(model, ids)
+        out = model_inputs.forward(model, ids)
     cache = out.past_key_values
     nxt = out.logits[:, -1:].argmax(-1)
     del out
@@ -497,19 +447,3 @@ def _layers(prof: Any, shape: AttentionShape, dtype: str,
                 kv_cache_bytes_per_token_per_query_head=float(kv["per_query_head"]),
                 attention_peak=mem_rows)))
     return out
-
-
-def _validate(model: Any, vocab: int, B: int, L: int, static: int,
-              pred: OomPrediction) -> Validation:
-    """The run at the predicted maximum length ``L``: its measured peak against ``pred``."""
-    ids = _ids(vocab, B, L, seed=7)
-    t0 = time.perf_counter()
-    out, extra = memory_measure.measure_peak(lambda: _forward(model, ids))
-    del out
-    measured = int(static + extra)
-    predicted = float(pred.predicted_peak_bytes_at_max or 0.0)
-    return Validation(
-        planned=True, seq_len=L, measured_peak_bytes=measured, predicted_peak_bytes=predicted,
-        rel_error=round(memory.rel_err(predicted, measured), 4),
-        fits_budget=measured <= pred.memory_budget_bytes,
-        seconds=round(time.perf_counter() - t0, 2))
