@@ -9,8 +9,9 @@ Two ways out, one per prometheus_client mode:
   ``Counter``/``Gauge``/``Histogram`` per catalog metric (created on its first sample) and a
   child per label set, and drives them through ``inc``/``set``. A histogram's bucket-count
   deltas have no public setter (``observe`` takes one value, and the sink only has counts and
-  a sum), so :func:`_advance_histogram` is the one place that writes prometheus_client's
-  per-bucket values.
+  a sum), so a histogram child is :class:`_MultiprocessHistogram`: the per-bucket and sum
+  values made as prometheus_client's ``Histogram`` makes them (``values.ValueClass``, the same
+  file keys), added to through their own ``inc``; no private field is written.
 * Otherwise the sink writes to a registry (default: the global one, which vLLM serves in
   single-process mode) through one :class:`RegistryCollector` per registry, whose
   ``collect()`` yields Counter/Gauge/HistogramMetricFamily from the values the sinks hold:
@@ -301,35 +302,36 @@ class PrometheusSink:
         if self._collector is not None:
             self._collector.advance(smp.metric, smp.labels, st, last)
         else:
-            _advance_histogram(self._child(smp.metric, smp.labels, st.bounds), st, last)
+            hist = self._children.get((smp.metric, smp.labels))
+            if hist is None:
+                hist = self._children[(smp.metric, smp.labels)] = _MultiprocessHistogram(
+                    smp.metric, smp.labels, st.bounds)
+            hist.advance(st, last)
         self._totals[key] = st
 
-    def _child(self, m: MetricSpec, labels: Labels,
-               buckets: tuple[float, ...] | None = None) -> Any:
+    def _child(self, m: MetricSpec, labels: Labels) -> Any:
         child = self._children.get((m, labels))
         if child is None:
             metric = self._metrics.get(m)
             if metric is None:
-                metric = self._metrics[m] = self._create(m, buckets)
+                metric = self._metrics[m] = self._create(m)
             child = metric.labels(**dict(labels)) if labels else metric
             self._children[(m, labels)] = child
         return child
 
-    def _create(self, s: MetricSpec, buckets: tuple[float, ...] | None) -> Any:
+    def _create(self, s: MetricSpec) -> Any:
+        """A counter's or gauge's prometheus_client object (histograms:
+        :class:`_MultiprocessHistogram`)."""
         pc = self._pc
         kw: dict[str, Any] = {"labelnames": s.labels, "registry": None}
         if s.kind == "counter":
             return pc.Counter(s.base_name, s.help, **kw)
-        if s.kind == "gauge":
-            return pc.Gauge(s.base_name, s.help, multiprocess_mode=s.multiprocess_mode, **kw)
-        if buckets is not None:
-            kw["buckets"] = list(buckets)
-        return pc.Histogram(s.base_name, s.help, **kw)
+        return pc.Gauge(s.base_name, s.help, multiprocess_mode=s.multiprocess_mode, **kw)
 
     def create_all(self) -> None:
         """Create every label-free catalog metric so it shows up (at zero) before traffic."""
         for s in CATALOG:
-            if not s.labels:
+            if not s.labels and s.kind != "histogram":
                 if self._collector is not None:
                     self._collector.ensure(s)
                 else:
@@ -343,14 +345,31 @@ class PrometheusSink:
             multiprocess.mark_process_dead(pid)
 
 
-def _advance_histogram(child: Any, st: HistogramState, last: HistogramState | None) -> None:
-    """Multiprocess mode: add a state's bucket-count and sum deltas to a prometheus_client
-    histogram child. Its public API only observes single values, and the sink has counts and
-    a sum, not the values; this is the one write to its per-bucket values (``_buckets``, one
-    per bound and +Inf, not cumulative: the layout of :class:`HistogramState`) and ``_sum``,
-    pinned by the multiprocess histogram test."""
-    prev = last.counts if last is not None else (0,) * len(st.counts)
-    for i, (new, old) in enumerate(zip(st.counts, prev, strict=True)):
-        if new > old:
-            child._buckets[i].inc(new - old)
-    child._sum.inc(st.sum - (last.sum if last is not None else 0.0))
+class _MultiprocessHistogram:
+    """Multiprocess mode: one histogram child's values, made exactly as prometheus_client's
+    ``Histogram`` makes them (``values.ValueClass`` per bucket, one per bound and +Inf, and one
+    for the sum: the same keys in the same ``histogram_<pid>.db`` file, so
+    ``MultiProcessCollector`` reads them alike). The sink adds the bucket-count and sum deltas
+    of a :class:`HistogramState`, which ``Histogram.observe`` (one value at a time) cannot."""
+
+    def __init__(self, s: MetricSpec, labels: Labels, bounds: tuple[float, ...]) -> None:
+        from prometheus_client import values
+        from prometheus_client.utils import floatToGoString
+
+        names = tuple(s.labels)
+        given = dict(labels)
+        vals = tuple(str(given[n]) for n in names)
+        self.buckets = [values.ValueClass("histogram", s.base_name, s.base_name + "_bucket",
+                                          (*names, "le"), (*vals, floatToGoString(b)), s.help)
+                        for b in (*bounds, float("inf"))]
+        self.sum = values.ValueClass("histogram", s.base_name, s.base_name + "_sum", names,
+                                     vals, s.help)
+
+    def advance(self, st: HistogramState, last: HistogramState | None) -> None:
+        prev = last.counts if last is not None else (0,) * len(st.counts)
+        for value, new, old in zip(self.buckets, st.counts, prev, strict=True):
+            if new > old:
+                value.inc(new - old)
+        self.sum.inc(st.sum - (last.sum if last is not None else 0.0))
+
+
