@@ -177,7 +177,7 @@ def from_files(paths: list[Path], replicas: int | None,
             snaps.append((p, data["snapshot"], wa))
         elif kind == "attnprof.snapshot":
             snaps.append((p, data, None))
-        elif kind == "attnprof.profile" or (isinstance(data, dict) and tag == 1):
+        elif kind == "attnprof.profile":
             if profile is not None:
                 raise ReportInputError(f"{p}: a second profile (give at most one)")
             try:
