@@ -211,13 +211,15 @@ class PrometheusServer:
         """Poll (never sleep blindly): the first scrape lands ~6 s after start."""
         import time
 
+        from attnprof.tools.http import HttpError
+
         deadline = time.monotonic() + timeout
         while True:
             try:
                 res = self.query(expr)
                 if res:
                     return res
-            except OSError:
+            except HttpError:  # not listening yet
                 pass
             if time.monotonic() > deadline:
                 raise AssertionError(f"no Prometheus data for {expr!r} after {timeout} s")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.tools.http import get_text, post_json
+from attnprof.tools.http import HttpError, get_text, post_json
 from tests.conftest import PrometheusServer, free_port, metric_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
@@ -63,7 +63,7 @@ def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(HttpError):  # not listening yet
             if "attnprof_" in get_text(base + "/metrics"):
                 return
         time.sleep(1.0)

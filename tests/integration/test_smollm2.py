@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from attnprof.capture.vllm.runtime import pid_alive
-from attnprof.tools.http import get_text, post_json
+from attnprof.tools.http import HttpError, get_text, post_json
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
@@ -82,7 +82,7 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
             try:
                 get_text(base + "/health", timeout=2)
                 break
-            except OSError:
+            except HttpError:  # not listening yet
                 assert time.monotonic() < deadline, "server not ready"
                 time.sleep(1)
         out = post_json(base + "/v1/chat/completions", {
