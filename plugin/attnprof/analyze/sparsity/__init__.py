@@ -1,7 +1,8 @@
 """Sliding-window and sparse-attention advice from traffic and sampled attention statistics.
 
-Pure analysis (numpy); torch and transformers are imported lazily by the parts that need
-them (:mod:`.stats` updates, :mod:`.replay`).
+Pure analysis (numpy, no torch): the statistics it reads are folded by
+:mod:`attnprof.capture.head_rows` (the torch side), replays run in :mod:`attnprof.tools.replay`.
+Results are typed (:mod:`.results`) and become JSON only at ``to_json()`` / ``export_summary``.
 """
 
 from __future__ import annotations
