@@ -302,7 +302,7 @@ def test_prometheus_url_answers(raw: RawServer, answer: bytes) -> None:
     _expect(lambda: query_prometheus(raw.url, timeout=5), InputError)
 
 
-@settings(max_examples=80, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(answer=_http_answers())
 def test_post_json_answers(raw: RawServer, answer: bytes) -> None:
