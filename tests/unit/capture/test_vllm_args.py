@@ -31,7 +31,7 @@ def test_032_impl_call_reads_every_position() -> None:
                              output_block_scale=None)
     call = vargs.VLLM_0_32.impl_call(a, k)
     assert call == vargs.ImplCall("layer", "q", "k", "v", "kv", md)
-    assert vargs.VLLM_0_32.attn_metadata(a, k) is md
+    assert call.attn_metadata is md
 
 
 def test_032_impl_call_by_keyword_and_dummy_runs() -> None:
@@ -39,7 +39,7 @@ def test_032_impl_call_by_keyword_and_dummy_runs() -> None:
                              output="o")
     call = vargs.VLLM_0_32.impl_call(a, k)
     assert (call.kv_cache, call.attn_metadata) == ("kv", None)  # None: warm-up, not timed
-    assert vargs.VLLM_0_32.attn_metadata(a, k) is None
+    assert vargs.VLLM_0_32.impl_call(a, k).attn_metadata is None
     assert vargs.VLLM_0_32.impl_call((), {}) == vargs.ImplCall(None, None, None, None, None,
                                                                 None)
 
@@ -50,7 +50,7 @@ def test_032_step_tokens() -> None:
     assert ad.step_tokens((), {"input_ids": None, "inputs_embeds": _Tokens(5)}) == 5
     assert ad.step_tokens((_Tokens(4),), {}) == 4
     assert ad.step_tokens((), {}) == 0
-    assert ad.step_input_ids({"input_ids": "ids"}) == "ids"
+    assert {"input_ids": "ids"}.get(ad.step_ids_key) == "ids"
 
 
 def test_version_lookup() -> None:

@@ -61,15 +61,11 @@ class VllmArgs:
         vals = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
         return ImplCall(*vals)
 
-    def attn_metadata(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Just the call's attention metadata (None: a warm-up/dummy run)."""
-        i = self.impl_forward.index("attn_metadata")
-        return args[i] if len(args) > i else kwargs.get("attn_metadata")
-
-    def step_input_ids(self, kwargs: dict[str, Any]) -> Any:
-        """The step's ``input_ids`` when passed by keyword, as vLLM does (the step hook's
-        fast path reads only this)."""
-        return kwargs.get("input_ids")
+    @property
+    def step_ids_key(self) -> str:
+        """The keyword of ``_model_forward``'s token ids, as vLLM passes them: the step hook's
+        unsampled path reads ``kwargs.get(key)`` itself (no call per step)."""
+        return self.model_forward[0]
 
     def step_tokens(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Tokens scheduled in a ``_model_forward`` call: the length of ``input_ids``, else

@@ -474,7 +474,7 @@ def step_hook(cap: Capture, orig_fwd: Any) -> Any:
     sampler = cap.sampler
     slow = cap.model_forward
     long_on, long_tokens = cap.long_on, sampler.long_tokens
-    input_ids = cap.args.step_input_ids  # the adapter's read, bound once
+    ids_key = cap.args.step_ids_key  # the adapter names it; read inline per step
 
     @functools.wraps(orig_fwd)
     def _model_forward(runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -489,7 +489,7 @@ def step_hook(cap: Capture, orig_fwd: Any) -> Any:
                 out = orig_fwd(runner, *args, **kwargs)
                 cap.seen += 1
                 return out
-            x = input_ids(kwargs)
+            x = kwargs.get(ids_key)
             if x is not None and x.shape[0] < long_tokens:
                 out = orig_fwd(runner, *args, **kwargs)
                 cap.seen += 1
