@@ -24,8 +24,11 @@ def ranges_text(values: Iterable[int], sep: str = ",", dash: str = "-",
                 prefix: str = "") -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``sep``, ``dash`` and a ``prefix`` before each bound,
     e.g. ``L0``, en dash, ``L2`` for the report); ``""`` for none."""
-    return sep.join(f"{prefix}{a}{dash}{prefix}{b}" if b > a else f"{prefix}{a}"
-                    for a, b in runs(values))
+    return _join(runs(values), sep, dash, prefix)
+
+
+def _join(rs: list[tuple[int, int]], sep: str = ",", dash: str = "-", prefix: str = "") -> str:
+    return sep.join(f"{prefix}{a}{dash}{prefix}{b}" if b > a else f"{prefix}{a}" for a, b in rs)
 
 
 def format_layers(layers: Iterable[int]) -> str:
@@ -33,8 +36,8 @@ def format_layers(layers: Iterable[int]) -> str:
     rs = runs(layers)
     if not rs:
         return "no layers"
-    return (("layer " if len(rs) == 1 and rs[0][0] == rs[0][1] else "layers ")
-            + ranges_text(layers, ", "))
+    # The runs once: ``layers`` may be a one-shot iterator.
+    return ("layer " if len(rs) == 1 and rs[0][0] == rs[0][1] else "layers ") + _join(rs, ", ")
 
 
 _PLAIN = re.compile(r"L(\d+)")

@@ -256,6 +256,7 @@ def test_layer_ranges_are_written_one_way() -> None:
     from attnprof.exporters.report_format import layers_text
 
     assert format_layers([0, 1, 2, 5]) == "layers 0-2, 5" and format_layers([3]) == "layer 3"
+    assert format_layers(iter([0, 1, 2, 5])) == "layers 0-2, 5"  # a one-shot iterator too
     assert layers_text(["L28", "L29", "L30", "L5"]) == "L5, L28\u2013L30"
 
 
