@@ -33,6 +33,7 @@ def test_leader_announces_ahead_and_the_follower_reads_it(tmp_path: Path) -> Non
     assert follower(0, 1.0) == [] and follower.unread == 1  # no leader yet
     leader = RateChannel(path, leader=True, epoch=64)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_size == SLOTS * 32 == 256  # what SECURITY.md says it holds
     first = leader(64, 1.0)
     assert first == [(1, 64 + LEAD_EPOCHS * 64, 1.0)]
     got = leader(128, 0.25)
