@@ -160,7 +160,8 @@ def kv_memory(snap: Snapshot) -> KvMemory:
         verdict=a.verdict if a is not None else None,
         verdict_evidence=list(a.evidence) if a is not None else [],
         source="vllm scheduler stats (attnprof's stat logger)" if st is not None else "none",
-        peak_concurrency=conc, peak_concurrency_basis=basis)
+        peak_concurrency=conc, peak_concurrency_basis=basis,
+        mean_running=a.mean_running if a is not None else None)
 
 
 def drift(first: ContextDistribution, second: ContextDistribution) -> Drift:

@@ -21,7 +21,7 @@ __all__ = ["CliError", "main"]
 # Module names under attnprof.cli, in --help order.
 SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "trace", "env", "profile", "compat",
                "suggest", "validate", "validate_heads", "tensorboard", "record", "diff", "probe",
-               "report", "container_start")
+               "report", "whatif", "container_start")
 
 
 # Control characters (C0, DEL, C1) and Unicode line separators in a message, escaped: an

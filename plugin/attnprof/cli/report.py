@@ -13,7 +13,7 @@ from typing import Any
 
 from attnprof.cli._common import CliError, ensure_writable_dir, label_arg, out_dir_arg, price_arg
 
-__all__ = ["add_parser", "print_savings", "write_report"]
+__all__ = ["add_parser", "check_out_dir", "gather", "print_savings", "write_report"]
 
 
 def _positive_int(text: str) -> int:
@@ -38,6 +38,7 @@ def _positive_float(text: str) -> float:
 
 def add_parser(sub: Any) -> None:
     from attnprof.cli.snapshot import add_api_key_flag
+    from attnprof.cli.whatif import add_measure_flags
 
     p = sub.add_parser(
         "report", help="cost-optimization report (HTML, Markdown, JSON) from a server, a "
@@ -68,10 +69,14 @@ def add_parser(sub: Any) -> None:
                    help="output directory (default attnprof-out)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds per HTTP request (default 30)")
+    p.add_argument("--validate", action="store_true",
+                   help="measure each what-if a flag can apply on real vLLM servers and "
+                        "print predicted beside measured (as attnprof whatif; minutes)")
+    add_measure_flags(p)
     p.set_defaults(func=_run)
 
 
-def _check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path) -> None:
     """Refuse an --out that cannot become a writable directory, creating nothing (the
     report is written only once all of it is rendered)."""
     import tempfile
@@ -122,11 +127,35 @@ def print_savings(rep: Any, out: Path, n: int = 3) -> None:
         print(f"  {i}. [{model}] {line}")
 
 
-def _run(args: argparse.Namespace) -> int:
-    from attnprof.analyze.cost import Settings
-    from attnprof.tools import report as rp
+def gather(args: argparse.Namespace) -> Any:
+    """The report source the arguments name (``--url``, ``--prometheus`` or FILES), read;
+    :class:`CliError` (one line) when it cannot be."""
     from attnprof.tools import report_prometheus
     from attnprof.tools import report_sources as rs
+
+    try:
+        if args.url:
+            from attnprof.cli.snapshot import fetch_snapshot
+
+            raw = fetch_snapshot(args.url, timeout=args.timeout, api_key=args.api_key)
+            return rs.from_live(raw, args.url, replicas=getattr(args, "replicas", None),
+                                gpus_per_replica=getattr(args, "gpus_per_replica", None))
+        if getattr(args, "prometheus", None):
+            return report_prometheus.from_prometheus(
+                args.prometheus, args.model, args.range_, args.replicas,
+                args.gpus_per_replica, timeout=args.timeout)
+        return rs.from_files(args.files, getattr(args, "replicas", None),
+                             getattr(args, "gpus_per_replica", None))
+    except rs.ReportInputError as err:
+        raise CliError(str(err)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+
+    from attnprof.analyze.cost import Settings
+    from attnprof.cli._common import write_atomic
+    from attnprof.tools import report as rp
 
     t0 = time.monotonic()
     chosen = [n for n, v in (("FILE", args.files), ("--url", args.url),
@@ -138,23 +167,21 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--model and --range go with --prometheus")
     if not 0 < args.timeout <= 3600:
         raise CliError("--timeout must be in (0, 3600] seconds")
-    _check_out_dir(args.out)
-    try:
-        if args.url:
-            from attnprof.cli.snapshot import fetch_snapshot
-
-            raw = fetch_snapshot(args.url, timeout=args.timeout, api_key=args.api_key)
-            g = rs.from_live(raw, args.url, replicas=args.replicas,
-                             gpus_per_replica=args.gpus_per_replica)
-        elif args.prometheus:
-            g = report_prometheus.from_prometheus(
-                args.prometheus, args.model, args.range_, args.replicas,
-                args.gpus_per_replica, timeout=args.timeout)
-        else:
-            g = rs.from_files(args.files, args.replicas, args.gpus_per_replica)
-    except rs.ReportInputError as err:
-        raise CliError(str(err)) from None
+    check_out_dir(args.out)
+    g = gather(args)
     rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
+    run = None
+    if args.validate:
+        from attnprof.cli.whatif import measure_and_attach
+        from attnprof.exporters.terminal_whatif import run_lines
+
+        run = measure_and_attach(g, rep, args)
+        rep.report_seconds = time.monotonic() - t0
+        for line in run_lines(run, rep):
+            print(line)
     write_report(rep, args.out)
+    if run is not None:
+        write_atomic(args.out / "whatif.json", json.dumps(run.to_json(), indent=2) + "\n")
+        print(f"  also {args.out / 'whatif.json'} ({run.seconds:.0f} s of measurement)")
     print(f"  ({rep.report_seconds:.1f} s)", file=sys.stderr)
     return 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from attnprof.contracts.base import Document, Fraction, Record
 from attnprof.contracts.provenance import Provenance
+from attnprof.contracts.whatif import Validation
 
 __all__ = [
     "Apply",
@@ -165,6 +166,9 @@ class KvMemory(Record):
     """Sequences running at once at the peak (fleet-wide), and how it was obtained in
     ``peak_concurrency_basis``."""
     peak_concurrency_basis: str = ""
+    mean_running: float | None = None
+    """Mean requests running while the engine was busy (the stat logger's aggregate; None
+    from Prometheus): the concurrency ``attnprof whatif`` replays."""
 
 
 @dataclass
@@ -213,6 +217,9 @@ class WhatIf(Record):
     """``high``, ``medium`` or ``low``, with the reason in ``notes``."""
     apply: Apply
     notes: list[str] = field(default_factory=list)
+    validation: Validation | None = None
+    """The what-if measured on a real server (``attnprof whatif`` / ``report --validate``):
+    predictions beside measurements, and whether any is off by more than its confidence."""
 
 
 @dataclass

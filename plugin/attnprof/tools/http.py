@@ -13,10 +13,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from attnprof.contracts.redact import redact_value
@@ -32,6 +33,7 @@ __all__ = [
     "parse_json",
     "post_json",
     "resolve_api_key",
+    "stream_json",
 ]
 
 API_KEY_ENV = ("ATTNPROF_API_KEY", "VLLM_API_KEY")
@@ -157,30 +159,76 @@ def _fetch(req: urllib.request.Request, url: str, *, timeout: float, api_key: st
                                     f"{max_bytes >> 20} MiB; refused")
                 chunks.append(b)
             declared = r.headers.get("Content-Length")
-    except urllib.error.HTTPError as err:
-        raise HttpError(_status_message(url, err.code, bool(api_key), auth, _error_detail(err)),
-                        status=err.code) from None
-    except urllib.error.URLError as err:
-        raise HttpError(f"cannot reach {url}: {_reason(err.reason)}") from None
-    except http.client.IncompleteRead:
-        raise HttpError(f"{url}: the answer was cut short (truncated)") from None
-    except http.client.RemoteDisconnected:
-        raise HttpError(f"{url}: the server closed the connection without answering") from None
-    except http.client.HTTPException as err:
-        raise HttpError(f"{url}: the answer is not valid HTTP ({type(err).__name__})") from None
-    except TimeoutError:
-        raise HttpError(f"{url}: no answer within {timeout:g} s") from None
-    except OSError as err:
-        raise HttpError(f"cannot read {url}: {_reason(err)}") from None
-    except ValueError as err:  # a bad URL in a redirect, a header value urllib refuses
-        if isinstance(err, HttpError):
-            raise
-        raise HttpError(f"cannot read {url}: {type(err).__name__}") from None
+    except HttpError:
+        raise
+    except Exception as err:  # every failure of the exchange ends as one line
+        raise _one_line(err, url, timeout, bool(api_key), auth) from None
     body = b"".join(chunks)
     if declared is not None and declared.strip().isdigit() and len(body) < int(declared):
         raise HttpError(f"{url}: the answer was cut short ({len(body)} of {int(declared)} "
                         "bytes)")
     return body
+
+
+def _one_line(err: BaseException, url: str, timeout: float, sent_key: bool,
+              auth: bool) -> BaseException:
+    """The :class:`HttpError` an exchange's failure reads as (anything unexpected is
+    returned as is, to be raised: a bug, not a network answer)."""
+    if isinstance(err, urllib.error.HTTPError):
+        return HttpError(_status_message(url, err.code, sent_key, auth, _error_detail(err)),
+                         status=err.code)
+    if isinstance(err, urllib.error.URLError):
+        return HttpError(f"cannot reach {url}: {_reason(err.reason)}")
+    if isinstance(err, http.client.IncompleteRead):
+        return HttpError(f"{url}: the answer was cut short (truncated)")
+    if isinstance(err, http.client.RemoteDisconnected):
+        return HttpError(f"{url}: the server closed the connection without answering")
+    if isinstance(err, http.client.HTTPException):
+        return HttpError(f"{url}: the answer is not valid HTTP ({type(err).__name__})")
+    if isinstance(err, TimeoutError):
+        return HttpError(f"{url}: no answer within {timeout:g} s")
+    if isinstance(err, OSError):
+        return HttpError(f"cannot read {url}: {_reason(err)}")
+    if isinstance(err, ValueError):  # a bad URL in a redirect, a header value urllib refuses
+        return HttpError(f"cannot read {url}: {type(err).__name__}")
+    return err
+
+
+def stream_json(url: str, body: Mapping[str, Any], *, timeout: float = 600.0,
+                api_key: str | None = None,
+                max_bytes: int = MAX_ANSWER_BYTES) -> Iterator[tuple[float, Any]]:
+    """``POST url`` with ``body`` (``"stream": true`` set) and yield ``(monotonic arrival
+    time, event)`` for each server-sent ``data:`` event until ``[DONE]``: what the what-if
+    runner times first tokens and inter-token gaps with. :class:`HttpError` as
+    :func:`post_json` for a failed exchange, an error status or an event that is not JSON."""
+    check_url(url)
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json",
+                                                         "Accept": "text/event-stream"})
+    if api_key:
+        resolve_api_key(api_key, {})
+        req.add_unredirected_header("Authorization", f"Bearer {api_key}")
+    total = 0
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            while True:
+                line = r.readline(max_bytes)
+                if not line:
+                    return
+                total += len(line)
+                if total > max_bytes:
+                    raise HttpError(f"{url}: the stream is larger than "
+                                    f"{max_bytes >> 20} MiB; refused")
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield time.monotonic(), parse_json(data, url, " events")
+    except HttpError:
+        raise
+    except Exception as err:
+        raise _one_line(err, url, timeout, bool(api_key), False) from None
 
 
 def _reason(reason: Any) -> str:

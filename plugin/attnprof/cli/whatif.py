@@ -1,0 +1,236 @@
+"""``attnprof whatif`` (and ``attnprof report --validate``): measure each what-if the cost
+report can apply with a flag on a real vLLM server beside a baseline, and write the report
+with predicted beside measured (report.html/.md/.json) plus the run itself (whatif.json)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from attnprof.cli._common import (
+    CliError,
+    StopSignals,
+    ensure_writable_dir,
+    out_dir_arg,
+    parse_seconds,
+    price_arg,
+    progress_bar,
+    resolve_model,
+    write_atomic,
+)
+
+__all__ = ["add_measure_flags", "add_parser", "measure_and_attach"]
+
+DEFAULT_ROUNDS = 4
+DEFAULT_DURATION = "8s"
+_CHANGES = ("fp8_kv", "window", "custom")
+"""What-ifs whose outputs can differ from the baseline's: agreement is measured for them."""
+
+
+def _rounds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+    if not 1 <= n <= 50:
+        raise argparse.ArgumentTypeError(f"{n} is not in 1..50") from None
+    return n
+
+
+def _concurrency(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"{n} is not in 1..256") from None
+    return n
+
+
+def add_measure_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a measured run (shared by ``whatif`` and ``report --validate``)."""
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="the served checkpoint: a directory or 'smollm2' (default: the "
+                        "record's model path when it is a local directory)")
+    p.add_argument("--only", action="append", default=[], metavar="ID",
+                   help="measure only this what-if (fp8_kv, max_model_len, window...); "
+                        "repeatable")
+    p.add_argument("--variant", action="append", default=[], metavar="FLAGS",
+                   help="also measure these vLLM flags (e.g. \"--kv-cache-dtype fp8_e5m2\"); "
+                        "repeatable")
+    p.add_argument("--baseline-args", default="", metavar="ARGS",
+                   help="extra vLLM flags of both servers, as the recorded server ran "
+                        "(default: only its --max-model-len)")
+    p.add_argument("--rounds", type=_rounds, default=DEFAULT_ROUNDS,
+                   help=f"paired rounds per what-if (default {DEFAULT_ROUNDS})")
+    p.add_argument("--duration", default=DEFAULT_DURATION,
+                   help=f"traffic per arm per round, e.g. 8s, 1m (default {DEFAULT_DURATION})")
+    p.add_argument("--concurrency", type=_concurrency, default=None,
+                   help="requests in flight (default: the record's mean running requests)")
+    p.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
+
+
+def add_parser(sub: Any) -> None:
+    from attnprof.cli.snapshot import add_api_key_flag
+
+    p = sub.add_parser(
+        "whatif", help="measure the report's what-ifs on real vLLM servers (predicted vs "
+                       "measured)",
+        description="Starts a baseline vLLM server and, one at a time, a server with each "
+                    "what-if's flag beside it, replays the recorded traffic shape on both in "
+                    "alternating paired rounds and measures throughput, TTFT/ITL p50/p99, KV "
+                    "capacity (vLLM's own figure), preemptions and, where outputs can change, "
+                    "greedy agreement and KL. Writes whatif.json and the cost report with "
+                    "predicted beside measured to --out. Source: FILES (snapshot / record / "
+                    "demo.json) or --url.")
+    p.add_argument("files", nargs="*", type=Path, metavar="FILE",
+                   help="saved snapshot, record or demo JSON files")
+    p.add_argument("--url", default=None, help="a live server's base URL (its snapshot)")
+    add_api_key_flag(p)
+    add_measure_flags(p)
+    p.add_argument("--gpu-hour-price", type=price_arg, default=None, metavar="P",
+                   help="price of one GPU-hour (money figures; without it: GPU-hours)")
+    p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
+                   help="output directory (default attnprof-out)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds per HTTP request to --url (default 30)")
+    p.set_defaults(func=_run)
+
+
+def _variants(m: Any, only: list[str], extra: list[str]) -> list[Any]:
+    from attnprof.tools.whatif import Variant, variant_args
+
+    out = []
+    known = {w.id for w in m.what_ifs}
+    for o in only:
+        if o not in known:
+            raise CliError(f"--only {o[:40]!r}: this report has no such what-if (it has: "
+                           f"{', '.join(sorted(known)) or 'none'})")
+    for w in m.what_ifs:
+        if only and w.id not in only:
+            continue
+        if not w.apply.flags or w.apply.supported is False \
+                or any("..." in f for f in w.apply.flags):
+            continue
+        out.append(Variant(w.id, list(w.apply.flags), w.id in _CHANGES))
+    for i, flags in enumerate(extra):
+        try:
+            variant_args([flags])
+        except ValueError as err:
+            raise CliError(f"--variant: {err}") from None
+        out.append(Variant("custom" if i == 0 else f"custom-{i + 1}", [flags], True))
+    return out
+
+
+def _checkpoint(spec: str | None, g: Any) -> Path:
+    if spec:
+        return resolve_model(spec)
+    prov = g.provenance
+    path = prov.model.path if prov is not None and prov.model.path else None
+    if path and Path(path).is_dir() and (Path(path) / "config.json").is_file():
+        return Path(path)
+    raise CliError("give --checkpoint DIR (or 'smollm2'): the record does not name a local "
+                   "checkpoint directory to serve")
+
+
+def measure_and_attach(g: Any, rep: Any, args: argparse.Namespace) -> Any:
+    """Run the what-ifs of ``rep``'s model on real servers, attach each validation to its
+    what-if (evidence becomes ``measured``) and return the run (``WhatifRun``).
+    :class:`CliError` (one line) for anything wrong, checked before any server starts."""
+    import shlex
+
+    from attnprof.analyze.whatif import shape_from_report, validate
+    from attnprof.tools.whatif import RunConfig, WhatifError, run_whatifs, variant_args
+
+    if len(rep.models) != 1:
+        raise CliError(f"the source holds {len(rep.models)} models; a measured run takes one "
+                       "(with --prometheus: --model LABEL)")
+    m = rep.models[0]
+    duration = parse_seconds(args.duration, "--duration")
+    if not 1.0 <= duration <= 3600:
+        raise CliError("--duration must be between 1 s and 1 h")
+    try:
+        base_args = variant_args(shlex.split(args.baseline_args)) if args.baseline_args \
+            else []
+    except ValueError as err:
+        raise CliError(f"--baseline-args: {err}") from None
+    variants = _variants(m, args.only, args.variant)
+    if not variants:
+        raise CliError("nothing to measure: no what-if of this report has a flag the "
+                       "installed vLLM accepts (give --variant FLAGS to measure your own)")
+    mml = m.traffic.max_model_len
+    if mml is None:
+        raise CliError("the source has no max_model_len: give --baseline-args "
+                       "'--max-model-len N'")
+    if "--max-model-len" not in base_args:
+        base_args = ["--max-model-len", str(mml), *base_args]
+    try:
+        shape = shape_from_report(m.traffic, m.kv, ", ".join(rep.source.where), mml,
+                                  args.concurrency)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    ckpt = _checkpoint(args.checkpoint, g)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    units = 1 + sum(1 + args.rounds * 2 + int(v.outputs_change) for v in variants)
+    names = ", ".join(v.what_if for v in variants)
+    print(f"attnprof: measuring {len(variants)} what-if(s) ({names}) in {args.rounds} "
+          f"paired rounds of {duration:g} s per arm, concurrency "
+          f"{shape.concurrency}", file=sys.stderr)
+    bar = progress_bar(units, "whatif", unit="step")
+    with tempfile.TemporaryDirectory(prefix="attnprof-whatif-") as logs, \
+            StopSignals() as stop:
+        cfg = RunConfig(model_dir=ckpt, baseline_args=base_args, rounds=args.rounds,
+                        duration_s=duration, seed=args.seed, log_dir=Path(logs))
+
+        def tick(msg: str) -> None:
+            bar.set_postfix_str(msg[:40])
+            bar.update(1)
+
+        try:
+            run = run_whatifs(cfg, shape, variants, tok, progress=tick,
+                              stop=lambda: stop.requested)
+        except WhatifError as err:
+            raise CliError(str(err)) from None
+        finally:
+            bar.close()
+    run.provenance = g.provenance
+    by_id = {w.id: w for w in m.what_ifs}
+    for res in run.variants:
+        w = by_id.get(res.what_if)
+        if w is None:
+            continue
+        w.validation = validate(w, m.time, res, "this run")
+        if res.status == "measured":
+            w.evidence = "measured"
+    return run
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+
+    from attnprof.analyze.cost import Settings
+    from attnprof.cli.report import check_out_dir, gather, write_report
+    from attnprof.exporters.terminal_whatif import run_lines
+    from attnprof.tools import report as rp
+
+    t0 = time.monotonic()
+    if bool(args.files) == bool(args.url):
+        raise CliError("give one source: --url URL or FILE...")
+    check_out_dir(args.out)
+    g = gather(args)
+    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
+    run = measure_and_attach(g, rep, args)
+    ensure_writable_dir(args.out)
+    write_atomic(args.out / "whatif.json", json.dumps(run.to_json(), indent=2) + "\n")
+    rep.report_seconds = time.monotonic() - t0
+    for line in run_lines(run, rep):
+        print(line)
+    write_report(rep, args.out)
+    print(f"  also {args.out / 'whatif.json'} ({run.seconds:.0f} s of measurement)")
+    return 0
