@@ -17,6 +17,7 @@ from attnprof.contracts.report import (
     ModelReport,
     Money,
     Report,
+    Scope,
     WhatIf,
 )
 from attnprof.facts.layers import ranges_text
@@ -24,10 +25,12 @@ from attnprof.facts.layers import ranges_text
 __all__ = [
     "MISSING",
     "Table",
+    "alternatives_text",
     "backend_table",
     "badges",
     "context_labels",
     "context_table",
+    "evidence_text",
     "fallback_table",
     "fmt_bytes",
     "fmt_count",
@@ -43,6 +46,7 @@ __all__ = [
     "kv_source_sentence",
     "layer_table",
     "layers_text",
+    "money_basis_sentence",
     "money_facts",
     "money_table",
     "no_price_sentence",
@@ -235,10 +239,14 @@ def traffic_facts(m: ModelReport) -> Facts:
     t = m.traffic
     c = t.context
     q = "interpolated in histogram buckets" if c.estimated_from_buckets else "measured"
+    # One server's rate is not the fleet's: say so next to the number.
+    whose = " (one replica's)" if t.scope == "replica" else ""
     return [
         ("Requests finished", fmt_count(t.requests)),
-        ("Requests per second", _rate(t.requests_per_s, "req/s")),
-        ("Tokens per second", _rate(t.tokens_per_s, "tok/s")),
+        ("Requests per second", _rate(t.requests_per_s, "req/s")
+         + (whose if _ok(t.requests_per_s) else "")),
+        ("Tokens per second", _rate(t.tokens_per_s, "tok/s")
+         + (whose if _ok(t.tokens_per_s) else "")),
         ("Prompt tokens", fmt_tokens(t.prompt_tokens)),
         ("Generated tokens", fmt_tokens(t.generation_tokens)),
         ("max_model_len", MISSING if t.max_model_len is None else
@@ -304,13 +312,14 @@ def fallback_table(m: ModelReport) -> Table:
     return ["Layers", "Backend", "Why", "Fix", "Gain"], rows
 
 
-def kv_facts(kv: KvMemory) -> Facts:
-    """KV cache size, capacity, usage, pressure."""
+def kv_facts(kv: KvMemory, scope: Scope = "fleet") -> Facts:
+    """KV cache size, capacity, usage, pressure (``scope``: whose capacity, as the traffic's)."""
     seqs = ", ".join(f"{fmt_count(v)} at {k}" for k, v in kv.capacity_sequences.items())
     out = [
         ("KV bytes per token", fmt_bytes(kv.bytes_per_token)
          + (f" ({kv.kv_dtype})" if kv.kv_dtype else "")),
-        ("Capacity (all replicas)", fmt_tokens(kv.capacity_tokens)),
+        ("Capacity (one replica's)" if scope == "replica" else "Capacity (all replicas)",
+         fmt_tokens(kv.capacity_tokens)),
         ("Concurrent sequences that fit", seqs + " context" if seqs else MISSING),
         ("Usage p95 / peak", f"{fmt_pct(kv.usage_p95)} / {fmt_pct(kv.usage_peak)}"),
         ("Time above 90% full", fmt_pct(kv.above_90_fraction)),
@@ -345,9 +354,8 @@ def usage_table(kv: KvMemory, t0: float | None = None) -> Table:
 def badges(w: WhatIf) -> list[tuple[str, str]]:
     """(text, kind) labels of a what-if: evidence, confidence, support; kind is ``good``,
     ``plain``, ``warn`` or ``bad``."""
-    ev = w.evidence.strip()
-    out = [("replay-validated", "good") if ev.lower().startswith("replay")
-           else ("estimated", "plain")]
+    out = [{"measured": ("measured", "good"), "replay": ("replay-validated", "good")}
+           .get(w.evidence, ("estimated", "plain"))]
     conf = w.confidence.strip().lower()
     out.append((f"{conf or 'unknown'} confidence",
                 {"high": "good", "medium": "plain", "low": "warn"}.get(conf, "plain")))
@@ -378,13 +386,36 @@ def whatif_numbers(w: WhatIf) -> Facts:
         out.append(("Replicas at peak", f"{w.replicas_now} → {w.replicas_after}"))
     elif w.replicas_now is not None:
         out.append(("Replicas at peak", str(w.replicas_now)))
-    add("GPU-hours per 1M tokens after", w.gpu_hours_per_mtok_after,
+    if w.replicas_removed is not None:
+        out.append(("Replicas removed (fixed fleet)", str(w.replicas_removed)))
+    add("GPU-hours per 1M tokens after (fixed fleet)", w.gpu_hours_per_mtok_after,
         fmt_gpu_hours(w.gpu_hours_per_mtok_after))
-    add("Cost per 1M tokens after", w.cost_per_mtok_after, fmt_money(w.cost_per_mtok_after))
-    add("Saving per month", w.monthly_saving, f"{fmt_money(w.monthly_saving)}/month")
-    add("GPU-hours saved per month", w.monthly_gpu_hours_saved,
+    add("Cost per 1M tokens after (fixed fleet)", w.cost_per_mtok_after,
+        fmt_money(w.cost_per_mtok_after))
+    add("Saving per month (fixed fleet)", w.monthly_saving,
+        f"{fmt_money(w.monthly_saving)}/month")
+    add("GPU-hours saved per month (fixed fleet)", w.monthly_gpu_hours_saved,
         fmt_gpu_hours(w.monthly_gpu_hours_saved))
+    a = w.autoscaled
+    if a is not None:
+        add("Saving per month (autoscaled)", a.monthly_saving,
+            f"{fmt_money(a.monthly_saving)}/month")
+        add("GPU-hours saved per month (autoscaled)", a.monthly_gpu_hours_saved,
+            f"{fmt_gpu_hours(a.monthly_gpu_hours_saved)} ({fmt_pct(a.share)}; "
+            f"assumes {a.assumes})")
     return out
+
+
+def alternatives_text(w: WhatIf, titles: dict[str, str]) -> str:
+    """``alternative to <title>: not additive`` for each what-if this one replaces; empty
+    when it replaces none."""
+    return "; ".join(f"alternative to {titles.get(x, x)}: not additive"
+                     for x in w.alternative_to)
+
+
+def evidence_text(w: WhatIf) -> str:
+    """The evidence kind with its detail: ``replay (99.5% greedy agreement ...)``."""
+    return w.evidence + (f" ({w.evidence_detail})" if w.evidence_detail else "")
 
 
 def _priced(mo: Money) -> bool:
@@ -419,20 +450,50 @@ def money_table(m: ModelReport) -> Table:
     """Now and after each what-if: GPU-hours (and cost with a price) per 1M tokens and
     the monthly saving."""
     mo = m.money
-    if _priced(mo):
-        head = ["Scenario", "GPU-hours / 1M tokens", "Cost / 1M tokens", "Saving / month",
-                "GPU-hours saved / month"]
+    titles = {w.id: w.title for w in m.what_ifs}
+    priced = _priced(mo)
+
+    def scenario(w: WhatIf) -> str:
+        alt = alternatives_text(w, titles)
+        return f"{w.title} ({alt})" if alt else w.title
+
+    def auto(w: WhatIf) -> list[str]:
+        a = w.autoscaled
+        if a is None:
+            return [MISSING] * (2 if priced else 1)
+        return ([fmt_money(a.monthly_saving)] if priced else []) + \
+            [fmt_gpu_hours(a.monthly_gpu_hours_saved)]
+
+    removed = [MISSING if w.replicas_removed is None else str(w.replicas_removed)
+               for w in m.what_ifs]
+    if priced:
+        head = ["Scenario", "GPU-hours / 1M tokens", "Cost / 1M tokens", "Replicas removed",
+                "Saving / month", "GPU-hours saved / month", "Autoscaled saving / month",
+                "Autoscaled GPU-hours saved / month"]
         rows = [["now", fmt_gpu_hours(mo.gpu_hours_per_mtok), fmt_money(mo.cost_per_mtok),
-                 MISSING, MISSING]]
-        rows += [[w.title, fmt_gpu_hours(w.gpu_hours_per_mtok_after),
-                  fmt_money(w.cost_per_mtok_after), fmt_money(w.monthly_saving),
-                  fmt_gpu_hours(w.monthly_gpu_hours_saved)] for w in m.what_ifs]
+                 MISSING, MISSING, MISSING, MISSING, MISSING]]
+        rows += [[scenario(w), fmt_gpu_hours(w.gpu_hours_per_mtok_after),
+                  fmt_money(w.cost_per_mtok_after), r, fmt_money(w.monthly_saving),
+                  fmt_gpu_hours(w.monthly_gpu_hours_saved), *auto(w)]
+                 for w, r in zip(m.what_ifs, removed, strict=True)]
         return head, rows
-    head = ["Scenario", "GPU-hours / 1M tokens", "GPU-hours saved / month"]
-    rows = [["now", fmt_gpu_hours(mo.gpu_hours_per_mtok), MISSING]]
-    rows += [[w.title, fmt_gpu_hours(w.gpu_hours_per_mtok_after),
-              fmt_gpu_hours(w.monthly_gpu_hours_saved)] for w in m.what_ifs]
+    head = ["Scenario", "GPU-hours / 1M tokens", "Replicas removed", "GPU-hours saved / month",
+            "Autoscaled GPU-hours saved / month"]
+    rows = [["now", fmt_gpu_hours(mo.gpu_hours_per_mtok), MISSING, MISSING, MISSING]]
+    rows += [[scenario(w), fmt_gpu_hours(w.gpu_hours_per_mtok_after), r,
+              fmt_gpu_hours(w.monthly_gpu_hours_saved), *auto(w)]
+             for w, r in zip(m.what_ifs, removed, strict=True)]
     return head, rows
+
+
+def money_basis_sentence(m: ModelReport) -> str:
+    """Which figure is which, and which one ranks the savings."""
+    ranked = ("the autoscaled figure (--autoscaled)" if m.ranked_by == "autoscaled"
+              else "the fixed-fleet figure (attnprof report --autoscaled ranks by the other)")
+    return ("Each saving is stated twice: at a fixed fleet (whole replicas removed from the "
+            f"{m.money.replicas} counted, what the bill shows without autoscaling) and "
+            "autoscaled (the fractional share, if replicas follow load). Alternatives are "
+            f"not additive. The savings are ranked by {ranked}.")
 
 
 def version_rows(rep: Report) -> Table:

@@ -194,10 +194,13 @@ def _plot(svg: str) -> str:
 # Sections
 
 
-def _whatif_card(i: int, w: WhatIf) -> str:
+def _whatif_card(i: int, w: WhatIf, titles: dict[str, str]) -> str:
     out = [f'<div class="card" id="{_anchor(i)}-whatif-{_e(w.id)}"><h4>{_e(w.title)}</h4><div>']
     out += [f'<span class="badge {kind}">{_e(text)}</span>' for text, kind in md.badges(w)]
     out.append("</div>")
+    alt = md.alternatives_text(w, titles)
+    if alt:
+        out.append(f'<div class="warn-box">{_e(alt[0].upper() + alt[1:])}.</div>')
     if w.apply.needs_change:
         out.append(f'<div class="warn-box"><strong>Needs a change no flag gives:</strong> '
                    f"{_e(w.apply.needs_change)}</div>")
@@ -209,7 +212,7 @@ def _whatif_card(i: int, w: WhatIf) -> str:
                    f"</strong> (checked against {_e(w.apply.checked_against)}).</div>")
     nums = md.whatif_numbers(w)
     out.append(_facts(nums) if nums else "<p>No saving this report can put a number on.</p>")
-    out.append(f"<p><strong>Evidence:</strong> {_e(w.evidence)}</p>")
+    out.append(f"<p><strong>Evidence:</strong> {_e(md.evidence_text(w))}</p>")
     out.append(f"<div><strong>Formula</strong></div><pre><code>{_e(w.formula)}</code></pre>")
     if w.inputs:
         out.append("<p><strong>Inputs:</strong> " + ", ".join(
@@ -228,6 +231,7 @@ def _model(rep: Report, i: int, m: ModelReport) -> str:
            f'<section class="box">{_facts(md.header_facts(rep, m))}</section>']
 
     out.append("<h3>Biggest savings</h3>")
+    out.append(f'<p class="sub">{_e(md.money_basis_sentence(m))}</p>')
     if m.savings:
         out.append('<ol class="savings">' + "".join(f"<li>{_e(s)}</li>" for s in m.savings)
                    + "</ol>")
@@ -261,7 +265,7 @@ def _model(rep: Report, i: int, m: ModelReport) -> str:
     kv = m.kv
     out.append("<h3>KV memory</h3>")
     out.append(f'<section class="box"><p class="sub">{_e(md.kv_source_sentence(kv))}</p>'
-               f"{_facts(md.kv_facts(kv))}")
+               f"{_facts(md.kv_facts(kv, m.traffic.scope))}")
     if kv.verdict:
         out.append(f'<p class="verdict">Verdict: {_e(kv.verdict)}</p>')
         if kv.verdict_evidence:
@@ -272,8 +276,9 @@ def _model(rep: Report, i: int, m: ModelReport) -> str:
 
     out.append("<h3>What-ifs</h3>")
     if m.what_ifs:
-        out.append('<div class="cards">' + "\n".join(_whatif_card(i, w) for w in m.what_ifs)
-                   + "</div>")
+        titles = {w.id: w.title for w in m.what_ifs}
+        out.append('<div class="cards">'
+                   + "\n".join(_whatif_card(i, w, titles) for w in m.what_ifs) + "</div>")
     else:
         out.append("<p>No what-ifs apply to this model.</p>")
 

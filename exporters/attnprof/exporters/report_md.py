@@ -9,9 +9,11 @@ from attnprof.exporters.report_format import (
     Facts,
     Table,
     _ok,
+    alternatives_text,
     backend_table,
     badges,
     context_table,
+    evidence_text,
     fallback_table,
     fmt_count,
     fmt_duration,
@@ -21,6 +23,7 @@ from attnprof.exporters.report_format import (
     kv_facts,
     kv_source_sentence,
     layer_table,
+    money_basis_sentence,
     money_facts,
     money_table,
     no_price_sentence,
@@ -63,7 +66,7 @@ def _facts(f: Facts) -> list[str]:
 
 def _model_md(rep: Report, m: ModelReport) -> list[str]:
     out = [f"## {_esc(m.model)}", "", *_facts(header_facts(rep, m))]
-    out += ["### Biggest savings", ""]
+    out += ["### Biggest savings", "", _esc(money_basis_sentence(m)), ""]
     out += [f"{i}. {_esc(s)}" for i, s in enumerate(m.savings, 1)] or \
         ["No what-if found a saving for this model."]
     out.append("")
@@ -84,7 +87,8 @@ def _model_md(rep: Report, m: ModelReport) -> list[str]:
         out += ["Fallbacks (layers that ran an unfused path):", "", *_table(fallback_table(m))]
 
     kv = m.kv
-    out += ["### KV memory", "", kv_source_sentence(kv), "", *_facts(kv_facts(kv))]
+    out += ["### KV memory", "", kv_source_sentence(kv), "",
+            *_facts(kv_facts(kv, m.traffic.scope))]
     if kv.verdict:
         out += [f"**Verdict:** {_esc(kv.verdict)}", ""]
         out += [*(f"- {_esc(e)}" for e in kv.verdict_evidence), ""] if kv.verdict_evidence \
@@ -99,9 +103,13 @@ def _model_md(rep: Report, m: ModelReport) -> list[str]:
     out += ["### What-ifs", ""]
     if not m.what_ifs:
         out += ["No what-ifs apply to this model.", ""]
+    titles = {w.id: w.title for w in m.what_ifs}
     for w in m.what_ifs:
         out += [f"#### {_esc(w.title)}", "",
                 " ".join(f"[{_esc(t)}]" for t, _ in badges(w)), ""]
+        alt = alternatives_text(w, titles)
+        if alt:
+            out += [f"> {_esc(alt[0].upper() + alt[1:])}.", ""]
         if w.apply.needs_change:
             out += [f"> **Warning:** needs a change no flag gives: {_esc(w.apply.needs_change)}",
                     ""]
@@ -109,7 +117,8 @@ def _model_md(rep: Report, m: ModelReport) -> list[str]:
             out += [f"> **Not supported by the installed vLLM** (checked against "
                     f"{_esc(w.apply.checked_against)}).", ""]
         out += _facts(whatif_numbers(w))
-        out += [f"- **Evidence:** {_esc(w.evidence)}; **confidence:** {_esc(w.confidence)}",
+        out += [f"- **Evidence:** {_esc(evidence_text(w))}; **confidence:** "
+                f"{_esc(w.confidence)}",
                 f"- **Formula:** {_code(w.formula)}"]
         if w.inputs:
             out.append("- **Inputs:** " + ", ".join(

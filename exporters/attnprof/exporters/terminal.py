@@ -108,8 +108,8 @@ def render_snapshot(snap: dict[str, Any]) -> str:
                          [[n, _tok(d.get("p50")), _tok(d.get("p90")), _tok(d.get("p99")),
                            _tok(d.get("mean")), _tok(d.get("max"))]
                           for n, d in (("context", c), ("prompt", p), ("generated", g))]))
-        if req.get("kv_cache_usage") is not None:
-            out.append(f"KV-cache usage (last): {_pct(req['kv_cache_usage'])}")
+        # No "usage (last)" line: the last gauge value reads 0% once the server is idle and
+        # disagrees with the report's p95/peak; render_kv prints those from the aggregate.
     kv = render_kv(snap)
     if kv:
         out += ["", kv]

@@ -8,8 +8,11 @@ flag checks against the installed vLLM come in as :class:`FlagChecks` (tools/vll
 The model of money is deliberately simple and printed in full (``FORMULAS``): the fleet is
 billed per GPU-hour whether busy or not; a KV-bound fleet is sized by memory (a KV saving s
 lets each replica hold 1/(1-s) times the sequences), any other fleet by compute (a time
-saving t needs 1-t of the GPU-hours for the same tokens). A what-if never claims more than
-its own saving, and a saving that a flag cannot apply says what change it needs.
+saving t needs 1-t of the GPU-hours for the same tokens). Each saving is stated twice: what
+a fixed replica count banks (whole replicas removed, never more than those counted: the
+headline) and what an autoscaled fleet would (the fractional share). A what-if never claims
+more than its own saving, alternatives are never added, and a saving that a flag cannot
+apply says what change it needs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from attnprof.contracts.advice import HeadLevelSplit, ReplayEvidence
 from attnprof.contracts.report import (
     Apply,
+    Evidence,
+    FleetSaving,
     KvMemory,
     ModelReport,
     Money,
@@ -32,13 +37,15 @@ from attnprof.contracts.report import (
 from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = ["FORMULAS", "CostInputs", "FlagChecks", "Settings", "WindowInputs",
-           "build_model_report"]
+           "build_model_report", "rank_savings"]
 
 HOURS_PER_MONTH = 730.0
 
 FORMULAS: dict[str, str] = {
-    "gpu_hours_per_mtok": "GPU-hours per 1M tokens = replicas x GPUs per replica "
-                          "/ (tokens per second x 3600) x 10^6",
+    "gpu_hours_per_mtok": "GPU-hours per 1M tokens = GPUs per replica / (tokens per second "
+                          "of one replica x 3600) x 10^6 (= replicas x GPUs per replica / "
+                          "(the fleet's tokens per second x 3600) x 10^6; a live server's or "
+                          "a file's rate is one replica's, Prometheus' the fleet's)",
     "cost_per_mtok": "cost per 1M tokens = GPU-hours per 1M tokens x GPU-hour price",
     "monthly": "monthly GPU-hours = replicas x GPUs per replica x 730 h; "
                "monthly cost = monthly GPU-hours x GPU-hour price",
@@ -50,13 +57,22 @@ FORMULAS: dict[str, str] = {
                 "sequence holds on average); after a KV saving s (a ratio of expectations "
                 "over the traffic): x 1 / (1 - s); extra sequences = sequences held x "
                 "(1 / (1 - s) - 1)",
-    "replicas_at_peak": "replicas needed = ceil(peak concurrency / sequences one replica "
-                        "holds at the mean context)",
-    "fleet_saving": "share of GPU-hours saved f = 1 - replicas needed after / replicas "
-                    "needed now when the fleet is KV-bound (memory sizes it, in whole "
-                    "replicas; the KV saving s when peak concurrency is unknown), else the "
-                    "time saving t (compute sizes it); GPU-hours per 1M tokens after = now x "
-                    "(1 - f); monthly saving = monthly cost x f",
+    "replicas_at_peak": "replicas needed now = ceil(peak concurrency / sequences one "
+                        "replica holds at the mean context); after = ceil(peak concurrency / "
+                        "(sequences one replica holds / (1 - s))); with one replica's "
+                        "figures (a live server, files) the fleet's peak = replicas x it",
+    "fixed_fleet": "replicas removed at a fixed replica count M: KV-bound fleet: max(0, "
+                   "min(needed now, M) - needed after), and 0 when needed now > M (the fleet "
+                   "is short at its observed peak: the change relieves the shortage first); "
+                   "unknown without peak concurrency; any other fleet: M - ceil(M x (1 - t)); "
+                   "share f = removed / M; GPU-hours per 1M tokens after = now x (1 - f); "
+                   "monthly saving = monthly cost x f. The report's headline figure",
+    "autoscaled": "share saved on an autoscaled fleet (fractional replicas) a = s when the "
+                  "fleet is KV-bound (memory sizes it), else t (compute sizes it: a KV gain "
+                  "saves nothing until memory binds); after = now x (1 - a); monthly saving "
+                  "= monthly cost x a. Ranks the savings with attnprof report --autoscaled",
+    "alternatives": "a layer window and per-head windows are alternatives: their savings "
+                    "are never added",
     "fp8_kv": "KV saving s = 1 - 1 / (bytes per KV element now): FP8 stores 1 byte",
     "max_model_len": "suggested max_model_len = observed p99.9 context (from buckets: its "
                      "bucket's upper edge) rounded up to a multiple of 256; refused share = "
@@ -111,6 +127,9 @@ class CostInputs:
     architecture: str | None
     num_layers: int | None
     replicas: int
+    """Replicas counted (``--replicas``, Prometheus' targets, or 1): what a fixed fleet has.
+    Whose figures ``traffic`` and ``kv`` are (one replica's or the fleet's) is
+    ``traffic.scope``."""
     replicas_basis: str
     gpus_per_replica: float = 1.0
     backends: list[str] = field(default_factory=list)
@@ -121,6 +140,8 @@ class CostInputs:
 class Settings:
     gpu_hour_price: float | None = None
     hours_per_month: float = HOURS_PER_MONTH
+    autoscaled: bool = False
+    """Rank the savings by the autoscaled figure (``--autoscaled``), not the fixed fleet's."""
 
 
 def _share_above(bounds: list[float], counts: list[float], x: float) -> float:
@@ -158,75 +179,122 @@ def _time_saving(time: TimeBreakdown, prefill_saving: float, decode_saving: floa
 
 
 class _Fleet:
-    """Now-figures of one model's fleet (GPU-hours, cost, replicas at peak)."""
+    """Now-figures of one model's fleet (GPU-hours, cost, replicas at peak) and the two
+    figures of a saving: whole replicas a fixed fleet removes, and an autoscaled share."""
 
     def __init__(self, inp: CostInputs, settings: Settings) -> None:
         self.inp = inp
         self.price = settings.gpu_hour_price
         self.hours = settings.hours_per_month
+        self.counted = max(1, inp.replicas)
         self.gpus = inp.replicas * inp.gpus_per_replica
+        # One server's figures (a live snapshot, files) stand for each of the replicas;
+        # Prometheus' are already summed over them.
+        self.one_replica = inp.traffic.scope == "replica"
         tps = inp.traffic.tokens_per_s
-        self.gpu_hours_per_mtok = (self.gpus / (tps * 3600.0) * 1e6
-                                   if tps and tps > 0 else None)
+        fleet_tps = tps * self.counted if tps and self.one_replica else tps
+        self.gpu_hours_per_mtok = (self.gpus / (fleet_tps * 3600.0) * 1e6
+                                   if fleet_tps and fleet_tps > 0 else None)
         self.monthly_gpu_hours = self.gpus * self.hours
         kv = inp.kv
         mean = inp.traffic.context.mean
         # One basis throughout: sequences at the mean context (the window's KV saving is a
         # ratio of expectations, so it scales exactly this count).
-        self.cap_seqs = (kv.capacity_tokens / mean
-                         if kv.capacity_tokens and mean and mean > 0 else None)
-        self.cap_per_replica = (self.cap_seqs / inp.replicas
-                                if self.cap_seqs and inp.replicas else None)
+        seqs = (kv.capacity_tokens / mean
+                if kv.capacity_tokens and mean and mean > 0 else None)
+        self.cap_per_replica = (seqs if self.one_replica else seqs / self.counted
+                                if seqs is not None else None)
+        self.cap_seqs = (self.cap_per_replica * self.counted
+                         if self.cap_per_replica is not None else None)
+        peak = kv.peak_concurrency
+        self.peak = (peak * self.counted if self.one_replica and peak is not None else peak)
         self.kv_bound = kv.verdict == "kv_bound"
 
     def replicas_needed(self, kv_saving: float) -> int | None:
-        peak = self.inp.kv.peak_concurrency
-        if peak is None or not self.cap_per_replica:
+        if self.peak is None or not self.cap_per_replica:
             return None
         cap = self.cap_per_replica / max(1e-9, 1.0 - kv_saving)
-        return max(1, math.ceil(peak / cap - 1e-9))
+        return max(1, math.ceil(self.peak / cap - 1e-9))
+
+    def fixed(self, s: float, t: float, now: int | None, after: int | None
+              ) -> tuple[int | None, list[str]]:
+        """Whole replicas a fixed fleet removes (``FORMULAS['fixed_fleet']``) and the notes
+        that say why; None when it cannot be computed."""
+        m = self.counted
+        if self.kv_bound:
+            if now is None or after is None:
+                return None, ["the fleet is KV-bound, but its peak concurrency is unknown: "
+                              "the whole replicas a fixed fleet removes cannot be computed "
+                              f"(the autoscaled figure assumes the KV saving {s:.0%})"]
+            if now > m:
+                return 0, [f"needs {now} replicas at the observed peak, has {m}; after: "
+                           f"{after}: the change relieves a shortage and removes no replica"]
+            removed = max(0, min(now, m) - after)
+            return removed, [f"the fleet is KV-bound: memory sizes it; at the observed peak "
+                             f"it needs {now} of its {m} replicas now and {after} after"]
+        return m - math.ceil(m * (1.0 - t) - 1e-9), []
+
+    def saving(self, share: float) -> tuple[float, float | None, float | None, float | None]:
+        """(monthly GPU-hours saved, monthly money, GPU-hours and cost per 1M tokens after)
+        for a share of GPU-hours saved."""
+        gph = self.gpu_hours_per_mtok * (1 - share) if self.gpu_hours_per_mtok is not None \
+            else None
+        return (self.monthly_gpu_hours * share,
+                self.monthly_gpu_hours * share * self.price if self.price is not None else None,
+                gph, gph * self.price if gph is not None and self.price is not None else None)
+
+    def autoscaled(self, s: float, t: float, has_kv_gain: bool) -> FleetSaving:
+        if self.kv_bound:
+            share, assumes = s, ("replicas follow load and memory sizes the fleet "
+                                 "(KV-bound): the KV saving is the share of GPU-hours saved")
+        elif has_kv_gain:
+            share, assumes = t, ("replicas follow load and compute sizes the fleet: the time "
+                                 "saving is what it saves; the KV capacity gain saves "
+                                 "nothing until memory binds")
+        else:
+            share, assumes = t, ("replicas follow load and compute sizes the fleet: the time "
+                                 "saving is the share of GPU-hours saved")
+        gh, money, gph, cost = self.saving(share)
+        return FleetSaving(share=share, monthly_gpu_hours_saved=gh, monthly_saving=money,
+                           gpu_hours_per_mtok_after=gph, cost_per_mtok_after=cost,
+                           assumes=assumes)
 
     def what_if(self, wid: str, title: str, formula: str, inputs: dict[str, float | str | None],
                 flop: float | None, kv_saving: float | None, time_saving: float | None,
-                evidence: str, confidence: str, apply: Apply, notes: list[str]) -> WhatIf:
+                evidence: Evidence, evidence_detail: str, confidence: str, apply: Apply,
+                notes: list[str]) -> WhatIf:
         s = kv_saving or 0.0
+        t = time_saving or 0.0
         bpt = self.inp.kv.bytes_per_token
         extra = None
         if self.cap_seqs is not None and s > 0:
             extra = self.cap_seqs * (1.0 / (1.0 - s) - 1.0)
         now, after = self.replicas_needed(0.0), self.replicas_needed(s)
-        f = time_saving or 0.0
-        if self.kv_bound:
-            if now is not None and after is not None:
-                # Whole replicas: a KV saving that does not free one saves nothing.
-                f = max(0.0, 1.0 - after / now)
-                notes = [*notes, f"the fleet is KV-bound: memory sizes it; at the observed "
-                                 f"peak it needs {now} replicas now and {after} after"]
-            else:
-                f = s
-                notes = [*notes, "the fleet is KV-bound: memory sizes it, so the KV saving is "
-                                 "what it saves, realised in whole replicas (peak concurrency "
-                                 "unknown here)"]
-        elif self.inp.kv.verdict == "neither" and f > 0:
-            notes = [*notes, "the fleet is neither KV- nor compute-bound (it has headroom): "
-                             "the saving is per token, realised when the fleet is sized to "
-                             "its load"]
-        gph_after = (self.gpu_hours_per_mtok * (1 - f)
-                     if self.gpu_hours_per_mtok is not None else None)
+        removed, why = self.fixed(s, t, now, after)
+        notes = [*notes, *why]
+        if self.one_replica and self.counted > 1 and self.kv_bound:
+            notes.append(f"KV capacity and peak concurrency are one replica's: the fleet's "
+                         f"are taken as {self.counted} x them (equally loaded replicas)")
+        if not self.kv_bound and s > 0:
+            notes.append(f"the fleet is not KV-bound ({self.inp.kv.verdict or 'no verdict'}):"
+                         " the KV capacity gain saves nothing until memory binds; both "
+                         "money figures come from the time saving")
+        if self.inp.kv.verdict == "neither" and t > 0:
+            notes.append("the fleet is neither KV- nor compute-bound (it has headroom): "
+                         "the autoscaled saving is per token, realised when the fleet is "
+                         "sized to its load")
+        auto = self.autoscaled(s, t, s > 0)
+        f = removed / self.counted if removed is not None else None
+        gh, money, gph, cost = self.saving(f) if f is not None else (None, None, None, None)
         return WhatIf(
             id=wid, title=title, formula=formula, inputs=inputs,
             attention_flop_saving=flop, kv_saving=kv_saving,
             kv_bytes_freed_per_token=bpt * s if bpt is not None and kv_saving else None,
-            extra_sequences=extra,
-            replicas_now=now, replicas_after=after,
-            time_saving=time_saving,
-            gpu_hours_per_mtok_after=gph_after,
-            cost_per_mtok_after=gph_after * self.price if gph_after is not None and
-            self.price is not None else None,
-            monthly_saving=self.monthly_gpu_hours * f * self.price
-            if self.price is not None else None,
-            monthly_gpu_hours_saved=self.monthly_gpu_hours * f,
-            evidence=evidence, confidence=confidence, apply=apply, notes=notes)
+            extra_sequences=extra, replicas_now=now, replicas_after=after,
+            time_saving=time_saving, gpu_hours_per_mtok_after=gph, cost_per_mtok_after=cost,
+            monthly_saving=money, monthly_gpu_hours_saved=gh,
+            evidence=evidence, evidence_detail=evidence_detail, confidence=confidence,
+            apply=apply, notes=notes, replicas_removed=removed, autoscaled=auto)
 
 
 def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[WhatIf]:
@@ -235,9 +303,10 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         return []
     out: list[WhatIf] = []
     ts = _time_saving(inp.time, w.flop_saving, w.kv_saving)
-    evidence = (f"replay: {w.replay.agreement:.1%} greedy agreement, mean KL "
-                f"{w.replay.mean_kl:.3g} over {w.replay.positions} positions "
-                f"({w.replay.verdict})" if w.replay is not None else "estimated")
+    evidence: Evidence = "replay" if w.replay is not None else "estimated"
+    detail = (f"{w.replay.agreement:.1%} greedy agreement, mean KL {w.replay.mean_kl:.3g} "
+              f"over {w.replay.positions} positions ({w.replay.verdict})"
+              if w.replay is not None else "no replay: the advice's estimate over the traffic")
     confidence = ("high" if w.replay is not None and w.safe else
                   "low" if w.replay is not None else "medium")
     notes = [w.summary] if w.summary else []
@@ -277,7 +346,7 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         {"sinks": w.sinks, "window": w.window, "layers": len(w.layers),
          "attention_flop_saving": w.flop_saving, "kv_saving": w.kv_saving,
          "exact_request_fraction": w.exact_fraction},
-        w.flop_saving, w.kv_saving, ts, evidence, confidence,
+        w.flop_saving, w.kv_saving, ts, evidence, detail, confidence,
         Apply(flag_list, supported, needs, f"vllm {flags.version}: "
               f"--hf-overrides {'accepted' if flags.hf_overrides else 'missing'}; "
               f"{flags.layer_types_detail}"), notes))
@@ -290,11 +359,15 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
             {"windowed_kv_heads": hs.windowed_kv_heads,
              "attention_flop_saving": hs.attention_flop_saving,
              "kv_saving": hs.kv_memory_saving},
-            hs.attention_flop_saving, hs.kv_memory_saving, ts2, "estimated", "low",
+            hs.attention_flop_saving, hs.kv_memory_saving, ts2, "estimated",
+            "no replay: per-head coverage of the sampled attention statistics", "low",
             Apply([], False, "vLLM windows whole layers, not single KV heads: a head-level "
                   "split needs a kernel that takes a window per head (a model/kernel change)",
                   f"vllm {flags.version}"),
             [hs.note] if hs.note else []))
+        # One or the other: per-head windows replace the layer window, never add to it.
+        out[0].alternative_to.append("head_split")
+        out[1].alternative_to.append("window")
     return out
 
 
@@ -313,7 +386,8 @@ def _fp8_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | 
     return fleet.what_if(
         "fp8_kv", f"FP8 KV cache (from {inp.kv.kv_dtype})", FORMULAS["fp8_kv"] + "; "
         + FORMULAS["capacity"], {"kv_dtype": inp.kv.kv_dtype, "bytes_per_element": size},
-        0.0, s, ts, "estimated", "medium",
+        0.0, s, ts, "estimated", "no replay: bytes per KV element, FP8 against the "
+        f"current {inp.kv.kv_dtype}", "medium",
         Apply(["--kv-cache-dtype fp8"], ok, needs,
               f"vllm {flags.version}: --kv-cache-dtype "
               f"{'accepts' if flags.fp8_values else 'does not accept'} fp8; {backend} "
@@ -363,11 +437,20 @@ def _max_len_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatI
                              if fleet.gpu_hours_per_mtok is not None and fleet.price is not None
                              else None),
         monthly_saving=0.0 if fleet.price is not None else None, monthly_gpu_hours_saved=0.0,
-        evidence="estimated", confidence="high" if inp.traffic.requests >= 1000 else "low",
+        evidence="estimated",
+        evidence_detail="the observed context distribution; no memory is freed",
+        confidence="high" if inp.traffic.requests >= 1000 else "low",
         apply=Apply([f"--max-model-len {new}"], flags.max_model_len, None,
                     f"vllm {flags.version}: --max-model-len "
                     f"{'exists' if flags.max_model_len else 'missing'}"),
-        notes=notes)
+        notes=notes, replicas_removed=0, autoscaled=FleetSaving(
+            share=0.0, monthly_gpu_hours_saved=0.0,
+            monthly_saving=0.0 if fleet.price is not None else None,
+            gpu_hours_per_mtok_after=fleet.gpu_hours_per_mtok,
+            cost_per_mtok_after=(fleet.gpu_hours_per_mtok * fleet.price
+                                 if fleet.gpu_hours_per_mtok is not None
+                                 and fleet.price is not None else None),
+            assumes="a cap on one request's length frees no KV memory: nothing to scale"))
 
 
 def _fallback_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[WhatIf]:
@@ -383,6 +466,7 @@ def _fallback_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> lis
             gpu_hours_per_mtok_after=None, cost_per_mtok_after=None, monthly_saving=None,
             monthly_gpu_hours_saved=None,
             evidence="measured" if fb.gain.startswith("measured") else "estimated",
+            evidence_detail=fb.gain,
             confidence="medium", apply=Apply([], False, fb.fix, f"vllm {flags.version}"),
             notes=[fb.gain]))
     return out
@@ -403,10 +487,24 @@ def _money(inp: CostInputs, fleet: _Fleet) -> Money:
         hours_per_month=fleet.hours, note=note)
 
 
-def _saving_line(w: WhatIf, fmt: Callable[[float], str]) -> str:
-    how = "replay-validated" if w.evidence.startswith("replay") else w.evidence
-    money = (f"{fmt(w.monthly_saving)}/month" if w.monthly_saving is not None
-             else f"{w.monthly_gpu_hours_saved or 0:,.0f} GPU-hours/month")
+def _gpu_hours_text(gh: float, money: float | None, fmt: Callable[[float], str]) -> str:
+    return (f"{fmt(money)}/month ({gh:,.0f} GPU-hours)" if money is not None
+            else f"{gh:,.0f} GPU-hours/month")
+
+
+def _saving_line(w: WhatIf, titles: dict[str, str], fmt: Callable[[float], str]) -> str:
+    """One savings line: both money figures, what the what-if frees, its evidence, and the
+    what-ifs it is an alternative to."""
+    how = {"replay": "replay-validated"}.get(w.evidence, w.evidence)
+    if w.monthly_gpu_hours_saved is None or w.replicas_removed is None:
+        fixed = "fixed fleet: not computable (peak concurrency unknown)"
+    else:
+        n = w.replicas_removed
+        fixed = (f"{_gpu_hours_text(w.monthly_gpu_hours_saved, w.monthly_saving, fmt)} at a "
+                 f"fixed fleet ({n} replica{'' if n == 1 else 's'} removed)")
+    a = w.autoscaled
+    auto = (f"{_gpu_hours_text(a.monthly_gpu_hours_saved, a.monthly_saving, fmt)} autoscaled"
+            if a is not None else "no autoscaled figure")
     parts = []
     if w.kv_saving:
         parts.append(f"{w.kv_saving:.0%} KV bytes per token")
@@ -415,7 +513,26 @@ def _saving_line(w: WhatIf, fmt: Callable[[float], str]) -> str:
     if w.extra_sequences:
         parts.append(f"+{w.extra_sequences:,.0f} concurrent sequences")
     tail = " (needs a model/kernel change)" if w.apply.needs_change else ""
-    return f"{w.title}: {money}; {', '.join(parts) or 'no direct saving'} [{how}]{tail}"
+    tail += "".join(f"; alternative to {titles.get(x, x)}: not additive"
+                    for x in w.alternative_to)
+    return (f"{w.title}: {fixed}, {auto}; {', '.join(parts) or 'no direct saving'} "
+            f"[{how}]{tail}")
+
+
+def rank_savings(ws: list[WhatIf], autoscaled: bool) -> list[WhatIf]:
+    """The what-ifs with a saving, biggest first. By the fixed fleet's figure: those whose
+    fixed figure is 0 (or unknown) but whose autoscaled one is not come after, by it, so the
+    information is not lost. With ``autoscaled``: by the autoscaled figure."""
+    def fixed(w: WhatIf) -> float:
+        return w.monthly_gpu_hours_saved or 0.0
+
+    def auto(w: WhatIf) -> float:
+        return w.autoscaled.monthly_gpu_hours_saved if w.autoscaled is not None else 0.0
+
+    some = [w for w in ws if fixed(w) > 0 or auto(w) > 0]
+    if autoscaled:
+        return sorted(some, key=lambda w: (auto(w), fixed(w)), reverse=True)
+    return sorted(some, key=lambda w: (fixed(w) > 0, fixed(w), auto(w)), reverse=True)
 
 
 def _dollars(x: float) -> str:
@@ -434,15 +551,14 @@ def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -
         ws.append(ml)
     ws += _fallback_what_ifs(inp, fleet, flags)
 
-    def size(w: WhatIf) -> float:
-        return w.monthly_gpu_hours_saved or 0.0
-
-    ranked = sorted((w for w in ws if size(w) > 0), key=size, reverse=True)
-    savings = [_saving_line(w, _dollars) for w in ranked]
+    titles = {w.id: w.title for w in ws}
+    savings = [_saving_line(w, titles, _dollars)
+               for w in rank_savings(ws, settings.autoscaled)]
     warnings = list(inp.warnings)
     if inp.traffic.requests <= 0:
         warnings.append("no finished requests in the window: traffic, capacity and money "
                         "figures are missing")
     return ModelReport(model=inp.model, traffic=inp.traffic, time=inp.time, kv=inp.kv,
                        what_ifs=ws, money=_money(inp, fleet), savings=savings,
-                       warnings=warnings)
+                       warnings=warnings,
+                       ranked_by="autoscaled" if settings.autoscaled else "fixed_fleet")

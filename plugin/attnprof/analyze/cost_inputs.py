@@ -141,7 +141,10 @@ def kv_memory(snap: Snapshot) -> KvMemory:
     a = snap.kv_pressure
     bpt = sum(lay.bytes_per_token for lay in st.layers) if st is not None and st.layers else None
     cap_tokens = a.capacity_tokens if a is not None else None
-    peak = (a.peak if a is not None else None) or (st.peak if st is not None else None)
+    # The aggregate's peak (what the terminal prints), the stat logger's only without one: a
+    # measured 0% is a peak, not a missing one.
+    peak = a.peak if a is not None and a.peak is not None else (
+        st.peak if st is not None else None)
     mean_ctx = req.context_tokens.mean if req is not None else None
     conc = None
     basis = ""

@@ -63,6 +63,10 @@ def add_parser(sub: Any) -> None:
                    help="price of one GPU-hour (money figures; without it: GPU-hours)")
     p.add_argument("--replicas", type=_positive_int, default=None,
                    help="replicas serving the model (default: counted from Prometheus, or 1)")
+    p.add_argument("--autoscaled", action="store_true",
+                   help="rank the savings by what an autoscaled fleet saves (fractional "
+                        "replicas) instead of the whole replicas a fixed fleet removes; "
+                        "both figures are printed either way")
     p.add_argument("--gpus-per-replica", type=_positive_float, default=None,
                    help="GPUs per replica (default: the workers the source reports)")
     p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
@@ -118,11 +122,18 @@ def write_report(rep: Any, out: Path) -> None:
 
 
 def print_savings(rep: Any, out: Path, n: int = 3) -> None:
-    """The report's path and its ``n`` biggest savings (over every model)."""
+    """The report's path and its ``n`` biggest savings (over every model), each with both
+    money figures and the basis that ranked them; alternatives say so in their line and are
+    never added up."""
     print(f"Cost report: {out / 'report.html'} (also report.md, report.json)")
     lines = [(m.model, s) for m in rep.models for s in m.savings]
     if not lines:
         print("  no what-if saves anything on this traffic")
+        return
+    bases = {m.ranked_by for m in rep.models if m.savings}
+    print("  ranked by " + ("what an autoscaled fleet saves" if bases == {"autoscaled"}
+                            else "what a fixed fleet saves (whole replicas removed)")
+          + "; the savings are not additive")
     for i, (model, line) in enumerate(lines[:n], 1):
         print(f"  {i}. [{model}] {line}")
 
@@ -169,7 +180,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--timeout must be in (0, 3600] seconds")
     check_out_dir(args.out)
     g = gather(args)
-    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
+    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price,
+                                      autoscaled=args.autoscaled), t0)
     run = None
     if args.validate:
         from attnprof.cli.whatif import measure_and_attach

@@ -94,6 +94,9 @@ def add_parser(sub: Any) -> None:
     add_measure_flags(p)
     p.add_argument("--gpu-hour-price", type=price_arg, default=None, metavar="P",
                    help="price of one GPU-hour (money figures; without it: GPU-hours)")
+    p.add_argument("--autoscaled", action="store_true",
+                   help="rank savings by the autoscaled (fractional) figure instead of whole "
+                        "replicas removed at a fixed fleet")
     p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
                    help="output directory (default attnprof-out)")
     p.add_argument("--timeout", type=float, default=30.0,
@@ -224,7 +227,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("give one source: --url URL or FILE...")
     check_out_dir(args.out)
     g = gather(args)
-    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price), t0)
+    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price,
+                                      autoscaled=args.autoscaled), t0)
     run = measure_and_attach(g, rep, args)
     ensure_writable_dir(args.out)
     write_atomic(args.out / "whatif.json", json.dumps(run.to_json(), indent=2) + "\n")

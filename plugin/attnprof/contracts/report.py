@@ -11,6 +11,7 @@ ids: only counts, rates, quantiles and histogram buckets.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from attnprof.contracts.base import Document, Fraction, Record
 from attnprof.contracts.provenance import Provenance
@@ -21,18 +22,36 @@ __all__ = [
     "BackendTime",
     "ContextDistribution",
     "Drift",
+    "Evidence",
     "Fallback",
+    "FleetSaving",
     "KvMemory",
     "LayerTime",
     "ModelReport",
     "Money",
+    "RankedBy",
     "Report",
     "ReportSource",
+    "Scope",
     "TimeBreakdown",
     "Traffic",
     "UsagePoint",
     "WhatIf",
 ]
+
+
+Evidence = Literal["measured", "replay", "estimated"]
+"""What a what-if's numbers rest on: ``measured`` (attnprof timed both paths), ``replay`` (a
+replay of real prompts through the change met its target), ``estimated`` (a model over the
+measured inputs, nothing run with the change)."""
+
+RankedBy = Literal["fixed_fleet", "autoscaled"]
+"""Which money figure ranks the savings list: a fixed replica count (whole replicas
+removed) or an autoscaled fleet (the fractional share, ``attnprof report --autoscaled``)."""
+
+Scope = Literal["replica", "fleet"]
+"""Whose figures a source measured: ``replica`` (one server: a live snapshot or saved files)
+or ``fleet`` (summed over every replica: Prometheus)."""
 
 
 @dataclass
@@ -91,6 +110,10 @@ class Traffic(Record):
     max_model_len: int | None
     context: ContextDistribution
     drift: Drift | None = None
+    scope: Scope = "fleet"
+    """Whose rates these are, and whose KV capacity and peak concurrency (``KvMemory``):
+    ``replica`` (one server's: the fleet's are x replicas, assuming equally loaded
+    replicas) or ``fleet`` (summed over the replicas counted)."""
 
 
 @dataclass
@@ -148,9 +171,9 @@ class KvMemory(Record):
     bytes_per_token: float | None
     kv_dtype: str | None
     capacity_tokens: float | None
-    """Tokens the KV cache holds (summed over replicas)."""
+    """Tokens the KV cache holds (summed over replicas, or one replica's: ``Traffic.scope``)."""
     capacity_sequences: dict[str, float]
-    """Concurrent sequences at the observed p50 and p99 contexts (summed over replicas)."""
+    """Concurrent sequences at the observed p50 and p99 contexts (same scope)."""
     usage_p95: float | None
     usage_peak: float | None
     above_90_fraction: float | None
@@ -163,8 +186,8 @@ class KvMemory(Record):
     or ``vllm:*`` series) or ``attnprof``."""
     usage_over_time: list[UsagePoint] = field(default_factory=list)
     peak_concurrency: float | None = None
-    """Sequences running at once at the peak (fleet-wide), and how it was obtained in
-    ``peak_concurrency_basis``."""
+    """Sequences running at once at the peak (fleet-wide, or one replica's:
+    ``Traffic.scope``), and how it was obtained in ``peak_concurrency_basis``."""
     peak_concurrency_basis: str = ""
     mean_running: float | None = None
     """Mean requests running while the engine was busy (the stat logger's aggregate; None
@@ -187,6 +210,22 @@ class Apply(Record):
 
 
 @dataclass
+class FleetSaving(Record):
+    """A what-if's saving on an autoscaled fleet: GPU-hours follow load, so a fraction of a
+    replica counts (what a fixed replica count can bank is on :class:`WhatIf` itself)."""
+
+    share: Fraction
+    """Share of GPU-hours saved: the KV saving s on a KV-bound fleet, else the time saving t."""
+    monthly_gpu_hours_saved: float
+    monthly_saving: float | None
+    """Money per month (with ``--gpu-hour-price``), else None."""
+    gpu_hours_per_mtok_after: float | None
+    cost_per_mtok_after: float | None
+    assumes: str
+    """One sentence: what this figure assumes (which saving sizes the fleet, and why)."""
+
+
+@dataclass
 class WhatIf(Record):
     id: str
     """``window``, ``head_split``, ``fp8_kv``, ``max_model_len``, ``fallback``."""
@@ -202,21 +241,35 @@ class WhatIf(Record):
     """Extra concurrent sequences at the observed mean context (fleet): capacity in tokens /
     mean KV tokens per sequence, before and after."""
     replicas_now: int | None
-    """Replicas needed at the observed peak concurrency, now."""
+    """Replicas needed at the observed peak concurrency, now (may exceed those counted: the
+    fleet is then short of KV capacity at its peak, and the notes say so)."""
     replicas_after: int | None
     time_saving: float | None
     """Share of model time saved (attention share x attention saving, per phase)."""
     gpu_hours_per_mtok_after: float | None
+    """At a fixed fleet: the replicas counted minus ``replicas_removed``."""
     cost_per_mtok_after: float | None
     monthly_saving: float | None
-    """Money per month (with ``--gpu-hour-price``), else None."""
+    """Money per month at a fixed fleet (with ``--gpu-hour-price``), else None."""
     monthly_gpu_hours_saved: float | None
-    evidence: str
-    """``replay``: a replay met its target (says which); ``estimated``: no replay."""
+    """GPU-hours per month a fixed fleet saves: whole replicas removed (``replicas_removed``
+    / replicas counted); None when it cannot be computed (the notes say why)."""
+    evidence: Evidence
     confidence: str
     """``high``, ``medium`` or ``low``, with the reason in ``notes``."""
     apply: Apply
     notes: list[str] = field(default_factory=list)
+    evidence_detail: str = ""
+    """What the evidence is, in words (the replay's agreement, the measured speed-up)."""
+    replicas_removed: int | None = None
+    """Whole replicas a fixed fleet removes (never more than those counted); None when it
+    cannot be computed (a KV-bound fleet without its peak concurrency)."""
+    autoscaled: FleetSaving | None = None
+    """The same saving on an autoscaled fleet (fractional replicas); None when the what-if
+    has no figure (a fallback without a measured time saving)."""
+    alternative_to: list[str] = field(default_factory=list)
+    """Ids of what-ifs this one replaces (a layer window vs per-head windows): their savings
+    are not additive."""
     validation: Validation | None = None
     """The what-if measured on a real server (``attnprof whatif`` / ``report --validate``):
     predictions beside measurements, and whether any is off by more than its confidence."""
@@ -247,14 +300,19 @@ class ModelReport(Record):
     what_ifs: list[WhatIf]
     money: Money
     savings: list[str] = field(default_factory=list)
-    """The what-ifs with a saving, biggest first: one sentence each (what the demo prints)."""
+    """The what-ifs with a saving, biggest first by ``ranked_by``: one sentence each, with
+    both the fixed-fleet and the autoscaled figure (what the demo prints)."""
     warnings: list[str] = field(default_factory=list)
+    ranked_by: RankedBy = "fixed_fleet"
+    """Which figure ranks ``savings``: the fixed fleet's, or the autoscaled one."""
 
 
 @dataclass
 class Report(Document):
     KIND = "attnprof.report"
-    VERSION = (1, 0)
+    VERSION = (2, 0)
+    # 2.0: WhatIf.evidence is a kind (measured/replay/estimated; its text moved to
+    # evidence_detail) and the top-level money fields are a fixed fleet's (whole replicas).
 
     generated_at: float
     source: ReportSource

@@ -243,7 +243,7 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
     traffic = Traffic(requests=reqs, requests_per_s=_one(got["request_rate"], model) or 0.0,
                       tokens_per_s=_one(got["token_rate"], model) or 0.0, prompt_tokens=prompt,
                       generation_tokens=gen, max_model_len=int(mml) if mml else None,
-                      context=context, drift=d)
+                      context=context, drift=d, scope="fleet")  # summed over the replicas
     # Where time goes.
     step_t = {k[1]: v for k, v in _by(_for(got["step_time"], model), "model", "phase").items()}
     att_t = {k[1]: v for k, v in _by(_for(got["step_attention_time"], model),

@@ -102,7 +102,7 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
         requests=n, requests_per_s=n / dur if dur else None,
         tokens_per_s=(prompt + gen) / dur if dur else None, prompt_tokens=prompt,
         generation_tokens=gen, max_model_len=req.max_model_len if req else None,
-        context=context, drift=None)
+        context=context, drift=None, scope="replica")  # one server's, whatever --replicas
     if advice is None and isinstance(snap.window_advice, WindowAdvice):
         advice = snap.window_advice
     if advice is None and profile is not None:

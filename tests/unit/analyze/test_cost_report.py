@@ -16,7 +16,7 @@ from attnprof.analyze.cost import (
     WindowInputs,
     build_model_report,
 )
-from attnprof.contracts.advice import ReplayEvidence
+from attnprof.contracts.advice import HeadLevelSplit, ReplayEvidence
 from attnprof.contracts.report import (
     ContextDistribution,
     KvMemory,
@@ -85,30 +85,138 @@ def test_money_now_follows_its_formula() -> None:
     assert rep.money.monthly_cost == pytest.approx(gpus * 730 * 2.0)
 
 
-def test_fp8_on_a_kv_bound_fleet_saves_half_the_fleet() -> None:
+def test_fp8_on_a_fleet_short_of_kv_at_its_peak_removes_no_replica() -> None:
+    # It used to claim half the bill (12 replicas needed -> 6) from a fleet of 4.
     rep = build_model_report(_inputs("kv_bound"), Settings(gpu_hour_price=2.0), FLAGS)
     w = _get(rep, "fp8_kv")
     assert w.kv_saving == pytest.approx(0.5)
     assert w.kv_bytes_freed_per_token == pytest.approx(36864.0 / 2)
     # 100,000 tokens / 600 mean context = 166.7 sequences; x (1/(1-0.5) - 1) more.
     assert w.extra_sequences == pytest.approx(100_000 / 600)
-    # 500 at peak; a replica holds 166.7/4 = 41.7 now (12 replicas), 83.3 after (6).
+    # 500 at peak; a replica holds 166.7/4 = 41.7 now (12 replicas), 83.3 after (6): the
+    # fleet of 4 is short at its peak, and the change relieves that before it frees one.
     assert (w.replicas_now, w.replicas_after) == (12, 6)
-    assert w.monthly_saving == pytest.approx(8 * 730 * 2.0 * (1 - 6 / 12))
+    assert w.replicas_removed == 0
+    assert w.monthly_saving == 0.0 and w.monthly_gpu_hours_saved == 0.0
+    assert w.gpu_hours_per_mtok_after == pytest.approx(rep.money.gpu_hours_per_mtok)
+    assert any("needs 12 replicas at the observed peak, has 4; after: 6" in n and
+               "relieves a shortage and removes no replica" in n for n in w.notes)
+    # Autoscaled, memory sizes it: the KV saving s, stated as such.
+    assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(0.5)
+    assert w.autoscaled.monthly_saving == pytest.approx(8 * 730 * 2.0 * 0.5)
+    assert "KV saving" in w.autoscaled.assumes
     assert w.apply.flags == ["--kv-cache-dtype fp8"] and w.apply.supported
     assert w.evidence == "estimated"
 
 
-def test_time_saving_sizes_a_fleet_that_is_not_kv_bound() -> None:
-    rep = build_model_report(_inputs("compute_bound", _window(sinks=0)),
-                             Settings(gpu_hour_price=None), FLAGS)
+def _issue_26_fleet(replicas: int = 1, tokens_per_s: float = 1000.0) -> CostInputs:
+    """Issue 26's worked example: one server, KV-bound, 23,296 tokens of KV, mean context
+    430 (54.2 sequences), 120 sequences at the peak, fp32 KV."""
+    inp = _inputs("kv_bound", dtype="float32")
+    inp.replicas, inp.gpus_per_replica = replicas, 1.0
+    inp.traffic.scope = "replica"
+    inp.traffic.tokens_per_s = tokens_per_s
+    inp.traffic.context.mean = 430.0
+    inp.kv.capacity_tokens, inp.kv.peak_concurrency = 23_296.0, 120.0
+    return inp
+
+
+def test_issue_26_fp8_on_one_short_replica_banks_nothing() -> None:
+    rep = build_model_report(_issue_26_fleet(), Settings(gpu_hour_price=1.0), FLAGS)
+    w = _get(rep, "fp8_kv")
+    assert w.kv_saving == pytest.approx(0.75)
+    # 120 / 54.2 -> 3 replicas needed now; 120 / 216.7 -> 1 after; the fleet has 1.
+    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (3, 1, 0)
+    assert w.monthly_gpu_hours_saved == 0.0 and w.monthly_saving == 0.0  # it said 487
+    assert any("needs 3 replicas at the observed peak, has 1; after: 1" in n
+               for n in w.notes)
+    assert w.autoscaled is not None
+    assert w.autoscaled.monthly_gpu_hours_saved == pytest.approx(730 * 0.75)
+    # Fixed figure 0 but an autoscaled one: still listed, with both figures.
+    line = next(x for x in rep.savings if x.startswith("FP8 KV cache"))
+    assert "0 GPU-hours) at a fixed fleet (0 replicas removed)" in line
+    assert "$548/month (548 GPU-hours) autoscaled" in line
+
+
+def test_replicas_removed_never_exceed_those_counted() -> None:
+    # 150 at peak fits the 4 replicas (41.7 each: 4 needed), 2 after FP8: 2 removed.
+    inp = _inputs("kv_bound")
+    inp.kv.peak_concurrency = 150.0
+    w = _get(build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS), "fp8_kv")
+    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (4, 2, 2)
+    assert w.monthly_saving == pytest.approx(8 * 730 * 2.0 * 2 / 4)
+    for peak in (1.0, 10.0, 150.0, 166.0, 167.0, 500.0, 5000.0):
+        inp.kv.peak_concurrency = peak
+        w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")
+        assert w.replicas_removed is not None and 0 <= w.replicas_removed <= inp.replicas
+
+
+def test_kv_bound_without_peak_concurrency_has_no_fixed_figure() -> None:
+    inp = _inputs("kv_bound")
+    inp.kv.peak_concurrency = None
+    rep = build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS)
+    w = _get(rep, "fp8_kv")
+    assert w.replicas_removed is None and w.monthly_gpu_hours_saved is None
+    assert w.monthly_saving is None and w.gpu_hours_per_mtok_after is None
+    assert any("cannot be computed" in n for n in w.notes)
+    assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(0.5)
+    line = next(x for x in rep.savings if x.startswith("FP8 KV cache"))
+    assert "fixed fleet: not computable" in line and "autoscaled" in line
+
+
+@pytest.mark.parametrize(("replicas", "removed"), [(1, 0), (4, 0), (20, 1), (100, 8)])
+def test_compute_bound_fleet_removes_whole_replicas(replicas: int, removed: int) -> None:
+    inp = _inputs("compute_bound", _window(sinks=0))
+    inp.replicas = replicas
+    rep = build_model_report(inp, Settings(gpu_hour_price=None), FLAGS)
     w = _get(rep, "window")
     # prefill: 0.3 of time x 0.2 share x 0.3 FLOP saving; decode: 0.7 x 0.4 x 0.25 KV saving
-    t = 0.3 * 0.2 * 0.3 + 0.7 * 0.4 * 0.25
+    t = 0.3 * 0.2 * 0.3 + 0.7 * 0.4 * 0.25  # 8.8%: removed = M - ceil(M x (1 - t))
     assert w.time_saving == pytest.approx(t)
-    assert w.monthly_gpu_hours_saved == pytest.approx(8 * 730 * t)
+    assert w.replicas_removed == removed == replicas - math.ceil(replicas * (1 - t))
+    assert w.monthly_gpu_hours_saved == pytest.approx(2 * replicas * 730 * removed / replicas)
+    assert w.autoscaled is not None
+    assert w.autoscaled.monthly_gpu_hours_saved == pytest.approx(2 * replicas * 730 * t)
+    assert w.autoscaled.gpu_hours_per_mtok_after == pytest.approx(
+        rep.money.gpu_hours_per_mtok * (1 - t))
     assert w.monthly_saving is None and rep.money.cost_per_mtok is None
-    assert w.gpu_hours_per_mtok_after == pytest.approx(rep.money.gpu_hours_per_mtok * (1 - t))
+
+
+def test_one_replica_with_a_13_percent_time_saving_removes_none() -> None:
+    inp = _inputs("compute_bound")
+    inp.replicas = 1
+    inp.time = TimeBreakdown(attention_share={"decode": 0.26}, model_time_s={"decode": 1.0})
+    w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")  # bf16: s = 0.5
+    assert w.time_saving == pytest.approx(0.13)
+    assert w.replicas_removed == 0 and w.monthly_gpu_hours_saved == 0.0
+
+
+def test_fp8_on_a_compute_bound_fleet_says_its_money_is_the_time_saving() -> None:
+    rep = build_model_report(_inputs("compute_bound"), Settings(), FLAGS)
+    w = _get(rep, "fp8_kv")
+    t = 0.7 * 0.4 * 0.5  # decode only: half the KV bytes read
+    assert w.time_saving == pytest.approx(t)
+    assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(t)  # not s
+    assert "saves nothing until memory binds" in w.autoscaled.assumes
+    assert any("saves nothing until memory binds" in n and "time saving" in n
+               for n in w.notes)
+
+
+def test_a_per_replica_token_rate_is_multiplied_by_the_replicas() -> None:
+    # One server at 172 tok/s, --replicas 8: 1.615 GPU-hours per 1M tokens, not 12.92.
+    one = build_model_report(_issue_26_fleet(replicas=8, tokens_per_s=172.0), Settings(),
+                             FLAGS)
+    assert one.money.gpu_hours_per_mtok == pytest.approx(1 / (172 * 3600) * 1e6)
+    assert one.money.gpu_hours_per_mtok == pytest.approx(1.615, abs=5e-4)
+    fleet = _issue_26_fleet(replicas=8, tokens_per_s=172.0)
+    fleet.traffic.scope = "fleet"  # Prometheus: the rate is already the fleet's
+    assert build_model_report(fleet, Settings(), FLAGS).money.gpu_hours_per_mtok == \
+        pytest.approx(12.92, abs=5e-3)
+    # The KV figures are one server's too: the fleet's peak is 8 x 120 = 960, a replica
+    # holds 54.2 (216.7 after): 18 needed now, 5 after, none removed from a fleet of 8.
+    w = _get(one, "fp8_kv")
+    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (18, 5, 0)
+    assert w.extra_sequences == pytest.approx(8 * 23_296 / 430 * 3)
 
 
 def test_window_flags_name_the_windowed_layers_and_sinks_need_a_kernel() -> None:
@@ -138,7 +246,8 @@ def test_replay_evidence_sets_confidence() -> None:
                         verdict="safe")
     w = _get(build_model_report(_inputs(window=_window(replay=ok)), Settings(), FLAGS),
              "window")
-    assert w.evidence.startswith("replay: 99.5%") and w.confidence == "high"
+    assert w.evidence == "replay" and w.confidence == "high"
+    assert w.evidence_detail.startswith("99.5% greedy agreement")
     bad = ReplayEvidence(agreement=0.8, mean_kl=0.2, positions=400, safe=False,
                          verdict="not safe")
     w = _get(build_model_report(_inputs(window=_window(replay=bad)), Settings(), FLAGS),
@@ -165,7 +274,9 @@ def test_fp8_absent_when_already_fp8_and_savings_ranked() -> None:
     assert all(w.id != "fp8_kv" for w in rep.what_ifs)
     rep = build_model_report(_inputs("kv_bound", _window(sinks=0)),
                              Settings(gpu_hour_price=1.0), FLAGS)
-    assert rep.savings[0].startswith("FP8 KV cache")  # 50% beats the window's 25%
+    # Fixed fleet (a shortage at the peak: 0 each), then autoscaled: 50% beats 25%.
+    assert rep.ranked_by == "fixed_fleet"
+    assert rep.savings[0].startswith("FP8 KV cache")
     assert rep.savings[1].startswith("0 sinks + window 1024")
     fp32 = build_model_report(_inputs("kv_bound", dtype="float32"), Settings(), FLAGS)
     assert _get(fp32, "fp8_kv").inputs["bytes_per_element"] == 4.0
@@ -177,8 +288,61 @@ def test_a_kv_saving_that_frees_no_whole_replica_saves_nothing() -> None:
     inp = _inputs("kv_bound")
     inp.replicas, inp.kv.peak_concurrency = 1, 10.0  # one replica holds 166 sequences
     w = _get(build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS), "fp8_kv")
-    assert (w.replicas_now, w.replicas_after) == (1, 1)
+    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (1, 1, 0)
     assert w.monthly_saving == 0.0 and w.kv_saving == pytest.approx(0.5)
+
+
+def _ranked_inputs() -> CostInputs:
+    # KV-bound, 4 replicas, 150 at peak: FP8 removes 2 (fixed 50%, autoscaled 50%); the
+    # window (s = 25%: 4 -> 3) removes 1 (25%); per-head windows (s = 60%: 4 -> 2) remove
+    # 2 (50%, autoscaled 60%), an alternative to the window.
+    inp = _inputs("kv_bound", _window(sinks=0))
+    assert inp.window is not None
+    inp.window.head_split = HeadLevelSplit(windowed_kv_heads=3, attention_flop_saving=0.5,
+                                           kv_memory_saving=0.6)
+    inp.kv.peak_concurrency = 150.0
+    return inp
+
+
+def test_savings_rank_by_the_fixed_fleet_unless_autoscaled() -> None:
+    rep = build_model_report(_ranked_inputs(), Settings(gpu_hour_price=1.0), FLAGS)
+    assert rep.ranked_by == "fixed_fleet"
+    order = [s.split(":")[0] for s in rep.savings]
+    # FP8 and per-head windows tie at 2 replicas; the autoscaled figure breaks the tie.
+    assert order == ["per-head windows on 3 KV heads", "FP8 KV cache (from bfloat16)",
+                     "0 sinks + window 1024 on 2 layers"]
+    assert "(2 replicas removed)" in rep.savings[0] and "(1 replica removed)" in rep.savings[2]
+    auto = build_model_report(_ranked_inputs(), Settings(gpu_hour_price=1.0,
+                                                         autoscaled=True), FLAGS)
+    assert auto.ranked_by == "autoscaled"
+    assert auto.savings[0].startswith("per-head windows")
+
+
+def test_a_fixed_zero_ranks_after_the_fixed_savings_and_a_double_zero_is_dropped() -> None:
+    inp = _ranked_inputs()
+    inp.kv.peak_concurrency = 10.0  # 1 replica needed of 4, before and after: fixed 0
+    inp.kv.verdict = "compute_bound"
+    inp.replicas = 20  # compute: the window's t removes 1 of 20; FP8's t (14%) removes 2
+    rep = build_model_report(inp, Settings(), FLAGS)
+    assert [s.split(":")[0] for s in rep.savings][:3] == [
+        "per-head windows on 3 KV heads", "FP8 KV cache (from bfloat16)",
+        "0 sinks + window 1024 on 2 layers"]
+    inp.replicas = 1  # nothing whole to remove: every what-if is listed by its autoscaled
+    rep = build_model_report(inp, Settings(), FLAGS)
+    assert all(_get(rep, i).replicas_removed == 0 for i in ("window", "fp8_kv", "head_split"))
+    assert len(rep.savings) == 3 and rep.savings[0].startswith("per-head windows")
+    assert all("max_model_len" not in s for s in rep.savings)  # 0 and 0: not listed
+
+
+def test_layer_and_head_windows_are_alternatives_not_summed() -> None:
+    rep = build_model_report(_ranked_inputs(), Settings(), FLAGS)
+    win, hs = _get(rep, "window"), _get(rep, "head_split")
+    assert win.alternative_to == ["head_split"] and hs.alternative_to == ["window"]
+    assert all(_get(rep, i).alternative_to == [] for i in ("fp8_kv", "max_model_len"))
+    line = next(s for s in rep.savings if s.startswith("0 sinks"))
+    assert line.endswith("; alternative to per-head windows on 3 KV heads: not additive")
+    line = next(s for s in rep.savings if s.startswith("per-head"))
+    assert "alternative to 0 sinks + window 1024 on 2 layers: not additive" in line
 
 
 def test_unchecked_family_is_not_called_unsupported() -> None:

@@ -403,3 +403,23 @@ def test_snapshot_cli_refuses_other_documents(monkeypatch: pytest.MonkeyPatch, b
     one_oh = {"schema_version": "attnprof.snapshot/1", "time": 0, "model": "m", "enabled": True}
     monkeypatch.setattr(http, "get", lambda url, **kw: json.dumps(one_oh).encode())
     assert fetch_snapshot("http://127.0.0.1:1")["schema_version"] == "attnprof.snapshot/1"
+
+
+# ----- the cost report -----
+def test_report_evidence_is_a_kind_and_the_schema_says_which() -> None:
+    from attnprof.contracts.report import Report
+    from tests.report_sample import sample_report
+
+    doc = sample_report().to_json()
+    _validate(doc, "report.schema.json")
+    assert Report.from_json(doc).to_json() == doc
+    whatif = json.loads((SCHEMA_DIR / "report.schema.json").read_text())["$defs"]["WhatIf"]
+    assert whatif["properties"]["evidence"]["enum"] == ["measured", "replay", "estimated"]
+    # Version 1's free text ("replay: 99.5% ...") is refused: its text is evidence_detail.
+    doc["models"][0]["what_ifs"][0]["evidence"] = "replay: 99.6% token agreement"
+    with pytest.raises(ContractError) as err:
+        Report.from_json(doc)
+    _one_line(err, "attnprof.report: ", "evidence: 'replay: 99.6% token agreement' is not "
+              "one of")
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(doc, "report.schema.json")

@@ -190,7 +190,8 @@ def test_html_shows_every_what_if_with_its_evidence_and_flags() -> None:
         assert escape(w.formula) in h
         for f in w.apply.flags:
             assert f"<code>{escape(f)}</code>" in h, f
-    assert h.count('class="badge good">replay-validated') == 2
+    assert h.count('class="badge good">replay-validated') == 1
+    assert h.count('class="badge good">measured') == 1
     assert h.count('class="badge plain">estimated') == 2
     assert h.count("<strong>Not supported by the installed vLLM</strong>") == 2
     warn = re.search(r'<div class="warn-box"><strong>Needs a change no flag gives:</strong>'
@@ -250,7 +251,8 @@ def test_markdown_tables_have_one_row_per_item() -> None:
     assert len(t["Layers"]) == 1 and t["Layers"][0][3] == "--attention-backend=FLASHINFER"
     assert len(t["Scenario"]) == 1 + len(m.what_ifs)
     assert t["Scenario"][0][:3] == ["now", "0.229 GPU-h", "$0.57"]
-    assert t["Scenario"][1][3] == "$1,825"
+    # FP8: 1 replica removed, $1,825 at a fixed fleet, $3,650 autoscaled.
+    assert t["Scenario"][1][3:] == ["1", "$1,825", "730 GPU-h", "$3,650", "1.46K GPU-h"]
     assert len(t["Component"]) == len(rep.versions)
     # 48 usage points are too many for a table; 6 are not.
     assert "KV usage" not in t
@@ -267,7 +269,9 @@ def test_markdown_has_every_what_if_flag_and_warning() -> None:
         assert f"#### {w.title}" in text
         for f in w.apply.flags:
             assert f"`{f}`" in text
-    assert text.count("[replay-validated]") == 2 and text.count("[estimated]") == 2
+    # A badge each, and FP8's and the fallback's savings lines end with theirs.
+    assert text.count("[replay-validated]") == 2 and text.count("[measured]") == 2
+    assert text.count("[estimated]") == 2
     assert "> **Warning:** needs a change no flag gives: a kernel" in text
     assert text.count("**Not supported by the installed vLLM**") == 2
     for s in rep.models[0].savings:
@@ -302,8 +306,43 @@ def test_without_a_price_the_report_speaks_gpu_hours(render: object) -> None:
 
 def test_without_a_price_the_money_table_has_no_cost_columns() -> None:
     t = _md_tables(render_markdown(sample_report(price=None)))
-    assert t["Scenario"][0] == ["now", "0.229 GPU-h", "—"]
-    assert all(len(r) == 3 for r in t["Scenario"])
+    assert t["Scenario"][0] == ["now", "0.229 GPU-h", "—", "—", "—"]
+    assert all(len(r) == 5 for r in t["Scenario"])
+
+
+def test_alternatives_are_marked_wherever_savings_are_listed() -> None:
+    rep = sample_report()
+    text, h = render_markdown(rep), render_html(rep)
+    t = _md_tables(text)
+    rows = {r[0]: r for r in t["Scenario"]}
+    assert ("Sliding window of 4K tokens on 24 of 32 layers (alternative to Streaming heads: "
+            "20 of 32 KV heads on a 512-token window: not additive)") in rows
+    assert "> Alternative to Sliding window of 4K tokens on 24 of 32 layers: not additive." \
+        in text
+    assert h.count("not additive.</div>") == 2
+    # A what-if that replaces none says nothing of the kind.
+    assert rows["FP8 KV cache"][0] == "FP8 KV cache"
+
+
+def test_both_money_bases_and_the_ranking_basis_are_stated() -> None:
+    rep = sample_report()
+    text = render_markdown(rep)
+    assert "ranked by the fixed-fleet figure" in text and "autoscaled" in text
+    assert "- **Replicas removed (fixed fleet):** 1" in text
+    assert "- **Saving per month (autoscaled):** $3,650/month" in text
+    assert "assumes replicas follow load and memory sizes the fleet" in text
+    assert "- **Evidence:** replay (greedy outputs matched" in text
+    rep.models[0].ranked_by = "autoscaled"
+    assert "ranked by the autoscaled figure (--autoscaled)" in render_html(rep)
+
+
+def test_a_one_replica_source_says_whose_rate_it_is() -> None:
+    rep = sample_report()
+    assert "(one replica's)" not in render_markdown(rep)  # Prometheus: the fleet's
+    rep.models[0].traffic.scope = "replica"
+    text = render_markdown(rep)
+    assert "4.86K tok/s (one replica's)" in text and "2.11 req/s (one replica's)" in text
+    assert "Capacity (one replica's)" in text
 
 
 def test_marker_labels_neither_overlap_nor_are_crossed() -> None:
