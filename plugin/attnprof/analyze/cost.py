@@ -36,10 +36,13 @@ from attnprof.contracts.report import (
 )
 from attnprof.facts.dtypes import dtype_bytes
 
-__all__ = ["FORMULAS", "CostInputs", "FlagChecks", "Settings", "WindowInputs",
+__all__ = ["FORMULAS", "SOFTWARE_FP8_BACKENDS", "CostInputs", "FlagChecks", "Measured",
+           "Settings", "WindowInputs",
            "build_model_report", "rank_savings"]
 
 HOURS_PER_MONTH = 730.0
+SOFTWARE_FP8_BACKENDS = frozenset({"CPU_ATTN", "TORCH_SDPA"})
+"""vLLM backends that keep an FP8 KV cache but convert it on every read (vLLM-CPU)."""
 
 FORMULAS: dict[str, str] = {
     "gpu_hours_per_mtok": "GPU-hours per 1M tokens = GPUs per replica / (tokens per second "
@@ -118,6 +121,18 @@ class FlagChecks:
 
 
 @dataclass
+class Measured:
+    """A what-if measured on real servers (``attnprof whatif``): the savings its money is
+    then computed from, in place of the estimate."""
+
+    time_saving: float
+    """1 - baseline tokens/s / variant tokens/s (negative: the variant is slower)."""
+    kv_saving: float | None
+    """1 - baseline KV capacity / variant KV capacity, vLLM's own figures."""
+    detail: str
+
+
+@dataclass
 class CostInputs:
     model: str
     traffic: Traffic
@@ -134,6 +149,8 @@ class CostInputs:
     gpus_per_replica: float = 1.0
     backends: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    measured: dict[str, Measured] = field(default_factory=dict)
+    """What-if id -> its measurement; the what-if's money then comes from it."""
 
 
 @dataclass
@@ -345,7 +362,8 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         FORMULAS["time_saving"] + "; " + FORMULAS["capacity"],
         {"sinks": w.sinks, "window": w.window, "layers": len(w.layers),
          "attention_flop_saving": w.flop_saving, "kv_saving": w.kv_saving,
-         "exact_request_fraction": w.exact_fraction},
+         "exact_request_fraction": w.exact_fraction,
+         "replay_agreement": w.replay.agreement if w.replay is not None else None},
         w.flop_saving, w.kv_saving, ts, evidence, detail, confidence,
         Apply(flag_list, supported, needs, f"vllm {flags.version}: "
               f"--hf-overrides {'accepted' if flags.hf_overrides else 'missing'}; "
@@ -377,7 +395,19 @@ def _fp8_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | 
     if size <= 1.0:
         return None
     s = 1.0 - 1.0 / size
-    ts = _time_saving(inp.time, 0.0, s)
+    notes = ["FP8 quantizes K and V: outputs change slightly; check quality on an eval set "
+             "before rolling out (attnprof whatif measures greedy agreement)"]
+    converting = sorted(set(inp.backends) & SOFTWARE_FP8_BACKENDS)
+    if converting and set(inp.backends) <= SOFTWARE_FP8_BACKENDS:
+        # Measured on vLLM-CPU 0.32 (docs/report.md): these backends convert the FP8 cache to
+        # the compute dtype on every read, so fewer bytes do not make decode faster; the
+        # run was slower. The model claims no time saving here, only capacity.
+        ts: float | None = 0.0
+        notes.append(f"{', '.join(converting)} converts the FP8 cache to the compute dtype on "
+                     "every read: the bytes saved do not make attention faster (measured "
+                     "slower on vLLM-CPU, docs/report.md); the saving is KV capacity only")
+    else:
+        ts = _time_saving(inp.time, 0.0, s)
     ok = flags.kv_cache_dtype and flags.fp8_values and flags.backend_fp8 is not False
     backend = ", ".join(inp.backends) or "the running backend"
     needs = None
@@ -393,8 +423,7 @@ def _fp8_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | 
               f"{'accepts' if flags.fp8_values else 'does not accept'} fp8; {backend} "
               + ("declares fp8" if flags.backend_fp8 else "declares no fp8"
                  if flags.backend_fp8 is False else "not checked")),
-        ["FP8 quantizes K and V: outputs change slightly; check quality on an eval set "
-         "before rolling out (no replay here)"])
+        notes)
 
 
 def _max_len_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | None:
@@ -410,7 +439,10 @@ def _max_len_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatI
     new = int(min(cur, math.ceil(target / 256.0) * 256))
     if new >= cur:
         return None
-    refused = _share_above(ctx.bounds, ctx.counts, float(new))
+    # Nothing observed was longer than the new cap: the buckets' linear spread would
+    # invent refusals between the longest context and the bucket's edge.
+    refused = (0.0 if ctx.max is not None and new >= ctx.max
+               else _share_above(ctx.bounds, ctx.counts, float(new)))
     bpt = inp.kv.bytes_per_token
     notes = [
         "vLLM sizes its KV cache by --gpu-memory-utilization (--kv-cache-memory-bytes), not "
@@ -539,6 +571,24 @@ def _dollars(x: float) -> str:
     return f"${x:,.2f}" if abs(x) < 100 else f"${x:,.0f}"
 
 
+def _measured_what_if(w: WhatIf, m: Measured, fleet: _Fleet) -> WhatIf:
+    """``w`` with its money computed from what was measured on real servers (a capping
+    what-if, which frees nothing, keeps its zero and only takes the evidence)."""
+    if w.id == "max_model_len" or w.kv_saving is None:
+        w.evidence, w.evidence_detail = "measured", m.detail
+        return w
+    notes = list(w.notes)
+    t = m.time_saving
+    if t < 0:
+        notes.append(f"measured slower: {-t:.1%} more model time per token than the baseline "
+                     "(the money figures count no time saving)")
+    s = m.kv_saving if m.kv_saving is not None else w.kv_saving
+    out = fleet.what_if(w.id, w.title, w.formula, w.inputs, w.attention_flop_saving, s,
+                        max(0.0, t), "measured", m.detail, "high", w.apply, notes)
+    out.alternative_to = list(w.alternative_to)
+    return out
+
+
 def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -> ModelReport:
     """The report section of one model: what-ifs ranked, money, and the savings lines."""
     fleet = _Fleet(inp, settings)
@@ -550,6 +600,8 @@ def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -
     if ml is not None:
         ws.append(ml)
     ws += _fallback_what_ifs(inp, fleet, flags)
+    ws = [_measured_what_if(w, inp.measured[w.id], fleet) if w.id in inp.measured else w
+          for w in ws]
 
     titles = {w.id: w.title for w in ws}
     savings = [_saving_line(w, titles, _dollars)

@@ -139,17 +139,22 @@ def _band(metric: str, confidence: str) -> float:
     return b / 5 if metric in ("refused_share", "greedy_agreement") else b
 
 
+_EXACT = ("kv_capacity", "refused_share", "greedy_agreement")
+"""Metrics a run measures as one exact figure (vLLM's capacity, counts), not per round."""
+
+
 def check(metric: str, predicted: float, confidence: str, measured: float | None,
           low: float | None = None, high: float | None = None) -> Check:
-    """One prediction against a measurement (``low``/``high``: its 95% interval; an exact
-    figure without them)."""
+    """One prediction against a measurement: an exact figure, or a mean with its 95%
+    interval (``low``, ``high``; a per-round metric without them, one round, gets no
+    verdict)."""
     band = _band(metric, confidence)
-    lo = measured if low is None else low
-    hi = measured if high is None else high
-    off = (lo is not None and hi is not None
-           and (lo > predicted + band or hi < predicted - band))
-    return Check(metric=metric, predicted=predicted, band=band, measured=measured, low=lo,
-                 high=hi, off=off)
+    if metric in _EXACT:
+        low = high = measured
+    off = (low is not None and high is not None
+           and (low > predicted + band or high < predicted - band))
+    return Check(metric=metric, predicted=predicted, band=band, measured=measured, low=low,
+                 high=high, off=off)
 
 
 def _measured(res: VariantResult) -> dict[str, tuple[float, float | None, float | None]]:
@@ -157,7 +162,8 @@ def _measured(res: VariantResult) -> dict[str, tuple[float, float | None, float 
     for metric in ("tokens_per_s", "itl_p99"):
         iv = res.changes.get(metric)
         if iv is not None:
-            out[metric] = (iv.mean, iv.low, iv.high)
+            out[metric] = ((iv.mean, iv.low, iv.high) if iv.rounds >= 2
+                           else (iv.mean, None, None))
     if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens:
         c = res.kv_capacity_tokens / res.baseline_kv_capacity_tokens - 1.0
         out["kv_capacity"] = (c, None, None)
@@ -181,8 +187,9 @@ def validate(w: WhatIf, time: TimeBreakdown, res: VariantResult, source: str) ->
             checks.append(check(metric, pred[metric], w.confidence, *(m or (None,))))
         elif metric in got:  # measured with nothing predicted (FP8's agreement): shown
             m = got[metric]
+            lo, hi = (m[0], m[0]) if metric in _EXACT else (m[1], m[2])
             checks.append(Check(metric=metric, predicted=None, band=0.0, measured=m[0],
-                                low=m[1], high=m[2], off=False))
+                                low=lo, high=hi, off=False))
     return Validation(status=res.status, flags=list(res.flags), reason=res.reason,
                       checks=checks, off=any(c.off for c in checks), rounds=res.rounds,
                       source=source)

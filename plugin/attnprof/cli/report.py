@@ -180,14 +180,15 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--timeout must be in (0, 3600] seconds")
     check_out_dir(args.out)
     g = gather(args)
-    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price,
-                                      autoscaled=args.autoscaled), t0)
+    settings = Settings(gpu_hour_price=args.gpu_hour_price, autoscaled=args.autoscaled)
+    rep = rp.build_report(g, settings, t0)
     run = None
     if args.validate:
-        from attnprof.cli.whatif import measure_and_attach
+        from attnprof.cli.whatif import measure, remeasured_report
         from attnprof.exporters.terminal_whatif import run_lines
 
-        run = measure_and_attach(g, rep, args)
+        run = measure(g, rep, args)
+        rep = remeasured_report(g, rp.build_report(g, settings, t0), run, settings, t0)
         rep.report_seconds = time.monotonic() - t0
         for line in run_lines(run, rep):
             print(line)

@@ -23,7 +23,7 @@ from attnprof.cli._common import (
     write_atomic,
 )
 
-__all__ = ["add_measure_flags", "add_parser", "measure_and_attach"]
+__all__ = ["add_measure_flags", "add_parser", "measure", "remeasured_report"]
 
 DEFAULT_ROUNDS = 4
 DEFAULT_DURATION = "8s"
@@ -140,13 +140,12 @@ def _checkpoint(spec: str | None, g: Any) -> Path:
                    "checkpoint directory to serve")
 
 
-def measure_and_attach(g: Any, rep: Any, args: argparse.Namespace) -> Any:
-    """Run the what-ifs of ``rep``'s model on real servers, attach each validation to its
-    what-if (evidence becomes ``measured``) and return the run (``WhatifRun``).
+def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
+    """Run the what-ifs of ``rep``'s model on real servers; the run (``WhatifRun``).
     :class:`CliError` (one line) for anything wrong, checked before any server starts."""
     import shlex
 
-    from attnprof.analyze.whatif import shape_from_report, validate
+    from attnprof.analyze.whatif import shape_from_report
     from attnprof.tools.whatif import RunConfig, WhatifError, run_whatifs, variant_args
 
     if len(rep.models) != 1:
@@ -203,15 +202,42 @@ def measure_and_attach(g: Any, rep: Any, args: argparse.Namespace) -> Any:
         finally:
             bar.close()
     run.provenance = g.provenance
-    by_id = {w.id: w for w in m.what_ifs}
-    for res in run.variants:
-        w = by_id.get(res.what_if)
-        if w is None:
-            continue
-        w.validation = validate(w, m.time, res, "this run")
-        if res.status == "measured":
-            w.evidence = "measured"
     return run
+
+
+def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> Any:
+    """The report again with each measured what-if's money computed from the run (its
+    evidence ``measured``), each what-if carrying its predictions beside the measurements
+    (the predictions are those of ``rep``, the estimate)."""
+    from attnprof.analyze.cost import Measured
+    from attnprof.analyze.whatif import validate
+    from attnprof.tools import report as rp
+
+    m = rep.models[0]
+    est = {w.id: w for w in m.what_ifs}
+    measured = {}
+    for res in run.variants:
+        tps = res.changes.get("tokens_per_s")
+        if res.what_if not in est or res.status != "measured" or tps is None:
+            continue
+        kv = (1.0 - res.baseline_kv_capacity_tokens / res.kv_capacity_tokens
+              if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens else None)
+        measured[res.what_if] = Measured(
+            time_saving=1.0 - 1.0 / (1.0 + tps.mean) if tps.mean > -1 else -1.0,
+            kv_saving=kv,
+            detail=f"measured on real vLLM servers: throughput {tps.mean:+.1%} "
+                   f"[{tps.low:+.1%}, {tps.high:+.1%}] over {tps.rounds} paired rounds"
+                   + (f", KV capacity {res.kv_capacity_tokens:,} vs "
+                      f"{res.baseline_kv_capacity_tokens:,} tokens (vLLM's figures)"
+                      if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens else ""))
+    g.inputs[0].measured = measured
+    out = rp.build_report(g, settings, t0)
+    by_id = {w.id: w for w in out.models[0].what_ifs}
+    for res in run.variants:
+        if res.what_if in est and res.what_if in by_id:
+            by_id[res.what_if].validation = validate(est[res.what_if], m.time, res,
+                                                     "this run")
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -227,9 +253,9 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("give one source: --url URL or FILE...")
     check_out_dir(args.out)
     g = gather(args)
-    rep = rp.build_report(g, Settings(gpu_hour_price=args.gpu_hour_price,
-                                      autoscaled=args.autoscaled), t0)
-    run = measure_and_attach(g, rep, args)
+    settings = Settings(gpu_hour_price=args.gpu_hour_price, autoscaled=args.autoscaled)
+    run = measure(g, rp.build_report(g, settings, t0), args)
+    rep = remeasured_report(g, rp.build_report(g, settings, t0), run, settings, t0)
     ensure_writable_dir(args.out)
     write_atomic(args.out / "whatif.json", json.dumps(run.to_json(), indent=2) + "\n")
     rep.report_seconds = time.monotonic() - t0

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.analyze.whatif import draw_lengths, paired_interval
+from attnprof.contracts.redact import redact_argv, redact_value
 from attnprof.contracts.whatif import (
     Agreement,
     ArmStats,
@@ -38,7 +39,8 @@ from attnprof.contracts.whatif import (
 from attnprof.tools import http
 from attnprof.tools.vllm_log import kv_capacity_tokens, startup_failure
 
-__all__ = ["RunConfig", "Variant", "WhatifError", "run_whatifs", "variant_args"]
+__all__ = ["RunConfig", "Variant", "WhatifError", "run_whatifs", "shown_flags",
+           "variant_args"]
 
 SERVED = "whatif"
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
@@ -70,6 +72,21 @@ def variant_args(flags: Sequence[str]) -> list[str]:
         if not words or not words[0].startswith("--"):
             raise ValueError(f"flag {f[:80]!r} is not a vLLM --flag")
         out += words
+    return out
+
+
+def shown_flags(flags: Sequence[str]) -> list[str]:
+    """Flags as whatif.json and the report keep them: secrets redacted (an ``--api-key``
+    given with ``--variant`` or ``--baseline-args``), the text unchanged otherwise."""
+    out = []
+    for f in flags:
+        try:
+            words = shlex.split(f)
+        except ValueError:
+            out.append(redact_value(f))
+            continue
+        clean = redact_argv(words)
+        out.append(f if clean == words else shlex.join(clean))
     return out
 
 
@@ -345,7 +362,8 @@ def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant]
     finally:
         base.stop()
     return WhatifRun(time=time.time(), model=cfg.model_dir.name,
-                     baseline_flags=list(cfg.baseline_args), traffic=shape, rounds=cfg.rounds,
+                     baseline_flags=redact_argv(cfg.baseline_args), traffic=shape,
+                     rounds=cfg.rounds,
                      duration_s=cfg.duration_s, variants=results,
                      seconds=time.monotonic() - t_run)
 
@@ -378,17 +396,18 @@ def _measure_steps(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Serve
                    requests: Callable[[int, int], list[_Req]], held_out: list[_Req],
                    step: Callable[[str], None], stop: Callable[[], bool] | None,
                    t0: float) -> VariantResult:
+    shown = shown_flags(v.flags)
     try:
         args = variant_args(v.flags)
     except ValueError as bad:
-        return VariantResult(what_if=v.what_if, flags=v.flags, status="could_not_start",
-                             reason=str(bad))
+        return VariantResult(what_if=v.what_if, flags=shown, status="could_not_start",
+                             reason=redact_value(str(bad)))
     var = _Server(cfg, [*cfg.baseline_args, *args], v.what_if)
     reason = var.start(stop)
     step(f"{v.what_if} started")
     if reason is not None:
-        return VariantResult(what_if=v.what_if, flags=v.flags, status="could_not_start",
-                             reason=reason, baseline_kv_capacity_tokens=base_kv,
+        return VariantResult(what_if=v.what_if, flags=shown, status="could_not_start",
+                             reason=redact_value(reason), baseline_kv_capacity_tokens=base_kv,
                              seconds=time.monotonic() - t0)
     b, w = _Arm(), _Arm()
     try:
@@ -403,15 +422,16 @@ def _measure_steps(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Serve
                 step(f"{v.what_if} round {r + 1}")
                 if err is not None:
                     which = "baseline" if srv is base else "variant"
-                    return VariantResult(what_if=v.what_if, flags=v.flags, status="failed",
-                                         reason=f"round {r + 1} on the {which}: {err}",
+                    return VariantResult(what_if=v.what_if, flags=shown, status="failed",
+                                         reason=redact_value(
+                                             f"round {r + 1} on the {which}: {err}"),
                                          seconds=time.monotonic() - t0)
         agreement = None
         if v.outputs_change:
             try:
                 agreement = _agreement(base, var, [q.prompt for q in held_out], cfg)
             except http.HttpError as bad:
-                return VariantResult(what_if=v.what_if, flags=v.flags, status="failed",
+                return VariantResult(what_if=v.what_if, flags=shown, status="failed",
                                      reason=f"agreement sample: {bad}",
                                      seconds=time.monotonic() - t0)
             step(f"{v.what_if} agreement")
@@ -427,7 +447,8 @@ def _measure_steps(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Serve
         iv = paired_interval(xb, xv)
         if iv is not None:
             changes[metric] = iv
-    return VariantResult(what_if=v.what_if, flags=v.flags, status="measured",
+    return VariantResult(what_if=v.what_if, flags=shown,
+                             status="measured",
                          kv_capacity_tokens=kv, baseline_kv_capacity_tokens=base_kv,
                          rounds=cfg.rounds, baseline=b.stats(), variant=w.stats(),
                          changes=changes, agreement=agreement,
