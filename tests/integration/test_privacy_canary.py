@@ -646,6 +646,18 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     seconds["attnprof profile"] = time.monotonic() - t0
     for name, text in _read_tree(prof_dir / "out").items():
         outputs[f"attnprof profile: {name}"] = text
+    # Measured what-ifs of the record on real servers (one short round each): a variant that
+    # carries vLLM's --api-key (so the runner authenticates with it) must keep it out of
+    # whatif.json, the report and what it prints.
+    t0 = time.monotonic()
+    wi = _cli("whatif", str(work / "rec.json"), "--checkpoint", str(tiny_model),
+              "--variant", f"--max-model-len 512 --api-key {route_key}",
+              "--baseline-args", "--kv-cache-memory-bytes 67108864", "--rounds", "1",
+              "--duration", "1s", "--out", str(work / "whatif"), timeout=600)
+    assert wi.returncode == 0, wi.stderr[-2000:]
+    assert '"status": "measured"' in (work / "whatif" / "whatif.json").read_text()
+    outputs["attnprof whatif (stdout, stderr)"] = wi.stdout + wi.stderr
+    seconds["attnprof whatif"] = time.monotonic() - t0
     for name, text in _read_tree(work).items():
         outputs[f"attnprof CLI file: {name}"] = text
     tb_values = {}
@@ -751,6 +763,7 @@ SURFACES: dict[str, tuple[str, ...]] = {
     "cli-trace": ("attnprof trace", "attnprof CLI file: trace.json"),
     "cli-record": ("attnprof record", "attnprof CLI file: rec.json"),
     "cli-report": ("attnprof report", "attnprof CLI file: report/"),
+    "cli-whatif": ("attnprof whatif", "attnprof CLI file: whatif/"),
     "cli-diff": ("attnprof diff", "attnprof CLI file: diff."),
     "cli-profile": ("attnprof profile",),
     "run-files": ("run file: ",),

@@ -14,6 +14,7 @@ from html import escape
 
 from attnprof.contracts.report import ModelReport, Report, WhatIf
 from attnprof.exporters import report_format as md
+from attnprof.exporters.report_validation import status_sentence, validation_table
 from attnprof.exporters.svg_plot import Marker, RefLine, bar_chart, line_chart
 
 __all__ = ["render_html"]
@@ -212,6 +213,13 @@ def _whatif_card(i: int, w: WhatIf, titles: dict[str, str]) -> str:
                    f"</strong> (checked against {_e(w.apply.checked_against)}).</div>")
     nums = md.whatif_numbers(w)
     out.append(_facts(nums) if nums else "<p>No saving this report can put a number on.</p>")
+    if w.validation is not None:
+        box = "bad-box" if w.validation.off or w.validation.status != "measured" else "sub"
+        out.append(f'<p class="{box}"><strong>Measured on real vLLM servers:</strong> '
+                   f"{_e(status_sentence(w.validation))}</p>")
+        vt = validation_table(w)
+        if vt[1]:
+            out.append(_table(vt))
     out.append(f"<p><strong>Evidence:</strong> {_e(md.evidence_text(w))}</p>")
     out.append(f"<div><strong>Formula</strong></div><pre><code>{_e(w.formula)}</code></pre>")
     if w.inputs:

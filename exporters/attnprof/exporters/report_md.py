@@ -35,6 +35,7 @@ from attnprof.exporters.report_format import (
     whatif_numbers,
     window_text,
 )
+from attnprof.exporters.report_validation import status_sentence, validation_table
 
 __all__ = ["render_markdown"]
 
@@ -117,6 +118,12 @@ def _model_md(rep: Report, m: ModelReport) -> list[str]:
             out += [f"> **Not supported by the installed vLLM** (checked against "
                     f"{_esc(w.apply.checked_against)}).", ""]
         out += _facts(whatif_numbers(w))
+        if w.validation is not None:
+            out += [f"**Measured on real vLLM servers:** {_esc(status_sentence(w.validation))}",
+                    ""]
+            vt = validation_table(w)
+            if vt[1]:
+                out += _table(vt)
         out += [f"- **Evidence:** {_esc(evidence_text(w))}; **confidence:** "
                 f"{_esc(w.confidence)}",
                 f"- **Formula:** {_code(w.formula)}"]

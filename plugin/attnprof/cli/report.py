@@ -80,7 +80,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, flag: str = "--out") -> None:
     """Refuse an --out that cannot become a writable directory, creating nothing (the
     report is written only once all of it is rendered)."""
     import tempfile
@@ -94,15 +94,15 @@ def check_out_dir(out: Path) -> None:
 
     if out.exists():
         if not out.is_dir():
-            raise CliError(f"--out {str(out)!r} is a file; give a directory")
+            raise CliError(f"{flag} {str(out)!r} is a file; give a directory")
         if not writable(out):
-            raise CliError(f"--out {str(out)!r} is not writable")
+            raise CliError(f"{flag} {str(out)!r} is not writable")
         return
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not writable(parent):
-        raise CliError(f"--out {str(out)!r} cannot be created ({str(parent)!r} is not a "
+        raise CliError(f"{flag} {str(out)!r} cannot be created ({str(parent)!r} is not a "
                        "writable directory)")
 
 
@@ -178,6 +178,12 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--model and --range go with --prometheus")
     if not 0 < args.timeout <= 3600:
         raise CliError("--timeout must be in (0, 3600] seconds")
+    from attnprof.cli.whatif import check_measure_args, measure_flags_given
+
+    if args.validate:
+        check_measure_args(args)
+    elif measure_flags_given(args):
+        raise CliError(f"{', '.join(measure_flags_given(args))} go with --validate")
     check_out_dir(args.out)
     g = gather(args)
     settings = Settings(gpu_hour_price=args.gpu_hour_price, autoscaled=args.autoscaled)

@@ -23,10 +23,14 @@ from attnprof.cli._common import (
     write_atomic,
 )
 
-__all__ = ["add_measure_flags", "add_parser", "measure", "remeasured_report"]
+__all__ = ["MEASURABLE", "add_measure_flags", "add_parser", "check_measure_args", "measure",
+           "measure_flags_given", "remeasured_report"]
 
 DEFAULT_ROUNDS = 4
 DEFAULT_DURATION = "8s"
+MEASURABLE = ("window", "fp8_kv", "max_model_len")
+"""The what-ifs a flag can apply (head-level windows and fused-kernel fallbacks need a change
+no flag gives)."""
 _CHANGES = ("fp8_kv", "window", "custom")
 """What-ifs whose outputs can differ from the baseline's: agreement is measured for them."""
 
@@ -56,9 +60,9 @@ def add_measure_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="the served checkpoint: a directory or 'smollm2' (default: the "
                         "record's model path when it is a local directory)")
-    p.add_argument("--only", action="append", default=[], metavar="ID",
-                   help="measure only this what-if (fp8_kv, max_model_len, window...); "
-                        "repeatable")
+    p.add_argument("--only", action="append", default=[], choices=MEASURABLE,
+                   help="measure only this what-if; repeatable (default: every one the "
+                        "report can apply with a flag)")
     p.add_argument("--variant", action="append", default=[], metavar="FLAGS",
                    help="also measure these vLLM flags (e.g. \"--kv-cache-dtype fp8_e5m2\"); "
                         "repeatable")
@@ -72,6 +76,43 @@ def add_measure_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_concurrency, default=None,
                    help="requests in flight (default: the record's mean running requests)")
     p.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
+    p.add_argument("--keep-logs", type=out_dir_arg, default=None, metavar="DIR",
+                   help="keep each vLLM server's log here (default: a temporary directory, "
+                        "removed; vLLM's logs echo its arguments, secrets included)")
+
+
+_DEFAULTS: dict[str, object] = {"checkpoint": None, "only": [], "variant": [], "baseline_args": "",
+             "rounds": DEFAULT_ROUNDS, "duration": DEFAULT_DURATION, "concurrency": None,
+             "seed": 0, "keep_logs": None}
+
+
+def measure_flags_given(args: argparse.Namespace) -> list[str]:
+    """The measured-run flags set to something other than their default."""
+    return ["--" + k.replace("_", "-") for k, v in _DEFAULTS.items() if getattr(args, k) != v]
+
+
+def check_measure_args(args: argparse.Namespace) -> None:
+    """Every measured-run flag, before anything is read or started: sets ``duration_s``,
+    ``base_args`` and ``ckpt`` (None: from the record) on ``args``; :class:`CliError`."""
+    from attnprof.cli.report import check_out_dir
+    from attnprof.tools.whatif import variant_args
+
+    args.duration_s = parse_seconds(args.duration, "--duration")
+    if not 0 <= args.seed < 2**32:
+        raise CliError("--seed must be in 0..4294967295")
+    try:
+        args.base_args = variant_args([args.baseline_args]) if args.baseline_args.strip() \
+            else []
+    except ValueError as err:
+        raise CliError(f"--baseline-args: {err}") from None
+    for flags in args.variant:
+        try:
+            variant_args([flags])
+        except ValueError as err:
+            raise CliError(f"--variant: {err}") from None
+    args.ckpt = resolve_model(args.checkpoint) if args.checkpoint is not None else None
+    if args.keep_logs is not None:
+        check_out_dir(args.keep_logs, "--keep-logs")
 
 
 def add_parser(sub: Any) -> None:
@@ -105,14 +146,14 @@ def add_parser(sub: Any) -> None:
 
 
 def _variants(m: Any, only: list[str], extra: list[str]) -> list[Any]:
-    from attnprof.tools.whatif import Variant, variant_args
+    from attnprof.tools.whatif import Variant
 
     out = []
     known = {w.id for w in m.what_ifs}
-    for o in only:
-        if o not in known:
-            raise CliError(f"--only {o[:40]!r}: this report has no such what-if (it has: "
-                           f"{', '.join(sorted(known)) or 'none'})")
+    missing = [o for o in only if o not in known]
+    if missing:
+        raise CliError(f"--only {missing[0]}: this report has no such what-if on this traffic "
+                       f"(it has: {', '.join(sorted(known)) or 'none'})")
     for w in m.what_ifs:
         if only and w.id not in only:
             continue
@@ -121,17 +162,13 @@ def _variants(m: Any, only: list[str], extra: list[str]) -> list[Any]:
             continue
         out.append(Variant(w.id, list(w.apply.flags), w.id in _CHANGES))
     for i, flags in enumerate(extra):
-        try:
-            variant_args([flags])
-        except ValueError as err:
-            raise CliError(f"--variant: {err}") from None
         out.append(Variant("custom" if i == 0 else f"custom-{i + 1}", [flags], True))
     return out
 
 
-def _checkpoint(spec: str | None, g: Any) -> Path:
-    if spec:
-        return resolve_model(spec)
+def _checkpoint(given: Path | None, g: Any) -> Path:
+    if given is not None:
+        return given
     prov = g.provenance
     path = prov.model.path if prov is not None and prov.model.path else None
     if path and Path(path).is_dir() and (Path(path) / "config.json").is_file():
@@ -143,23 +180,15 @@ def _checkpoint(spec: str | None, g: Any) -> Path:
 def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
     """Run the what-ifs of ``rep``'s model on real servers; the run (``WhatifRun``).
     :class:`CliError` (one line) for anything wrong, checked before any server starts."""
-    import shlex
-
     from attnprof.analyze.whatif import shape_from_report
-    from attnprof.tools.whatif import RunConfig, WhatifError, run_whatifs, variant_args
+    from attnprof.tools.whatif import RunConfig, WhatifError, run_whatifs
 
     if len(rep.models) != 1:
         raise CliError(f"the source holds {len(rep.models)} models; a measured run takes one "
                        "(with --prometheus: --model LABEL)")
     m = rep.models[0]
-    duration = parse_seconds(args.duration, "--duration")
-    if not 1.0 <= duration <= 3600:
-        raise CliError("--duration must be between 1 s and 1 h")
-    try:
-        base_args = variant_args(shlex.split(args.baseline_args)) if args.baseline_args \
-            else []
-    except ValueError as err:
-        raise CliError(f"--baseline-args: {err}") from None
+    duration = args.duration_s
+    base_args = list(args.base_args)
     variants = _variants(m, args.only, args.variant)
     if not variants:
         raise CliError("nothing to measure: no what-if of this report has a flag the "
@@ -175,7 +204,7 @@ def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
                                   args.concurrency)
     except ValueError as err:
         raise CliError(str(err)) from None
-    ckpt = _checkpoint(args.checkpoint, g)
+    ckpt = _checkpoint(args.ckpt, g)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpt)
@@ -185,10 +214,12 @@ def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
           f"paired rounds of {duration:g} s per arm, concurrency "
           f"{shape.concurrency}", file=sys.stderr)
     bar = progress_bar(units, "whatif", unit="step")
-    with tempfile.TemporaryDirectory(prefix="attnprof-whatif-") as logs, \
+    with tempfile.TemporaryDirectory(prefix="attnprof-whatif-") as tmp, \
             StopSignals() as stop:
+        logs = args.keep_logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig(model_dir=ckpt, baseline_args=base_args, rounds=args.rounds,
-                        duration_s=duration, seed=args.seed, log_dir=Path(logs))
+                        duration_s=duration, seed=args.seed, log_dir=logs)
 
         def tick(msg: str) -> None:
             bar.set_postfix_str(msg[:40])
@@ -251,6 +282,9 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     if bool(args.files) == bool(args.url):
         raise CliError("give one source: --url URL or FILE...")
+    if not 0 < args.timeout <= 3600:
+        raise CliError("--timeout must be in (0, 3600] seconds")
+    check_measure_args(args)
     check_out_dir(args.out)
     g = gather(args)
     settings = Settings(gpu_hour_price=args.gpu_hour_price, autoscaled=args.autoscaled)

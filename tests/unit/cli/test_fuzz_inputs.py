@@ -586,6 +586,26 @@ COMMAND = Kind(
     edges=lambda w: ["", str(w.emptydir), str(w.afile), str(w.inp / "nope"), "\x01"],
     anything=lambda w: ANY_TEXT.map(lambda s: s.replace("/", "_")))
 
+def _vllm_flags(empty_ok: bool) -> Kind:
+    """vLLM flags as shell words (``--variant``, ``--baseline-args``): every word group starts
+    with ``--`` and the quotes balance; what they mean is vLLM's to refuse, at start-up."""
+    good = ["--kv-cache-dtype fp8", "--max-model-len 2048",
+            "--hf-overrides '{\"sliding_window\":8}'", "--enforce-eager"]
+    return Kind(
+        "vLLM flags (shell words)", good=lambda w: st.sampled_from(good + [""] * empty_ok),
+        bad=lambda w: st.sampled_from(["fp8", "kv-cache-dtype fp8", "--a '", '--b "x',
+                                       "-x 1"] + [""] * (not empty_ok)),
+        edges=lambda w: ["--a '", "fp8"] + [" "] * (not empty_ok))
+
+
+_MEASURE: dict[str, Kind] = {
+    "--checkpoint": MODEL,
+    "--only": _choice(["window", "fp8_kv", "max_model_len"], ["fp8", "head_split", "all"]),
+    "--variant": _vllm_flags(False), "--baseline-args": _vllm_flags(True),
+    "--rounds": int_kind(1, 50), "--duration": DURATION, "--concurrency": int_kind(1, 256),
+    "--seed": int_kind(0, 2**32 - 1), "--keep-logs": OUT_DIR,
+}
+
 FLAGS: dict[str, Kind] = {
     "container-start command": COMMAND,
     "serve --model": MODEL, "serve --port": int_kind(1, 65535), "serve --host": HOST,
@@ -658,6 +678,11 @@ FLAGS: dict[str, Kind] = {
     "report --gpu-hour-price": PRICE, "report --replicas": int_kind(1, 100_000),
     "report --gpus-per-replica": float_kind(0, 4096, lo_open=True), "report --out": OUT_DIR,
     "report --timeout": float_kind(0, 3600, lo_open=True),
+    **{f"report {k}": v for k, v in _MEASURE.items()},
+    "whatif files": in_file("snap"), "whatif --url": URL_KIND, "whatif --api-key": API_KEY,
+    "whatif --gpu-hour-price": PRICE, "whatif --out": OUT_DIR,
+    "whatif --timeout": float_kind(0, 3600, lo_open=True),
+    **{f"whatif {k}": v for k, v in _MEASURE.items()},
 }
 
 
@@ -681,6 +706,7 @@ def _base(w: World) -> dict[str, dict[str, str | None]]:
         "diff": {"base": str(w.snap), "new": str(w.snap)},
         "probe": {},
         "report": {"--url": URL, "--out": str(w.out / "report")},
+        "whatif": {"--url": URL, "--checkpoint": str(w.ckpt), "--out": str(w.out / "whatif")},
     }
 
 
@@ -699,6 +725,8 @@ CONTEXT: dict[str, tuple[tuple[str, ...], Callable[[World], dict[str, str | None
     "report --prometheus": (("--url",), lambda w: {}),
     "report --model": (("--url",), lambda w: {"--prometheus": URL}),
     "report --range": (("--url",), lambda w: {"--prometheus": URL}),
+    **{f"report {k}": ((), lambda w: {"--validate": None}) for k in _MEASURE},
+    "whatif files": (("--url",), lambda w: {}),
 }
 
 
