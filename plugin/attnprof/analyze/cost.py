@@ -355,6 +355,11 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         notes.append(f"not checked whether vLLM windows this family ({flags.layer_types_detail})"
                      ": run the report where the checkpoint is, or check its vLLM model file "
                      "reads layer_types")
+    notes.append("vLLM admits a request by its worst case: a windowed layer reserves the "
+                 "window plus max_num_batched_tokens (chunked prefill in flight), so vLLM's "
+                 "own KV capacity figure (at max_model_len) grows less than the memory the "
+                 "traffic holds shrinks (vLLM frees blocks outside the window); attnprof "
+                 "whatif measures that figure")
     supported = (None if flags.layer_types is None and flags.hf_overrides
                  else bool(flags.hf_overrides and flags.layer_types))
     out.append(fleet.what_if(
@@ -363,7 +368,8 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         {"sinks": w.sinks, "window": w.window, "layers": len(w.layers),
          "attention_flop_saving": w.flop_saving, "kv_saving": w.kv_saving,
          "exact_request_fraction": w.exact_fraction,
-         "replay_agreement": w.replay.agreement if w.replay is not None else None},
+         "replay_agreement": w.replay.agreement if w.replay is not None else None,
+         "num_layers": n},
         w.flop_saving, w.kv_saving, ts, evidence, detail, confidence,
         Apply(flag_list, supported, needs, f"vllm {flags.version}: "
               f"--hf-overrides {'accepted' if flags.hf_overrides else 'missing'}; "

@@ -17,10 +17,17 @@ import statistics
 from collections.abc import Sequence
 
 from attnprof.contracts.report import KvMemory, TimeBreakdown, Traffic, WhatIf
-from attnprof.contracts.whatif import Check, Interval, TrafficShape, Validation, VariantResult
+from attnprof.contracts.whatif import (
+    Check,
+    Interval,
+    TrafficShape,
+    Validation,
+    VariantResult,
+    WhatifRun,
+)
 
 __all__ = ["BANDS", "CAPACITY_BAND", "PREDICTED", "check", "draw_lengths", "paired_interval",
-           "predictions", "shape_from_report", "validate"]
+           "predictions", "shape_from_report", "validate", "vllm_window_capacity_gain"]
 
 BANDS: dict[str, float] = {"high": 0.05, "medium": 0.15, "low": 0.30}
 """The tolerance a stated confidence allows a predicted relative change (throughput, ITL):
@@ -107,12 +114,30 @@ def draw_lengths(shape: TrafficShape, n: int, seed: int) -> list[int]:
     return [int(min(hi, max(1, round(_inverse_cdf(shape, u))))) for u in us]
 
 
-def predictions(w: WhatIf, time: TimeBreakdown) -> dict[str, float]:
+def vllm_window_capacity_gain(num_layers: int, windowed: int, window: int,
+                              max_model_len: int, in_flight_tokens: int,
+                              block_size: int) -> float:
+    """The change in vLLM's own KV capacity figure when ``windowed`` of ``num_layers`` layers
+    slide a window: vLLM states capacity as concurrency at max_model_len x max_model_len, and
+    admits a request by its worst case, where a windowed layer holds ``min(window - 1 +
+    in-flight tokens, max_model_len)`` tokens plus one block (vLLM 0.32,
+    ``SlidingWindowSpec.max_admission_blocks_per_request``), not the window alone."""
+    full = -(-max_model_len // block_size)
+    win = -(-min(window - 1 + in_flight_tokens, max_model_len) // block_size) + 1
+    now = num_layers * full
+    after = (num_layers - windowed) * full + windowed * min(win, full)
+    return now / after - 1.0 if after > 0 else 0.0
+
+
+def predictions(w: WhatIf, time: TimeBreakdown, *, max_model_len: int | None = None,
+                in_flight_tokens: int | None = None,
+                block_size: int | None = None) -> dict[str, float]:
     """What the report's model predicts a what-if changes, by metric: throughput change
     ``t / (1 - t)`` from its time saving t; ITL p99 change ``-(decode attention share x decode
     saving)`` (decode is one step per token; its attention reads the KV); KV capacity change
-    ``1 / (1 - s) - 1``; the share of requests refused (``max_model_len``); greedy agreement
-    from its replay."""
+    ``1 / (1 - s) - 1`` (for a window, vLLM's admission rule:
+    :func:`vllm_window_capacity_gain`); the share of requests refused (``max_model_len``);
+    greedy agreement from its replay."""
     out: dict[str, float] = {}
     t = w.time_saving
     if t is not None and t < 1:
@@ -123,6 +148,16 @@ def predictions(w: WhatIf, time: TimeBreakdown) -> dict[str, float]:
         out["itl_p99"] = -min(1.0, max(0.0, dec)) * s
     if s is not None and s < 1:
         out["kv_capacity"] = 1.0 / (1.0 - s) - 1.0
+    ins = w.inputs
+    win, lay, n = ins.get("window"), ins.get("layers"), ins.get("num_layers")
+    if (w.id == "window" and isinstance(win, (int, float)) and isinstance(lay, (int, float))
+            and isinstance(n, (int, float)) and max_model_len and in_flight_tokens
+            and block_size):
+        # vLLM's figure is admission capacity at max_model_len, not the memory the traffic
+        # holds (the advice's s): the model of that figure is vLLM's own rule.
+        out["kv_capacity"] = vllm_window_capacity_gain(int(n), int(lay), int(win),
+                                                       max_model_len, in_flight_tokens,
+                                                       block_size)
     refused = w.inputs.get("refused_share")
     if isinstance(refused, (int, float)):
         out["refused_share"] = float(refused)
@@ -176,9 +211,13 @@ def _measured(res: VariantResult) -> dict[str, tuple[float, float | None, float 
     return out
 
 
-def validate(w: WhatIf, time: TimeBreakdown, res: VariantResult, source: str) -> Validation:
-    """The report's predictions for ``w`` beside what ``res`` measured."""
-    pred = predictions(w, time)
+def validate(w: WhatIf, time: TimeBreakdown, res: VariantResult, source: str,
+             run: WhatifRun | None = None) -> Validation:
+    """The report's predictions for ``w`` beside what ``res`` measured (``run``: the
+    scheduler facts vLLM's capacity figure depends on)."""
+    pred = predictions(w, time, max_model_len=run.max_model_len if run else None,
+                       in_flight_tokens=run.in_flight_tokens if run else None,
+                       block_size=run.block_size if run else None)
     got = _measured(res) if res.status == "measured" else {}
     checks = []
     for metric in PREDICTED:

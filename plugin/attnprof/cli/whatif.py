@@ -267,7 +267,7 @@ def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> A
     for res in run.variants:
         if res.what_if in est and res.what_if in by_id:
             by_id[res.what_if].validation = validate(est[res.what_if], m.time, res,
-                                                     "this run")
+                                                     "this run", run)
     return out
 
 

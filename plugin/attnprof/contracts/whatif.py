@@ -129,6 +129,13 @@ class WhatifRun(Document):
     variants: list[VariantResult]
     provenance: Provenance | None = None
     seconds: float = 0.0
+    max_model_len: int | None = None
+    """Both servers' max_model_len (the variant's own when it sets one)."""
+    in_flight_tokens: int | None = None
+    """vLLM's max_num_batched_tokens for both servers (the flag when given, else the
+    installed vLLM's default): a windowed layer reserves it on top of the window."""
+    block_size: int | None = None
+    """vLLM's KV block size for both servers (the flag when given, else its default)."""
 
 
 @dataclass

@@ -312,6 +312,34 @@ def _agreement(base: _Server, var: _Server, prompts: list[str], cfg: RunConfig) 
                      mean_kl=statistics.fmean(kls) if kls else None, top_k=cfg.top_k)
 
 
+def _int_arg(args: Sequence[str], flag: str) -> int | None:
+    """The last value ``flag`` takes in ``args`` (as argparse reads it), as an integer."""
+    found = None
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+        elif a == flag and i + 1 < len(args):
+            found = args[i + 1]
+    try:
+        return int(found) if found is not None else None
+    except ValueError:
+        return None
+
+
+def _vllm_default(what: str) -> int | None:
+    """The installed vLLM's default scheduler batch or KV block size (None without vLLM)."""
+    try:
+        if what == "block_size":
+            from vllm.config.cache import CacheConfig
+
+            return int(CacheConfig.DEFAULT_BLOCK_SIZE)
+        from vllm.config.scheduler import SchedulerConfig
+
+        return int(SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    except (ImportError, AttributeError):
+        return None
+
+
 def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant],
                 tokenizer: Any, *, progress: Callable[[str], None] | None = None,
                 stop: Callable[[], bool] | None = None) -> WhatifRun:
@@ -347,14 +375,26 @@ def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant]
         n = int(min(cfg.max_requests_per_round,
                     max(shape.concurrency, math.ceil(cfg.duration_s * per_s))))
         base_kv = base.kv_tokens()
-        for v in variants:
+        for i, v in enumerate(variants):
             if stop is not None and stop():
                 raise WhatifError("stopped")
-            results.append(_measure(cfg, shape, v, base, base_kv, warm, n, requests,
-                                    held_out, tick, stop))
+            # Fresh prompts for every variant: the baseline serves all of them, and a prompt
+            # it saw before would hit its prefix cache while the new variant's is cold.
+            offset = cfg.seed + 1000 * (i + 1)
+
+            def fresh(r: int, k: int, offset: int = offset) -> list[_Req]:
+                return requests(offset + r, k)
+
+            results.append(_measure(cfg, shape, v, base, base_kv, warm, n, fresh, held_out,
+                                    tick, stop))
     finally:
         base.stop()
     return WhatifRun(time=time.time(), model=cfg.model_dir.name,
+                     max_model_len=_int_arg(cfg.baseline_args, "--max-model-len"),
+                     in_flight_tokens=_int_arg(cfg.baseline_args, "--max-num-batched-tokens")
+                     or _vllm_default("max_num_batched_tokens"),
+                     block_size=_int_arg(cfg.baseline_args, "--block-size")
+                     or _vllm_default("block_size"),
                      baseline_flags=redact_argv(cfg.baseline_args), traffic=shape,
                      rounds=cfg.rounds,
                      duration_s=cfg.duration_s, variants=results,
