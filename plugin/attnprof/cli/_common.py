@@ -257,3 +257,29 @@ class StopSignals:
         while not self.received and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, 0.1))
         return self.requested
+
+
+def check_out_dir(out: Path, flag: str = "--out") -> None:
+    """Refuse an --out that cannot become a writable directory, creating nothing (the
+    report is written only once all of it is rendered)."""
+    import tempfile
+
+    def writable(d: Path) -> bool:  # for real: os.access says yes to root in /proc, /sys
+        try:
+            with tempfile.TemporaryFile(dir=d):
+                return True
+        except OSError:
+            return False
+
+    if out.exists():
+        if not out.is_dir():
+            raise CliError(f"{flag} {str(out)!r} is a file; give a directory")
+        if not writable(out):
+            raise CliError(f"{flag} {str(out)!r} is not writable")
+        return
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not writable(parent):
+        raise CliError(f"{flag} {str(out)!r} cannot be created ({str(parent)!r} is not a "
+                       "writable directory)")

@@ -11,9 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnprof.cli._common import CliError, ensure_writable_dir, label_arg, out_dir_arg, price_arg
+from attnprof.cli._common import (
+    CliError,
+    check_out_dir,
+    ensure_writable_dir,
+    label_arg,
+    out_dir_arg,
+    price_arg,
+)
 
-__all__ = ["add_parser", "check_out_dir", "gather", "print_savings", "write_report"]
+__all__ = ["add_parser", "gather", "print_savings", "write_report"]
 
 
 def _positive_int(text: str) -> int:
@@ -37,8 +44,8 @@ def _positive_float(text: str) -> float:
 
 
 def add_parser(sub: Any) -> None:
+    from attnprof.cli._measure import add_measure_flags
     from attnprof.cli.snapshot import add_api_key_flag
-    from attnprof.cli.whatif import add_measure_flags
 
     p = sub.add_parser(
         "report", help="cost-optimization report (HTML, Markdown, JSON) from a server, a "
@@ -78,32 +85,6 @@ def add_parser(sub: Any) -> None:
                         "print predicted beside measured (as attnprof whatif; minutes)")
     add_measure_flags(p)
     p.set_defaults(func=_run)
-
-
-def check_out_dir(out: Path, flag: str = "--out") -> None:
-    """Refuse an --out that cannot become a writable directory, creating nothing (the
-    report is written only once all of it is rendered)."""
-    import tempfile
-
-    def writable(d: Path) -> bool:  # for real: os.access says yes to root in /proc, /sys
-        try:
-            with tempfile.TemporaryFile(dir=d):
-                return True
-        except OSError:
-            return False
-
-    if out.exists():
-        if not out.is_dir():
-            raise CliError(f"{flag} {str(out)!r} is a file; give a directory")
-        if not writable(out):
-            raise CliError(f"{flag} {str(out)!r} is not writable")
-        return
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not writable(parent):
-        raise CliError(f"{flag} {str(out)!r} cannot be created ({str(parent)!r} is not a "
-                       "writable directory)")
 
 
 def write_report(rep: Any, out: Path) -> None:
@@ -178,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--model and --range go with --prometheus")
     if not 0 < args.timeout <= 3600:
         raise CliError("--timeout must be in (0, 3600] seconds")
-    from attnprof.cli.whatif import check_measure_args, measure_flags_given
+    from attnprof.cli._measure import check_measure_args, measure_flags_given
 
     if args.validate:
         check_measure_args(args)
@@ -190,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     rep = rp.build_report(g, settings, t0)
     run = None
     if args.validate:
-        from attnprof.cli.whatif import measure, remeasured_report
+        from attnprof.cli._measure import measure, remeasured_report
         from attnprof.exporters.terminal_whatif import run_lines
 
         run = measure(g, rep, args)
