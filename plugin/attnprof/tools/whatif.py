@@ -170,11 +170,14 @@ class _Server:
 
     def start(self, stop: Callable[[], bool] | None) -> str | None:
         """None once ready, else vLLM's one-line reason."""
-        from attnprof.tools.server import ServerError
+        from attnprof.tools.server import ServerError, StopRequested
 
         self.srv.start()
         try:
             self.srv.wait_ready(timeout=self.cfg.ready_timeout_s, stop=stop)
+        except StopRequested:
+            self.srv.stop()
+            raise WhatifError("stopped before the server was ready") from None
         except ServerError:
             text = self.log.read_text(errors="replace") if self.log.exists() else ""
             self.srv.stop()
