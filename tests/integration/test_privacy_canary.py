@@ -646,17 +646,17 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     seconds["attnprof profile"] = time.monotonic() - t0
     for name, text in _read_tree(prof_dir / "out").items():
         outputs[f"attnprof profile: {name}"] = text
-    # Measured what-ifs of the record on real servers (one short round each): a variant that
-    # carries vLLM's --api-key (so the runner authenticates with it) must keep it out of
-    # whatif.json, the report and what it prints.
+    # The record's FP8 what-if measured on real servers (`report --validate`, one short
+    # round): both servers carry vLLM's --api-key (the runner authenticates with it), which
+    # must stay out of whatif.json, the report and what it prints.
     t0 = time.monotonic()
-    wi = _cli("whatif", str(work / "rec.json"), "--checkpoint", str(tiny_model),
-              "--variant", f"--max-model-len 512 --api-key {route_key}",
-              "--baseline-args", "--kv-cache-memory-bytes 67108864", "--rounds", "1",
+    wi = _cli("report", str(work / "rec.json"), "--validate", "--checkpoint", str(tiny_model),
+              "--only", "fp8_kv", "--baseline-args",
+              f"--api-key {route_key} --kv-cache-memory-bytes 67108864", "--rounds", "1",
               "--duration", "1s", "--out", str(work / "whatif"), timeout=600)
     assert wi.returncode == 0, wi.stderr[-2000:]
     assert '"status": "measured"' in (work / "whatif" / "whatif.json").read_text()
-    outputs["attnprof whatif (stdout, stderr)"] = wi.stdout + wi.stderr
+    outputs["attnprof whatif (report --validate: stdout, stderr)"] = wi.stdout + wi.stderr
     seconds["attnprof whatif"] = time.monotonic() - t0
     for name, text in _read_tree(work).items():
         outputs[f"attnprof CLI file: {name}"] = text

@@ -2,7 +2,8 @@
 variant (``--max-model-len``) is measured against a baseline in paired rounds, its KV
 capacity is vLLM's own log line (and, as vLLM sizes the cache by bytes, the baseline's), a
 variant vLLM refuses yields its one-line reason, and the report carries predicted beside
-measured."""
+measured. ``report --validate`` (the same run, inside report) is exercised end to end by the
+privacy canary (tests/integration/test_privacy_canary.py, surface cli-whatif) on FP8."""
 
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600)
 
 
-def test_whatif_measures_max_model_len_against_vllms_own_capacity(
+def test_whatif_measures_max_model_len_and_says_why_a_variant_could_not_start(
         tiny_model: Path, tmp_path: Path) -> None:
     out, logs = tmp_path / "out", tmp_path / "logs"
     r = _run("whatif", str(DEMO), "--checkpoint", str(tiny_model), "--only", "max_model_len",
-             "--baseline-args", _BASE, "--rounds", "2", "--duration", "1s", "--keep-logs",
-             str(logs), "--out", str(out))
+             "--variant", "--max-model-len 999999", "--baseline-args", _BASE, "--rounds", "2",
+             "--duration", "1s", "--keep-logs", str(logs), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     run = WhatifRun.from_json(json.loads((out / "whatif.json").read_text()))
     by = {v.what_if: v for v in run.variants}
@@ -58,6 +59,12 @@ def test_whatif_measures_max_model_len_against_vllms_own_capacity(
     assert mml.agreement is None  # a length cap cannot change outputs: not sampled
     assert {"tokens_per_s", "itl_p99", "ttft_p50"} <= set(mml.changes)
 
+    refused = by["custom"]
+    assert refused.status == "could_not_start" and refused.reason is not None
+    assert "\n" not in refused.reason
+    assert refused.reason.startswith("User-specified max_model_len (999999) is greater")
+    assert "custom (--max-model-len 999999): could not start: User-specified" in r.stdout
+
     rep = Report.from_json(json.loads((out / "report.json").read_text()))
     w = next(x for x in rep.models[0].what_ifs if x.id == "max_model_len")
     assert w.evidence == "measured" and w.validation is not None
@@ -66,30 +73,3 @@ def test_whatif_measures_max_model_len_against_vllms_own_capacity(
     assert not checks["kv_capacity"].off
     assert checks["refused_share"].measured == 0.0  # nothing replayed was above 768
     assert "Measured on real vLLM servers" in (out / "report.md").read_text()
-
-
-def test_report_validate_measures_fp8_and_says_why_a_variant_could_not_start(
-        tiny_model: Path, tmp_path: Path) -> None:
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    r = _run("report", str(DEMO), "--validate", "--checkpoint", str(tiny_model), "--only",
-             "fp8_kv", "--variant", "--max-model-len 999999", "--baseline-args", _BASE,
-             "--rounds", "1", "--duration", "1s", "--keep-logs", str(logs), "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = WhatifRun.from_json(json.loads((out / "whatif.json").read_text()))
-    by = {v.what_if: v for v in run.variants}
-    fp8 = by["fp8_kv"]
-    assert fp8.status == "measured" and fp8.agreement is not None
-    assert fp8.kv_capacity_tokens == _log_kv(logs / "whatif-fp8_kv.log")
-    # float32 -> FP8: a quarter of the bytes per token, four times the tokens (block-rounded).
-    assert fp8.kv_capacity_tokens == pytest.approx(4 * _log_kv(logs / "whatif-baseline.log"),
-                                                   rel=0.01)
-    refused = by["custom"]
-    assert refused.status == "could_not_start" and refused.reason is not None
-    assert "\n" not in refused.reason
-    assert refused.reason.startswith("User-specified max_model_len (999999) is greater")
-    assert "custom (--max-model-len 999999): could not start: User-specified" in r.stdout
-    rep = Report.from_json(json.loads((out / "report.json").read_text()))
-    w = next(x for x in rep.models[0].what_ifs if x.id == "fp8_kv")
-    assert w.evidence == "measured" and w.validation is not None
-    kv = next(c for c in w.validation.checks if c.metric == "kv_capacity")
-    assert kv.predicted == pytest.approx(3.0) and not kv.off
