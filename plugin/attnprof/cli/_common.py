@@ -12,6 +12,7 @@ import secrets
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,21 @@ def int_in_range(value: int, flag: str, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise CliError(f"{flag} must be an integer in {lo}..{hi}, got {value}")
     return value
+
+
+def int_arg(lo: int, hi: int) -> Callable[[str], int]:
+    """argparse type of an integer in ``lo..hi`` (a usage error, one line, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{n} is not in {lo}..{hi}") from None
+        return n
+
+    return parse
 
 
 def check_lengths(dist: Any, source: str) -> Any:

@@ -14,6 +14,8 @@ from attnprof.cli._common import (
     CliError,
     StopSignals,
     check_out_dir,
+    int_arg,
+    int_in_range,
     out_dir_arg,
     parse_seconds,
     progress_bar,
@@ -32,26 +34,6 @@ _CHANGES = ("fp8_kv", "window", "custom")
 """What-ifs whose outputs can differ from the baseline's: agreement is measured for them."""
 
 
-def _rounds(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
-    if not 1 <= n <= 50:
-        raise argparse.ArgumentTypeError(f"{n} is not in 1..50") from None
-    return n
-
-
-def _concurrency(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
-    if not 1 <= n <= 256:
-        raise argparse.ArgumentTypeError(f"{n} is not in 1..256") from None
-    return n
-
-
 def add_measure_flags(p: argparse.ArgumentParser) -> None:
     """The flags of a measured run (shared by ``whatif`` and ``report --validate``)."""
     p.add_argument("--checkpoint", default=None, metavar="DIR",
@@ -66,11 +48,11 @@ def add_measure_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-args", default="", metavar="ARGS",
                    help="extra vLLM flags of both servers, as the recorded server ran "
                         "(default: only its --max-model-len)")
-    p.add_argument("--rounds", type=_rounds, default=DEFAULT_ROUNDS,
+    p.add_argument("--rounds", type=int_arg(1, 50), default=DEFAULT_ROUNDS,
                    help=f"paired rounds per what-if (default {DEFAULT_ROUNDS})")
     p.add_argument("--duration", default=DEFAULT_DURATION,
                    help=f"traffic per arm per round, e.g. 8s, 1m (default {DEFAULT_DURATION})")
-    p.add_argument("--concurrency", type=_concurrency, default=None,
+    p.add_argument("--concurrency", type=int_arg(1, 256), default=None,
                    help="requests in flight (default: the record's mean running requests)")
     p.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
     p.add_argument("--keep-logs", type=out_dir_arg, default=None, metavar="DIR",
@@ -78,14 +60,13 @@ def add_measure_flags(p: argparse.ArgumentParser) -> None:
                         "removed; vLLM's logs echo its arguments, secrets included)")
 
 
-_DEFAULTS: dict[str, object] = {"checkpoint": None, "only": [], "variant": [], "baseline_args": "",
-             "rounds": DEFAULT_ROUNDS, "duration": DEFAULT_DURATION, "concurrency": None,
-             "seed": 0, "keep_logs": None}
-
-
 def measure_flags_given(args: argparse.Namespace) -> list[str]:
-    """The measured-run flags set to something other than their default."""
-    return ["--" + k.replace("_", "-") for k, v in _DEFAULTS.items() if getattr(args, k) != v]
+    """The measured-run flags set to something other than their default (the defaults as
+    :func:`add_measure_flags` declares them)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_measure_flags(p)
+    return ["--" + k.replace("_", "-") for k, v in vars(p.parse_args([])).items()
+            if getattr(args, k) != v]
 
 
 def check_measure_args(args: argparse.Namespace) -> None:
@@ -94,8 +75,7 @@ def check_measure_args(args: argparse.Namespace) -> None:
     from attnprof.tools.whatif import variant_args
 
     args.duration_s = parse_seconds(args.duration, "--duration")
-    if not 0 <= args.seed < 2**32:
-        raise CliError("--seed must be in 0..4294967295")
+    int_in_range(args.seed, "--seed", 0, 2**32 - 1)
     try:
         args.base_args = variant_args([args.baseline_args]) if args.baseline_args.strip() \
             else []

@@ -15,22 +15,13 @@ from attnprof.cli._common import (
     CliError,
     check_out_dir,
     ensure_writable_dir,
+    int_arg,
     label_arg,
     out_dir_arg,
     price_arg,
 )
 
 __all__ = ["add_parser", "gather", "print_savings", "write_report"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
-    if not 1 <= n <= 100_000:
-        raise argparse.ArgumentTypeError(f"{n} is not in 1..100000") from None
-    return n
 
 
 def _positive_float(text: str) -> float:
@@ -68,7 +59,7 @@ def add_parser(sub: Any) -> None:
                         "most 24h); longer than the data is an error")
     p.add_argument("--gpu-hour-price", type=price_arg, default=None, metavar="P",
                    help="price of one GPU-hour (money figures; without it: GPU-hours)")
-    p.add_argument("--replicas", type=_positive_int, default=None,
+    p.add_argument("--replicas", type=int_arg(1, 100_000), default=None,
                    help="replicas serving the model (default: counted from Prometheus, or 1)")
     p.add_argument("--autoscaled", action="store_true",
                    help="rank the savings by what an autoscaled fleet saves (fractional "
@@ -175,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
         from attnprof.exporters.terminal_whatif import run_lines
 
         run = measure(g, rep, args)
-        rep = remeasured_report(g, rp.build_report(g, settings, t0), run, settings, t0)
+        rep = remeasured_report(g, rep, run, settings, t0)
         rep.report_seconds = time.monotonic() - t0
         for line in run_lines(run, rep):
             print(line)

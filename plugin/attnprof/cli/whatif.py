@@ -70,8 +70,9 @@ def _run(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     g = gather(args)
     settings = Settings(gpu_hour_price=args.gpu_hour_price, autoscaled=args.autoscaled)
-    run = measure(g, rp.build_report(g, settings, t0), args)
-    rep = remeasured_report(g, rp.build_report(g, settings, t0), run, settings, t0)
+    estimate = rp.build_report(g, settings, t0)
+    run = measure(g, estimate, args)
+    rep = remeasured_report(g, estimate, run, settings, t0)
     ensure_writable_dir(args.out)
     write_atomic(args.out / "whatif.json", json.dumps(run.to_json(), indent=2) + "\n")
     rep.report_seconds = time.monotonic() - t0
