@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from attnprof.contracts.report import WhatIf
-from attnprof.contracts.whatif import Check, Validation, VariantResult, WhatifRun
+from attnprof.contracts.whatif import Check, Validation, VariantResult
 from attnprof.exporters.report_format import MISSING, Table
 
 __all__ = ["LABELS", "check_cells", "signed_pct", "status_sentence", "validation_table",
@@ -74,7 +74,7 @@ def validation_table(w: WhatIf) -> Table:
     return head, [check_cells(c) for c in v.checks]
 
 
-def variant_lines(run: WhatifRun, res: VariantResult, v: Validation | None) -> list[str]:
+def variant_lines(res: VariantResult, v: Validation | None) -> list[str]:
     """A variant's lines for the terminal: status, then each check (or, for a variant no
     what-if predicts, what it measured)."""
     flags = " ".join(res.flags)

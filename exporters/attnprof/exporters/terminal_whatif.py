@@ -19,7 +19,7 @@ def run_lines(run: WhatifRun, rep: Report) -> list[str]:
     by_id = {w.id: w for m in rep.models for w in m.what_ifs}
     for res in run.variants:
         w = by_id.get(res.what_if)
-        out += variant_lines(run, res, w.validation if w is not None else None)
+        out += variant_lines(res, w.validation if w is not None else None)
     off = [w.id for w in by_id.values() if w.validation is not None and w.validation.off]
     if off:
         out.append(f"Off by more than the stated confidence: {', '.join(off)} (see the "

@@ -196,6 +196,8 @@ def check(metric: str, predicted: float, confidence: str, measured: float | None
 
 
 def _measured(res: VariantResult) -> dict[str, tuple[float, float | None, float | None]]:
+    """(value, low, high) per metric the run measured: exact figures are their own
+    interval; a per-round mean from one round has none."""
     out: dict[str, tuple[float, float | None, float | None]] = {}
     for metric in ("tokens_per_s", "itl_p50", "itl_p99"):
         iv = res.changes.get(metric)
@@ -204,13 +206,14 @@ def _measured(res: VariantResult) -> dict[str, tuple[float, float | None, float 
                            else (iv.mean, None, None))
     if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens:
         c = res.kv_capacity_tokens / res.baseline_kv_capacity_tokens - 1.0
-        out["kv_capacity"] = (c, None, None)
+        out["kv_capacity"] = (c, c, c)
     b, v = res.baseline, res.variant
     if b is not None and v is not None and b.requests and v.requests:
         r = v.refused / v.requests - b.refused / b.requests
-        out["refused_share"] = (r, None, None)
+        out["refused_share"] = (r, r, r)
     if res.agreement is not None and res.agreement.positions:
-        out["greedy_agreement"] = (res.agreement.greedy_agreement, None, None)
+        g = res.agreement.greedy_agreement
+        out["greedy_agreement"] = (g, g, g)
     return out
 
 
@@ -229,9 +232,8 @@ def validate(w: WhatIf, time: TimeBreakdown, res: VariantResult, source: str,
             checks.append(check(metric, pred[metric], w.confidence, *(m or (None,))))
         elif metric in got:  # measured with nothing predicted (FP8's agreement): shown
             m = got[metric]
-            lo, hi = (m[0], m[0]) if metric in _EXACT else (m[1], m[2])
             checks.append(Check(metric=metric, predicted=None, band=0.0, measured=m[0],
-                                low=lo, high=hi, off=False))
+                                low=m[1], high=m[2], off=False))
     return Validation(status=res.status, flags=list(res.flags), reason=res.reason,
                       checks=checks, off=any(c.off for c in checks), rounds=res.rounds,
                       source=source)

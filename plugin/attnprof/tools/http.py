@@ -139,12 +139,17 @@ def post_json(url: str, body: Mapping[str, Any], *, timeout: float = 600.0,
                              max_bytes=max_bytes), url)
 
 
-def _fetch(req: urllib.request.Request, url: str, *, timeout: float, api_key: str | None,
-           auth: bool, max_bytes: int) -> bytes:
+def _authorize(req: urllib.request.Request, url: str, api_key: str | None) -> None:
+    """Check ``url`` and put the key on ``req`` as a bearer token that no redirect carries."""
     check_url(url)
     if api_key:
         resolve_api_key(api_key, {})  # refuses a key that would break the header
         req.add_unredirected_header("Authorization", f"Bearer {api_key}")
+
+
+def _fetch(req: urllib.request.Request, url: str, *, timeout: float, api_key: str | None,
+           auth: bool, max_bytes: int) -> bytes:
+    _authorize(req, url, api_key)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             chunks: list[bytes] = []
@@ -201,13 +206,10 @@ def stream_json(url: str, body: Mapping[str, Any], *, timeout: float = 600.0,
     time, event)`` for each server-sent ``data:`` event until ``[DONE]``: what the what-if
     runner times first tokens and inter-token gaps with. :class:`HttpError` as
     :func:`post_json` for a failed exchange, an error status or an event that is not JSON."""
-    check_url(url)
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                  method="POST", headers={"Content-Type": "application/json",
                                                          "Accept": "text/event-stream"})
-    if api_key:
-        resolve_api_key(api_key, {})
-        req.add_unredirected_header("Authorization", f"Bearer {api_key}")
+    _authorize(req, url, api_key)
     total = 0
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:

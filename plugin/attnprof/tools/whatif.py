@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnprof.aggregate.quantiles import nearest_rank
 from attnprof.analyze.whatif import draw_lengths, paired_interval
 from attnprof.contracts.redact import redact_argv, redact_value
 from attnprof.contracts.whatif import (
@@ -34,6 +35,7 @@ from attnprof.contracts.whatif import (
     ArmStats,
     TrafficShape,
     VariantResult,
+    VariantStatus,
     WhatifRun,
 )
 from attnprof.tools import http
@@ -127,10 +129,8 @@ class _Arm:
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    """Nearest-rank quantile of ``xs`` (None when empty), as every attnprof quantile."""
+    return nearest_rank(sorted(xs), range(1, len(xs) + 1), q) if xs else None
 
 
 class _Corpus:
@@ -377,19 +377,13 @@ def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant]
         per_s = (len(warm) / max(1e-9, time.monotonic() - t0))
         n = int(min(cfg.max_requests_per_round,
                     max(shape.concurrency, math.ceil(cfg.duration_s * per_s))))
-        base_kv = base.kv_tokens()
+        ctx = _Context(cfg, shape, base, base.kv_tokens(), warm, n, requests, held_out, stop)
         for i, v in enumerate(variants):
             if stop is not None and stop():
                 raise WhatifError("stopped")
             # Fresh prompts for every variant: the baseline serves all of them, and a prompt
             # it saw before would hit its prefix cache while the new variant's is cold.
-            offset = cfg.seed + 1000 * (i + 1)
-
-            def fresh(r: int, k: int, offset: int = offset) -> list[_Req]:
-                return requests(offset + r, k)
-
-            results.append(_measure(cfg, shape, v, base, base_kv, warm, n, fresh, held_out,
-                                    tick, stop))
+            results.append(_measure(ctx, v, cfg.seed + 1000 * (i + 1), tick))
     finally:
         base.stop()
     return WhatifRun(time=time.time(), model=cfg.model_dir.name,
@@ -399,19 +393,33 @@ def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant]
                      block_size=_int_arg(cfg.baseline_args, "--block-size")
                      or _vllm_default("block_size"),
                      baseline_flags=redact_argv(cfg.baseline_args), traffic=shape,
-                     rounds=cfg.rounds,
-                     duration_s=cfg.duration_s, variants=results,
+                     rounds=cfg.rounds, duration_s=cfg.duration_s, variants=results,
                      seconds=time.monotonic() - t_run)
 
 
-def _measure(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Server,
-             base_kv: int | None, warm: list[_Req], n: int,
-             requests: Callable[[int, int], list[_Req]], held_out: list[_Req],
-             tick: Callable[[str], None], stop: Callable[[], bool] | None) -> VariantResult:
-    """One variant: start it, warm it, run the paired rounds and the agreement sample; the
-    progress bar always advances by the units planned (1 + 2 x rounds + agreement)."""
-    t0 = time.monotonic()
-    planned = 1 + cfg.rounds * 2 + int(v.outputs_change)
+@dataclass
+class _Context:
+    """What every variant of a run is measured with: the baseline and the traffic."""
+
+    cfg: RunConfig
+    shape: TrafficShape
+    base: _Server
+    base_kv: int | None
+    warm: list[_Req]
+    n: int
+    """Requests per arm per round."""
+    requests: Callable[[int, int], list[_Req]]
+    """(seed, count) -> the requests of a round."""
+    held_out: list[_Req]
+    stop: Callable[[], bool] | None
+
+
+def _measure(ctx: _Context, v: Variant, seed: int, tick: Callable[[str], None]
+             ) -> VariantResult:
+    """One variant: start it, warm it, run the paired rounds (round r's requests from
+    ``seed + r``) and the agreement sample; the progress bar always advances by the units
+    planned (1 + 2 x rounds + agreement)."""
+    planned = 1 + ctx.cfg.rounds * 2 + int(v.outputs_change)
     done = 0
 
     def step(msg: str) -> None:
@@ -420,56 +428,51 @@ def _measure(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Server,
         tick(msg)
 
     try:
-        return _measure_steps(cfg, shape, v, base, base_kv, warm, n, requests, held_out,
-                              step, stop, t0)
+        return _measure_steps(ctx, v, seed, step)
     finally:
         while done < planned:
             step(v.what_if)
 
 
-def _measure_steps(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Server,
-                   base_kv: int | None, warm: list[_Req], n: int,
-                   requests: Callable[[int, int], list[_Req]], held_out: list[_Req],
-                   step: Callable[[str], None], stop: Callable[[], bool] | None,
-                   t0: float) -> VariantResult:
+def _measure_steps(ctx: _Context, v: Variant, seed: int, step: Callable[[str], None]
+                   ) -> VariantResult:
+    t0 = time.monotonic()
+    cfg, base = ctx.cfg, ctx.base
     shown = shown_flags(v.flags)
+
+    def ended(status: VariantStatus, reason: str, **kw: Any) -> VariantResult:
+        return VariantResult(what_if=v.what_if, flags=shown, status=status,
+                             reason=redact_value(reason), seconds=time.monotonic() - t0, **kw)
+
     try:
         args = variant_args(v.flags)
     except ValueError as bad:
-        return VariantResult(what_if=v.what_if, flags=shown, status="could_not_start",
-                             reason=redact_value(str(bad)))
+        return ended("could_not_start", str(bad))
     var = _Server(cfg, [*cfg.baseline_args, *args], v.what_if)
-    reason = var.start(stop)
+    reason = var.start(ctx.stop)
     step(f"{v.what_if} started")
     if reason is not None:
-        return VariantResult(what_if=v.what_if, flags=shown, status="could_not_start",
-                             reason=redact_value(reason), baseline_kv_capacity_tokens=base_kv,
-                             seconds=time.monotonic() - t0)
+        return ended("could_not_start", reason, baseline_kv_capacity_tokens=ctx.base_kv)
     b, w = _Arm(), _Arm()
     try:
-        _run_arm(var, warm, shape.concurrency, _Arm())
+        _run_arm(var, ctx.warm, ctx.shape.concurrency, _Arm())
         for r in range(cfg.rounds):
-            if stop is not None and stop():
+            if ctx.stop is not None and ctx.stop():
                 raise WhatifError("stopped")
-            reqs = requests(cfg.seed + r, n)
+            reqs = ctx.requests(seed + r, ctx.n)
             order = ((base, b), (var, w)) if r % 2 == 0 else ((var, w), (base, b))
             for srv, arm in order:
-                err = _run_arm(srv, reqs, shape.concurrency, arm)
+                err = _run_arm(srv, reqs, ctx.shape.concurrency, arm)
                 step(f"{v.what_if} round {r + 1}")
                 if err is not None:
                     which = "baseline" if srv is base else "variant"
-                    return VariantResult(what_if=v.what_if, flags=shown, status="failed",
-                                         reason=redact_value(
-                                             f"round {r + 1} on the {which}: {err}"),
-                                         seconds=time.monotonic() - t0)
+                    return ended("failed", f"round {r + 1} on the {which}: {err}")
         agreement = None
         if v.outputs_change:
             try:
-                agreement = _agreement(base, var, [q.prompt for q in held_out], cfg)
+                agreement = _agreement(base, var, [q.prompt for q in ctx.held_out], cfg)
             except http.HttpError as bad:
-                return VariantResult(what_if=v.what_if, flags=shown, status="failed",
-                                     reason=f"agreement sample: {bad}",
-                                     seconds=time.monotonic() - t0)
+                return ended("failed", f"agreement sample: {bad}")
             step(f"{v.what_if} agreement")
         kv = var.kv_tokens()
     finally:
@@ -483,9 +486,8 @@ def _measure_steps(cfg: RunConfig, shape: TrafficShape, v: Variant, base: _Serve
         iv = paired_interval(xb, xv)
         if iv is not None:
             changes[metric] = iv
-    return VariantResult(what_if=v.what_if, flags=shown,
-                             status="measured",
-                         kv_capacity_tokens=kv, baseline_kv_capacity_tokens=base_kv,
+    return VariantResult(what_if=v.what_if, flags=shown, status="measured",
+                         kv_capacity_tokens=kv, baseline_kv_capacity_tokens=ctx.base_kv,
                          rounds=cfg.rounds, baseline=b.stats(), variant=w.stats(),
                          changes=changes, agreement=agreement,
                          seconds=time.monotonic() - t0)
