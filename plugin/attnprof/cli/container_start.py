@@ -35,6 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         WipeError,
         check_command,
         exec_command,
+        sweep_leftovers,
         wipe_multiproc_dir,
     )
 
@@ -48,6 +49,11 @@ def _run(args: argparse.Namespace) -> int:
         if removed:
             print(f"attnprof: removed {len(removed)} multiprocess metric file(s) left in "
                   f"{path} by an earlier start", file=sys.stderr)
+        # attnprof's own files of the earlier start (head-statistics deltas of ~25 MB, rate
+        # and liveness notes) outlive a crash in the pod's emptyDir too.
+        for where, names in sweep_leftovers():
+            print(f"attnprof: removed {len(names)} attnprof file(s) left in {where} by an "
+                  "earlier start", file=sys.stderr)
         exec_command(cmd)
     except WipeError as err:
         raise CliError(str(err)) from None

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 __all__ = ["MULTIPROC_FILE", "WipeError", "check_command", "exec_command",
-           "wipe_multiproc_dir"]
+           "sweep_leftovers", "wipe_multiproc_dir"]
 
 MULTIPROC_FILE = re.compile(r"(?:counter|histogram|summary|gauge_[a-z]+)_[0-9]+\.db")
 """The names prometheus_client gives its files: ``{type}_{pid}.db``, gauges as
@@ -82,6 +82,34 @@ def wipe_multiproc_dir(path: str) -> list[str]:
         return sorted(names)
     finally:
         os.close(fd)
+
+
+def sweep_leftovers(run_dir: str | None = None) -> list[tuple[str, list[str]]]:
+    """Remove attnprof's own files left by the container's earlier start from
+    ``ATTNPROF_RUN_DIR`` and the temporary directory (head-statistics deltas, rate files,
+    liveness notes: only regular files of this user named as attnprof names them, and of
+    those only the ones whose process is gone: in a restarted container every earlier pid is,
+    even one the new processes reuse, so any pid but this one's counts as gone when this is
+    pid 1; elsewhere, a live process's files stay). Rate files carry no pid: removed only as
+    pid 1. Returns ``(directory, removed names)`` for each directory that had some; never
+    raises."""
+    from pathlib import Path
+
+    from attnprof._private_files import leftover_dirs, sweep
+    from attnprof._safety import pid_alive
+
+    me = os.getpid()
+    fresh = me == 1  # the container's first process: nothing before it is still running
+
+    def alive(pid: int) -> bool:
+        return pid == me or (not fresh and pid_alive(pid))
+
+    out = []
+    for d in leftover_dirs(run_dir):
+        names = sweep(Path(d), without_pid=fresh, alive=alive)
+        if names:
+            out.append((str(d), names))
+    return out
 
 
 def check_command(argv: Sequence[str]) -> None:

@@ -86,6 +86,11 @@ def _manifest_wrapper() -> list[str]:
 def _env(mp_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNPROF_", "PROMETHEUS_"))}
     env["PROMETHEUS_MULTIPROC_DIR"] = str(mp_dir)
+    # container-start also sweeps attnprof's leftovers from the temporary directory: the
+    # test's own, never the machine's (tests/unit/tools/test_private_files.py covers it).
+    tmp = mp_dir.parent / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     return env
 
 

@@ -15,16 +15,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import re
 import socket
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DeltaFiles", "host_id", "read_delta"]
+from attnprof._private_files import DELTA_FILE, delta_prefix, sweep
 
-_NAME = re.compile(r"^attnprof-hs-[A-Za-z0-9_]+\.npz$")
+__all__ = ["DeltaFiles", "host_id", "read_delta"]
 
 
 def host_id() -> str:
@@ -45,6 +44,9 @@ class DeltaFiles:
         self._written: set[str] = set()  # every file not known to be gone
         self._handed: list[str] = []  # files handed out by earlier answers
         atexit.register(self.forget_all)
+        # A worker that crashed (OOM kill) never ran its atexit: its deltas, megabytes each,
+        # are removed by the next worker to start here (only dead writers' files).
+        sweep(where or Path(tempfile.gettempdir()), kinds=(DELTA_FILE,))
 
     def finish_for(self, api_host: str | None) -> Any:
         """A file when the API server shares this machine, else the bytes themselves."""
@@ -53,7 +55,7 @@ class DeltaFiles:
         return _inline
 
     def _to_file(self, data: bytes) -> dict[str, Any]:
-        fd, path = tempfile.mkstemp(prefix="attnprof-hs-", suffix=".npz",
+        fd, path = tempfile.mkstemp(prefix=delta_prefix(), suffix=".npz",
                                     dir=str(self.where) if self.where else None)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -104,7 +106,7 @@ def read_delta(handle: Any) -> bytes:
     if isinstance(data, (bytes, bytearray)):
         return bytes(data)
     path = handle.get("path")
-    if not isinstance(path, str) or not _NAME.match(os.path.basename(path)):
+    if not isinstance(path, str) or not DELTA_FILE.fullmatch(os.path.basename(path)):
         raise ValueError("not a head-statistics delta handle")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

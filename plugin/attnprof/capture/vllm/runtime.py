@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnprof._private_files import read_private, write_private
 from attnprof._safety import ErrorBook, Once, pid_alive, set_faults
 from attnprof.config import Config
 from attnprof.contracts.snapshot import ProcessNote
@@ -98,13 +99,12 @@ class State:
         cfg = self.config
         if cfg is not None and cfg.run_dir is not None:
             try:
-                cfg.run_dir.mkdir(parents=True, exist_ok=True)
                 note = {"role": role, "pid": os.getpid(),
                         "process": multiprocessing.current_process().name,
                         "started_at": self.started_at}
-                tmp = cfg.run_dir / f".{role}-{os.getpid()}.json.tmp"
-                tmp.write_text(json.dumps(note))
-                tmp.replace(cfg.run_dir / f"{role}-{os.getpid()}.json")
+                # Never through a planted link, never half-written (_private_files).
+                write_private(cfg.run_dir, f"{role}-{os.getpid()}.json",
+                              json.dumps(note).encode())
             except Exception as exc:  # start-up only, but still a guest: count it
                 self.errors.record("run_dir", exc)
 
@@ -212,6 +212,10 @@ def _mark_dead() -> None:
         pass
 
 
+NOTE_MAX_BYTES = 4096
+"""A liveness note is ~120 bytes; a larger file in the run dir is not one of ours."""
+
+
 def processes_from_run_dir(cfg: Config | None) -> list[ProcessNote]:
     """Liveness notes left by every process (API-server side, for the snapshot). A note still
     being written is skipped; a malformed one (not an object, wrong fields) is counted in the
@@ -221,8 +225,8 @@ def processes_from_run_dir(cfg: Config | None) -> list[ProcessNote]:
     out: list[ProcessNote] = []
     for p in sorted(cfg.run_dir.glob("*.json")):
         try:
-            raw = json.loads(p.read_text())
-        except (OSError, ValueError):
+            raw = json.loads(read_private(p, NOTE_MAX_BYTES))
+        except (OSError, ValueError):  # a link, a huge file, half a note: skipped
             continue
         try:
             pid = raw.get("pid")
