@@ -23,8 +23,8 @@ from attnprof.contracts.roofline import MemoryProbe, ProbeKernel, SpecCheck
 from attnprof.facts import gpu_specs
 from attnprof.facts.dtypes import normalize, torch_dtype
 
-__all__ = ["cpu_array", "default_array_bytes", "llc_bytes", "probe", "spec_check",
-           "start_background", "write_allocates"]
+__all__ = ["Timer", "cpu_array", "default_array_bytes", "llc_bytes", "probe", "read_loops",
+           "spec_check", "start_background", "write_allocates"]
 
 logger = logging.getLogger("attnprof")
 
@@ -62,7 +62,11 @@ def default_array_bytes(device: str) -> int:
     return max(MIN_CPU_ARRAY, min(MAX_CPU_ARRAY, 2 * llc))
 
 
-def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
+Timer = Callable[[Callable[[], Any]], float]
+"""Runs a kernel and returns the seconds it took (the probe's one clock)."""
+
+
+def _timer(device: str) -> Timer:
     import torch
 
     if device == "cuda":
@@ -145,11 +149,10 @@ def read_loops(x: Any) -> tuple[Callable[[], Any], ...]:
             lambda: torch.amax(x.view(torch.int32)))
 
 
-def _bandwidth(device: str, nbytes: int, repeats: int) -> list[ProbeKernel]:
+def _bandwidth(device: str, nbytes: int, repeats: int, timed: Timer) -> list[ProbeKernel]:
     import torch
 
     n = max(1, nbytes // 4)
-    timed = _timer(device)
     if device == "cpu":
         a, b, c = cpu_array(n, 0.0), cpu_array(n, 1.0), cpu_array(n, 2.0)
     else:
@@ -172,14 +175,13 @@ def _bandwidth(device: str, nbytes: int, repeats: int) -> list[ProbeKernel]:
     return out
 
 
-def _matmul(device: str, dtype: str, n: int, repeats: int) -> ProbeKernel:
+def _matmul(device: str, dtype: str, n: int, repeats: int, timed: Timer) -> ProbeKernel:
     import torch
 
     td = torch_dtype(dtype)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, n, device=device, generator=g).to(td)
     y = torch.randn(n, n, device=device, generator=g).to(td)
-    timed = _timer(device)
     torch.mm(x, y)  # warm-up: kernel selection, thread pool start
     times = [timed(lambda: torch.mm(x, y)) for _ in range(repeats)]
     return _kernel("matmul", 2.0 * n ** 3, times, n, dtype)
@@ -197,11 +199,14 @@ def _gpu_name() -> str | None:
 
 
 def probe(device: str = "auto", dtype: str = "float32", array_bytes: int | None = None,
-          repeats: int = 5, matmul_n: int | None = None) -> MemoryProbe:
+          repeats: int = 5, matmul_n: int | None = None, timer: Timer | None = None
+          ) -> MemoryProbe:
     """Measure peak bandwidth (a read-only stream; copy and triad beside it) and matmul FLOP/s
     in ``dtype`` on ``device`` (auto: cuda when available). Takes seconds; raises
     (``ValueError`` for a bad argument, ``RuntimeError``/``MemoryError`` from torch): callers
-    inside a host catch it."""
+    inside a host catch it. ``timer``: the clock every kernel run is timed with (default:
+    the device's); a test passes its own, so the rates' arithmetic is checked exactly
+    rather than against another timing on a loaded machine."""
     import torch
 
     t0 = time.perf_counter()
@@ -217,8 +222,10 @@ def probe(device: str = "auto", dtype: str = "float32", array_bytes: int | None 
         raise ValueError("repeats must be >= 1")
     nbytes = array_bytes or default_array_bytes(device)
     n = matmul_n or (8192 if device == "cuda" else 1024)
-    kernels = _bandwidth(device, nbytes, repeats)
-    kernels.append(_matmul(device, dtype, n, max(repeats, 10 if device == "cuda" else 1)))
+    timed = timer or _timer(device)
+    kernels = _bandwidth(device, nbytes, repeats, timed)
+    kernels.append(_matmul(device, dtype, n, max(repeats, 10 if device == "cuda" else 1),
+                           timed))
     by = {k.name: k for k in kernels}
     res = MemoryProbe(
         # Peaks are the best run, as STREAM reports: other load only ever slows a run down.
