@@ -69,6 +69,7 @@ schemas: setup
 compat-data: setup
 	$(VENV)/bin/attnprof compat --regenerate
 	$(VENV)/bin/attnprof compat --markdown --out docs/compat-matrix.md
+	$(PY) -m attnprof.capture.vllm.option_table
 
 bench: model
 	$(PY) benchmarks/microbench.py

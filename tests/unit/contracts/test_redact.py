@@ -15,7 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
-from attnprof.contracts.redact import REDACTED, is_secret_name, redact_argv, redact_value
+from attnprof.contracts.redact import (
+    REDACTED,
+    VLLM_OPTIONS_PATH,
+    is_secret_name,
+    redact_argv,
+    redact_value,
+    vllm_option,
+)
 from attnprof.tools import provenance
 
 R = REDACTED
@@ -130,6 +137,122 @@ def test_json_arrays_and_json_looking_words_that_do_not_parse() -> None:
     out = redact_argv(["--x", "{'api_key': 'K-77', 'n': 'v'}"])
     assert not _leaks(out, "K-77") and "'n': 'v'" in out[1]
     assert redact_value("{") == "{" and redact_value("[" * 100_000) == "[" * 100_000
+
+
+# ----- as vLLM's parser reads the command (issue 30, point 4) -----
+def _unique_prefixes(option: str) -> list[str]:
+    """Every abbreviation vLLM's parser expands to ``option`` (from the shipped table)."""
+    out = [option[:n] for n in range(3, len(option))
+           if (hit := vllm_option(option[:n])) is not None and hit[0] == option]
+    assert out, option
+    return out
+
+
+def test_issue_command_loses_every_secret_under_vllm_abbreviations() -> None:
+    out = redact_argv(["attnprof", "serve", "--", "--api-k", "SK1-77", "SK2-77", "--hf-tok",
+                       "hf_X77"])
+    assert out == ["attnprof", "serve", "--", "--api-k", R, R, "--hf-tok", R]
+
+
+@pytest.mark.parametrize("option", ["--api-key", "--hf-token"])
+def test_every_abbreviation_of_a_secret_option_in_every_form(option: str) -> None:
+    prefixes = _unique_prefixes(option)
+    assert "--api-k" in prefixes or "--hf-t" in prefixes
+    for p in [*prefixes, option, option.replace("-", "_").replace("__", "--", 1)]:
+        for argv in ([p, "S-77", "--port", "1"], [f"{p}=S-77", "--port", "1"],
+                     [p.replace("-", "_").replace("__", "--", 1), "S-77"]):
+            out = redact_argv(argv)
+            assert not _leaks(out, "S-77"), (p, out)
+            assert out[0].partition("=")[0] == argv[0].partition("=")[0]
+
+
+def test_what_vllm_parses_as_a_setting_stays_readable() -> None:
+    # A store_true switch takes no value: the model after it is the model.
+    assert redact_argv(["vllm", "serve", "--allow-credentials", "Qwen/Qwen3-8B"]) == [
+        "vllm", "serve", "--allow-credentials", "Qwen/Qwen3-8B"]
+    for argv in (["--long-prefill-token-threshold", "2048"],
+                 ["--long-prefill-token-threshold=2048"], ["--dbo-decode-token-threshold", "9"],
+                 ["--max-num-batched-tokens", "8192"], ["--allow-cred", "m"]):
+        assert redact_argv(argv) == argv
+    # --hf-token takes one value (nargs ?): the positional model after it is not the token.
+    assert redact_argv(["serve", "--hf-t", "hf_X77", "Qwen/Qwen3-8B", "--port", "1"]) == [
+        "serve", "--hf-t", R, "Qwen/Qwen3-8B", "--port", "1"]
+    # --api-key takes many: every word up to the next flag is a key.
+    assert redact_argv(["--api-k", "a-77", "b-77", "c-77", "-tp", "2"]) == [
+        "--api-k", R, R, R, "-tp", "2"]
+
+
+def test_shipped_vllm_option_table_knows_the_secret_options() -> None:
+    assert vllm_option("--api-key") == ("--api-key", "+", True)
+    assert vllm_option("--hf-token") == ("--hf-token", "?", True)
+    assert vllm_option("--allow-credentials") == ("--allow-credentials", "0", False)
+    assert vllm_option("--ssl-keyfile") == ("--ssl-keyfile", "1", False)  # a path
+    assert vllm_option("--max") is None  # ambiguous: vLLM refuses it too
+    assert vllm_option("--not-a-vllm-option") is None
+
+
+def test_ambiguous_or_unknown_flags_fall_back_to_the_name_pattern() -> None:
+    # --token is a prefix of --tokenizer, --tokens-only, ...: ambiguous, so the name decides.
+    assert redact_argv(["--token", "T-77", "--port", "1"]) == ["--token", R, "--port", "1"]
+    assert redact_argv(["--my-api-key", "a", "b"]) == ["--my-api-key", R, R]
+    # An abbreviation vLLM expands to a setting still hides its value when the word itself
+    # names a secret (fail closed: the word may be attnprof's own flag, which vLLM never
+    # reads); the full option name shows it.
+    assert vllm_option("--dbo-decode-token") is not None
+    assert redact_argv(["--dbo-decode-token", "9"]) == ["--dbo-decode-token", R]
+
+
+@pytest.mark.vllm
+def test_shipped_vllm_option_table_equals_the_installed_vllm_parser() -> None:
+    from attnprof.capture.vllm.option_table import TABLE_PATH, build, dumps
+
+    assert TABLE_PATH == VLLM_OPTIONS_PATH
+    assert TABLE_PATH.read_text() == dumps(build()), (
+        "vLLM's options changed: run python -m attnprof.capture.vllm.option_table")
+
+
+@pytest.mark.parametrize("key", ["pwd", "pass", "passphrase", "creds", "jwt", "apitoken",
+                                 "hftoken", "secretkey", "api_tokens", "HFTOKEN", "apiToken",
+                                 "db_pass", "accessTokens", "API_KEY_2", "token_b64"])
+def test_secret_json_keys_missed_before(key: str) -> None:
+    assert is_secret_name(key)
+    out = redact_argv(["--hf-overrides", json.dumps({"a": {key: "S-77"}, "n": 1})])
+    assert not _leaks(out, "S-77") and json.loads(out[1]) == {"a": {key: R}, "n": 1}
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "num_tokens", "pass_config", "token_threshold",
+                                 "long_prefill_token_threshold", "keys", "special_tokens",
+                                 "eos_token_id", "passes", "tokenizer", "ssl_keyfile"])
+def test_setting_names_that_only_look_secret(key: str) -> None:
+    assert not is_secret_name(key)
+
+
+def test_env_assignments_inside_values_and_json_strings() -> None:
+    assert redact_argv(["--x=HF_TOKEN=hf_77"]) == [f"--x=HF_TOKEN={R}"]
+    assert redact_argv(["--env", "HF_TOKEN=hf_77"]) == ["--env", f"HF_TOKEN={R}"]
+    out = redact_argv(["--additional-config",
+                       json.dumps({"env": ["HF_TOKEN=hf_77", "A=1"], "cmd": "x API_KEY=k77 y"})])
+    assert not _leaks(out, "hf_77", "k77")
+    assert json.loads(out[1]) == {"env": [f"HF_TOKEN={R}", "A=1"], "cmd": f"x API_KEY={R} y"}
+
+
+@pytest.mark.parametrize("word,secrets,kept", [
+    ("http://h/v1?api%5Fkey=Q77&b=2", ["Q77"], ["api%5Fkey=", "b=2"]),
+    ("http://h/v1?api%5fkey=Q77", ["Q77"], ["api%5fkey="]),
+    ("https://h/cb?jwt=J77&pwd=P77&x=1", ["J77", "P77"], ["x=1"]),
+    ("postgres://user:p@ss-77@db:5432/x", ["p@ss-77", "ss-77", "user"], ["db:5432/x"]),
+    ("https://a:b@c@d-77@h/x", ["d-77"], ["h/x"]),
+    ("ApiKey ak-77", ["ak-77"], ["ApiKey "]),
+    ("Authorization: ApiKey ak-77", ["ak-77"], ["Authorization: "]),
+])
+def test_query_names_urls_and_schemes_missed_before(word: str, secrets: list[str],
+                                                    kept: list[str]) -> None:
+    for argv in (["--endpoint", word], [f"--endpoint={word}"], [word],
+                 ["--hf-overrides", json.dumps({"u": word})]):
+        out = redact_argv(argv)
+        assert not _leaks(out, *secrets), out
+        assert all(k in "".join(out) for k in kept), out
+        assert redact_argv(out) == out
 
 
 # ----- properties -----

