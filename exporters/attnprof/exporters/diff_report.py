@@ -1,23 +1,39 @@
 """Renderers of an ``attnprof diff`` report: Markdown for a pull-request comment and a plain
 terminal view. Both lead with the verdict and the regressions, then what else changed,
-then what changed in versions, hardware, model and source (with ``git log``).
+then what changed in versions, hardware, model and source (the two revisions; the diff runs
+no ``git``). Every string that comes from an input file (model names, command lines, labels,
+notes, file names) is printed through :func:`inert`: a control character in a file cannot
+drive the terminal (ANSI escapes, ``\\r``) or forge lines.
 """
 
 from __future__ import annotations
 
+import re
+
 from attnprof.contracts.diff import DiffReport, Finding
 from attnprof.facts.layers import format_layers, format_sites
 
-__all__ = ["render_markdown", "render_text"]
+__all__ = ["inert", "render_markdown", "render_text"]
 
 _MAX_INFO = 12
-_MAX_LOG = 20
+# C0/C1 controls (ESC, CR, LF, BEL, ...), DEL, and the Unicode line separators and bidi
+# overrides that reorder what a reader sees.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                      "\u202a-\u202e\u2066-\u2069]")
+
+
+def inert(text: object) -> str:
+    """``text`` with every control character written as its escape (``\\x1b``, ``\\r``,
+    ``\\n``, ``\\u202e``): safe to print on a terminal or in a comment; never raises."""
+    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"),
+                        str(text))
 
 
 def _side(rep: DiffReport, which: str) -> str:
     s = rep.base if which == "base" else rep.new
-    rev = f" @ {s.git_revision[:10]}{'+dirty' if s.git_dirty else ''}" if s.git_revision else ""
-    when = f", {s.time_iso}" if s.time_iso else ""
+    rev = (f" @ {inert(s.git_revision[:10])}{'+dirty' if s.git_dirty else ''}"
+           if s.git_revision else "")
+    when = f", {inert(s.time_iso)}" if s.time_iso else ""
     win = f", {s.window_s:g} s window" if s.window_s else ""
     return f"{_code(s.file)} ({_md_escape(s.model)}{rev}{when}{win})"
 
@@ -61,12 +77,12 @@ def _interesting(rep: DiffReport) -> tuple[list[Finding], list[Finding], list[Fi
 def _md_escape(text: str) -> str:
     """Text from the input files, made inert in a PR comment: no table breaks, no HTML."""
     # "<" opens HTML; ">" alone cannot (and "->" must stay readable in the raw text).
-    return text.replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
+    return inert(text).replace("|", "\\|").replace("<", "&lt;")
 
 
 def _code(value: object) -> str:
     """A value as an inline code span (a backtick inside would end it early)."""
-    return "`" + str(value).replace("`", "'").replace("\n", " ").replace("|", "\\|") + "`"
+    return "`" + inert(value).replace("`", "'").replace("|", "\\|") + "`"
 
 
 def _thresholds(rep: DiffReport) -> str:
@@ -103,15 +119,10 @@ def render_markdown(rep: DiffReport) -> str:
         if len(info) > _MAX_INFO:
             lines.append(f"- ... and {len(info) - _MAX_INFO} more (see --json)")
         lines += ["", "</details>", ""]
-    if rep.changes or rep.git_log:
+    if rep.changes:
         lines += ["#### What changed", ""]
         for c in rep.changes:
-            lines.append(f"- **{c.field}**: {_code(c.base)} -> {_code(c.new)}")
-        if rep.git_log:
-            lines += ["", "```", *rep.git_log[:_MAX_LOG]]
-            if len(rep.git_log) > _MAX_LOG:
-                lines.append(f"... {len(rep.git_log) - _MAX_LOG} more commits")
-            lines.append("```")
+            lines.append(f"- **{_md_escape(c.field)}**: {_code(c.base)} -> {_code(c.new)}")
         lines.append("")
     for note in rep.notes:
         lines.append(f"> {_md_escape(note)}")
@@ -132,15 +143,11 @@ def render_text(rep: DiffReport) -> str:
             continue
         out.append(f"{title}:")
         mark = {"Regressions": "  ✗ ", "Improvements": "  ✓ ", "Other": "  · "}[title]
-        out += [mark + f.title for f in items[:_MAX_INFO if title == "Other" else None]]
+        out += [mark + inert(f.title) for f in items[:_MAX_INFO if title == "Other" else None]]
         out.append("")
     if rep.changes:
         out.append("What changed:")
-        out += [f"  {c.field}: {c.base} -> {c.new}" for c in rep.changes]
+        out += [f"  {inert(c.field)}: {inert(c.base)} -> {inert(c.new)}" for c in rep.changes]
         out.append("")
-    if rep.git_log:
-        out.append("Commits:")
-        out += ["  " + x for x in rep.git_log[:_MAX_LOG]]
-        out.append("")
-    out += [f"note: {n}" for n in rep.notes]
+    out += [f"note: {inert(n)}" for n in rep.notes]
     return "\n".join(out).rstrip() + "\n"

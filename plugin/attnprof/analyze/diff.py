@@ -2,10 +2,12 @@
 fractions, attention share, per-layer time (with a statistical test), memory and the OOM
 length, window advice, the context-length distribution, and what changed in provenance.
 
-Pure: typed documents in, a typed :class:`DiffReport` out; no files, no subprocesses (the
-CLI adds ``git log``). Thresholds decide which findings are regressions; noise must not
-trip them, so a time regression needs both a significant test and a confidence interval
-wholly beyond the threshold. The parts that change for their own reasons live beside it:
+Pure: typed documents in, a typed :class:`DiffReport` out; no files, no subprocesses, no
+``git`` (the revisions each file recorded are compared; a note says how to list the commits
+between them, for the reader to run in a checkout they trust). Thresholds decide which
+findings are regressions; noise must not trip them, so a time regression needs both a
+significant test and a confidence interval wholly beyond the threshold. The parts that
+change for their own reasons live beside it:
 :mod:`.diff_sides` reads each document into one shape, :mod:`.diff_time` is the time test,
 :mod:`.diff_thresholds` the ``--fail-on`` checks and their parser.
 """
@@ -239,6 +241,7 @@ def _context_findings(b: Side, n: Side, lim: float | None) -> tuple[list[Finding
                     evidence={"ks": round(ks, 4), "wasserstein_octaves": round(w1, 4)})], []
 
 
+_REVISION = re.compile(r"[0-9a-f]{7,64}")
 _PROV_FIELDS = ("attnprof", "python", "torch", "transformers", "vllm")
 
 
@@ -328,6 +331,11 @@ def compare(base: ProfileReport | Snapshot, new: ProfileReport | Snapshot, *,
     ctx, cnotes = _context_findings(b, n, th.get("context-shift"))
     findings += ctx
     notes += cnotes
+    rb, rn = b.side.git_revision if b.side else None, n.side.git_revision if n.side else None
+    if rb and rn and rb != rn and _REVISION.fullmatch(rb) and _REVISION.fullmatch(rn):
+        # Only hex revisions reach a command a reader may paste into a shell.
+        notes.append(f"attnprof's source changed: git log --oneline {rb[:12]}..{rn[:12]} in "
+                     f"attnprof's checkout lists the commits (diff runs no git)")
     if not b.times or not n.times:
         notes.append("per-call times missing on one side (a file from before profile 1.2 / "
                      "snapshot 1.5): per-layer time not tested")

@@ -3,6 +3,11 @@ flag regressions.
 
 Exit 0: no regression; 1: at least one finding over its ``--fail-on`` threshold; 2: bad or
 incomparable input (one line on stderr, nothing written).
+
+Compares files only: it starts no subprocess and runs no ``git`` (a directory named inside an
+input file is never entered: a repository there could run code through its own config). The
+revisions were recorded when each file was made. Every string from an input file is printed
+with its control characters escaped (the renderers' ``inert``; errors: the CLI's one line).
 """
 
 from __future__ import annotations
@@ -75,7 +80,6 @@ def _run(args: argparse.Namespace) -> int:
     from attnprof.analyze.diff import Incomparable, compare
     from attnprof.analyze.diff_thresholds import parse_fail_on
     from attnprof.exporters.diff_report import render_markdown, render_text
-    from attnprof.tools.provenance import git_log
 
     try:
         thresholds = parse_fail_on(args.fail_on)
@@ -91,11 +95,6 @@ def _run(args: argparse.Namespace) -> int:
         rep = compare(base, new, base_name=str(args.base), new_name=str(args.new),
                       base_raw=base_raw, new_raw=new_raw, thresholds=thresholds,
                       allow_model_change=args.allow_model_change)
-        rb, rn = rep.base.git_revision, rep.new.git_revision
-        if rb and rn and rb != rn:
-            roots = [p.git.root if p is not None and p.git is not None else None
-                     for p in (new.provenance, base.provenance)]
-            rep.git_log = git_log(rb, rn, [None, *roots])
         md = render_markdown(rep)
         text = render_text(rep)
         doc = json.dumps(rep.to_json(), indent=2) + "\n"

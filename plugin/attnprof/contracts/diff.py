@@ -79,6 +79,7 @@ class DiffReport(Document):
     findings: list[Finding] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
     git_log: list[str] | None = None
-    """``git log --oneline BASE..NEW`` when both revisions are in one repository here."""
+    """Always null since issue 30: diff runs no git (a repository named in an input file could
+    run code); kept so the 1.0 schema stays valid. The notes name the two revisions."""
     notes: list[str] = field(default_factory=list)
     """What could not be compared and why (a field one side lacks)."""

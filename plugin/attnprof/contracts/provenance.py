@@ -52,7 +52,8 @@ class ModelIdentity(Record):
 
 @dataclass
 class GitInfo(Record):
-    """The git checkout the command ran in (its current directory), when it is one."""
+    """attnprof's own git checkout, when it runs from one (never the current directory: git
+    runs code a repository's config names)."""
 
     revision: str
     dirty: bool

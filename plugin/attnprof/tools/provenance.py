@@ -1,7 +1,8 @@
 """Collect :class:`attnprof.contracts.provenance.Provenance` for this process.
 
 Never raises: each part that cannot be read stays null. Cheap (tens of milliseconds: reads
-config.json, safetensors headers and runs ``git`` twice), and never initialises CUDA (the
+config.json, safetensors headers and runs ``git`` three times, in attnprof's own checkout
+only), and never initialises CUDA (the
 GPU is read through NVML when it is there; an API server that touched CUDA would take GPU
 memory from the engine). Call it off any event loop.
 """
@@ -14,7 +15,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import struct
 import subprocess
 import sys
@@ -26,8 +26,13 @@ from pathlib import Path
 from attnprof.contracts.provenance import GitInfo, Hardware, ModelIdentity, Provenance
 from attnprof.contracts.redact import redact_argv
 
-__all__ = ["collect", "cpu_info", "git_info", "git_log", "hardware", "model_identity",
+__all__ = ["collect", "cpu_info", "git_info", "hardware", "model_identity",
            "package_version", "redact_argv"]
+
+# attnprof's own source: the only checkout whose revision provenance records. git runs code
+# that a repository's config names (core.fsmonitor, gpg.program), so it never runs in a
+# directory someone else chose (the process's working directory, a path in an input file).
+_OWN_SOURCE = Path(__file__).resolve().parent
 
 _MAX_HEADER = 64 << 20
 
@@ -41,9 +46,9 @@ def package_version(*names: str) -> str | None:
 
 
 def git_info(cwd: Path | None = None) -> GitInfo | None:
-    """Revision and dirty flag of the git checkout at ``cwd`` (default: the current
-    directory); None when it is not one or git is missing."""
-    where = str(cwd or Path.cwd())
+    """Revision and dirty flag of the git checkout at ``cwd`` (default: attnprof's own
+    source); None when it is not one or git is missing."""
+    where = str(cwd or _OWN_SOURCE)
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
                              text=True, timeout=5)
@@ -173,31 +178,3 @@ def collect(model_name: str, model_path: str | os.PathLike[str] | None = None,
         command=redact_argv(sys.argv if argv is None else argv), time=round(now, 3),
         time_iso=datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(
             timespec="seconds"))
-
-
-
-def git_log(base_rev: str, new_rev: str, where: Sequence[str | os.PathLike[str] | None],
-            limit: int = 50) -> list[str] | None:
-    """``git log --oneline base..new`` (at most ``limit`` lines) in the first of ``where``
-    (directories; None = the current one) that holds both revisions; None when none does."""
-    if not re.fullmatch(r"[0-9a-f]{7,64}", base_rev) or not re.fullmatch(r"[0-9a-f]{7,64}",
-                                                                         new_rev):
-        return None
-    for d in where:
-        cwd = str(d) if d is not None else None
-        if cwd is not None and not Path(cwd).is_dir():
-            continue
-        try:
-            ok = all(subprocess.run(["git", "cat-file", "-e", f"{r}^{{commit}}"], cwd=cwd,
-                                    capture_output=True, timeout=5).returncode == 0
-                     for r in (base_rev, new_rev))
-            if not ok:
-                continue
-            out = subprocess.run(["git", "log", "--oneline", "--no-decorate",
-                                  f"-n{limit + 1}", f"{base_rev}..{new_rev}"], cwd=cwd,
-                                 capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.returncode == 0:
-            return out.stdout.splitlines()
-    return None

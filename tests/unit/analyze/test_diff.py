@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from attnprof.contracts.snapshot import (
 )
 from attnprof.exporters.diff_report import render_markdown, render_text
 from attnprof.facts.layers import format_layers, format_sites
-from attnprof.tools.provenance import git_log, model_identity, redact_argv
+from attnprof.tools.provenance import model_identity, redact_argv
 
 
 # ----- statistics -----
@@ -333,25 +332,6 @@ def test_model_identity_hashes_follow_the_config_and_the_tensor_layout(tmp_path:
     (d / "model.safetensors").write_bytes(len(header2).to_bytes(8, "little") + header2)
     assert model_identity("m", d).weights_sha256 != one.weights_sha256
     assert model_identity("m", tmp_path / "missing").config_sha256 is None
-
-
-def test_git_log_lists_the_commits_between_two_revisions(tmp_path: Path) -> None:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
-                              cwd=tmp_path, check=True, capture_output=True,
-                              text=True).stdout.strip()
-
-    git("init", "-q")
-    revs = []
-    for i in range(3):
-        (tmp_path / "f").write_text(str(i))
-        git("add", "f")
-        git("commit", "-q", "-m", f"change {i}")
-        revs.append(git("rev-parse", "HEAD"))
-    log = git_log(revs[0], revs[2], [tmp_path])
-    assert log is not None and [x.split(" ", 1)[1] for x in log] == ["change 2", "change 1"]
-    assert git_log(revs[0], "f" * 40, [tmp_path]) is None
-    assert git_log("HEAD; rm -rf /", revs[2], [tmp_path]) is None
 
 
 def test_renderers_lead_with_the_verdict() -> None:
