@@ -3,9 +3,11 @@ process through any attnprof output.
 
 One real vLLM server (the tiny model, attnprof at sample rate 1 with head statistics on every
 prompt, OTLP metrics and spans pushed to a loopback receiver that decodes the official protos,
-two API keys on vLLM's command line, ``--api-key K1 K2``, and a third in ``ATTNPROF_API_KEY``)
-serves prompts that carry unique canary words, as text and as token ids. Then every way data
-leaves attnprof is read back and scanned, the three keys included:
+two API keys on vLLM's command line under an abbreviation vLLM's parser expands,
+``--api-k K1 K2``, a third in ``ATTNPROF_API_KEY``, a Hugging Face token as ``--hf-tok T`` and
+a secret nested in ``--additional-config`` JSON) serves prompts that carry unique canary
+words, as text and as token ids. Then every way data leaves attnprof is read back and scanned,
+the five secrets included:
 
 - ``/metrics`` (vLLM's Prometheus text, where attnprof's metrics live, unauthenticated);
 - every OTLP request the receiver decoded, metrics and spans (resource, scope, metric and span
@@ -26,10 +28,14 @@ leaves attnprof is read back and scanned, the three keys included:
 - the server's whole log (API server, EngineCore, worker).
 
 The command line with the keys is in the provenance of the snapshot, the record, the report
-and the diff: each is checked to show ``--api-key <redacted> <redacted>``, so a key would be
-seen there if redaction failed. The diff's base is the live snapshot with its command line as
-an older attnprof wrote it (the second key in clear) for a run on another port: the diff must
-redact it on read, and it prints both sides' command lines because they differ.
+and the diff: each is checked to show ``--api-k <redacted> <redacted> --hf-tok <redacted>``,
+so a key would be seen there if redaction failed (a redaction that guessed by name let
+``--api-k`` and ``--hf-tok`` through). vLLM's own "non-default args" log line prints
+``--additional-config`` (vLLM hides only ``api_key``, ``hf_token`` and ``watermark_config``):
+the nested secret is a leak anywhere but on that vLLM line. The diff's base is the live
+snapshot with its command line as an older attnprof wrote it (the second key in clear) for a
+run on another port: the diff must redact it on read, and it prints both sides' command lines
+because they differ.
 
 How each check would catch a leak (:func:`test_scanner_catches_injected_leaks` injects each of
 these into copies and shows the scanner flags it; a clean copy is not flagged):
@@ -80,11 +86,22 @@ CANARY_WORDS = ("quokkafjord", "xylophonequartz", "zebulonmarigold")
 WINDOW = 5
 """Consecutive canary token ids that count as a leak (single small ints are everywhere)."""
 VLLM_KEYS = ("canary-vllm-key-one-5f1e9c", "canary-vllm-key-two-a7d230")
-"""The two keys on the server's command line (``--api-key K1 K2``): /v1 takes the first, the
-/attnprof routes are sent the second, the CLI uses ``ATTNPROF_API_KEY`` (a third)."""
-REDACTED_KEYS = re.compile(r"--api-key (?:<|&lt;)redacted(?:>|&gt;) (?:<|&lt;)redacted(?:>|&gt;)")
+"""The two keys on the server's command line (``--api-key K1 K2``): /v1 takes the first; the
+/attnprof routes refuse both (401) and take ``ATTNPROF_API_KEY`` (a third, the monitoring key),
+which the CLI uses too."""
+HF_TOKEN = "hf_canaryHubToken7d41e0"
+"""On the server's command line as ``--hf-tok`` (an abbreviation of ``--hf-token``)."""
+NESTED_SECRET = "canary-nested-json-secret-3b8d52"
+ADDITIONAL_CONFIG = json.dumps({"attnprof_canary": {"store": {"api_key": NESTED_SECRET}}})
+"""A secret nested in a JSON option vLLM accepts on CPU without changing the model."""
+SERVER_ARGS = ("--api-k", *VLLM_KEYS, "--hf-tok", HF_TOKEN,
+               "--additional-config", ADDITIONAL_CONFIG)
+_R = r"(?:<|&lt;)redacted(?:>|&gt;)"
+REDACTED_KEYS = re.compile(rf"--api-k {_R} {_R} --hf-tok {_R}")
 """The server's command line as every provenance must show it (HTML and Markdown escape
 the brackets)."""
+VLLM_ARGS_LINE = "non-default args:"
+"""vLLM's own log line that echoes its arguments (minus the three it calls sensitive)."""
 
 _SEP = r"[\s,;\"'\[\]()]+"
 _INT_RUN = re.compile(rf"(?<![\w.])\d+(?:{_SEP}\d+(?![\w.]))+")
@@ -97,6 +114,8 @@ class Canary:
     request_ids: list[str] = field(default_factory=list)
     secrets: tuple[str, ...] = ()
     """Strings that must never appear at all (the API keys: SECURITY.md says never echoed)."""
+    vllm_echoed: tuple[str, ...] = ()
+    """Secrets that may appear only on vLLM's own non-default-args log line."""
 
 
 def int_runs(text: str) -> Iterator[str]:
@@ -112,6 +131,9 @@ def leaks(text: str, canary: Canary) -> list[str]:
     low = text.lower()
     found += [f"canary word {w!r}" for w in canary.words if w.lower() in low]
     found += [f"API key {i}" for i, k in enumerate(canary.secrets) if k and k in text]
+    found += [f"secret {i} outside vLLM's own argument line"
+              for i, k in enumerate(canary.vllm_echoed) if k and any(
+                  k in line and VLLM_ARGS_LINE not in line for line in text.splitlines())]
     for rid in canary.request_ids:
         for part in {rid, rid.split("-", 1)[-1]}:
             if len(part) >= 8 and part in text:
@@ -242,6 +264,12 @@ def tensorboard_texts(logdir: Path) -> tuple[list[str], int]:
 def test_scanner_catches_the_api_key() -> None:
     assert leaks("Authorization: Bearer s3cr3t-k3y", Canary((), secrets=("s3cr3t-k3y",)))
     assert leaks("no key here", Canary((), secrets=("s3cr3t-k3y",))) == []
+    # The nested secret: a leak anywhere but on vLLM's own argument line.
+    can = Canary((), vllm_echoed=(NESTED_SECRET,))
+    assert leaks(f"INFO x {VLLM_ARGS_LINE} {{'additional_config': '{NESTED_SECRET}'}}",
+                 can) == []
+    assert leaks(f"INFO x {VLLM_ARGS_LINE} ok\n\"command\": [\"{ADDITIONAL_CONFIG}\"]",
+                 can)
 
 
 def test_scanner_catches_injected_leaks() -> None:
@@ -360,9 +388,9 @@ def test_scanner_catches_leaks_in_spans_tensorboard_and_provenance(tmp_path: Pat
     assert leaks(tb(tmp_path / "text", "attention/x", "ids 83 87 81 77 77"), can)
     assert leaks(tb(tmp_path / "png", "attention/x", "t", b"Title\0quokkafjord"), can)
     # Provenance: the old redaction's output (second key in clear) is a leak; the new is not.
-    old = f"serve --api-key <redacted> {VLLM_KEYS[1]} --port 1"
+    old = f"serve --api-k <redacted> {VLLM_KEYS[1]} --hf-tok <redacted> --port 1"
     assert leaks(old, can) and not REDACTED_KEYS.search(old)
-    new = "serve --api-key <redacted> <redacted> --port 1"
+    new = "serve --api-k <redacted> <redacted> --hf-tok <redacted> --port 1"
     assert leaks(new, can) == [] and REDACTED_KEYS.search(new)
     assert REDACTED_KEYS.search(new.replace("<", "&lt;").replace(">", "&gt;"))
     assert REDACTED_KEYS.search(new.replace("<", "&lt;"))
@@ -375,7 +403,8 @@ def test_scanner_catches_leaks_in_spans_tensorboard_and_provenance(tmp_path: Pat
 def canary_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[Any, Any, Path]]:
     """The one server this module starts: head statistics on every prompt, OTLP metrics and
-    spans to a loopback receiver, two API keys on vLLM's command line and a third in
+    spans to a loopback receiver, two API keys (``--api-k``), an HF token (``--hf-tok``) and a
+    nested JSON secret (``--additional-config``) on vLLM's command line, a third key in
     ATTNPROF_API_KEY, and attnprof's run files in a directory the test reads."""
     from tests.otlp_receiver import OtlpReceiver
 
@@ -396,7 +425,7 @@ def canary_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
              "ATTNPROF_OTLP_SPANS": "1",
              "OTEL_SERVICE_NAME": "attnprof-canary"},
             max_model_len=512, kv_bytes=64 << 20,
-            extra_args=("--api-key", *VLLM_KEYS)) as srv:
+            extra_args=SERVER_ARGS) as srv:
         yield srv, rx, files
 
 
@@ -482,7 +511,8 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     base = srv.base_url
     v1_key, route_key = VLLM_KEYS
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    canary = Canary(CANARY_WORDS, secrets=(TINY_API_KEY, *VLLM_KEYS))
+    canary = Canary(CANARY_WORDS, secrets=(TINY_API_KEY, *VLLM_KEYS, HF_TOKEN),
+                    vllm_echoed=(NESTED_SECRET,))
     for w in CANARY_WORDS:
         for text in (w, " " + w):  # mid-prompt words carry the byte-level space
             canary.id_seqs[repr(text)] = tok(text, add_special_tokens=False)["input_ids"]
@@ -535,7 +565,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     deadline = time.monotonic() + 30
     while True:
         # The snapshot refresh folds the workers' head-statistics deltas (and flushes).
-        status, snap_hs = _get(base + "/attnprof/snapshot?head_stats=1", route_key)
+        status, snap_hs = _get(base + "/attnprof/snapshot?head_stats=1", TINY_API_KEY)
         assert status == 200, snap_hs[:500]
         status, metrics = _get(base + "/metrics")
         assert status == 200
@@ -544,9 +574,18 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         time.sleep(0.5)
     outputs["/metrics"] = metrics
     outputs["/attnprof/snapshot?head_stats=1"] = snap_hs
-    outputs["/attnprof/snapshot"] = _get(base + "/attnprof/snapshot", route_key)[1]
+    outputs["/attnprof/snapshot"] = _get(base + "/attnprof/snapshot", TINY_API_KEY)[1]
     outputs["/attnprof/snapshot (no token: 401)"] = _get(base + "/attnprof/snapshot")[1]
-    status, switched = _post(base + "/attnprof/sampling", {"sample_rate": 1.0}, route_key)
+    # ATTNPROF_API_KEY (the monitoring key) is set: vLLM's inference keys open no attnprof
+    # route, so one tenant cannot read another's lengths or start an RPC.
+    for tenant in VLLM_KEYS:
+        for path in ("/attnprof/snapshot", "/attnprof/snapshot?head_stats=1",
+                     "/attnprof/trace?steps=1&timeout=1"):
+            status, text = _get(base + path, tenant)
+            assert status == 401 and tenant not in text, (path, status)
+        status, text = _post(base + "/attnprof/sampling", {"sample_rate": 1.0}, tenant)
+        assert status == 401, status
+    status, switched = _post(base + "/attnprof/sampling", {"sample_rate": 1.0}, TINY_API_KEY)
     assert status == 200, switched
     outputs["POST /attnprof/sampling"] = switched
     # OTLP: wait for an export that carries every request (the API server's histogram).
@@ -579,7 +618,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     try:
         rec = _cli_start("record", "--url", base, "--duration", "2s", "--out",
                          str(work / "rec.json"))
-        status, trace = _get(base + "/attnprof/trace?steps=2&timeout=60", route_key, 120)
+        status, trace = _get(base + "/attnprof/trace?steps=2&timeout=60", TINY_API_KEY, 120)
         assert status == 200, trace[:500]
         tr = _cli("trace", "--url", base, "--steps", "2", "--timeout", "60", "--out",
                   str(work / "trace.json"), timeout=120)
@@ -610,7 +649,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     inputs = tmp_path_factory.mktemp("canary-inputs")
     old = json.loads(snap_hs)
     cmd = old["provenance"]["command"]
-    at = cmd.index("--api-key")
+    at = cmd.index("--api-k")
     cmd[at + 1:at + 3] = ["<redacted>", route_key]
     cmd[cmd.index("--port") + 1] = "1"
     (inputs / "older-snapshot.json").write_text(json.dumps(old))
@@ -777,7 +816,7 @@ SURFACES: dict[str, tuple[str, ...]] = {
 @pytest.mark.parametrize("surface", list(SURFACES))
 def test_surface_leaks_nothing(exports: Exports, surface: str) -> None:
     """One surface's outputs (non-empty), scanned for canary words, token-id runs, request
-    ids and the three API keys."""
+    ids and the five secrets."""
     texts = {k: v for k, v in exports.outputs.items() if k.startswith(SURFACES[surface])}
     assert texts and all(v.strip() for v in texts.values()), sorted(texts)
     found = {k: hits for k, v in texts.items() if (hits := leaks(v, exports.canary))}

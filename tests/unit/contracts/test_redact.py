@@ -187,6 +187,11 @@ def test_shipped_vllm_option_table_knows_the_secret_options() -> None:
     assert vllm_option("--hf-token") == ("--hf-token", "?", True)
     assert vllm_option("--allow-credentials") == ("--allow-credentials", "0", False)
     assert vllm_option("--ssl-keyfile") == ("--ssl-keyfile", "1", False)  # a path
+    # vLLM hides this one from its own log (its JSON holds the watermark's secret key).
+    assert vllm_option("--watermark-config") == ("--watermark-config", "1", True)
+    assert redact_argv(["--watermark-c", '{"key": 77, "algorithm": "gumbel"}', "m"]) == [
+        "--watermark-c", R, "m"]
+    assert redact_argv(["--watermark", "0.01"]) == ["--watermark", "0.01"]  # a fraction
     assert vllm_option("--max") is None  # ambiguous: vLLM refuses it too
     assert vllm_option("--not-a-vllm-option") is None
 

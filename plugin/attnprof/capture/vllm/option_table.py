@@ -8,8 +8,10 @@ laptop has no vLLM), so it reads this table as shipped data
 
 A unit test (marked ``vllm``) checks the shipped file equals :func:`build` on the installed vLLM.
 
-Secret fields are decided here, by ``dest``: ``api_key`` (the bearer keys) and ``hf_token``
-(a Hugging Face token). ``ssl_keyfile``/``ssl_certfile``/``ssl_ca_certs`` are paths to files,
+Secret fields are decided here, by ``dest``: ``api_key`` (the bearer keys), ``hf_token``
+(a Hugging Face token), and every field vLLM itself hides from its own log
+(``vllm.entrypoints.serve.utils.api_utils._SENSITIVE_ARG_FIELDS``: in 0.32 those two and
+``watermark_config``, whose JSON holds the watermark's secret key; hidden whole, as vLLM does). ``ssl_keyfile``/``ssl_certfile``/``ssl_ca_certs`` are paths to files,
 not the key material: the path reveals no secret and a diff must show a changed path.
 ``allow_credentials`` is a CORS switch (takes no value). Every other option whose ``dest``
 the name pattern would call secret must be listed in :data:`REVIEWED_NOT_SECRET`, so that
@@ -49,10 +51,17 @@ def build() -> dict[str, Any]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
+    secret_dests = set(SECRET_DESTS)
+    try:  # the fields vLLM redacts from its own "non-default args" log line
+        from vllm.entrypoints.serve.utils.api_utils import _SENSITIVE_ARG_FIELDS
+
+        secret_dests |= set(_SENSITIVE_ARG_FIELDS)
+    except ImportError:
+        pass
     options: dict[str, list[Any]] = {}
     unreviewed = []
     for action in parser._actions:
-        secret = action.dest in SECRET_DESTS
+        secret = action.dest in secret_dests
         if (not secret and action.dest not in REVIEWED_NOT_SECRET
                 and is_secret_name(action.dest)):
             unreviewed.append(action.dest)
