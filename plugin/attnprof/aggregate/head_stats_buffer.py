@@ -4,9 +4,10 @@ The engine folds sampled prompts into the *active* accumulator. A pull (the API 
 poll, between two model steps) only swaps it with a zeroed *spare*: two attribute
 assignments and a queue put, whatever the model's size. A background thread then turns the
 swapped-out half into delta bytes (:meth:`HeadStatsAccumulator.take_bytes`, which zeroes it
-in passing: 46 ms for an 80-layer, 64-head accumulator), hands them to ``finish`` (which
-may write them to a file) and returns the zeroed half as the next spare. The result is
-collected by a later, equally cheap call (:meth:`take_ready`).
+in passing: 46 ms for an 80-layer, 64-head accumulator) in pieces, handing the GIL to the
+engine's thread between two (:func:`~attnprof.aggregate.background.yield_gil`), hands them
+to ``finish`` (which may write them to a file) and returns the zeroed half as the next
+spare. The result is collected by a later, equally cheap call (:meth:`take_ready`).
 
 While a drain is still running there is no spare: a pull then swaps nothing (counted in
 ``skipped``) and the engine keeps folding into the active half, so nothing is lost and
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from attnprof.aggregate.background import yield_gil
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 
 __all__ = ["HeadStatsDoubleBuffer"]
@@ -30,8 +32,11 @@ class HeadStatsDoubleBuffer:
     """``active`` is written by the engine thread only; ``swap`` and ``take_ready`` run on
     that thread too (between steps); the drain runs on one daemon thread of its own."""
 
-    def __init__(self, active: HeadStatsAccumulator) -> None:
+    def __init__(self, active: HeadStatsAccumulator,
+                 pause: Callable[[], None] = yield_gil) -> None:
         self.active = active
+        self.pause = pause
+        """Called by the drain between two pieces of a delta (hands over the GIL)."""
         self._spare: HeadStatsAccumulator | None = active.empty_like()
         self._ready: list[Any] = []
         self._lock = threading.Lock()
@@ -92,7 +97,8 @@ class HeadStatsDoubleBuffer:
             t0 = time.perf_counter()
             result: Any = None
             try:
-                data = old.take_bytes()  # zeroes ``old`` too: it is the next spare
+                # zeroes ``old`` too (it is the next spare), in pieces
+                data = old.take_bytes(self.pause)
                 self.delta_bytes = len(data)
                 result = finish(data)
             except Exception as exc:  # a lost delta is counted by the caller's book

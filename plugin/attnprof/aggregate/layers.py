@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -251,7 +252,9 @@ class WorkerAggregates:
             st[1] += step.model_time_s
             st[2] += attn_total
 
-    def layer_profiles(self) -> list[LayerProfile]:
+    def layer_profiles(self, pause: Callable[[], None] | None = None) -> list[LayerProfile]:
+        """Every layer's profile; ``pause()`` (a background reader handing over the GIL)
+        runs after the copy and after each layer."""
         with self.lock:
             infos = sorted(self.layers.values(), key=lambda i: i.index)
             aggs = {k: (a.calls, a.time_s, a.tokens, a.flops, a.bytes, a.requests,
@@ -259,6 +262,8 @@ class WorkerAggregates:
                     for k, a in self.agg.items()}
         out = []
         for info in infos:
+            if pause is not None:
+                pause()
             phases: dict[str, PhaseStats] = {}
             for phase in PHASES:
                 v = aggs.get((info.index, phase))

@@ -5,6 +5,11 @@ asked vLLM for at model build); these functions turn it into the typed records o
 :mod:`attnprof.contracts.snapshot`: the sampler's counters, the kernel map (identical layers
 grouped, each group with vLLM's verdict on every backend), the head-statistics cost, the
 poll's own cost, and the :class:`WorkerSnapshot` that holds them.
+
+For the API server's periodic pull the snapshot comes in two halves: the parts that change
+only on sampled steps (layers, kernel map, step phases, probe: :func:`slow_parts`, built off
+the engine's thread in pieces, milliseconds on 80 layers) and the counters that change on
+every step (:func:`fast_snapshot`, microseconds), joined by :func:`join`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from attnprof.contracts.snapshot import (
     WorkerSnapshot,
 )
 
-__all__ = ["head_stats_cost", "kernel_groups", "note_poll", "sampler_stats", "worker_snapshot"]
+__all__ = ["SLOW_FIELDS", "fast_snapshot", "head_stats_cost", "join", "kernel_groups",
+           "note_poll", "sampler_stats", "slow_parts", "worker_snapshot"]
+
+SLOW_FIELDS = ("layers", "kernel_map", "steps", "probe")
+"""The :class:`WorkerSnapshot` fields :func:`slow_parts` builds."""
 
 
 def sampler_stats(sampler: StepSampler, outcomes: Mapping[str, int], seen: int,
@@ -102,3 +111,42 @@ def worker_snapshot(pid: int, process: str, aggs: WorkerAggregates, kernel_map: 
         errors=dict(errors.by_place), dropped=dict(errors.dropped),
         disabled=errors.disabled, head_stats_cost=hs_cost,
         poll_cost=poll_cost, head_stats=head_stats, probe=probe)
+
+
+def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], list[KernelGroup]],
+               probe: Any = None, pause: Callable[[], None] | None = None) -> dict[str, Any]:
+    """The snapshot's :data:`SLOW_FIELDS` as JSON: what only sampled steps change. Each
+    layer's JSON is one piece, ``pause()`` runs between two (the builder's thread hands the
+    GIL to the engine's there); the aggregates are copied under their lock, as the export
+    thread reads them."""
+    def step() -> None:
+        if pause is not None:
+            pause()
+
+    profiles = aggs.layer_profiles(pause)
+    layers = []
+    for lp in profiles:
+        layers.append(lp.to_json())
+        step()
+    groups = [g.to_json() for g in kernel_map(list(aggs.layers.values()))]
+    step()
+    return {"layers": layers, "kernel_map": groups,
+            "steps": {k: v.to_json() for k, v in aggs.step_stats().items()},
+            "probe": probe.to_json() if probe is not None else None}
+
+
+def fast_snapshot(pid: int, process: str, sampler: SamplerStats, errors: Any,
+                  hs_cost: HeadStatsCost, poll_cost: PollCost) -> dict[str, Any]:
+    """A :class:`WorkerSnapshot`'s JSON without its :data:`SLOW_FIELDS` (left empty): the
+    counters of every step, microseconds to build."""
+    return WorkerSnapshot(
+        pid=pid, process=process, sampler=sampler, errors=dict(errors.by_place),
+        dropped=dict(errors.dropped), disabled=errors.disabled, head_stats_cost=hs_cost,
+        poll_cost=poll_cost).to_json()
+
+
+def join(fast: dict[str, Any], slow: Mapping[str, Any]) -> dict[str, Any]:
+    """``fast`` (:func:`fast_snapshot`) with ``slow``'s fields in place (O(1): references)."""
+    for k in SLOW_FIELDS:
+        fast[k] = slow[k]
+    return fast

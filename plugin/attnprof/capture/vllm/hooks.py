@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import sys
 import time
+import weakref
 from collections import deque
 from typing import Any
 
 from attnprof._safety import fault_point
+from attnprof.aggregate.background import LatestBuild
 from attnprof.aggregate.layers import BatchShape, LayerCall, LayerInfo, StepRecord, WorkerAggregates
 from attnprof.aggregate.sampler import STREAM_HEAD_STATS, StepSampler
 from attnprof.aggregate.trace import TraceBuffer, step_trace
@@ -117,6 +119,8 @@ class Capture:
         self.deltas: Any = None  # DeltaFiles: how deltas reach the API server
         self.hs = HeadStatsCost()
         self.poll_cost = PollCost()
+        # The snapshot's layers, built off the engine's thread (started at model build).
+        self.snapshots = _snapshot_builder(self)
         self._hs_step = False
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
@@ -159,6 +163,7 @@ class Capture:
         impl._attnprof_wrapped = True
         self.state.add_role("worker")
         self.state.export_source("worker", functools.partial(worker_rpc.samples, self))
+        self.snapshots.start()
         if self.trace.spans and not self._spans_started:
             self._spans_started = True
             worker_rpc.start_spans(self)
@@ -467,6 +472,27 @@ class Capture:
             self.hs_rate = float(head_stats_rate)
         return {"old": old, "new": {"sample_rate": self.sampler.base_rate,
                                     "head_stats_rate": self.hs_rate}}
+
+
+def _snapshot_builder(cap: Capture) -> LatestBuild:
+    """The worker snapshot's slow parts, rebuilt on a thread of their own. The thread holds
+    the capture weakly: a capture nobody uses any more (tests, undo) ends it."""
+    ref = weakref.ref(cap)
+
+    def build() -> Any:
+        c = ref()
+        return None if c is None else worker_rpc.slow_parts(c)
+
+    def version() -> Any:
+        c = ref()
+        return LatestBuild.GONE if c is None else worker_rpc.slow_version(c)
+
+    def on_error(exc: BaseException) -> None:
+        c = ref()
+        if c is not None:
+            c.errors.record("snapshot", exc)
+
+    return LatestBuild(build, version, on_error=on_error)
 
 
 def step_hook(cap: Capture, orig_fwd: Any) -> Any:

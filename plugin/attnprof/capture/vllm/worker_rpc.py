@@ -22,8 +22,9 @@ from attnprof.aggregate import worker_snapshot as ws
 from attnprof.aggregate.trace import MAX_RANGES
 from attnprof.contracts.snapshot import KernelGroup, SamplerStats, WorkerSnapshot
 
-__all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "snapshot",
-           "start_spans", "trace_arm", "trace_count", "trace_take", "worker_methods"]
+__all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "slow_parts",
+           "slow_version", "snapshot", "start_spans", "trace_arm", "trace_count", "trace_take",
+           "worker_methods"]
 
 
 def start_spans(cap: Any) -> None:
@@ -87,12 +88,23 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     statistics: the deltas finished since the last pull, and a swap of the accumulator's
     halves whose delta a later :func:`head_stats_take` collects (serialized off the
     engine's path). ``api_host``: the API server's :func:`host_id`; on this machine the
-    deltas travel as files, not in the answer."""
+    deltas travel as files, not in the answer.
+
+    The engine's thread builds nothing here that grows with the model: the snapshot's
+    layers come from the snapshot thread's latest build (``cap.snapshots``); when sampled
+    steps were folded since, the answer carries ``snapshot_stale`` (the build's age) and the
+    thread rebuilds for the next pull."""
     fault_point("capture")
     t0 = time.perf_counter()
     # No export flush here: the export thread flushes every second, and a flush (file
     # writes) would lengthen the pause the engine takes for this poll.
-    snap = snapshot(cap, include_head_stats=False, flush=False).to_json()
+    cap.resolve_pending()  # GPU steps whose events completed (never waits)
+    # The layers, kernel map and step phases were built on the snapshot thread (milliseconds
+    # on 80 layers, in pieces that leave the engine the GIL); only the counters every step
+    # changes are read here. A build behind the aggregates is served as it is, and says so.
+    slow, fresh, age = cap.snapshots.get()
+    if slow is None:  # no build yet (the thread starts at model build): once, here
+        slow, fresh, age = cap.snapshots.build_now(), True, 0.0
     t1 = time.perf_counter()
     out = _placement(cap)
     if with_head_stats:
@@ -100,9 +112,28 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     t2 = time.perf_counter()
     # This pull's own cost, all but the pickling vLLM does with the answer.
     ws.note_poll(cap.poll_cost, t0, t1, t2, cap.hs_buffer)
-    snap["poll_cost"] = cap.poll_cost.to_json()
-    out["snapshot"] = snap
+    out["snapshot"] = ws.join(ws.fast_snapshot(
+        os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
+        ws.head_stats_cost(cap.hs), cap.poll_cost), slow)
+    if not fresh:
+        # sampled steps folded since the build are in the counters, not yet in the layers
+        out["snapshot_stale"] = {"age_s": age, "reason": "built before the last sampled "
+                                 "steps; the next pull has them"}
     return out
+
+
+def slow_parts(cap: Any) -> dict[str, Any]:
+    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`), built on
+    the snapshot thread in pieces (:func:`~attnprof.aggregate.background.yield_gil`)."""
+    from attnprof.aggregate.background import yield_gil
+
+    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe, yield_gil)
+
+
+def slow_version(cap: Any) -> tuple[int, int, bool]:
+    """What :func:`slow_parts` depends on, in O(1): steps folded, layers known, a probe."""
+    return (sum(cap.aggs.outcomes.values()), len(cap.aggs.layers),
+            cap.state.probe is not None)
 
 
 def head_stats_take(cap: Any, api_host: str | None = None) -> dict[str, Any]:

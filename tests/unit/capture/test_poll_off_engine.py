@@ -1,0 +1,143 @@
+"""The API server's pull builds nothing that grows with the model on the engine's thread
+(issue 30, point 2): the worker snapshot's layers come from the snapshot thread's latest
+build, the answer says when that build is behind, and what it serves is the snapshot the
+worker would have built itself. Structural checks (who built what, on which thread), never
+timings."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from attnprof.aggregate import worker_snapshot as ws
+from attnprof.aggregate.background import LatestBuild
+from attnprof.aggregate.layers import LayerCall, StepRecord, WorkerAggregates
+from attnprof.capture.vllm import worker_rpc
+from attnprof.capture.vllm.hooks import Capture
+from tests.unit.aggregate.test_aggregate import _capture, _Layer, _shape
+
+
+def _rig(layers: int = 6) -> Capture:
+    cap = _capture(1.0)
+    for i in range(layers):
+        cap.wrap_layer(_Layer(i))
+    return cap
+
+
+def _step(cap: Capture, phase: str = "decode") -> None:
+    """One sampled step on every layer, as the engine's thread folds it."""
+    shape = (_shape("decode") if phase == "decode" else _shape("prefill", 100, (100,)))
+    cap.aggs.record_step(StepRecord("sampled", 0.01, [
+        LayerCall(info, shape, 0.001) for info in cap.aggs.layers.values()]))
+
+
+def _unstarted(cap: Capture) -> LatestBuild:
+    """The capture's builder without its thread: builds happen only when the test says."""
+    lb = LatestBuild(lambda: worker_rpc.slow_parts(cap),
+                     lambda: worker_rpc.slow_version(cap))
+    cap.snapshots = lb
+    return lb
+
+
+def test_a_pull_builds_no_layer_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = _rig()
+    for i in range(5):
+        _step(cap, "decode" if i % 2 else "prefill")
+    built_on: list[str] = []
+    orig = WorkerAggregates.layer_profiles
+
+    def spy(self: WorkerAggregates, *a: Any, **kw: Any) -> Any:
+        built_on.append(threading.current_thread().name)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(WorkerAggregates, "layer_profiles", spy)
+    assert cap.snapshots.wait_current()
+    built_on.clear()
+    got = worker_rpc.poll(cap)  # on this (the engine's) thread
+    assert built_on == []  # the layers were built on the snapshot thread, before
+    assert "snapshot_stale" not in got
+    full = worker_rpc.snapshot(cap, include_head_stats=False, flush=False).to_json()
+    assert built_on == ["MainThread"]  # the offline snapshot RPC still builds in place
+    snap = got["snapshot"]
+    assert snap["layers"] == full["layers"] and snap["steps"] == full["steps"]
+    assert snap["kernel_map"] == full["kernel_map"]
+    assert snap["sampler"]["sampled"] == 5
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_the_joined_halves_are_the_worker_snapshot() -> None:
+    cap = _rig(3)
+    _step(cap)
+    _step(cap, "prefill")
+    fast = ws.fast_snapshot(1, "w", worker_rpc.sampler_stats(cap), cap.errors,
+                            ws.head_stats_cost(cap.hs), cap.poll_cost)
+    joined = ws.join(fast, worker_rpc.slow_parts(cap))
+    whole = ws.worker_snapshot(1, "w", cap.aggs, worker_rpc.kernel_map(cap),
+                               worker_rpc.sampler_stats(cap), cap.errors,
+                               ws.head_stats_cost(cap.hs), cap.poll_cost, None).to_json()
+    assert joined == whole
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_a_build_behind_the_aggregates_is_served_and_says_so() -> None:
+    cap = _rig(2)
+    lb = _unstarted(cap)
+    _step(cap)
+    lb.build_now()
+    _step(cap)  # folded after the build
+    got = worker_rpc.poll(cap)
+    stale = got["snapshot_stale"]
+    assert stale["age_s"] >= 0 and "next pull" in stale["reason"]
+    snap = got["snapshot"]
+    # The counters are this step's; the layers are the build's (one step behind).
+    assert snap["sampler"]["sampled"] == 2
+    assert snap["layers"][0]["phases"]["decode"]["calls"] == 1
+    lb.build_now()  # what the thread does when the pull woke it
+    again = worker_rpc.poll(cap)
+    assert "snapshot_stale" not in again
+    assert again["snapshot"]["layers"][0]["phases"]["decode"]["calls"] == 2
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_the_first_pull_before_any_build_builds_once() -> None:
+    cap = _rig(2)
+    lb = _unstarted(cap)
+    _step(cap)
+    got = worker_rpc.poll(cap)
+    assert "snapshot_stale" not in got and lb.builds == 1
+    assert got["snapshot"]["layers"][0]["phases"]["decode"]["calls"] == 1
+    worker_rpc.poll(cap)
+    assert lb.builds == 1  # later pulls read the build
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_builds_beside_an_engine_folding_steps_lose_and_double_nothing() -> None:
+    cap = _rig(8)
+    stop = threading.Event()
+    folded = [0]
+
+    def engine() -> None:
+        while not stop.is_set() and folded[0] < 3000:
+            _step(cap, "decode" if folded[0] % 3 else "prefill")
+            folded[0] += 1
+
+    th = threading.Thread(target=engine)
+    th.start()
+    answers = []
+    while th.is_alive() and len(answers) < 200:
+        answers.append(worker_rpc.poll(cap))  # pulls while the engine folds and the
+        cap.snapshots.get()  # snapshot thread rebuilds
+    stop.set()
+    th.join()
+    assert cap.snapshots.wait_current()
+    final = worker_rpc.poll(cap)
+    assert "snapshot_stale" not in final
+    assert not cap.errors.by_place and cap.snapshots.errors == 0
+    layers = final["snapshot"]["layers"]
+    assert len(layers) == 8
+    for lay in layers:
+        calls = sum(p["calls"] for p in lay["phases"].values())
+        assert calls == folded[0]
+    cap.state.hub.stop(final_flush=False)
