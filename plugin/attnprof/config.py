@@ -112,10 +112,21 @@ def default_home(env: Mapping[str, str] | None = None) -> Path:
 
 
 def api_tokens(env: Mapping[str, str] | None = None, vllm_api_key: object = None) -> list[str]:
-    """Bearer tokens accepted on every ``/attnprof/*`` route: ``ATTNPROF_API_KEY`` and vLLM's
-    own (``--api-key``, one string or a list, else ``VLLM_API_KEY``, as vLLM reads them).
-    Empty: no key configured anywhere, and the routes are as open as vLLM's."""
+    """Bearer tokens that open the ``/attnprof/*`` routes. ``ATTNPROF_API_KEY``, when set, is
+    the only one (a monitoring key: vLLM's inference keys then get 401, so one tenant cannot
+    read another's request lengths or start RPCs). Without it, vLLM's own keys
+    (``--api-key``, one string or a list, else ``VLLM_API_KEY``, as vLLM reads them) are the
+    fallback (the endpoint warns at start-up). Empty: no key anywhere, and the snapshot
+    answers only what ``/metrics`` shows. :class:`ConfigError` for an ``ATTNPROF_API_KEY``
+    that a bearer header cannot carry (spaces, control or non-ASCII characters: a key file's
+    trailing newline would otherwise lock every client out)."""
     env = os.environ if env is None else env
+    own = env.get("ATTNPROF_API_KEY", "")
+    if own:
+        if not all(0x20 < ord(c) < 0x7F for c in own):
+            raise ConfigError("ATTNPROF_API_KEY holds spaces, control or non-ASCII characters "
+                              "(a trailing newline?); an HTTP bearer token cannot carry them")
+        return [own]
     keys: list[str] = []
     if isinstance(vllm_api_key, str):
         keys.append(vllm_api_key)
@@ -123,7 +134,6 @@ def api_tokens(env: Mapping[str, str] | None = None, vllm_api_key: object = None
         keys += [k for k in vllm_api_key if isinstance(k, str)]
     if not keys:
         keys.append(env.get("VLLM_API_KEY", ""))
-    keys.append(env.get("ATTNPROF_API_KEY", ""))
     return [k for k in dict.fromkeys(keys) if k]
 
 

@@ -104,9 +104,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(attnprof_capture_disabled) and never reach vLLM or a request.",
     ),
     EnvVar(
-        "ATTNPROF_API_KEY", "str", "(vLLM's --api-key)",
-        "Bearer token every /attnprof/* route requires. vLLM's own `--api-key` (or "
-        "VLLM_API_KEY) is accepted too; with neither set the routes are as open as vLLM's.",
+        "ATTNPROF_API_KEY", "str", "(unset)",
+        "The monitoring key: when set, the only bearer token the /attnprof/* routes accept "
+        "(vLLM's inference keys get 401); use a key of its own, not a tenant's. Unset: vLLM's "
+        "`--api-key` (or VLLM_API_KEY) opens them, with a start-up warning; no key at all: "
+        "/attnprof/snapshot answers only what /metrics shows, the rest is off (403).",
     ),
     EnvVar(
         "ATTNPROF_SNAPSHOT_MAX_AGE_S", "float in [0, 3600]", "2",

@@ -94,6 +94,13 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
         assert len(worker["layers"]) == 30
         assert {lay["backend"] for lay in worker["layers"]} == {"CPU_ATTN"}
         assert snap["requests"]["requests"] == 1
+        # No key anywhere (serve's default): only what /metrics shows, and how to open the
+        # rest; never the exact lengths, the command line or the head statistics.
+        assert "ATTNPROF_API_KEY" in snap["restricted"]
+        assert "sketch" not in snap["requests"]["context_tokens"] and "provenance" not in snap
+        with pytest.raises(HttpError) as refused:
+            get_text(base + "/attnprof/snapshot?head_stats=1")
+        assert refused.value.status == 403
         _check_live_trace(base, tmp_path)
         children = _descendants(proc.pid)
         assert len(children) >= 3  # API server, EngineCore, worker (+ helpers)

@@ -7,6 +7,7 @@ of short chats and long documents, then prints and saves what attnprof saw.
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -133,9 +134,14 @@ def _run(args: argparse.Namespace) -> int:
     log = args.out.parent / "demo-vllm.log"
     # A one-minute demo has few steps: sample them all, compute head statistics on every
     # whole-prompt prefill and lift the overhead budget (production defaults: 0.05, 0.1, 1%).
+    # A server with no key answers only what /metrics shows: the demo reads everything
+    # (exact lengths, head statistics), so its server gets a monitoring key of its own,
+    # random per run, known to this process only (environment, never argv).
+    key = secrets.token_urlsafe(24)
     env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed),
            "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0",
-           "ATTNPROF_PROBE": "1"}  # peak bandwidth and matmul, for the roofline line
+           "ATTNPROF_PROBE": "1",  # peak bandwidth and matmul, for the roofline line
+           "ATTNPROF_API_KEY": key}
     srv = VllmServer(model_dir, port=args.port, served_name=served, eager=True, log=log,
                      env=env, extra_args=["--max-model-len", str(args.max_model_len)])
     print(f"attnprof: starting vLLM (log: {log})", file=sys.stderr)
@@ -159,10 +165,10 @@ def _run(args: argparse.Namespace) -> int:
         # The workers probe their peaks at their first idle second after serving (a probe
         # under load reads low): give them a few seconds once the traffic has stopped.
         deadline = time.monotonic() + 20.0
-        while (fetch_snapshot(srv.base_url).get("roofline") is None
+        while (fetch_snapshot(srv.base_url, api_key=key).get("roofline") is None
                and time.monotonic() < deadline):
             time.sleep(1.0)
-        snap = fetch_snapshot(srv.base_url, head_stats=True)
+        snap = fetch_snapshot(srv.base_url, api_key=key, head_stats=True)
         try:
             metrics = http.get(srv.base_url + "/metrics").decode("utf-8", "replace")
         except http.HttpError as err:

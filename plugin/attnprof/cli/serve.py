@@ -39,12 +39,23 @@ def resolve_or_fail(spec: str) -> tuple[str, str | None]:
 
 def check_config() -> None:
     from attnprof.capture.vllm.runtime import config_from_env
-    from attnprof.config import ConfigError
+    from attnprof.config import ConfigError, api_tokens
 
     try:
         config_from_env(check_otlp=True)
+        api_tokens()  # an ATTNPROF_API_KEY no bearer header can carry
     except ConfigError as err:
         raise CliError(f"invalid configuration: {err}") from None
+
+
+def _key_note() -> str:
+    """What the snapshot line should add about keys (the server reads the same env)."""
+    import os
+
+    if os.environ.get("ATTNPROF_API_KEY"):
+        return " (bearer: $ATTNPROF_API_KEY)"
+    return ("\n            (no ATTNPROF_API_KEY: only what /metrics shows; set one to a "
+            "monitoring key for the rest)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -76,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"attnprof: ready in {secs:.0f} s\n"
                   f"  API:      {srv.base_url}/v1\n"
                   f"  metrics:  {srv.base_url}/metrics\n"
-                  f"  snapshot: {srv.base_url}/attnprof/snapshot\n"
+                  f"  snapshot: {srv.base_url}/attnprof/snapshot{_key_note()}\n"
                   f"Ctrl-C stops the server and all its processes.", file=sys.stderr)
             assert srv.proc is not None
             while (rc := srv.proc.poll()) is None:

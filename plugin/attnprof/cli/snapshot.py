@@ -156,6 +156,9 @@ def _run(args: argparse.Namespace) -> int:
         check_out_file(_svg_path(args.roofline), "--roofline (its SVG)")
         require_module("matplotlib", "attnprof snapshot --roofline", "report")
     snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=args.head_stats)
+    if isinstance(snap.get("restricted"), str):  # a server with no key: say what is missing
+        note = "".join(c if c.isprintable() else "?" for c in snap["restricted"][:400])
+        print(f"attnprof: {args.url}: {note}", file=sys.stderr)
     if args.png is not None:
         _write_map(snap, args.png, args.url)
     if args.roofline is not None:

@@ -20,7 +20,8 @@ per layer, per KV head), the top-level ``kv_pressure`` verdict, each worker's ba
 ``probe`` and the top-level ``roofline`` (``ATTNPROF_PROBE=1``), and ``window_advice`` 1.1;
 1.7 adds the sampler's agreement across tensor-parallel ranks (``SamplerStats.step_index``,
 ``sync``, ``late_changes``, ``unsynced``, ``decisions_digest``, ``rate_changes``) and each
-worker's ``poll_cost``.
+worker's ``poll_cost``; 1.8 adds ``restricted``: set on the answer a server with no API key
+gives anyone, which holds only what ``/metrics`` shows, and says how to read the rest.
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 7)
+    VERSION = (1, 8)
 
     time: float
     model: str
@@ -401,3 +402,7 @@ class Snapshot(Document):
     """KV-bound, compute-bound or neither, with the evidence (1.6)."""
     roofline: Roofline | None = None
     """Each phase's attention against the first worker's probed peaks (``ATTNPROF_PROBE=1``)."""
+    restricted: str | None = None
+    """Set when the server has no API key: this answer holds only what ``/metrics`` shows
+    (no exact request lengths, per-step lengths or timings, head statistics, provenance or
+    error text), and this says how to read the rest (1.8)."""

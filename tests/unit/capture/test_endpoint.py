@@ -19,7 +19,7 @@ from attnprof.capture import head_rows
 from attnprof.capture.vllm import endpoint, runtime
 from attnprof.capture.vllm.endpoint import AttnProfEndpoint, TokenCheck
 from attnprof.capture.vllm.live_view import LiveView
-from attnprof.config import Config, api_tokens
+from attnprof.config import Config, ConfigError, api_tokens
 from attnprof.contracts.snapshot import WorkerSnapshot
 
 KEY = "s3cret-token"
@@ -117,12 +117,113 @@ def test_every_route_wants_the_token_when_one_is_configured(state: runtime.State
 
 def test_tokens_come_from_vllms_api_key_or_attnprof_api_key() -> None:
     assert api_tokens({}, None) == []
+    # Without ATTNPROF_API_KEY, vLLM's keys are the fallback (a start-up warning says so).
     assert api_tokens({"VLLM_API_KEY": "v"}, None) == ["v"]
     assert api_tokens({"VLLM_API_KEY": "v"}, ["a", "b"]) == ["a", "b"]  # the flag wins
-    assert api_tokens({"ATTNPROF_API_KEY": "p"}, "a") == ["a", "p"]
+    # ATTNPROF_API_KEY set: it alone opens the routes, whatever keys vLLM has.
+    assert api_tokens({"ATTNPROF_API_KEY": "p"}, "a") == ["p"]
+    assert api_tokens({"ATTNPROF_API_KEY": "p", "VLLM_API_KEY": "v"}, None) == ["p"]
     check = TokenCheck(api_tokens({"ATTNPROF_API_KEY": "p"}, ["a"]))
-    assert check.ok("Bearer a") and check.ok("bearer p") and not check.ok("Bearer ap")
+    assert check.ok("bearer p") and not check.ok("Bearer a") and not check.ok("Bearer ap")
     assert not check.ok(None) and TokenCheck([]).ok(None)
+    # A key no bearer header can carry (a key file's newline) fails at start-up, one line.
+    for bad in ("p\n", "p q", "p\x00", "clé"):
+        with pytest.raises(ConfigError, match=r"^ATTNPROF_API_KEY holds") as err:
+            api_tokens({"ATTNPROF_API_KEY": bad})
+        assert "\n" not in str(err.value) and bad not in str(err.value)
+
+
+TENANT = "tenant-inference-key"
+
+
+def test_only_the_monitoring_key_opens_the_routes_when_it_is_set(state: runtime.State) -> None:
+    """One tenant's inference key must not read another's lengths or start RPCs: with
+    ATTNPROF_API_KEY set, vLLM's keys (flag or variable) get 401 on every route."""
+    tokens = api_tokens({"ATTNPROF_API_KEY": KEY, "VLLM_API_KEY": "env-tenant"},
+                        [TENANT, "other-tenant"])
+    eng = FakeEngine()
+    app = _app(eng, tokens)
+
+    async def go() -> list[tuple[str, str, int]]:
+        import httpx
+
+        out = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            for key in (TENANT, "other-tenant", "env-tenant", KEY):
+                for method, path in (("GET", "/attnprof/snapshot"),
+                                     ("GET", "/attnprof/snapshot?head_stats=1"),
+                                     ("GET", "/attnprof/trace?steps=1&timeout=0.1"),
+                                     ("POST", "/attnprof/sampling")):
+                    r = await c.request(method, path, json={"sample_rate": 0.5},
+                                        headers={"Authorization": f"Bearer {key}"})
+                    out.append((key, path, r.status_code))
+                    assert TENANT not in r.text and KEY not in r.text
+        return out
+
+    got = asyncio.run(go())
+    assert {code for key, _, code in got if key != KEY} == {401}
+    assert all(code != 401 for key, _, code in got if key == KEY)
+    assert ("attnprof_set_sampling", (0.5, None)) in eng.calls  # only the monitoring key's
+
+
+@pytest.mark.parametrize("header", [
+    None, "", "Bearer", "Bearer ", f"Basic {KEY}", f"Token {KEY}", f"ApiKey {KEY}", KEY,
+    f"Bearer {KEY.upper()}", f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"Bearer x{KEY}",
+    f"Bearer\t{KEY}", f"Bearer {KEY} {KEY}", f"Bearer {TENANT}",
+])
+def test_an_attacker_gets_401_without_the_exact_key(state: runtime.State,
+                                                    header: str | None) -> None:
+    """No key, an empty or other scheme, the key changed by one character or in case, the
+    key without a scheme, a tenant's key: 401 on the snapshot, no RPC, the key never echoed."""
+    eng = FakeEngine()
+    app = _app(eng, api_tokens({"ATTNPROF_API_KEY": KEY}, [TENANT]))
+
+    async def go() -> Any:
+        import httpx
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            h = {} if header is None else {"Authorization": header}
+            return await c.get(f"/attnprof/snapshot?api_key={KEY}&token={KEY}", headers=h)
+
+    r = asyncio.run(go())
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert KEY not in r.text and eng.calls == []
+
+
+def test_the_scheme_is_case_insensitive_and_spaces_around_the_key_are_ignored(
+        state: runtime.State) -> None:
+    check = TokenCheck([KEY])
+    assert all(check.ok(h) for h in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER {KEY}",
+                                      f"Bearer  {KEY} "))
+
+
+def test_every_configured_key_is_compared_in_constant_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check compares SHA-256 digests (one length whatever the key) with
+    ``hmac.compare_digest``, against every configured key, with no early exit on a match or
+    on a mismatch at the first key: a plain ``got == digest`` fails this test."""
+    import hashlib
+    import hmac
+
+    seen: list[tuple[bytes, bytes]] = []
+
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((a, b))
+        return hmac.compare_digest(a, b)
+
+    monkeypatch.setattr(endpoint, "compare_digest", spy)
+    keys = ["k-one", "k-two", "k-three"]
+    check = TokenCheck(keys)
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+    for header, want in (("Bearer k-one", True), ("Bearer k-three", True),
+                         ("Bearer x-one", False), ("Bearer a-much-longer-wrong-key", False)):
+        seen.clear()
+        assert check.ok(header) is want
+        assert [b for _, b in seen] == digests, header  # every key, in order, no early exit
+        got = hashlib.sha256(header.split(" ", 1)[1].encode()).digest()
+        assert all(a == got and len(a) == len(b) == 32 for a, b in seen)
 
 
 def test_twenty_concurrent_gets_start_one_rpc_and_later_ones_hit_the_cache(
@@ -374,3 +475,134 @@ def test_only_the_first_of_several_api_servers_takes_head_statistics(
     assert [(m, a[0]) for m, a in eng.calls] == [("attnprof_poll", False)]
     assert body["head_stats"] is None and "first API server" in body["truncated"]
     assert "first API server" in body["window_advice"]["error"]
+
+
+CANARY_LEN = 3777  # one request's exact context length: above every quantile, in no bucket name
+
+
+def _canary_answer() -> dict[str, Any]:
+    """A worker answer holding every kind of value the keyless snapshot must withhold."""
+    from attnprof.contracts.snapshot import KernelGroup, LayerProfile, PhaseStats
+
+    phase = PhaseStats(calls=4, time_s=0.5, mean_time_s=0.125, tokens=64, flops=10, bytes=20,
+                       mean_batch_requests=1.0, mean_seq_len=3777.5, max_seq_len=CANARY_LEN,
+                       recent_time_s=[0.0123456789])
+    layer = LayerProfile(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
+                         impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2,
+                         head_size=8, head_size_v=8, sliding_window=None, dtype="float32",
+                         kv_cache_dtype="auto", fused=True, kv_cache_bytes=4096,
+                         phases={"prefill": phase})
+    ws = WorkerSnapshot(pid=11, process="VllmWorker", layers=[layer],
+                        kernel_map=[KernelGroup(layers=[0], backend="CPU_ATTN", kernel=None,
+                                                fused=True, error="ValueError: /srv/tenant-a")],
+                        error="RuntimeError: /home/tenant-b/secret.txt")
+    return {**_answer(), "snapshot": ws.to_json()}
+
+
+def test_without_a_key_the_snapshot_holds_only_what_metrics_shows(
+        state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closed by default: with no key configured anywhere, anyone on the port gets the
+    counters /metrics already shows and a line saying how to read the rest; never the exact
+    request lengths, per-step lengths and timings, provenance (the command line), head
+    statistics or error text. The same server with a key serves them all to its holder."""
+    import sys
+
+    import jsonschema
+
+    from attnprof.aggregate.requests import RequestAggregates
+    from attnprof.capture.vllm import live_view
+    from attnprof.contracts.snapshot import Snapshot
+    from tests.conftest import REPO
+
+    monkeypatch.setattr(live_view, "_PROVENANCE", {})
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "--served-model-name", "argv-canary"])
+    reqs = RequestAggregates(max_model_len=4096)
+    for n in range(100, 300):
+        reqs.observe(n, 0)
+    reqs.observe(CANARY_LEN, 0)
+    state.requests = reqs
+    withheld = (str(CANARY_LEN), "0.0123456789", "argv-canary", "/srv/tenant-a",
+                "/home/tenant-b")
+
+    def snap(tokens: list[str], path: str = "/attnprof/snapshot") -> Any:
+        eng = FakeEngine([_canary_answer()])
+        (r,) = asyncio.run(_get(_app(eng, tokens), path, key=tokens[0] if tokens else None))
+        return r, eng
+
+    full, _ = snap([KEY])
+    assert all(w in full.text for w in withheld)  # the canaries are there to be withheld
+    assert full.json()["restricted"] is None
+
+    r, eng = snap([])
+    assert r.status_code == 200
+    body = r.json()
+    assert [w for w in withheld if w in r.text] == []
+    assert "ATTNPROF_API_KEY" in body["restricted"] and "/metrics" in body["restricted"]
+    assert not {"provenance", "head_stats", "window"} & set(body)
+    # Kept: what /metrics has (per-layer counters, request count and quantiles, histogram).
+    (layer,) = body["workers"][0]["layers"]
+    assert layer["backend"] == "CPU_ATTN" and layer["kv_cache_bytes"] == 4096
+    assert layer["phases"]["prefill"]["calls"] == 4
+    assert layer["phases"]["prefill"]["time_s"] == 0.5
+    ctx = body["requests"]["context_tokens"]
+    assert body["requests"]["requests"] == 201 and ctx["p99"] == 298
+    assert "max" not in ctx and "sketch" not in ctx
+    assert sum(body["requests"]["context_histogram"]["counts"]) == 201
+    # Errors by type only.
+    assert body["workers"][0]["error"] == "RuntimeError"
+    assert body["workers"][0]["kernel_map"][0]["error"] == "ValueError"
+    assert "withheld" in body["window_advice"]["error"]
+    # Still a snapshot every reader takes, and the schema accepts it.
+    typed = Snapshot.from_json(body)
+    assert typed.restricted == body["restricted"] and typed.workers[0].layers[0].index == 0
+    schema = json.loads((REPO / "docs/schema/snapshot.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(body)
+    # The head statistics: 403 with the same hint, and no RPC pulls them.
+    hs, eng = snap([], "/attnprof/snapshot?head_stats=1")
+    assert hs.status_code == 403 and "ATTNPROF_API_KEY" in hs.json()["restricted"]
+    assert eng.calls == []
+
+
+def test_a_keyless_answer_is_cut_once_per_refresh(state: runtime.State) -> None:
+    eng = FakeEngine([_canary_answer()])
+    app = _app(eng, [])
+    first = asyncio.run(_get(app, "/attnprof/snapshot", n=5, key=None))
+    again = asyncio.run(_get(app, "/attnprof/snapshot", n=2, key=None))
+    assert len({r.content for r in first + again}) == 1 and len(eng.calls) == 1
+    cut = app.state.plugin._public
+    asyncio.run(_get(app, "/attnprof/snapshot", key=None))
+    assert app.state.plugin._public is cut  # the same body: not cut again
+
+
+def test_the_start_up_log_says_who_can_open_the_routes(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Through the endpoint's real start-up (init_state): vLLM's keys as the fallback log a
+    one-line warning that tenants' keys open attnprof's routes; ATTNPROF_API_KEY set, they
+    are refused and nothing is logged; no key at all, one line says how to open the rest."""
+    import logging
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("ATTNPROF_ENABLED", raising=False)
+
+    def start(env_key: str | None, vllm_keys: list[str] | None) -> AttnProfEndpoint:
+        if env_key is None:
+            monkeypatch.delenv("ATTNPROF_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("ATTNPROF_API_KEY", env_key)
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        caplog.clear()
+        plugin = AttnProfEndpoint()
+        with caplog.at_level(logging.INFO, logger="attnprof"):
+            asyncio.run(plugin.init_state(None, None, SimpleNamespace(api_key=vllm_keys)))
+        return plugin
+
+    plugin = start(None, [TENANT])
+    (warn,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "ATTNPROF_API_KEY is not set" in warn.message and "\n" not in warn.message
+    assert TENANT not in caplog.text and plugin.auth.ok(f"Bearer {TENANT}")
+    plugin = start(KEY, [TENANT])
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert plugin.auth.ok(f"Bearer {KEY}") and not plugin.auth.ok(f"Bearer {TENANT}")
+    plugin = start(None, None)
+    (info,) = caplog.records
+    assert "ATTNPROF_API_KEY" in info.message and not plugin.auth.required

@@ -234,7 +234,10 @@ def _check_k8s_api_key(docs: list[Doc]) -> None:
     for name in ("VLLM_API_KEY", "ATTNPROF_API_KEY"):
         assert "value" not in env[name], f"{name} is a literal"
         refs.append(env[name]["valueFrom"]["secretKeyRef"])
-    assert refs[0] == refs[1], "vLLM and attnprof must share one key"
+    # ATTNPROF_API_KEY alone opens /attnprof/*: it must be a monitoring key of its own, in
+    # another Secret, or every tenant's inference key reads every tenant's lengths.
+    assert refs[0]["name"] != refs[1]["name"], \
+        "ATTNPROF_API_KEY must come from a monitoring Secret, not the inference key's"
     args = vllm.get("args", []) + vllm.get("command", [])
     assert "--api-key" not in args or args[args.index("--api-key") + 1].startswith("$(")
     # No key is committed: no Secret carries data in the manifests.
@@ -342,13 +345,24 @@ def _check_compose_credentials(compose: Doc) -> None:
     cmd = " ".join(vllm["command"]) if isinstance(vllm["command"], list) else vllm["command"]
     assert not {"VLLM_API_KEY", "ATTNPROF_API_KEY"} & set(_compose_env(vllm))
     key = re.search(r'VLLM_API_KEY="\$\$\(cat (/run/secrets/[\w.-]+)\)"', cmd)
-    assert key and 'ATTNPROF_API_KEY="$$VLLM_API_KEY"' in cmd
-    secret = _secret_path(compose, "vllm", key[1])
+    mon = re.search(r'ATTNPROF_API_KEY="\$\$\(cat (/run/secrets/[\w.-]+)\)"', cmd)
+    assert key and mon, "both keys come from secret files"
+    inference = _secret_path(compose, "vllm", key[1])
+    secret = _secret_path(compose, "vllm", mon[1])
+    # The monitoring key is another secret, from another file, and the server refuses to
+    # start when both hold the same key.
+    assert secret != inference, "ATTNPROF_API_KEY must not be the inference key's secret"
+    files = [re.match(r"\$\{(\w+)", compose["secrets"][n]["file"]) for n in (secret, inference)]
+    assert files[0] and files[1] and files[0][1] != files[1][1], "one file for both keys"
+    assert '[ "$$ATTNPROF_API_KEY" != "$$VLLM_API_KEY" ]' in cmd
+    assert cmd.index("!= \"$$VLLM_API_KEY\"") < cmd.index("exec ")
     prom = yaml.safe_load(PROMETHEUS_COMPOSE.read_text())
     (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "vllm"]
     auth = job.get("authorization", {})
     assert auth.get("type", "Bearer") == "Bearer" and auth.get("credentials_file")
+    # Prometheus scrapes with the monitoring key, and never holds a tenant's inference key.
     assert _secret_path(compose, "prometheus", auth["credentials_file"]) == secret
+    assert inference not in compose["services"]["prometheus"].get("secrets", [])
 
 
 def _check_compose_attnprof_pin(compose: Doc, readme: str) -> None:
@@ -523,6 +537,8 @@ _K8S_KINDS = ["ConfigMap", "Deployment", "Service", "NetworkPolicy"]
                                           value={"app": "other"})),
     ("k8s_api_key", "k8s", _weaken(*_VLLM, "env", 0, value={"name": "VLLM_API_KEY",
                                                           "value": "sk-123"})),
+    ("k8s_api_key", "k8s", _weaken(*_VLLM, "env", 1, "valueFrom", "secretKeyRef", "name",
+                                   value="vllm-api-key")),
     ("k8s_multiproc_wiped_at_start", "k8s", _weaken(*_VLLM, "command", delete=True)),
     ("k8s_multiproc_wiped_at_start", "k8s", _weaken(*_VLLM, "command",
                                                     value=["vllm", "serve"])),
@@ -540,6 +556,10 @@ _K8S_KINDS = ["ConfigMap", "Deployment", "Service", "NetworkPolicy"]
                                                       "GF_AUTH_ANONYMOUS_ENABLED": "false"})),
     ("compose_credentials", "compose", _weaken("secrets", "grafana_admin_password", "file",
                                                value="${GRAFANA_ADMIN_PASSWORD_FILE:-./pw}")),
+    ("compose_credentials", "compose", _weaken("secrets", "attnprof_api_key", "file",
+                                               value="${VLLM_API_KEY_FILE:?same file}")),
+    ("compose_credentials", "compose", _weaken("services", "prometheus", "secrets",
+                                               value=["vllm_api_key", "attnprof_api_key"])),
     ("compose_multiproc_wiped_at_start", "compose", _weaken(
         "services", "vllm", "command", 0,
         value="python3 -m pip install -r /r.txt && exec python3 -m vllm.entrypoints.openai"
@@ -662,3 +682,29 @@ def test_sidecar_style_install_is_discovered_through_pythonpath(tmp_path: Path) 
                            env={**os.environ, WHEEL_HASH_VAR: digest})
         assert (r.returncode == 0) == ok, r.stderr[-2000:]
     assert (local / "attnprof" / "__init__.py").is_file()
+
+
+def test_compose_refuses_to_start_with_the_inference_key_as_monitoring_key(
+        tmp_path: Path) -> None:
+    """The vLLM service's own shell steps (from compose.yaml, `$$` unescaped, the secrets in
+    files here): the same key in both files, or an empty monitoring key, stops before the
+    server starts; two different keys go on."""
+    vllm = _compose()["services"]["vllm"]
+    cmd = " ".join(vllm["command"]) if isinstance(vllm["command"], list) else vllm["command"]
+    steps = cmd[cmd.index("export VLLM_API_KEY="):cmd.index("&& exec ")].replace("$$", "$")
+
+    def start(inference: str, monitoring: str) -> subprocess.CompletedProcess[str]:
+        script = steps
+        for name, value in (("vllm_api_key", inference), ("attnprof_api_key", monitoring)):
+            (tmp_path / name).write_text(value + "\n")
+            script = script.replace(f"/run/secrets/{name}", str(tmp_path / name))
+        return subprocess.run(["sh", "-c", script + " && echo started"], capture_output=True,
+                              text=True, timeout=30)
+
+    ok = start("inference-k", "monitoring-k")
+    assert ok.returncode == 0 and ok.stdout.strip() == "started", ok.stderr
+    for inference, monitoring in (("same-k", "same-k"), ("inference-k", "")):
+        r = start(inference, monitoring)
+        assert r.returncode == 1 and "started" not in r.stdout
+        assert "monitoring key other than the vLLM API key" in r.stderr
+        assert "same-k" not in r.stderr

@@ -3,9 +3,14 @@
 Loaded by vLLM only when ``attnprof_http`` is named in ``VLLM_PLUGINS`` (``attnprof serve``
 does that). Every route is a guest on the host's port, so:
 
-- **authenticated like the host:** a bearer token, vLLM's own ``--api-key`` (or
-  ``VLLM_API_KEY``) or ``ATTNPROF_API_KEY`` (:func:`attnprof.config.api_tokens`); vLLM's
-  middleware guards only ``/v1``-style prefixes, so attnprof checks its own routes;
+- **one monitoring key:** a bearer token, ``ATTNPROF_API_KEY`` alone when it is set (vLLM's
+  inference keys then get 401: a tenant cannot read other tenants' lengths and timing),
+  else vLLM's own ``--api-key`` / ``VLLM_API_KEY`` with a start-up warning
+  (:func:`attnprof.config.api_tokens`); vLLM's middleware guards only ``/v1``-style
+  prefixes, so attnprof checks its own routes;
+- **closed by default:** with no key anywhere, the snapshot answers only what ``/metrics``
+  shows (:mod:`attnprof.exporters.snapshot_public`) and says how to open the rest;
+  ``?head_stats=1``, the trace and the sampling switch answer 403;
 - **never stalls the engine on demand:** answers come from
   :class:`~attnprof.capture.vllm.live_view.LiveView`, a cache refreshed at most every
   ``ATTNPROF_SNAPSHOT_MAX_AGE_S``, with at most one collective RPC in flight (however many
@@ -24,9 +29,10 @@ import hashlib
 import json
 import logging
 import math
-import secrets
+import os
 import time
 from collections.abc import AsyncIterator
+from hmac import compare_digest
 from typing import Any
 
 # FastAPI resolves the handlers' ``Request`` annotation by name in this module's globals
@@ -41,16 +47,23 @@ from attnprof.capture.vllm.live_view import LiveView
 from attnprof.config import Config, api_tokens
 from attnprof.contracts.snapshot import Snapshot
 
-__all__ = ["SAMPLING_MAX_BODY", "SCHEMA_VERSION", "AttnProfEndpoint", "SamplingGate",
-           "TokenCheck", "sampling_body"]
+__all__ = ["OPEN_HINT", "SAMPLING_MAX_BODY", "SCHEMA_VERSION", "AttnProfEndpoint",
+           "SamplingGate", "TokenCheck", "sampling_body"]
 
 logger = logging.getLogger("attnprof")
 SCHEMA_VERSION = Snapshot.version_tag()
 
 
+OPEN_HINT = ("set ATTNPROF_API_KEY on the server to a monitoring key (not a tenant's "
+             "inference key) and send it as 'Authorization: Bearer <key>' (attnprof snapshot "
+             "reads $ATTNPROF_API_KEY)")
+"""How to read what a server with no key withholds (in its answers and start-up log)."""
+
+
 class TokenCheck:
-    """Bearer-token check, as vLLM's ``AuthenticationMiddleware`` does it (sha256 digests
-    compared in constant time). No tokens configured: every request passes."""
+    """Bearer-token check, as vLLM's ``AuthenticationMiddleware`` does it: sha256 digests
+    (one length whatever the key) compared in constant time against every configured key,
+    no early exit. No tokens configured: every request passes."""
 
     def __init__(self, tokens: list[str]) -> None:
         self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
@@ -68,7 +81,7 @@ class TokenCheck:
         got = hashlib.sha256(param.strip().encode()).digest()
         match = False
         for d in self._digests:
-            match |= secrets.compare_digest(got, d)
+            match |= compare_digest(got, d)
         return match
 
 
@@ -191,6 +204,23 @@ class AttnProfEndpoint:
         self.auth = TokenCheck(api_tokens())
         self.gate = SamplingGate()
         self._task: asyncio.Task[None] | None = None
+        # The last keyless answer, by the full body it was cut from (one per refresh).
+        self._public: tuple[bytes, bytes] | None = None
+        self._public_lock = asyncio.Lock()
+
+    async def public_body(self, body: bytes) -> bytes:
+        """``body`` cut to what ``/metrics`` shows (a thread; once per rendered body)."""
+        from attnprof.exporters.snapshot_public import public_snapshot_body
+
+        async with self._public_lock:
+            if self._public is None or self._public[0] is not body:
+                cut = await asyncio.to_thread(
+                    public_snapshot_body, body,
+                    f"no API key is configured on this server, so this answer holds only "
+                    f"what /metrics shows (no exact request lengths, per-step lengths or "
+                    f"timings, head statistics, provenance or error text); {OPEN_HINT}")
+                self._public = (body, cut)
+            return self._public[1]
 
     def attach_router(self, app: Any) -> None:
         from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -200,8 +230,9 @@ class AttnProfEndpoint:
         def refuse(request: Request) -> Any:
             if plugin.auth.ok(request.headers.get("authorization")):
                 return None
-            return JSONResponse({"error": "attnprof: a bearer token is required (vLLM's "
-                                          "--api-key or ATTNPROF_API_KEY)"},
+            return JSONResponse({"error": "attnprof: a bearer token is required "
+                                          "(ATTNPROF_API_KEY, the monitoring key; vLLM's "
+                                          "--api-key only where that is not set)"},
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
         def tripped() -> Any:
@@ -225,12 +256,17 @@ class AttnProfEndpoint:
             if (off := tripped()) is not None:
                 return off
             st = runtime.STATE
+            want = request.query_params.get("head_stats", "") in ("1", "true", "yes")
+            if want and not plugin.auth.required:
+                # Statistics of attention weights derived from content: only behind a key.
+                return needs_key("?head_stats=1")
             try:
                 fault_point("endpoint")
                 cfg = st.config or Config()
-                want = request.query_params.get("head_stats", "") in ("1", "true", "yes")
                 body, age = await plugin.view.body(want, cfg.snapshot_max_age_s,
                                                    cfg.rpc_timeout_s, cfg.snapshot_max_bytes)
+                if not plugin.auth.required:
+                    body = await plugin.public_body(body)
                 return Response(body, media_type="application/json",
                                 headers={"Age": str(int(age)), "Cache-Control": "no-store"})
             except Exception as exc:
@@ -240,7 +276,8 @@ class AttnProfEndpoint:
             # 403, not 401: the server has no key to check, so no client key can help.
             return JSONResponse({"error": f"attnprof: {what} is off until the server has an "
                                           "API key (vLLM's --api-key or ATTNPROF_API_KEY)"
-                                          f"{alternative}"}, status_code=403)
+                                          f"{alternative}",
+                                 "restricted": OPEN_HINT}, status_code=403)
 
         @app.get("/attnprof/trace")  # type: ignore[untyped-decorator]
         async def attnprof_trace(request: Request) -> Any:
@@ -346,12 +383,25 @@ class AttnProfEndpoint:
         self.view = LiveView(engine_client)
         self.trace = LiveTrace(engine_client)
         self.auth = TokenCheck(api_tokens(vllm_api_key=getattr(args, "api_key", None)))
+        _log_key_mode(self.auth.required, bool(os.environ.get("ATTNPROF_API_KEY")))
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
             start(cfg, otlp)
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
                     _advice_loop(self.view, cfg.advice_interval_s, cfg.rpc_timeout_s))
+
+
+def _log_key_mode(required: bool, own_key: bool) -> None:
+    """One start-up line where the routes are not behind a monitoring key of their own."""
+    if not required:
+        logger.info("attnprof: no API key configured: /attnprof/snapshot answers only what "
+                    "/metrics shows; the rest is off. To open it: %s", OPEN_HINT)
+    elif not own_key:
+        logger.warning("attnprof: ATTNPROF_API_KEY is not set, so every vLLM inference key "
+                       "(--api-key / VLLM_API_KEY) opens /attnprof/*: any tenant can read "
+                       "request lengths and timing and start RPCs; set ATTNPROF_API_KEY to a "
+                       "separate monitoring key")
 
 
 async def _advice_loop(view: LiveView, interval: float, timeout: float) -> None:

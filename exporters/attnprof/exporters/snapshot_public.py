@@ -1,0 +1,126 @@
+"""The snapshot a server with no API key answers to anyone: what ``/metrics`` already shows.
+
+``GET /attnprof/snapshot`` where no key is configured gets this cut of the rendered body.
+
+An allow-list over the rendered document, not a deny-list: a field added to the contract
+later stays out of this answer until it is named here
+(``tests/unit/exporters/test_snapshot_public.py`` makes every new field a decision).
+
+Kept: the model label, ``enabled``, processes and roles, per layer the static facts and the
+counters ``/metrics`` exports (calls, time, tokens, FLOPs, bytes, KV-cache bytes), the kernel
+map, per-phase step totals, sampler and poll-cost counters, error and drop counts by place,
+request counts, p50/p90/p99 and mean (``/metrics`` has the quantile gauges and the histograms'
+sums and counts), the context-length histogram (the same buckets as
+``attnprof_request_context_tokens``), KV-pressure aggregates and verdict, probe and roofline.
+
+Withheld: the exact context lengths (the quantile sketch, which holds every finished
+request's length while fewer than 2048 have finished, and each quantity's ``max``); per-layer
+mean and max sequence lengths, mean batch sizes and the last calls' seconds (with one request
+in a batch, one user's length and timing: why the trace route is closed by default); the
+head statistics and the window-advice document built from them (its recommendation is on
+``/metrics`` as ``attnprof_window_*``); the provenance (command line, paths, hashes); a
+record's window; and every error's text (only its exception type stays).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from attnprof.contracts.jsonsafe import dumps
+
+__all__ = ["PUBLIC", "WITHHELD", "public_snapshot", "public_snapshot_body"]
+
+Rule = Any
+"""``True``: keep the value whole; a dict: keep only the keys it names, each by its rule;
+a 1-tuple ``(rule,)``: a list or a str-keyed dict of values, each by ``rule``; a callable:
+the value replaced by what it returns."""
+
+
+def error_kind(text: Any) -> str | None:
+    """The exception type that starts an error text (``"TimeoutError: ..."`` gives
+    ``"TimeoutError"``), else ``"error"``: the message itself may quote a path, a URL or a
+    length, so it stays behind the key."""
+    if text is None:
+        return None
+    m = re.match(r"[A-Za-z_][\w.]{0,80}(?=:|$)", str(text))
+    return m.group(0) if m else "error"
+
+
+_QUANTILES = {k: True for k in ("p50", "p90", "p99", "mean", "count", "exact")}
+_PHASE = {k: True for k in ("calls", "time_s", "mean_time_s", "tokens", "flops", "bytes")}
+_LAYER_FACTS = ("name", "index", "backend", "impl", "num_heads", "num_kv_heads", "head_size",
+                "head_size_v", "sliding_window", "dtype", "kv_cache_dtype", "fused",
+                "kv_cache_bytes", "scale", "kernel", "has_sink", "attn_type")
+_KERNEL_GROUP = {**{k: True for k in ("layers", "backend", "kernel", "fused", "valid_backends",
+                                      "rejected", "source", "predicted",
+                                      "flash_attn_version", "note")},
+                 "error": error_kind}
+_WORKER = {
+    **{k: True for k in ("pid", "process", "steps", "sampler", "errors", "dropped", "disabled",
+                         "head_stats_cost", "poll_cost", "probe")},
+    "layers": ({**{k: True for k in _LAYER_FACTS}, "phases": (_PHASE,)},),
+    "kernel_map": (_KERNEL_GROUP,),
+    "error": error_kind,
+}
+_REQUESTS = {
+    **{k: True for k in ("requests", "max_model_len", "kv_cache_usage", "context_histogram",
+                         "kv_pressure")},
+    **{k: _QUANTILES for k in ("context_tokens", "prompt_tokens", "generation_tokens")},
+}
+
+PUBLIC: dict[str, Rule] = {
+    **{k: True for k in ("schema_version", "time", "model", "enabled", "processes",
+                         "roles_here", "age_s", "truncated", "kv_pressure", "roofline")},
+    "workers": (_WORKER,),
+    "requests": _REQUESTS,
+    "errors": {"api_server": True, "collective_rpc": error_kind},
+}
+"""What the answer without a key keeps, field by field (the rules above)."""
+
+WITHHELD: dict[str, tuple[str, ...]] = {
+    "Snapshot": ("head_stats", "provenance", "window", "window_advice", "restricted"),
+    "WorkerSnapshot": ("head_stats",),
+    "PhaseStats": ("mean_batch_requests", "mean_seq_len", "max_seq_len", "recent_time_s"),
+    "QuantileSummary": ("max", "sketch"),
+}
+"""Fields left out on purpose, by contract class (``restricted`` and ``window_advice`` are
+set anew by :func:`public_snapshot`)."""
+
+
+def _apply(value: Any, rule: Rule) -> Any:
+    if rule is True or value is None:
+        return value
+    if callable(rule):
+        fn: Callable[[Any], Any] = rule
+        return fn(value)
+    if isinstance(rule, tuple):
+        (each,) = rule
+        if isinstance(value, list):
+            return [_apply(v, each) for v in value]
+        if isinstance(value, dict):
+            return {k: _apply(v, each) for k, v in value.items()}
+        return None
+    if isinstance(value, dict):
+        return {k: _apply(value[k], r) for k, r in rule.items() if k in value}
+    return None
+
+
+def public_snapshot(doc: dict[str, Any], restricted: str) -> dict[str, Any]:
+    """``doc`` (a rendered ``attnprof.snapshot``, as JSON) cut to what ``/metrics`` shows,
+    with ``restricted`` saying how to read the rest; the window advice becomes an
+    ``{"error": ...}`` pointing at its gauges. ``doc`` is not changed."""
+    out: dict[str, Any] = _apply(doc, PUBLIC)
+    if doc.get("window_advice") is not None:
+        out["window_advice"] = {
+            "error": "withheld without an API key (built from head statistics); the "
+                     "recommendation is on /metrics as attnprof_window_*"}
+    out["restricted"] = restricted
+    return out
+
+
+def public_snapshot_body(body: bytes, restricted: str) -> bytes:
+    """:func:`public_snapshot` of a rendered snapshot body, as UTF-8 JSON."""
+    return dumps(public_snapshot(json.loads(body), restricted)).encode()
