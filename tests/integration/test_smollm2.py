@@ -43,10 +43,16 @@ def test_model_fetch_installs_converts_verifies_and_is_idempotent(tmp_path: Path
     cfg = json.loads((path / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) \
         == (30, 9, 3)
-    t0 = time.monotonic()
+    def files() -> dict[str, tuple[int, int]]:
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [path, *path.iterdir()]}
+
+    built = files()
     again = _cli("model", "fetch", home=tmp_path)
     assert again.returncode == 0 and again.stdout.strip() == str(path)
-    assert time.monotonic() - t0 < 30  # a verified cache is not rebuilt
+    # A verified cache is not rebuilt: the same files, untouched (a rebuild writes a new
+    # directory). Checked on the files, not on how long the second fetch took, which
+    # depends on the machine's load (issue 30, point 10).
+    assert files() == built
     assert _cli("model", "path", home=tmp_path).stdout.strip() == str(path)
     # Corrupt it: one clear line saying what to run, non-zero exit.
     weights = next(path.glob("*.safetensors"))
@@ -111,8 +117,9 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
         rc = proc.wait(60)
         log.close()
     assert rc == 0
-    time.sleep(1)
-    left = [pid for pid in children if pid_alive(pid)]
+    deadline = time.monotonic() + 60  # polled, not slept: a bound on a hang, not a speed
+    while (left := [pid for pid in children if pid_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert left == [], "vLLM processes survived Ctrl-C"
 
 

@@ -509,14 +509,15 @@ def test_fork_after_provider_does_not_deadlock_the_child() -> None:
 
 # ----------------------------------------------------------------------------- faults
 
-def _failing_flushes(sink: OtlpSink, n: int) -> list[float]:
-    times = []
+def _failing_flushes(sink: OtlpSink, n: int, rec: OtlpReceiver | None = None) -> None:
     for i in range(n):
-        t = time.perf_counter()
+        failures, hits = sink.failures, rec.hits if rec is not None else 0
         sink.export(samples(float(i), CTX))
-        times.append(time.perf_counter() - t)
+        # export() never waits on the network: it only records (the reader sends every
+        # 600 s, or on a flush), so nothing was sent or failed. Counted, not timed: a
+        # speed bound here failed on a loaded machine (issue 30, point 10).
+        assert sink.failures == failures and (rec is None or rec.hits == hits)
         assert not sink.force_flush()
-    return times
 
 
 @pytest.mark.slow
@@ -535,19 +536,18 @@ def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None
     sink = OtlpSink(config(endpoint, protocol, timeout_s=0.5), role="worker",
                     on_error=lambda place, exc: errors.append((place, exc)))
     try:
-        _failing_flushes(sink, 3)  # warm-up: provider, channel, first-failure warning
+        _failing_flushes(sink, 3, rec)  # warm-up: provider, channel, first-failure warning
         gc.collect()
         threads = exporter_threads()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
-        times = _failing_flushes(sink, 20)
+        _failing_flushes(sink, 20, rec)
         gc.collect()
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
         grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
         assert exporter_threads() <= threads
         assert grown < 256 * 1024, f"{grown} bytes retained over 20 failing flushes"
-        assert max(times) < 0.05  # export() never waits on the network
         assert sink.failures == 23 and sink.successes == 0
         assert len(errors) == 23 and errors[0][0] == "export_otlp"
         if rec is not None:
@@ -555,26 +555,34 @@ def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None
     finally:
         t = time.perf_counter()
         sink.shutdown()
-        assert time.perf_counter() - t < 0.5 + 1.5  # bounded by the export timeout
+        # Bounded by the sink's 0.5 s export timeout, not the SDK's 10 s default (retried):
+        # a bound on a hang with room for a loaded machine, not a speed.
+        assert time.perf_counter() - t < 0.5 + 5
         if rec is not None:
             rec.stop()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_slow_endpoint_is_bounded_by_the_timeout(protocol: str) -> None:
-    with OtlpReceiver(protocol, mode="slow", delay=3.0) as r:
+def test_slow_endpoint_is_bounded_by_the_timeout(protocol: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The receiver holds each request for a minute (until it stops), and the SDK's own
+    # default timeout is a minute too: a flush or shutdown that does not honour the sink's
+    # 0.4 s waits about 60 s, so a 20 s bound tells the two apart at any load (a bound on a
+    # hang, not a speed; the 1-1.5 s bounds it replaced are within reach of a busy box).
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "60")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "60")
+    with OtlpReceiver(protocol, mode="slow", delay=60.0) as r:
         sink = OtlpSink(config(r.endpoint, protocol, timeout_s=0.4), role="worker")
-        t = time.perf_counter()
         sink.export(samples(1.0, CTX))
-        assert time.perf_counter() - t < 0.05
+        assert r.hits == 0 and sink.failures == 0  # export() only records: nothing sent
         t = time.perf_counter()
         assert not sink.force_flush()
-        assert time.perf_counter() - t < 0.4 + 1.0
+        assert time.perf_counter() - t < 20
         assert sink.failures == 1
         t = time.perf_counter()
         sink.shutdown()
-        assert time.perf_counter() - t < 0.4 + 1.5
+        assert time.perf_counter() - t < 20
 
 
 def test_export_errors_inside_the_sink_are_reported_not_raised() -> None:

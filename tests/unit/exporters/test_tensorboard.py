@@ -264,11 +264,16 @@ def test_tensorboard_cli_polls_count_snapshots(snap_server: BearerJsonServer, tm
 def test_tensorboard_cli_stops_after_duration(snap_server: BearerJsonServer, tmp_path: Path
                                               ) -> None:
     t0 = time.monotonic()
+    # --count 20 only as a backstop: a run that ignored --duration ends there, and fails below.
     rc = main(["tensorboard", "--url", snap_server.url, "--api-key", "k3y", "--logdir",
-               str(tmp_path), "--duration", "0.5s", "--interval", "200ms"])
-    assert rc == 0 and time.monotonic() - t0 < 5
-    assert len(snap_server.served) == 3  # at 0, 0.2 and 0.4 s
-    assert sorted(scalars(accumulator(tmp_path))["context/p50"]) == [0, 1, 2]
+               str(tmp_path), "--duration", "0.5s", "--interval", "200ms", "--count", "20"])
+    assert rc == 0 and time.monotonic() - t0 < 60  # a bound on a hang, not a speed
+    # Ticks at 0, 0.2 and 0.4 s: at most 3 polls. A busy machine may skip a tick (a slow
+    # first write, its image drawn, skips rather than bunches), so "exactly 3" would
+    # depend on how idle the machine is (issue 30, point 10).
+    n = len(snap_server.served)
+    assert 1 <= n <= 3
+    assert sorted(scalars(accumulator(tmp_path))["context/p50"]) == list(range(n))
 
 
 @pytest.mark.slow
