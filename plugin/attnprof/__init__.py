@@ -71,12 +71,6 @@ def _config() -> Config:
     return STATE.config or Config()
 
 
-def _rpc_timeout() -> float:
-    """``ATTNPROF_RPC_TIMEOUT_S`` as this process runs with it: the engine stops waiting for
-    its workers after it, so no attnprof RPC holds the engine's loop longer."""
-    return _config().rpc_timeout_s
-
-
 def set_sampling(rate: float | None = None, head_stats_rate: float | None = None,
                  llm: Any = None) -> list[dict[str, Any]]:
     """Switch attnprof's step sample rate and/or head-statistics rate at run time, in every
@@ -89,8 +83,9 @@ def set_sampling(rate: float | None = None, head_stats_rate: float | None = None
         if value is not None and not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     if llm is not None:
-        out = list(llm.collective_rpc("attnprof_set_sampling", timeout=_rpc_timeout(),
-                                      args=(rate, head_stats_rate)))
+        # No timeout for vLLM's executor: a late answer would become a model step's output
+        # (attnprof.capture.vllm.rpc); attnprof's worker methods are short by themselves.
+        out = list(llm.collective_rpc("attnprof_set_sampling", args=(rate, head_stats_rate)))
     else:
         from attnprof.capture.vllm.runtime import STATE
 
@@ -117,8 +112,7 @@ def snapshot(llm: Any) -> Snapshot:
 
     try:
         workers = [WorkerSnapshot.from_json(w) for w in
-                   llm.collective_rpc("attnprof_snapshot", timeout=_rpc_timeout(),
-                                      args=(False,))]
+                   llm.collective_rpc("attnprof_snapshot", args=(False,))]
     except Exception as exc:
         raise RuntimeError(f"attnprof: the LLM's workers did not answer "
                            f"({type(exc).__name__}); is attnprof enabled in them?") from exc

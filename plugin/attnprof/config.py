@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["OTLP_HISTOGRAMS", "Config", "ConfigError", "api_tokens", "default_home",
-           "otlp_histogram", "otlp_spans"]
+__all__ = ["OTLP_HISTOGRAMS", "RANK_SYNC", "Config", "ConfigError", "api_tokens",
+           "default_home", "otlp_histogram", "otlp_spans"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -35,7 +35,9 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float,
-           lo_open: bool = False) -> float:
+           lo_open: bool = False, zero_off: bool = False) -> float:
+    """A float in [lo, hi] (``lo_open``: (lo, hi]); ``zero_off``: 0 also accepted (the knob's
+    "off"), so a tiny positive value cannot turn a loop into a busy one."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -43,13 +45,18 @@ def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: flo
         val = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if zero_off and val == 0.0:
+        return val
     if val != val or val < lo or val > hi or (lo_open and val == lo):
         bracket = "(" if lo_open else "["
-        raise ConfigError(f"{name}={raw!r} is out of range {bracket}{lo}, {hi}]")
+        zero = "0 or " if zero_off else ""
+        raise ConfigError(f"{name}={raw!r} is out of range {zero}{bracket}{lo:g}, {hi:g}]")
     return val
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None, lo: int | None) -> int | None:
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    """An integer in [lo, hi]: every count attnprof reads has a ceiling, so no value can
+    ask a worker or the API server for unbounded memory or work."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -57,8 +64,8 @@ def _int(env: Mapping[str, str], name: str, default: int | None, lo: int | None)
         val = int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if lo is not None and val < lo:
-        raise ConfigError(f"{name}={raw!r} must be >= {lo}")
+    if not lo <= val <= hi:
+        raise ConfigError(f"{name}={raw!r} is out of range [{lo}, {hi}]")
     return val
 
 
@@ -87,6 +94,34 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str 
 
 
 OTLP_HISTOGRAMS = ("explicit", "exponential")
+RANK_SYNC = ("auto", "file", "rpc")
+"""``ATTNPROF_RANK_SYNC``: how tensor-parallel ranks agree on the sampler's scale."""
+
+# Ranges of the numeric knobs. Each bound keeps a typo or a hostile value from asking a
+# worker or the API server for unbounded work, memory or a busy loop; each leaves room far
+# past any sensible setting.
+MIN_RPC_TIMEOUT_S = 0.1
+"""An API-side wait shorter than one model step would serve stale snapshots on every GET
+(the engine itself is never given this timeout: see :mod:`attnprof.capture.vllm.rpc`)."""
+MIN_INTERVAL_S = 0.5
+"""Shortest advice-loop period (0 turns the loop off): each round is one poll of every
+worker, so 1e-9 would poll in a busy loop."""
+MAX_TOKENS = 1 << 24
+"""Token thresholds: 16M tokens, past any step's or prompt's length."""
+MAX_SEED = (1 << 64) - 1
+"""The sampler's hash mixes the seed as a 64-bit word."""
+MAX_ERRORS = 1_000_000
+"""Errors tolerated per area before its breaker trips (the fault tests use this ceiling)."""
+MAX_SNAPSHOT_BYTES = 512 << 20
+"""Largest snapshot or trace body the API server builds in memory (head statistics of an
+80-layer, 64-head model are about 17 MB; the default is 64 MiB)."""
+MAX_TRACE_RANGES = 500_000
+"""Layer ranges of one live trace, all workers (~215 MB of JSON; the body stays under
+``ATTNPROF_SNAPSHOT_MAX_BYTES`` anyway)."""
+MAX_TRACE_RANGES_PER_WORKER = 200_000
+"""A worker's hard ceiling for one trace (:data:`attnprof.aggregate.trace.MAX_RANGES`)."""
+MAX_FAULT_DELAY_S = 60.0
+"""Testing only: the longest injected delay of a worker method."""
 
 
 def otlp_histogram(env: Mapping[str, str]) -> str:
@@ -187,6 +222,13 @@ class Config:
     trace_max_ranges_per_worker: int = 40_000
     """Most layer ranges one worker keeps for one live trace (its memory bound)."""
 
+    rank_sync: str = "auto"
+    """How tensor-parallel ranks agree on the budget's scale: ``file`` (a node-local
+    announcement file), ``rpc`` (carried by the API server's poll: ranks on other nodes) or
+    ``auto`` (``rpc`` when vLLM's parallel config spans nodes, else ``file``)."""
+    fault_delay_s: float = 0.0
+    """Testing only: every ``attnprof_*`` worker method first sleeps this long."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         env = os.environ if env is None else env
@@ -199,33 +241,37 @@ class Config:
             overhead_budget=flt(env, "ATTNPROF_OVERHEAD_BUDGET", d.overhead_budget, 0.0, 1.0,
                                 lo_open=True),
             long_prefill_tokens=num(env, "ATTNPROF_LONG_PREFILL_TOKENS", d.long_prefill_tokens,
-                                    1) or d.long_prefill_tokens,
+                                    1, MAX_TOKENS),
             long_prefill_rate=flt(env, "ATTNPROF_LONG_PREFILL_RATE", d.long_prefill_rate, 0.0,
                                   1.0),
             head_stats_rate=flt(env, "ATTNPROF_HEAD_STATS_RATE", d.head_stats_rate, 0.0, 1.0),
             head_stats_min_tokens=num(env, "ATTNPROF_HEAD_STATS_MIN_TOKENS",
-                                      d.head_stats_min_tokens, 1) or d.head_stats_min_tokens,
-            advice_interval_s=flt(env, "ATTNPROF_ADVICE_INTERVAL_S", d.advice_interval_s, 0.0,
-                                  86400.0),
-            seed=num(env, "ATTNPROF_SEED", None, None),
-            max_errors=num(env, "ATTNPROF_MAX_ERRORS", d.max_errors, 1) or d.max_errors,
+                                      d.head_stats_min_tokens, 1, MAX_TOKENS),
+            advice_interval_s=flt(env, "ATTNPROF_ADVICE_INTERVAL_S", d.advice_interval_s,
+                                  MIN_INTERVAL_S, 86400.0, zero_off=True),
+            seed=None if (env.get("ATTNPROF_SEED") or "").strip() == ""
+            else num(env, "ATTNPROF_SEED", 0, 0, MAX_SEED),
+            max_errors=num(env, "ATTNPROF_MAX_ERRORS", d.max_errors, 1, MAX_ERRORS),
             home=default_home(env),
             model_label=env.get("ATTNPROF_MODEL_LABEL") or None,
             run_dir=Path(run_dir) if run_dir else None,
             fault_inject=_faults(env),
             snapshot_max_age_s=flt(env, "ATTNPROF_SNAPSHOT_MAX_AGE_S", d.snapshot_max_age_s,
                                    0.0, 3600.0),
-            rpc_timeout_s=flt(env, "ATTNPROF_RPC_TIMEOUT_S", d.rpc_timeout_s, 0.0, 600.0,
-                              lo_open=True),
+            rpc_timeout_s=flt(env, "ATTNPROF_RPC_TIMEOUT_S", d.rpc_timeout_s, MIN_RPC_TIMEOUT_S,
+                              600.0),
             snapshot_max_bytes=num(env, "ATTNPROF_SNAPSHOT_MAX_BYTES", d.snapshot_max_bytes,
-                                   4096) or d.snapshot_max_bytes,
+                                   4096, MAX_SNAPSHOT_BYTES),
             otlp_histogram=otlp_histogram(env),
             otlp_spans=otlp_spans(env),
             probe=_bool(env, "ATTNPROF_PROBE", d.probe),
             trace_open=_bool(env, "ATTNPROF_TRACE_OPEN", d.trace_open),
-            trace_max_ranges=num(env, "ATTNPROF_TRACE_MAX_RANGES", d.trace_max_ranges, 1)
-            or d.trace_max_ranges,
+            trace_max_ranges=num(env, "ATTNPROF_TRACE_MAX_RANGES", d.trace_max_ranges, 1,
+                                 MAX_TRACE_RANGES),
             trace_max_ranges_per_worker=num(env, "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER",
-                                            d.trace_max_ranges_per_worker, 1)
-            or d.trace_max_ranges_per_worker,
+                                            d.trace_max_ranges_per_worker, 1,
+                                            MAX_TRACE_RANGES_PER_WORKER),
+            rank_sync=_choice(env, "ATTNPROF_RANK_SYNC", RANK_SYNC) or d.rank_sync,
+            fault_delay_s=flt(env, "ATTNPROF_FAULT_DELAY_S", d.fault_delay_s, 0.0,
+                              MAX_FAULT_DELAY_S),
         )

@@ -36,7 +36,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "effective sample rate is lowered adaptively (and raised again when under).",
     ),
     EnvVar(
-        "ATTNPROF_LONG_PREFILL_TOKENS", "int >= 1", "1024",
+        "ATTNPROF_LONG_PREFILL_TOKENS", "int in [1, 16777216]", "1024",
         "Steps that schedule at least this many tokens (prompt chunks plus decode tokens) form "
         "their own stratum, sampled at ATTNPROF_LONG_PREFILL_RATE, so rare long prompts are "
         "not drowned by decode steps.",
@@ -51,24 +51,24 @@ VARIABLES: tuple[EnvVar, ...] = (
         "coverage, entropy) are computed for whole-prompt prefills; 0 turns them off.",
     ),
     EnvVar(
-        "ATTNPROF_HEAD_STATS_MIN_TOKENS", "int >= 1", "256",
+        "ATTNPROF_HEAD_STATS_MIN_TOKENS", "int in [1, 16777216]", "256",
         "Prompts shorter than this are not used for head statistics (no window could bind).",
     ),
     EnvVar(
-        "ATTNPROF_ADVICE_INTERVAL_S", "float in [0, 86400]", "60",
+        "ATTNPROF_ADVICE_INTERVAL_S", "0 or float in [0.5, 86400]", "60",
         "Seconds between refreshes of the window-advice metrics in the API server (head "
         "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots. "
         "Otherwise snapshots serve the loop's latest advice, so polling the route never "
         "recomputes it.",
     ),
     EnvVar(
-        "ATTNPROF_SEED", "int", "(the server's instance id)",
+        "ATTNPROF_SEED", "int in [0, 18446744073709551615]", "(the server's instance id)",
         "Seed of the sampler; set it for deterministic runs and tests. Unset, all processes "
         "of one vLLM server share a seed from its instance id, so tensor-parallel ranks "
         "sample the same steps.",
     ),
     EnvVar(
-        "ATTNPROF_MAX_ERRORS", "int >= 1", "100",
+        "ATTNPROF_MAX_ERRORS", "int in [1, 1000000]", "100",
         "After this many internal errors in one area of one process (capture, stat_logger, "
         "endpoint, advice, export) that area switches itself off there, shown by "
         "attnprof_capture_disabled{place} (errors are always counted, never raised into vLLM).",
@@ -116,12 +116,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "refresh (one collective RPC) is in flight, whatever the number of clients.",
     ),
     EnvVar(
-        "ATTNPROF_RPC_TIMEOUT_S", "float in (0, 600]", "10",
-        "Longest wait for the workers' answer to a snapshot refresh; past it the last cached "
-        "snapshot is served with its age (the RPC itself is never started twice).",
+        "ATTNPROF_RPC_TIMEOUT_S", "float in [0.1, 600]", "10",
+        "Longest wait of the API server for the workers' answer to an attnprof RPC (snapshot "
+        "refresh, trace, sampling switch); past it the last cached snapshot is served with its "
+        "age (the RPC itself is never started twice). Never handed to vLLM's executor: the "
+        "engine waits for the answer, which attnprof's worker methods keep short.",
     ),
     EnvVar(
-        "ATTNPROF_SNAPSHOT_MAX_BYTES", "int >= 4096", "67108864",
+        "ATTNPROF_SNAPSHOT_MAX_BYTES", "int in [4096, 536870912]", "67108864",
         "Largest /attnprof/snapshot body; a larger one is served without head statistics "
         "and says so (`truncated`; suggest-window --url then stops with one line). Head "
         "statistics of an 80-layer, 64-head model are about 17 MB.",
@@ -149,15 +151,28 @@ VARIABLES: tuple[EnvVar, ...] = (
         "and sequence lengths, which with one request in a batch are one user's).",
     ),
     EnvVar(
-        "ATTNPROF_TRACE_MAX_RANGES", "int >= 1", "150000",
+        "ATTNPROF_TRACE_MAX_RANGES", "int in [1, 500000]", "150000",
         "Most layer ranges (one per sampled attention call) in one live trace, all workers "
         "together; later steps are left out and `truncated` says so. The default keeps an "
         "80-layer x 8-rank trace under 64 MB of JSON.",
     ),
     EnvVar(
-        "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER", "int >= 1", "40000",
+        "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER", "int in [1, 200000]", "40000",
         "Most layer ranges one worker keeps for one live trace (its memory bound while the "
         "trace records); the worker stops recording there and says so.",
+    ),
+    EnvVar(
+        "ATTNPROF_RANK_SYNC", "one of auto, file, rpc", "auto",
+        "How tensor-parallel ranks agree on the overhead budget's scale, so they sample the "
+        "same steps: `file`, the first rank's announcements in a node-local file; `rpc`, "
+        "carried by the API server's poll and applied by every rank at that RPC (ranks on "
+        "other nodes); `auto`, `rpc` when vLLM's parallel config spans several nodes (or "
+        "runs on Ray), else `file`.",
+    ),
+    EnvVar(
+        "ATTNPROF_FAULT_DELAY_S", "float in [0, 60]", "0",
+        "Testing only: every attnprof_* worker method first sleeps this long, to prove a "
+        "worker answer later than ATTNPROF_RPC_TIMEOUT_S leaves the engine serving.",
     ),
 )
 

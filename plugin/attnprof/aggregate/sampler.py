@@ -18,7 +18,9 @@ announcements ``(sequence, step index, scale)``: at every epoch boundary (every 
 steps, where every rank runs this slow path) the first rank publishes its wanted scale for the
 boundary ``lead`` steps ahead and the other ranks read it (:mod:`attnprof.capture.vllm.rank_sync`
 is the channel). Every rank applies it at that same index, so the sets of sampled steps stay
-identical however the budget throttles.
+identical however the budget throttles. Ranks that cannot share that channel (other nodes)
+take the leader's scale at a collective RPC instead (:meth:`StepSampler.apply_now`), which
+every rank runs between the same two steps.
 
 The unsampled path is one decrement and one compare (``countdown``): the next event (a
 sampled step, an epoch boundary or an announced change) is found when the countdown runs out.
@@ -268,6 +270,14 @@ class StepSampler:
             at_step = first_free
         self._pending = sorted([p for p in self._pending if p[0] < at_step]
                                + [(at_step, scale)])
+
+    def apply_now(self, scale: float) -> None:
+        """Put ``scale`` in force from the next step: an announcement taken at a collective
+        RPC, which every rank of an engine runs between the same two steps (the RPC rate
+        channel: ranks that cannot share the announcement file)."""
+        scale = min(1.0, max(1e-4, float(scale)))
+        self._apply(self.step + 1, scale)
+        self._reschedule(self.step + 1)
 
     def reseed(self, seed: int) -> None:
         """Switch to a seed shared by all ranks (learnt at model build)."""

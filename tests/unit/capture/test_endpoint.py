@@ -342,6 +342,7 @@ def test_data_parallel_engines_are_all_asked(state: runtime.State) -> None:
     class Core:
         async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
             assert (method, args[0]) == ("collective_rpc", "attnprof_poll")
+            assert args[1] is None  # no timeout for vLLM's executor (issue 30, point 1)
             return [[_answer(21)], [_answer(22)]]
 
     class Client:

@@ -885,29 +885,37 @@ def _env_bool() -> EnvKind:
         edges=("maybe", "2", "-1", "y", "n", "truee", "nan", "\x01", "1\n0", "é"))
 
 
-def _env_float(lo: float, hi: float, lo_open: bool) -> EnvKind:
+def _env_float(lo: float, hi: float, lo_open: bool, zero_off: bool = False) -> EnvKind:
     def inside(x: float) -> bool:
-        return math.isfinite(x) and (lo < x if lo_open else lo <= x) and x <= hi
+        in_range = (lo < x if lo_open else lo <= x) and x <= hi
+        return math.isfinite(x) and (in_range or (zero_off and x == 0.0))
 
+    good = st.floats(lo, hi, exclude_min=lo_open, allow_nan=False).map(repr)
     return EnvKind(
         bad=st.floats().filter(lambda x: not inside(x)).map(repr)
         | ANY_TEXT.filter(lambda s: s.strip() != "" and not _parses(float, s)),
-        good=st.floats(lo, hi, exclude_min=lo_open, allow_nan=False).map(repr),
+        good=good | st.just("0") if zero_off else good,
         ok=lambda v, raw: isinstance(v, float) and inside(v),
+        # 1e-300 where it is out of range: a positive value under the floor (a busy loop,
+        # an instant timeout)
         edges=("abc", "nan", "-nan", "inf", "-inf", "1e999", repr(lo - 1), repr(hi + 1),
-               *([repr(lo)] if lo_open else []), "0.5.5", "5%", "\x01", "1,5"))
+               *([repr(lo)] if lo_open else []), *(() if inside(1e-300) else ("1e-300",)),
+               "0.5.5", "5%", "\x01", "1,5"))
 
 
-def _env_int(lo: int | None) -> EnvKind:
+def _env_int(lo: int | None, hi: int | None = None) -> EnvKind:
     low = lo if lo is not None else -(10**30)
+    high = hi if hi is not None else 10**30
     return EnvKind(
         bad=(st.integers(max_value=lo - 1).map(str) if lo is not None else st.nothing())
+        | (st.integers(min_value=hi + 1).map(str) if hi is not None else st.nothing())
         | st.floats().map(repr)
         | ANY_TEXT.filter(lambda s: s.strip() != "" and not _parses(int, s)),
-        good=st.integers(low, 10**30).map(str),
-        ok=lambda v, raw: isinstance(v, int) and (lo is None or v >= lo),
+        good=st.integers(low, high).map(str),
+        ok=lambda v, raw: isinstance(v, int) and low <= v <= high,
         edges=("x1", "1.5", "1e3", "nan", "inf", "0x10", "\x01", "9" * 5000,
-               *([str(lo - 1)] if lo is not None else [])))
+               *([str(lo - 1)] if lo is not None else []),
+               *([str(hi + 1), str(10**30)] if hi is not None else [])))
 
 
 def _env_choice(choices: Sequence[str]) -> EnvKind:
@@ -940,10 +948,14 @@ def env_kind(var: EnvVar) -> EnvKind | None:
     t = var.type
     if t == "bool":
         return _env_bool()
-    if m := re.fullmatch(r"float in ([\[(])([-0-9.e]+), ([-0-9.e]+)\]", t):
-        return _env_float(float(m[2]), float(m[3]), m[1] == "(")
+    if m := re.fullmatch(r"(0 or )?float in ([\[(])([-0-9.e]+), ([-0-9.e]+)\]", t):
+        return _env_float(float(m[3]), float(m[4]), m[2] == "(", zero_off=bool(m[1]))
+    if m := re.fullmatch(r"int in \[(-?[0-9]+), (-?[0-9]+)\]", t):
+        return _env_int(int(m[1]), int(m[2]))
     if m := re.fullmatch(r"int >= (-?[0-9]+)", t):
         return _env_int(int(m[1]))
+    if m := re.fullmatch(r"one of ([a-z_]+(?:, [a-z_]+)+)", t):
+        return _env_choice(m[1].split(", "))
     if t == "int":
         return _env_int(None)
     if m := re.fullmatch(r"comma list of ([a-z_]+(?:, [a-z_]+)*)", t):

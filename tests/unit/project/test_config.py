@@ -73,3 +73,37 @@ def test_documented_defaults_are_the_code_defaults() -> None:
         assert Config.from_env({v.name: v.default}) == base, v.name
         checked += 1
     assert checked >= 15
+
+
+@pytest.mark.parametrize("name,raw", [
+    ("ATTNPROF_RPC_TIMEOUT_S", "1e-300"), ("ATTNPROF_RPC_TIMEOUT_S", "0.001"),
+    ("ATTNPROF_RPC_TIMEOUT_S", "601"), ("ATTNPROF_ADVICE_INTERVAL_S", "1e-9"),
+    ("ATTNPROF_TRACE_MAX_RANGES", "500001"), ("ATTNPROF_TRACE_MAX_RANGES", str(10**30)),
+    ("ATTNPROF_TRACE_MAX_RANGES_PER_WORKER", "200001"),
+    ("ATTNPROF_SNAPSHOT_MAX_BYTES", str((512 << 20) + 1)), ("ATTNPROF_MAX_ERRORS", "1000001"),
+    ("ATTNPROF_LONG_PREFILL_TOKENS", str((1 << 24) + 1)),
+    ("ATTNPROF_HEAD_STATS_MIN_TOKENS", str((1 << 24) + 1)), ("ATTNPROF_SEED", "-1"),
+    ("ATTNPROF_SEED", str(1 << 64)), ("ATTNPROF_FAULT_DELAY_S", "61"),
+    ("ATTNPROF_RANK_SYNC", "nfs"),
+])
+def test_every_numeric_knob_has_a_ceiling_and_a_floor(name: str, raw: str) -> None:
+    """Issue 30, point 1: no 1e-300 s timeout, no busy advice loop, no unbounded trace or
+    body; each refusal is one line naming the variable and its range."""
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({name: raw})
+    msg = str(info.value)
+    assert name in msg and repr(raw) in msg and "\n" not in msg
+    assert "range" in msg or "one of" in msg
+
+
+def test_the_ranges_edges_are_accepted() -> None:
+    from attnprof.aggregate.trace import MAX_RANGES
+    from attnprof.config import MAX_TRACE_RANGES_PER_WORKER
+
+    cfg = Config.from_env({"ATTNPROF_RPC_TIMEOUT_S": "0.1", "ATTNPROF_ADVICE_INTERVAL_S": "0",
+                           "ATTNPROF_SEED": str((1 << 64) - 1), "ATTNPROF_RANK_SYNC": "rpc",
+                           "ATTNPROF_TRACE_MAX_RANGES_PER_WORKER": "200000"})
+    assert (cfg.rpc_timeout_s, cfg.advice_interval_s, cfg.rank_sync) == (0.1, 0.0, "rpc")
+    assert cfg.seed == (1 << 64) - 1 and cfg.trace_max_ranges_per_worker == 200_000
+    assert MAX_TRACE_RANGES_PER_WORKER == MAX_RANGES  # the worker's own hard ceiling
+    assert Config.from_env({"ATTNPROF_ADVICE_INTERVAL_S": "0.5"}).advice_interval_s == 0.5

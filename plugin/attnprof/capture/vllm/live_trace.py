@@ -110,8 +110,11 @@ class LiveTrace:
         if self.engine_client is None:
             return []
         try:
-            got = await asyncio.wait_for(rpc_all(self.engine_client, "attnprof_trace", *args,
-                                                 timeout=rpc_timeout), rpc_timeout)
+            # The engine is given no timeout (a late answer would become a model step's
+            # output); only this wait is bounded, and a late answer is dropped by vLLM's
+            # client. A late "arm" stops by itself at the workers' own deadline.
+            got = await asyncio.wait_for(rpc_all(self.engine_client, "attnprof_trace", *args),
+                                         rpc_timeout)
         except TimeoutError:
             raise
         except Exception as exc:

@@ -4,7 +4,12 @@
 deltas (:mod:`attnprof.aggregate.head_stats_merge`), the window advice, and
 the rendered bodies (:func:`attnprof.exporters.snapshot_json.snapshot_body`), refreshed at
 most every ``ATTNPROF_SNAPSHOT_MAX_AGE_S`` by at most one collective RPC in flight (however
-many clients), with a timeout. Merges and renders run in threads, never on the event loop.
+many clients); the API server waits for it at most ``ATTNPROF_RPC_TIMEOUT_S`` (the engine
+is given no timeout: :mod:`attnprof.capture.vllm.rpc`). Merges and renders run in threads,
+never on the event loop. Where tensor-parallel ranks agree on the sampler's scale through the
+API server (:class:`~attnprof.capture.vllm.rank_sync.RpcRate`), the view carries the leaders'
+scales from one poll to the next, and polls again within ``RATE_SYNC_PENDING_S`` while a
+change is pending (``RATE_SYNC_IDLE_S`` otherwise).
 """
 
 from __future__ import annotations
@@ -17,13 +22,20 @@ from typing import Any
 from attnprof._safety import fault_point
 from attnprof.capture.vllm import runtime
 from attnprof.capture.vllm.deltas import host_id, read_delta
+from attnprof.capture.vllm.rank_sync import carried_rates
 from attnprof.capture.vllm.rpc import rpc_all
 from attnprof.config import Config
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.jsonsafe import dumps
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
-__all__ = ["LiveView"]
+__all__ = ["RATE_SYNC_IDLE_S", "RATE_SYNC_PENDING_S", "LiveView"]
+
+RATE_SYNC_PENDING_S = 1.0
+"""With the RPC rate channel, the next poll while a leader's scale waits to be carried (the
+budget measures once a second: a faster poll would carry nothing new)."""
+RATE_SYNC_IDLE_S = 5.0
+"""... and while none waits (how soon a new wish of a leader is first seen)."""
 
 
 class LiveView:
@@ -51,6 +63,10 @@ class LiveView:
         self._hs_lock = threading.Lock()
         # Workers on this machine hand their deltas over as files (not through the engine).
         self.host = host_id()
+        self.rate_sync: dict[str, list[Any]] = {}
+        """The leaders' scales to carry in the next poll (``{group: [seq, scale]}``)."""
+        self._sync_timer: asyncio.TimerHandle | None = None
+        self._sync_task: asyncio.Future[None] | None = None
 
     # ----- refresh: one RPC in flight at most -----
     async def refresh(self, timeout: float, advice: bool = True,
@@ -84,9 +100,11 @@ class LiveView:
             self.rpcs += 1
             try:
                 answers = await rpc_all(self.engine_client, "attnprof_poll", want_hs,
-                                        self.host, timeout=timeout)
+                                        self.host, dict(self.rate_sync) or None)
             except Exception as exc:  # the engine may not be ours to query
                 error = f"{type(exc).__name__}: {exc}"
+        if error is None:
+            self._sync_rates(answers)
         await asyncio.to_thread(self._fold, answers)
         if want_hs and error is None:
             await self._collect_deltas(answers, timeout)
@@ -112,12 +130,40 @@ class LiveView:
             wait = min(0.1, wait * 2)
             self.rpcs += 1
             try:
-                answers = await rpc_all(self.engine_client, "attnprof_head_stats", self.host,
-                                        timeout=timeout)
+                answers = await rpc_all(self.engine_client, "attnprof_head_stats", self.host)
             except Exception as exc:  # the engine's state, not attnprof's bug: no breaker
                 runtime.STATE.errors.note("head_stats_rpc", exc)
                 return
             await asyncio.to_thread(self._fold_deltas, answers)
+
+    def _sync_rates(self, answers: list[Any]) -> None:
+        """Keep the leaders' scales for the next poll and schedule it (RPC rate channel
+        only: without a leader's report nothing is scheduled)."""
+        try:
+            pending = carried_rates(answers, self.rate_sync)
+            if not self.rate_sync or not self.keeps_head_stats:
+                return  # no RPC channel here, or another API server keeps it going
+            if self._sync_timer is not None:
+                self._sync_timer.cancel()
+            self._sync_timer = asyncio.get_running_loop().call_later(
+                RATE_SYNC_PENDING_S if pending else RATE_SYNC_IDLE_S, self._sync_poll)
+        except Exception as exc:
+            runtime.STATE.errors.note("rate_sync", exc)
+
+    def _sync_poll(self) -> None:
+        self._sync_timer = None
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.ensure_future(self._sync_once())
+
+    async def _sync_once(self) -> None:
+        """One poll without head statistics or advice: carries the leaders' scales."""
+        try:
+            await self.refresh((runtime.STATE.config or Config()).rpc_timeout_s,
+                               advice=False, head_stats=False)
+        except TimeoutError as exc:  # a slow engine is not attnprof's bug: no breaker
+            runtime.STATE.errors.note("rate_sync_timeout", exc)
+        except Exception as exc:
+            runtime.STATE.errors.note("rate_sync", exc)
 
     def _fold(self, answers: list[Any]) -> None:
         """Parse worker answers and merge their head-statistics deltas (thread)."""
@@ -256,8 +302,8 @@ class LiveView:
         if self.engine_client is None:
             return []
         return list(await asyncio.wait_for(
-            rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate,
-                    timeout=timeout), timeout))
+            rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate),
+            timeout))
 
 
 _PROVENANCE: dict[tuple[str, str | None], Any] = {}

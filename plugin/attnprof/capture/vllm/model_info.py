@@ -102,24 +102,38 @@ def learn_model(cap: Any) -> None:
     except Exception:
         pass  # no distributed state (unit tests, a single process): rank 0
     try:
-        sync_ranks(cap, getattr(vc, "instance_id", None))
+        sync_ranks(cap, getattr(vc, "instance_id", None), getattr(vc, "parallel_config", None))
     except Exception as exc:
         cap.errors.record("install", exc)
 
 
-def sync_ranks(cap: Any, instance: Any) -> None:
+def sync_ranks(cap: Any, instance: Any, parallel_config: Any = None) -> None:
     """Tensor-parallel ranks agree on the budget's scale through the first rank's
-    announcements (:mod:`attnprof.capture.vllm.rank_sync`); alone, a rank applies its own."""
+    announcements (:mod:`attnprof.capture.vllm.rank_sync`): a node-local file, or the API
+    server's poll when the ranks may span nodes (``ATTNPROF_RANK_SYNC``: ``auto`` decides
+    from vLLM's parallel config, the same way on every rank); alone, a rank applies its own."""
     if cap.rank["tp_size"] <= 1 or cap.sampler.sync is not None:
         return
-    from attnprof.capture.vllm.rank_sync import RateChannel, channel_path
+    from attnprof.capture.vllm.rank_sync import (
+        RateChannel,
+        RpcRate,
+        channel_path,
+        group_key,
+        multi_node,
+    )
 
     cfg = cap.state.config
-    # Without an instance id, the ranks' common parent (the engine) and shared seed.
-    key = str(instance) if instance else f"{os.getppid()}:{cap.sampler.seed}"
+    mode = cfg.rank_sync if cfg is not None else "auto"
+    if mode == "auto":
+        mode = "rpc" if multi_node(parallel_config) else "file"
     leader = cap.rank["tp_rank"] == 0
-    cap.sampler.sync = RateChannel(
-        channel_path(key, cap.rank["dp_rank"], cap.rank["pp_rank"],
-                     cfg.run_dir if cfg is not None else None),
-        leader, cap.sampler.epoch)
+    if mode == "rpc":
+        cap.sampler.sync = RpcRate(group_key(cap.rank["dp_rank"], cap.rank["pp_rank"]), leader)
+    else:
+        # Without an instance id, the ranks' common parent (the engine) and shared seed.
+        key = str(instance) if instance else f"{os.getppid()}:{cap.sampler.seed}"
+        cap.sampler.sync = RateChannel(
+            channel_path(key, cap.rank["dp_rank"], cap.rank["pp_rank"],
+                         cfg.run_dir if cfg is not None else None),
+            leader, cap.sampler.epoch)
     cap.sampler.sync_role = "leader" if leader else "follower"

@@ -17,9 +17,19 @@ at step 192). A follower takes every announcement newer than the last it took, i
 
 The file (``SLOTS`` x 32 bytes, mmap'd) lives in ``ATTNPROF_RUN_DIR`` or the temporary
 directory, named from the server's instance id and the group's data- and pipeline-parallel
-ranks; the first rank removes it at exit. Ranks on other nodes (multi-node tensor
-parallelism) cannot see it: they keep the scale they start with and count the boundaries they
-could not read (``SamplerStats.sync``), so a divergence is visible rather than silent.
+ranks; the first rank removes it at exit. A follower that cannot read it counts the
+boundaries it could not read (``SamplerStats.unsynced``), so a divergence is visible.
+
+**Ranks on other nodes** cannot see the file. There the RPC channel (:class:`RpcRate`,
+``ATTNPROF_RANK_SYNC=rpc``, chosen by ``auto`` when vLLM's parallel config spans nodes) takes
+its place: a collective RPC runs between the same two model steps on every rank of an engine
+(the executor broadcasts it into the queue every worker reads in order), so it is a sync point
+of its own. The leader's wanted scale leaves in its answer to the API server's poll
+(:func:`leader_answer`); the API server's next poll carries it back to every rank
+(:func:`take_carried`), and every rank, the leader included, applies it at that RPC. Ranks
+then change the scale at the same step whatever their nodes; the cost is latency (a change
+waits for the next poll: the API server polls again within a second while a change is
+pending, see :class:`~attnprof.capture.vllm.live_view.LiveView`).
 """
 
 from __future__ import annotations
@@ -32,8 +42,10 @@ import os
 import struct
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LEAD_EPOCHS", "SLOTS", "RateChannel", "channel_path"]
+__all__ = ["LEAD_EPOCHS", "SLOTS", "RateChannel", "RpcRate", "carried_rates", "channel_path",
+           "group_key", "leader_answer", "multi_node", "take_carried"]
 
 _FMT = struct.Struct("<QqdQ")  # sequence, at step, scale, sequence again (torn-read check)
 SLOTS = 8
@@ -139,3 +151,110 @@ class RateChannel:
         if self.leader:
             with contextlib.suppress(OSError):
                 self.path.unlink()
+
+
+def group_key(dp_rank: int, pp_rank: int) -> str:
+    """The tensor-parallel group a rate belongs to (one leader per data-parallel rank and
+    pipeline stage, as for the file channel)."""
+    return f"{int(dp_rank)}:{int(pp_rank)}"
+
+
+def multi_node(parallel_config: Any) -> bool:
+    """Whether vLLM's parallel config may place this engine's ranks on several nodes: more
+    than one node per data-parallel group (``--nnodes``), or Ray (which places workers on any
+    node of its cluster). False when it cannot tell."""
+    try:
+        nodes = int(getattr(parallel_config, "nnodes_within_dp", 1) or 1)
+    except Exception:
+        nodes = 1
+    backend = getattr(parallel_config, "distributed_executor_backend", None)
+    return nodes > 1 or backend == "ray" or getattr(backend, "uses_ray", False) is True
+
+
+class RpcRate:
+    """``sync`` for :class:`~attnprof.aggregate.sampler.StepSampler` without the file: epoch
+    boundaries announce nothing (so no rank changes its scale by itself); the leader's wanted
+    scale is reported in its poll answer and every rank applies what the next poll carries.
+    Never raises."""
+
+    def __init__(self, group: str, leader: bool) -> None:
+        self.group = group
+        self.leader = leader
+        self.seq = 0
+        """The leader's last reported announcement (a new one each time its wish changes)."""
+        self.reported: float | None = None
+        self.taken = 0
+        """The last announcement this rank applied."""
+        self.unread = 0
+        """Carried announcements this rank could not read (malformed): a visible divergence."""
+
+    def __call__(self, step: int, wanted: float) -> list[tuple[int, int, float]]:
+        return []
+
+    def answer(self, wanted: float, in_force: float) -> dict[str, Any] | None:
+        """The leader's report for its poll answer (None on a follower)."""
+        if not self.leader:
+            return None
+        if wanted != self.reported:
+            self.seq += 1
+            self.reported = wanted
+        return {"group": self.group, "seq": self.seq, "scale": wanted, "in_force": in_force}
+
+    def take(self, sampler: Any, carried: Any) -> bool:
+        """Apply this group's entry of the poll's ``carried`` mapping (``{group: [seq,
+        scale]}``) from the next step, if it is newer than the last taken; True if it was.
+        Every rank gets the same mapping at the same RPC, so every rank decides alike."""
+        if not isinstance(carried, dict) or self.group not in carried:
+            return False
+        entry = carried[self.group]
+        try:
+            seq, scale = int(entry[0]), float(entry[1])
+            if not 0.0 < scale <= 1.0:
+                raise ValueError(scale)
+        except (TypeError, ValueError, IndexError, KeyError):
+            self.unread += 1
+            return False
+        if seq <= self.taken:
+            return False
+        self.taken = seq
+        sampler.apply_now(scale)
+        return True
+
+
+def leader_answer(sampler: Any) -> dict[str, Any] | None:
+    """What a poll answer carries for the rate (``None`` unless this rank leads an RPC
+    channel)."""
+    sync = getattr(sampler, "sync", None)
+    if not isinstance(sync, RpcRate):
+        return None
+    return sync.answer(sampler.wanted, sampler.scale)
+
+
+def take_carried(sampler: Any, carried: Any) -> None:
+    """At a poll, before anything else: apply the rate the API server carried (a no-op
+    unless this rank is on an RPC channel)."""
+    sync = getattr(sampler, "sync", None)
+    if isinstance(sync, RpcRate) and carried:
+        sync.take(sampler, carried)
+
+
+def carried_rates(answers: list[Any], known: dict[str, list[Any]]) -> bool:
+    """API server side: fold the leaders' reports of one poll into ``known`` (``{group:
+    [seq, scale]}``, what the next poll carries; a report older than the one known is kept
+    out). True when some leader wants a scale not yet in force (the API server then polls
+    again soon)."""
+    pending = False
+    for a in answers:
+        rep = a.get("rate_sync") if isinstance(a, dict) else None
+        if not isinstance(rep, dict):
+            continue
+        try:
+            group, seq, scale = str(rep["group"]), int(rep["seq"]), float(rep["scale"])
+            in_force = float(rep["in_force"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        old = known.get(group)
+        if old is None or seq >= int(old[0]):
+            known[group] = [seq, scale]
+        pending = pending or scale != in_force
+    return pending

@@ -198,19 +198,42 @@ def trace_take(cap: Any, trace_id: str = "", page_ranges: int | None = None) -> 
 
 
 def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, Any]]]:
-    """The ``attnprof_*`` methods for vLLM's ``WorkerBase`` (``collective_rpc`` names)."""
+    """The ``attnprof_*`` methods for vLLM's ``WorkerBase`` (``collective_rpc`` names).
+
+    vLLM's executor waits for their answer with no timeout (a timed-out answer would become
+    the next step's output: :mod:`attnprof.capture.vllm.rpc`), so each is bounded by what it
+    does: no export flush (its lock may be held by an exporter sending over the network), no
+    waiting on another thread beyond a lock held for a few copies, no loop over more than
+    what one pull or one page holds. ``ATTNPROF_FAULT_DELAY_S`` (tests only) slows each down
+    on purpose."""
+    from attnprof.capture.vllm.rank_sync import leader_answer, take_carried
+
+    def delay() -> None:
+        cfg = state.config
+        if cfg is not None and cfg.fault_delay_s > 0:
+            time.sleep(cfg.fault_delay_s)
 
     def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
         try:
-            return snapshot(cap, include_head_stats).to_json()
+            delay()
+            # No flush: the export thread flushes every second.
+            return snapshot(cap, include_head_stats, flush=False).to_json()
         except Exception as exc:  # runs in vLLM's worker loop: never raise there
             state.errors.record("snapshot", exc)
             return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
     def attnprof_poll(self: Any, with_head_stats: bool = True,
-                      api_host: str | None = None) -> dict[str, Any]:
+                      api_host: str | None = None, rate_sync: Any = None) -> dict[str, Any]:
+        """``rate_sync``: the leaders' scales the API server carries back (``{group: [seq,
+        scale]}``), applied by every rank here, between the same two steps."""
         try:
-            return poll(cap, with_head_stats, api_host)
+            delay()
+            take_carried(cap.sampler, rate_sync)
+            out = poll(cap, with_head_stats, api_host)
+            rep = leader_answer(cap.sampler)
+            if rep is not None:
+                out["rate_sync"] = rep
+            return out
         except Exception as exc:
             state.errors.record("snapshot", exc)
             return {"snapshot": {"pid": os.getpid(),
@@ -218,6 +241,7 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
 
     def attnprof_head_stats(self: Any, api_host: str | None = None) -> dict[str, Any]:
         try:
+            delay()
             return head_stats_take(cap, api_host)
         except Exception as exc:
             state.errors.record("snapshot", exc)
@@ -226,6 +250,7 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
     def attnprof_set_sampling(self: Any, rate: float | None = None,
                               head_stats_rate: float | None = None) -> dict[str, Any]:
         try:
+            delay()
             return cap.set_sampling(rate, head_stats_rate)  # type: ignore[no-any-return]
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -236,6 +261,7 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
         """One RPC for the live trace: ``arm`` (``max_ranges``: this worker's bound),
         ``count``, ``take`` (one page of at most ``max_ranges`` ranges) or ``drop``."""
         try:
+            delay()
             fault_point("capture")
             if op == "arm":
                 return trace_arm(cap, steps, timeout_s, trace_id, max_ranges)

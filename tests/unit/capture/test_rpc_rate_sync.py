@@ -1,0 +1,91 @@
+"""Issue 30, point 3, through the real pieces: two tensor-parallel ranks' captures with the
+file channel switched off (``ATTNPROF_RANK_SYNC=rpc``), their real ``attnprof_poll`` worker
+methods, and the API server's real :class:`LiveView` polling them. The only stand-in is the
+engine client, which delivers each poll to both workers between the same two steps (what
+vLLM's executor does with a collective RPC)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from attnprof.capture.vllm import runtime
+from attnprof.capture.vllm.hooks import Capture
+from attnprof.capture.vllm.live_view import LiveView
+from attnprof.capture.vllm.model_info import sync_ranks
+from attnprof.capture.vllm.rank_sync import RpcRate
+from attnprof.capture.vllm.worker_rpc import worker_methods
+from attnprof.config import Config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Workers:
+    """``collective_rpc`` over the ranks' real worker methods, one after the other."""
+
+    def __init__(self, methods: list[dict[str, Any]]) -> None:
+        self.methods = methods
+        self.polls = 0
+
+    async def collective_rpc(self, method: str, timeout: float | None = None,
+                             args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+        assert timeout is None  # never handed to vLLM's executor
+        self.polls += method == "attnprof_poll"
+        return [m[method](None, *args) for m in self.methods]
+
+
+def _rank(tp_rank: int, clock: Clock) -> Capture:
+    cfg = Config(enabled=True, sample_rate=1.0, seed=3, overhead_budget=0.01,
+                 long_prefill_rate=0.0, rank_sync="rpc")
+    cap = Capture(runtime.State(config=cfg))
+    cap.rank.update(tp_rank=tp_rank, tp_size=2)
+    cap.sampler._clock = clock
+    cap.sampler._window_start = cap.sampler._t0 = 0.0
+    sync_ranks(cap, "instance", None)
+    return cap
+
+
+@pytest.fixture()
+def api_state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
+    st = runtime.State(config=Config(enabled=True, rpc_timeout_s=5.0, advice_interval_s=0.0))
+    monkeypatch.setattr(runtime, "STATE", st)
+    return st
+
+
+def test_ranks_sample_alike_through_the_api_servers_poll(api_state: runtime.State) -> None:
+    clocks = [Clock(), Clock()]
+    caps = [_rank(0, clocks[0]), _rank(1, clocks[1])]
+    assert [type(c.sampler.sync) for c in caps] == [RpcRate, RpcRate]
+    assert [c.sampler.sync_role for c in caps] == ["leader", "follower"]
+    engine = Workers([worker_methods(c, c.state) for c in caps])
+    view = LiveView(engine)
+    picks: list[list[int]] = [[], []]
+
+    async def serve() -> None:
+        for i in range(6000):
+            if i % 200 == 0:  # a snapshot GET (or the advice loop): one poll
+                await view.refresh(5.0, advice=False, head_stats=False)
+            for k, cap in enumerate(caps):
+                clocks[k].t += 0.01
+                if cap.sampler.tick():
+                    picks[k].append(i)
+                    cap.sampler.charge((0.003 if i < 2500 else 0.0) * (1 + 5 * k))
+        if view._sync_timer is not None:
+            view._sync_timer.cancel()
+
+    asyncio.run(serve())
+    s0, s1 = (c.sampler for c in caps)
+    assert engine.polls >= 30 and view.rate_sync  # the leader's scale was carried
+    assert s0.throttles > 0 and list(s0.rate_changes) == list(s1.rate_changes)
+    assert picks[0] == picks[1] and 0 < len(picks[0]) < 6000
+    assert s0.decisions_digest == s1.decisions_digest
+    # Each poll's answer says which rank leads and what it wants; the follower adds nothing.
+    assert [w.sampler.sync for w in view.workers] == ["leader", "follower"]
