@@ -104,3 +104,52 @@ def test_two_tp_ranks_sample_alike_and_merge_by_global_head(tiny_model: Path) ->
     assert t0["sampled_long"] == t1["sampled_long"]
     assert t0["decisions_digest"] == t1["decisions_digest"] != ""  # the same set of steps
     assert t0["effective_rate"] == t1["effective_rate"] < 0.3
+
+
+_RPC_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
+              kv_cache_memory_bytes=32 << 20, seed=0, tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    from attnprof.capture.vllm.rank_sync import carried_rates
+    prompts = ["the model request server " * 12,
+               "cache token layer attention window head latency " * 8]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    # What the API server's LiveView does: each poll carries the scales the last one
+    # reported, and the executor delivers it to both ranks between the same two steps.
+    known = {}
+    for _ in range(14):
+        llm.generate(prompts, sp, use_tqdm=False)
+        answers = llm.collective_rpc("attnprof_poll", args=(False, None, dict(known) or None))
+        carried_rates(answers, known)
+    final = llm.collective_rpc("attnprof_poll", args=(False,))
+    print("RESULT " + json.dumps({"sampler": [p["snapshot"]["sampler"] for p in final],
+                                  "known": known}))
+"""
+
+
+def test_two_tp_ranks_without_the_file_sample_alike_through_the_poll(
+        tiny_model: Path) -> None:
+    """Issue 30, point 3: the file channel switched off (as for ranks on two nodes), the
+    leader's scale rides the poll through vLLM's real executor and both ranks apply it at
+    that RPC: identical sampled steps while the budget throttles."""
+    r = run_py(_RPC_SCRIPT.replace("sys.argv[1]", repr(str(tiny_model))),
+               env={"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "0.3",
+                    "ATTNPROF_RANK_SYNC": "rpc", "ATTNPROF_OVERHEAD_BUDGET": "0.0001",
+                    "ATTNPROF_HEAD_STATS_RATE": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+               timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    res: dict[str, Any] = json.loads(line[0][len("RESULT "):])
+    t0, t1 = res["sampler"]
+    assert (t0["sync"], t1["sync"]) == ("leader", "follower")
+    assert list(res["known"]) == ["0:0"]  # the group's leader reported
+    assert t0["throttles"] >= 1 and t0["rate_changes"], t0
+    assert t0["rate_changes"] == t1["rate_changes"] and t0["throttles"] == t1["throttles"]
+    assert t0["unsynced"] == t1["unsynced"] == 0
+    assert t0["step_index"] == t1["step_index"] and t0["seen"] == t1["seen"]
+    assert t0["sampled"] == t1["sampled"] < t0["seen"]
+    assert t0["decisions_digest"] == t1["decisions_digest"] != ""
+    assert t0["effective_rate"] == t1["effective_rate"] < 0.3
