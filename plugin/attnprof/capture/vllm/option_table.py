@@ -11,8 +11,9 @@ A unit test (marked ``vllm``) checks the shipped file equals :func:`build` on th
 Secret fields are decided here, by ``dest``: ``api_key`` (the bearer keys), ``hf_token``
 (a Hugging Face token), and every field vLLM itself hides from its own log
 (``vllm.entrypoints.serve.utils.api_utils._SENSITIVE_ARG_FIELDS``: in 0.32 those two and
-``watermark_config``, whose JSON holds the watermark's secret key; hidden whole, as vLLM does). ``ssl_keyfile``/``ssl_certfile``/``ssl_ca_certs`` are paths to files,
-not the key material: the path reveals no secret and a diff must show a changed path.
+``watermark_config``, whose JSON holds the watermark's secret key; hidden whole, as vLLM
+does). ``ssl_keyfile``/``ssl_certfile``/``ssl_ca_certs`` are paths to files, not the key
+material: the path reveals no secret and a diff must show a changed path.
 ``allow_credentials`` is a CORS switch (takes no value). Every other option whose ``dest``
 the name pattern would call secret must be listed in :data:`REVIEWED_NOT_SECRET`, so that
 a new vLLM option with a secret-looking name fails regeneration until someone decides.
