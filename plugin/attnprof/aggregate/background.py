@@ -71,18 +71,24 @@ class LatestBuild:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def get(self) -> tuple[Any, bool, float]:
+    def get(self, wake: bool = True) -> tuple[Any, bool, float]:
         """(the latest build or None, whether it is current, its age in seconds). O(1): a
-        stale or missing build only wakes the thread."""
+        stale or missing build only wakes the thread (``wake=False``: the caller calls
+        :meth:`wake` itself once done, so the thread does not compete with it meanwhile)."""
         latest = self._latest
         if latest is None:
-            self._wake.set()
+            if wake:
+                self._wake.set()
             return None, False, 0.0
         value, version, at = latest
         fresh = version == self._version()
-        if not fresh:
+        if not fresh and wake:
             self._wake.set()
         return value, fresh, time.monotonic() - at
+
+    def wake(self) -> None:
+        """Have the thread check its source now (O(1))."""
+        self._wake.set()
 
     def build_now(self) -> Any:
         """Build on the calling thread and keep the result (tests, and a reader that found

@@ -102,9 +102,12 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     # The layers, kernel map and step phases were built on the snapshot thread (milliseconds
     # on 80 layers, in pieces that leave the engine the GIL); only the counters every step
     # changes are read here. A build behind the aggregates is served as it is, and says so.
-    slow, fresh, age = cap.snapshots.get()
+    slow, fresh, age = cap.snapshots.get(wake=False)
     if slow is None:  # no build yet (the thread starts at model build): once, here
         slow, fresh, age = cap.snapshots.build_now(), True, 0.0
+    snap = ws.join(ws.fast_snapshot(
+        os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
+        ws.head_stats_cost(cap.hs), cap.poll_cost), slow)
     t1 = time.perf_counter()
     out = _placement(cap)
     if with_head_stats:
@@ -112,13 +115,13 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     t2 = time.perf_counter()
     # This pull's own cost, all but the pickling vLLM does with the answer.
     ws.note_poll(cap.poll_cost, t0, t1, t2, cap.hs_buffer)
-    out["snapshot"] = ws.join(ws.fast_snapshot(
-        os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
-        ws.head_stats_cost(cap.hs), cap.poll_cost), slow)
+    snap["poll_cost"] = cap.poll_cost.to_json()
+    out["snapshot"] = snap
     if not fresh:
         # sampled steps folded since the build are in the counters, not yet in the layers
         out["snapshot_stale"] = {"age_s": age, "reason": "built before the last sampled "
                                  "steps; the next pull has them"}
+        cap.snapshots.wake()  # now that this pull is done: the rebuild is for the next one
     return out
 
 
