@@ -217,7 +217,8 @@ class WorkerAggregates:
         self.agg: dict[tuple[int, str], _Agg] = {}
         self.steps: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
         self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
-        self.lock = threading.Lock()
+        # Re-entrant: a reader's ``under_lock`` may call step_stats() inside its own cut.
+        self.lock = threading.RLock()
 
     def add_layer(self, info: LayerInfo) -> None:
         self.layers[info.name or str(len(self.layers))] = info
@@ -252,10 +253,14 @@ class WorkerAggregates:
             st[1] += step.model_time_s
             st[2] += attn_total
 
-    def layer_profiles(self, pause: Callable[[], None] | None = None) -> list[LayerProfile]:
+    def layer_profiles(self, pause: Callable[[], None] | None = None,
+                       under_lock: Callable[[], None] | None = None) -> list[LayerProfile]:
         """Every layer's profile; ``pause()`` (a background reader handing over the GIL)
-        runs after the copy and after each layer."""
+        runs after the copy and after each layer; ``under_lock()`` runs inside the copy's
+        lock, so what it reads (steps, outcomes) is of the same step as the layers."""
         with self.lock:
+            if under_lock is not None:
+                under_lock()
             infos = sorted(self.layers.values(), key=lambda i: i.index)
             aggs = {k: (a.calls, a.time_s, a.tokens, a.flops, a.bytes, a.requests,
                         a.kv_tokens, a.max_seq_len, list(a.recent))

@@ -91,13 +91,16 @@ def test_a_build_behind_the_aggregates_is_served_and_says_so() -> None:
     stale = got["snapshot_stale"]
     assert stale["age_s"] >= 0 and "next pull" in stale["reason"]
     snap = got["snapshot"]
-    # The counters are this step's; the layers are the build's (one step behind).
-    assert snap["sampler"]["sampled"] == 2
-    assert snap["layers"][0]["phases"]["decode"]["calls"] == 1
+    # The whole answer is the build's, one step behind: its counters agree with its layers
+    # (`attnprof record` subtracts both: calls = sampled steps x layers).
+    assert snap["sampler"]["sampled"] == 1
+    assert snap["steps"]["decode"]["steps"] == 1
+    assert all(lay["phases"]["decode"]["calls"] == 1 for lay in snap["layers"])
     lb.build_now()  # what the thread does when the pull woke it
     again = worker_rpc.poll(cap)
     assert "snapshot_stale" not in again
     assert again["snapshot"]["layers"][0]["phases"]["decode"]["calls"] == 2
+    assert again["snapshot"]["sampler"]["sampled"] == 2
     cap.state.hub.stop(final_flush=False)
 
 
@@ -131,6 +134,14 @@ def test_builds_beside_an_engine_folding_steps_lose_and_double_nothing() -> None
         cap.snapshots.get()  # snapshot thread rebuilds
     stop.set()
     th.join()
+    for a in answers:  # each answer is one cut: stale or not, its counters match its layers
+        snap = a["snapshot"]
+        if "snapshot_stale" in a:
+            for lay in snap["layers"]:
+                calls = sum(p["calls"] for p in lay["phases"].values())
+                assert calls == snap["sampler"]["sampled"]
+            assert sum(st["steps"] for st in snap["steps"].values()) == \
+                snap["sampler"]["sampled"]
     assert cap.snapshots.wait_current()
     final = worker_rpc.poll(cap)
     assert "snapshot_stale" not in final
