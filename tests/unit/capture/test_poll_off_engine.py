@@ -152,3 +152,47 @@ def test_builds_beside_an_engine_folding_steps_lose_and_double_nothing() -> None
         calls = sum(p["calls"] for p in lay["phases"].values())
         assert calls == folded[0]
     cap.state.hub.stop(final_flush=False)
+
+
+class _Engine:
+    """vLLM's async client over one real worker capture (``collective_rpc`` runs the
+    worker's own answers, as its RPC loop would between two steps)."""
+
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def collective_rpc(self, method: str, timeout: float | None = None,
+                             args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+        self.calls.append((method, args))
+        if method == "attnprof_poll":
+            return [worker_rpc.poll(self.cap, args[0], args[1])]
+        return [worker_rpc.head_stats_take(self.cap, args[0])]
+
+
+def test_a_refresh_waits_for_the_build_its_pull_started(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    import asyncio
+
+    from attnprof.capture.vllm import runtime
+    from attnprof.capture.vllm.live_view import LiveView
+    from attnprof.config import Config
+
+    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
+        enabled=True, rpc_timeout_s=5.0, advice_interval_s=0.0)))
+    cap = _rig(2)
+    lb = _unstarted(cap)
+    _step(cap)
+    lb.build_now()
+    _step(cap)  # the last request's step, folded after the snapshot thread's last build
+    # The snapshot thread, woken at the end of the stale pull, builds before the next one.
+    monkeypatch.setattr(lb, "wake", lb.build_now)
+    engine = _Engine(cap)
+    view = LiveView(engine)
+    asyncio.run(view.refresh(5.0, advice=False, head_stats=False))
+    (w,) = view.workers
+    assert w.sampler.sampled == 2  # what a GET right after the last request must show
+    assert all(lay.phases["decode"].calls == 2 for lay in w.layers)
+    assert [m for m, _ in engine.calls] == ["attnprof_poll", "attnprof_poll"]
+    assert engine.calls[1][1][0] is False  # the second pull swaps no head statistics
+    cap.state.hub.stop(final_flush=False)

@@ -105,6 +105,7 @@ class LiveView:
                 error = f"{type(exc).__name__}: {exc}"
         if error is None:
             self._sync_rates(answers)
+            await self._catch_up(answers, timeout)
         await asyncio.to_thread(self._fold, answers)
         if want_hs and error is None:
             await self._collect_deltas(answers, timeout)
@@ -116,6 +117,41 @@ class LiveView:
         # This process's exporters too (a thread, off the engine's path), so the request
         # metrics on /metrics agree with the snapshot right away; workers flush every second.
         await asyncio.to_thread(runtime.STATE.flush)
+
+    async def _catch_up(self, answers: list[Any], timeout: float) -> None:
+        """A worker answers the snapshot its snapshot thread built last (built off the
+        engine's path); one built before the last sampled steps says so (``snapshot_stale``)
+        and the thread rebuilds. Ask again (tiny pulls: no head statistics, nothing swapped)
+        until each such worker's snapshot was built after this refresh began, with short
+        sleeps, within ``timeout`` (2 s at most); later snapshots replace the stale ones in
+        ``answers``."""
+        t0 = time.monotonic()
+        deadline = t0 + min(timeout, 2.0)
+        wait = 0.005
+
+        def stale() -> dict[Any, dict[str, Any]]:
+            return {(a.get("snapshot") or {}).get("pid"): a for a in answers
+                    if isinstance(a, dict) and a.get("snapshot_stale")}
+
+        behind = stale()
+        while behind and time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            wait = min(0.1, wait * 2)
+            self.rpcs += 1
+            try:
+                again = await rpc_all(self.engine_client, "attnprof_poll", False, self.host)
+            except Exception as exc:  # the engine's state, not attnprof's bug: no breaker
+                runtime.STATE.errors.note("snapshot_rpc", exc)
+                return
+            since = time.monotonic() - t0
+            for b in again:
+                a = behind.get((b.get("snapshot") or {}).get("pid")) if isinstance(b, dict) \
+                    else None
+                st = b.get("snapshot_stale") if a is not None else None
+                if a is not None and (st is None or float(st.get("age_s", since)) < since):
+                    a["snapshot"] = b["snapshot"]  # built after this refresh began
+                    a.pop("snapshot_stale", None)
+            behind = stale()
 
     async def _collect_deltas(self, answers: list[Any], timeout: float) -> None:
         """The poll swapped each worker's head statistics; their deltas are serialized on
