@@ -114,14 +114,11 @@ def worker_snapshot(pid: int, process: str, aggs: WorkerAggregates, kernel_map: 
 
 
 def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], list[KernelGroup]],
-               probe: Any = None, pause: Callable[[], None] | None = None,
-               sampler: Callable[[], SamplerStats] | None = None) -> dict[str, Any]:
-    """The snapshot's :data:`SLOW_FIELDS` as JSON: what only sampled steps change, and under
-    ``"sampler"`` the sampler's counters (``sampler()``) of the same step, so a reader of a
-    build gone stale can serve counters that agree with its layers. The layers, step phases
-    and counters are one cut (read under the aggregates' lock, as the export thread reads
-    them); each layer's JSON is then one piece, ``pause()`` runs between two (the builder's
-    thread hands the GIL to the engine's there)."""
+               probe: Any = None, pause: Callable[[], None] | None = None) -> dict[str, Any]:
+    """The snapshot's :data:`SLOW_FIELDS` as JSON: what only sampled steps change. The
+    layers and step phases are one cut (read under the aggregates' lock, as the export
+    thread reads them); each layer's JSON is then one piece, ``pause()`` runs between two
+    (the builder's thread hands the GIL to the engine's there)."""
     def step() -> None:
         if pause is not None:
             pause()
@@ -130,7 +127,6 @@ def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], l
 
     def same_step() -> None:  # inside the lock: microseconds
         cut["steps"] = aggs.step_stats()
-        cut["sampler"] = sampler() if sampler is not None else None
 
     profiles = aggs.layer_profiles(pause, same_step)
     layers = []
@@ -141,8 +137,7 @@ def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], l
     step()
     return {"layers": layers, "kernel_map": groups,
             "steps": {k: v.to_json() for k, v in cut["steps"].items()},
-            "probe": probe.to_json() if probe is not None else None,
-            "sampler": cut["sampler"].to_json() if cut["sampler"] is not None else None}
+            "probe": probe.to_json() if probe is not None else None}
 
 
 def fast_snapshot(pid: int, process: str, sampler: SamplerStats, errors: Any,

@@ -121,20 +121,17 @@ class LiveView:
     async def _catch_up(self, answers: list[Any], timeout: float) -> None:
         """A worker answers the snapshot its snapshot thread built last (built off the
         engine's path); one built before the last sampled steps says so (``snapshot_stale``)
-        and the thread rebuilds. Ask again (tiny pulls: no head statistics, nothing swapped)
-        until each such worker's snapshot was built after this refresh began, with short
-        sleeps, within ``timeout`` (2 s at most); later snapshots replace the stale ones in
-        ``answers``."""
+        and the thread rebuilds. Then ask again (tiny pulls: no head statistics, nothing
+        swapped), with short sleeps, within ``timeout`` (2 s at most), until one pull finds
+        every worker's snapshot built after this refresh began; its snapshots replace all
+        of ``answers``' (one collective pull: the ranks' counters stay of the same step).
+        Otherwise ``answers`` stay as they are, and say they are behind."""
+        if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
+            return
         t0 = time.monotonic()
         deadline = t0 + min(timeout, 2.0)
         wait = 0.005
-
-        def stale() -> dict[Any, dict[str, Any]]:
-            return {(a.get("snapshot") or {}).get("pid"): a for a in answers
-                    if isinstance(a, dict) and a.get("snapshot_stale")}
-
-        behind = stale()
-        while behind and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             await asyncio.sleep(wait)
             wait = min(0.1, wait * 2)
             self.rpcs += 1
@@ -144,14 +141,23 @@ class LiveView:
                 runtime.STATE.errors.note("snapshot_rpc", exc)
                 return
             since = time.monotonic() - t0
+            later = {}
             for b in again:
-                a = behind.get((b.get("snapshot") or {}).get("pid")) if isinstance(b, dict) \
-                    else None
-                st = b.get("snapshot_stale") if a is not None else None
-                if a is not None and (st is None or float(st.get("age_s", since)) < since):
-                    a["snapshot"] = b["snapshot"]  # built after this refresh began
-                    a.pop("snapshot_stale", None)
-            behind = stale()
+                if not isinstance(b, dict) or not isinstance(b.get("snapshot"), dict):
+                    continue
+                st = b.get("snapshot_stale")
+                if st is not None and not float(st.get("age_s", since)) < since:
+                    break  # this worker's thread has not built since the refresh began
+                later[b["snapshot"].get("pid")] = b["snapshot"]
+            else:
+                pids = [(a.get("snapshot") or {}).get("pid") for a in answers
+                        if isinstance(a, dict)]
+                if all(p in later for p in pids):
+                    for a in answers:
+                        if isinstance(a, dict):
+                            a["snapshot"] = later[(a.get("snapshot") or {}).get("pid")]
+                            a.pop("snapshot_stale", None)
+                    return
 
     async def _collect_deltas(self, answers: list[Any], timeout: float) -> None:
         """The poll swapped each worker's head statistics; their deltas are serialized on

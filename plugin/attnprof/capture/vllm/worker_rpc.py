@@ -118,10 +118,9 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     snap["poll_cost"] = cap.poll_cost.to_json()
     out["snapshot"] = snap
     if not fresh:
-        # Sampled steps were folded since the build: the answer is the build's, counters
-        # included (they agree with its layers: `attnprof record` subtracts both), and says so.
-        if slow.get("sampler") is not None:
-            snap["sampler"] = slow["sampler"]
+        # Sampled steps were folded since the build: they are in the counters (read now, at
+        # the same step on every rank), not yet in the layers. Said so; the API server asks
+        # again once the build it woke is done (LiveView._catch_up).
         out["snapshot_stale"] = {"age_s": age, "reason": "built before the last sampled "
                                  "steps; the next pull has them"}
         cap.snapshots.wake()  # now that this pull is done: the rebuild is for the next one
@@ -133,8 +132,7 @@ def slow_parts(cap: Any) -> dict[str, Any]:
     the snapshot thread in pieces (:func:`~attnprof.aggregate.background.yield_gil`)."""
     from attnprof.aggregate.background import yield_gil
 
-    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe, yield_gil,
-                         lambda: sampler_stats(cap))
+    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe, yield_gil)
 
 
 def slow_version(cap: Any) -> tuple[int, int, bool]:
