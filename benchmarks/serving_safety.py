@@ -170,30 +170,49 @@ def bench_gets(base: str, prompt: str, rounds: int, tokens: int) -> dict[str, An
 
 
 def bench_refresh(base: str, prompt: str, long_prompts: list[str], rounds: int,
-                  tokens: int) -> dict[str, Any]:
+                  tokens: int, burst: int = 4) -> dict[str, Any]:
+    """The largest inter-token gap of a stream across a mid-stream burst of ``burst``
+    concurrent ``?head_stats=1`` GETs (one refresh: delta pull, merge, advice, render; the
+    others answered from the cache), against the same burst on ``/health`` and against no
+    burst, in paired rounds (the three arms' order alternates)."""
     # Fill the head statistics: whole-prompt prefills of >= 256 tokens.
     load(base, long_prompts, 2, 2)
-    arms: dict[str, list[float]] = {"no_refresh": [], "refresh": []}
+    paths = {"refresh": "/attnprof/snapshot?head_stats=1", "health": "/health"}
+    arms: dict[str, list[float]] = {"no_refresh": [], "refresh": [], "health": []}
     for i in range(rounds):
-        for arm in (("no_refresh", "refresh") if i % 2 == 0 else ("refresh", "no_refresh")):
+        for arm in (list(arms) if i % 2 == 0 else list(reversed(arms))):
             load(base, long_prompts[:2], 2, 2)  # fresh deltas for the refresh to pull
             result: dict[str, Any] = {}
             th = threading.Thread(target=lambda r=result: r.update(
                 stream_one(base, prompt, tokens)))
             th.start()
-            if arm == "refresh":
+            if arm in paths:
                 time.sleep(1.0)  # mid-stream
-                _req(base + "/attnprof/snapshot?head_stats=1")
+                p = Pollers(base, burst, paths[arm])
+                ts = [threading.Thread(target=p._get) for _ in range(burst)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
             th.join()
             arms[arm].append(max(result["itl"][4:]))
             print(f"refresh round {i + 1} {arm}: max gap {arms[arm][-1] * 1e3:.1f} ms",
                   file=sys.stderr)
     diff = [b - a for a, b in zip(arms["no_refresh"], arms["refresh"], strict=True)]
+    vs_health = [b - a for a, b in zip(arms["health"], arms["refresh"], strict=True)]
+    health = [b - a for a, b in zip(arms["no_refresh"], arms["health"], strict=True)]
     # What the pulls cost the engine, as the worker measured them (snapshot 1.7 poll_cost).
     cost = _req(base + "/attnprof/snapshot?head_stats=1")["workers"][0].get("poll_cost")
     return {"max_gap_s": {k: {"mean": statistics.mean(v), "rounds": v} for k, v in arms.items()},
             "gap_diff_s": {"mean": statistics.mean(diff), "ci95": bootstrap_ci(diff)},
-            "poll_cost": cost}
+            # medians too: one round's stall from the machine's other work moves a mean
+            "refresh_minus_health_s": {"mean": statistics.mean(vs_health),
+                                       "median": statistics.median(vs_health),
+                                       "ci95": bootstrap_ci(vs_health)},
+            "health_minus_none_s": {"mean": statistics.mean(health),
+                                    "median": statistics.median(health),
+                                    "ci95": bootstrap_ci(health)},
+            "burst": burst, "poll_cost": cost}
 
 
 SHAPES = {
@@ -299,9 +318,15 @@ def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
             (delta,) = buf.take_ready()
             assert len(delta) == len(blob)
         # The drain holds the GIL in pieces: the engine's thread can run in between.
-        buf = HeadStatsDoubleBuffer(HeadStatsAccumulator.from_bytes(blob))
-        _, stall_drain = _max_stall(lambda b=buf: (b.swap(lambda d: d), b.wait()))
-        _, stall_idle = _max_stall(lambda: time.sleep(0.1))
+        # Medians of 7 alternating runs: one probe's largest gap is at the mercy of the
+        # machine's other work.
+        drains_stall, idles_stall = [], []
+        for _ in range(7):
+            buf = HeadStatsDoubleBuffer(HeadStatsAccumulator.from_bytes(blob))
+            drains_stall.append(_max_stall(lambda b=buf: (b.swap(lambda d: d), b.wait()))[1])
+            idles_stall.append(_max_stall(lambda: time.sleep(0.1))[1])
+        stall_drain = statistics.median(drains_stall)
+        stall_idle = statistics.median(idles_stall)
 
         def fold(delta: bytes = blob, lkg: tuple[int, int, int] = (layers, kv, group)
                  ) -> bytes:
@@ -324,6 +349,217 @@ def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
         print(f"{name}: before {statistics.median(before) * 1e3:.1f} ms, after "
               f"{statistics.median(after) * 1e6:.0f} us, {len(blob) / 1e6:.1f} MB",
               file=sys.stderr)
+    return out
+
+
+class _FakeImpl:
+    def forward(self, *args: Any) -> None:
+        return None
+
+
+class _FakeLayer:
+    """Just what the capture reads of a vLLM attention layer at model build."""
+
+    sliding_window = None
+    dtype = "bfloat16"
+    kv_cache_dtype = "auto"
+
+    def __init__(self, i: int, heads: int, kv: int, head: int) -> None:
+        self.layer_name = f"model.layers.{i}.self_attn.attn"
+        self.num_heads, self.num_kv_heads = heads, kv
+        self.head_size = self.head_size_v = head
+        self.impl = _FakeImpl()
+
+
+def _worker(layers: int, kv: int, group: int, head: int, blob: bytes) -> Any:
+    """A worker's capture as a long-running server leaves it: ``layers`` layers, each with
+    decode, prefill and mixed aggregates (64 recent calls each), and a head-statistics
+    double buffer whose active half holds ``blob``."""
+    from prometheus_client import CollectorRegistry
+
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
+    from attnprof.aggregate.layers import BatchShape, LayerCall, StepRecord
+    from attnprof.capture.vllm.deltas import DeltaFiles
+    from attnprof.capture.vllm.hooks import Capture
+    from attnprof.capture.vllm.runtime import State
+    from attnprof.config import Config
+    from attnprof.exporters.hub import ExportHub
+    from attnprof.exporters.prometheus import PrometheusSink
+
+    state = State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="bench",
+                                long_prefill_rate=0.0, overhead_budget=1.0))
+    hub = ExportHub(on_error=state.errors.record)
+    hub.add_sink(PrometheusSink(registry=CollectorRegistry()))
+    state.hub = hub
+    cap = Capture(state)
+    for i in range(layers):
+        cap.wrap_layer(_FakeLayer(i, kv * group, kv, head))
+    infos = sorted(cap.aggs.layers.values(), key=lambda x: x.index)
+    shapes = [BatchShape.of((1,) * 8, (1024,) * 8, 8),
+              BatchShape.of((1024,), (1024,), 1024, ((0, 1024),)),
+              BatchShape.of((1, 1, 512), (700, 800, 512), 514)]
+    for k in range(3 * 64):
+        cap.aggs.record_step(StepRecord("sampled", 0.02, [
+            LayerCall(info, shapes[k % 3], 1e-4) for info in infos]))
+    cap.deltas = DeltaFiles()
+    cap.hs_buffer = HeadStatsDoubleBuffer(HeadStatsAccumulator.from_bytes(blob))
+    return cap
+
+
+def _old_take_bytes(acc: Any) -> bytes:
+    """The delta as the drain wrote it before issue 30: whole arrays, one ``np.savez``."""
+    import io
+
+    import numpy as np
+
+    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(acc._meta()).encode(),
+                                                    dtype=np.uint8)}
+    for f in (*acc._SUM_FIELDS, "cov_min"):
+        a = getattr(acc, f)
+        fill = 1.0 if f == "cov_min" else 0.0
+        nz = np.flatnonzero(a != fill)
+        arrays[f + ".i"] = nz.astype(np.uint32)
+        arrays[f + ".v"] = a.ravel()[nz]
+        a.fill(fill)
+    arrays["exact.i"] = np.flatnonzero(acc.exact).astype(np.uint32)
+    acc.exact.fill(False)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _old_poll(cap: Any) -> dict[str, Any]:
+    """The pull as the engine ran it before issue 30: the worker snapshot built in place."""
+    from attnprof.capture.vllm import worker_rpc
+
+    snap = worker_rpc.snapshot(cap, include_head_stats=False, flush=False).to_json()
+    out = worker_rpc._placement(cap)
+    out["head_stats"] = worker_rpc._take_deltas(cap, None, swap=True)
+    out["snapshot"] = snap
+    return out
+
+
+def _stall_after(pull: Any, background_done: Any) -> tuple[float, float]:
+    """``pull()`` on this thread (the engine's, which waits for it), then the largest gap a
+    1 ms ticking thread sees while the work the pull started finishes in the background
+    (``background_done()`` waits for it): (pull seconds, largest gap after the pull)."""
+    gaps: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append((now, now - last - 0.001))
+            last = now
+
+    th = threading.Thread(target=tick)
+    th.start()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    pull()
+    t1 = time.perf_counter()
+    background_done()
+    time.sleep(0.005)
+    stop.set()
+    th.join()
+    # gaps that ended after the pull: the engine's thread was running again by then
+    return t1 - t0, max((g for end, g in gaps if end > t1 + 0.0015), default=0.0)
+
+
+def bench_pull(reps: int = 15) -> dict[str, Any]:
+    """The whole pull as the engine's thread lives it, before issue 30 (worker snapshot built
+    in the pull, delta drained in whole arrays) and after (snapshot thread, drain in pieces),
+    for SmolLM2's shape and an 80-layer one: the time the pull holds the engine's thread,
+    vLLM's pickling of the answer, and the largest stall of a thread needing the GIL while
+    the pull's background work (drain, snapshot rebuild) runs, against the same probe idle.
+    Arms alternate (before, after, idle, then reversed) in paired rounds."""
+    import pickle
+    import types
+
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.capture.vllm import worker_rpc
+
+    out: dict[str, Any] = {}
+    for name, (layers, kv, group, head) in SHAPES.items():
+        blob = _filled(layers, kv, group, head).take_bytes()
+        cap = _worker(layers, kv, group, head, blob)
+        buf = cap.hs_buffer
+        real_pause = buf.pause
+        res: dict[str, dict[str, list[float]]] = {
+            arm: {"pull_s": [], "pickle_s": [], "stall_s": []}
+            for arm in ("before", "after", "idle")}
+
+        def fill(old: bool, b: Any = buf, data: bytes = blob) -> None:
+            acc = HeadStatsAccumulator.from_bytes(data)
+            if old:
+                acc.take_bytes = types.MethodType(  # type: ignore[method-assign]
+                    lambda self, pause=None: _old_take_bytes(self), acc)
+            assert b.wait()
+            b.take_ready()
+            b.active = acc
+
+        def arm_before(c: Any = cap, b: Any = buf) -> tuple[float, float, float]:
+            fill(True)
+            b.pause = lambda: None
+            got: dict[str, Any] = {}
+            pull_s, stall = _stall_after(lambda: got.update(_old_poll(c)), b.wait)
+            t = time.perf_counter()
+            pickle.dumps(got)
+            return pull_s, time.perf_counter() - t, stall
+
+        def arm_after(c: Any = cap, b: Any = buf, p: Any = real_pause
+                      ) -> tuple[float, float, float]:
+            fill(False)
+            b.pause = p
+            # One more sampled step since the last build: the thread rebuilds after the pull
+            # (the case of a serving engine), beside the drain.
+            c.snapshots.wait_current()
+            c.aggs.outcomes["sampled"] += 1
+            got: dict[str, Any] = {}
+            pull_s, stall = _stall_after(lambda: got.update(worker_rpc.poll(c)),
+                                         lambda: (b.wait(), c.snapshots.wait_current()))
+            t = time.perf_counter()
+            pickle.dumps(got)
+            return pull_s, time.perf_counter() - t, stall
+
+        def arm_idle() -> tuple[float, float, float]:
+            return 0.0, 0.0, _stall_after(lambda: None, lambda: time.sleep(0.1))[1]
+
+        arms = {"before": arm_before, "after": arm_after, "idle": arm_idle}
+        arm_before()
+        arm_after()  # warm
+        for i in range(reps):
+            order = list(arms) if i % 2 == 0 else list(reversed(arms))
+            for arm in order:
+                pull_s, pickle_s, stall = arms[arm]()
+                res[arm]["pull_s"].append(pull_s)
+                res[arm]["pickle_s"].append(pickle_s)
+                res[arm]["stall_s"].append(stall)
+        diff = {arm: [a - b for a, b in zip(res[arm]["stall_s"], res["idle"]["stall_s"],
+                                            strict=True)] for arm in ("before", "after")}
+        out[name] = {
+            "shape": {"layers": layers, "kv_heads": kv, "group": group},
+            "delta_bytes": len(blob), "reps": reps,
+            **{arm: {"pull_s": {"median": statistics.median(v["pull_s"]),
+                                "max": max(v["pull_s"])},
+                     "pickle_s": {"median": statistics.median(v["pickle_s"])},
+                     "stall_s": {"mean": statistics.mean(v["stall_s"]),
+                                 "median": statistics.median(v["stall_s"]),
+                                 "max": max(v["stall_s"]), "rounds": v["stall_s"]}}
+               for arm, v in res.items()},
+            "stall_minus_idle_s": {arm: {"mean": statistics.mean(d), "ci95": bootstrap_ci(d)}
+                                   for arm, d in diff.items()},
+        }
+        med = {arm: {k: statistics.median(x) * 1e3 for k, x in v.items()}
+               for arm, v in res.items()}
+        print(f"pull {name}: engine thread before {med['before']['pull_s']:.2f} ms, after "
+              f"{med['after']['pull_s']:.3f} ms; stall after the pull before "
+              f"{med['before']['stall_s']:.2f} ms, after {med['after']['stall_s']:.2f} ms, "
+              f"idle {med['idle']['stall_s']:.2f} ms", file=sys.stderr)
+        cap.state.hub.stop(final_flush=False)
     return out
 
 
@@ -420,14 +656,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=16,
                     help="paired rounds per experiment (16 resolve ~3 ms of ITL p99)")
     ap.add_argument("--tokens", type=int, default=96, help="tokens per streamed completion")
-    ap.add_argument("--only", choices=["gets", "refresh", "synthetic", "trace", "calibration"],
+    ap.add_argument("--reps", type=int, default=15, help="paired rounds of `pull`")
+    ap.add_argument("--burst", type=int, default=4,
+                    help="concurrent GETs of each mid-stream burst in `refresh`")
+    ap.add_argument("--only", choices=["gets", "refresh", "synthetic", "pull", "trace",
+                                       "calibration"],
                     action="append", help="run only these parts (repeatable; `refresh` alone "
                     "runs its server with the advice recomputed on every refresh)")
     args = ap.parse_args()
-    parts = set(args.only or ["gets", "refresh", "synthetic", "trace", "calibration"])
+    parts = set(args.only or ["gets", "refresh", "synthetic", "pull", "trace", "calibration"])
     res: dict[str, Any] = {"rounds": args.rounds, "machine_cores": __import__("os").cpu_count()}
     if "synthetic" in parts:
         res["engine_blocking"] = bench_engine_blocking()
+    if "pull" in parts:
+        res["pull"] = bench_pull(args.reps)
     if "trace" in parts:
         res["trace"] = bench_trace()
     if parts & {"gets", "refresh", "calibration"}:
@@ -456,7 +698,7 @@ def main() -> int:
                 res["gets"] = bench_gets(srv.base_url, prompt, args.rounds, args.tokens)
             if "refresh" in parts:
                 res["refresh"] = bench_refresh(srv.base_url, prompt, long_prompts,
-                                               args.rounds, args.tokens)
+                                               args.rounds, args.tokens, args.burst)
             if "calibration" in parts:
                 # Head statistics cost ~5% of a long whole-prompt prefill (head_stats.json):
                 # long prompts, one at a time (a chunked prompt is not whole), 2 tokens each.
@@ -530,11 +772,27 @@ def write_markdown(res: dict[str, Any]) -> None:
                   "| arm | largest gap (mean of rounds) |", "|---|---|",
                   f"| no refresh | {_ms(a)} |",
                   f"| refresh mid-stream (`?head_stats=1`: delta pull, merge, advice, "
-                  f"render) | {_ms(b)} |", "",
-                  f"Difference {_ms(r['gap_diff_s']['mean'])}, 95% CI "
+                  f"render) | {_ms(b)} |"]
+        if "health" in r["max_gap_s"]:
+            lines[-1] = lines[-1].replace("| refresh mid-stream", f"| {r['burst']} "
+                                          "concurrent GETs mid-stream, one refresh")
+            lines.append(f"| {r['burst']} concurrent `/health` GETs mid-stream (control) | "
+                         f"{_ms(r['max_gap_s']['health']['mean'])} |")
+        lines += ["", f"Refresh minus none {_ms(r['gap_diff_s']['mean'])}, 95% CI "
                   f"{_ci(r['gap_diff_s']['ci95'])}. Every long prompt is sampled with head "
                   "statistics here, so each refresh pulls, merges and renders a real delta and "
                   "recomputes the window advice.", ""]
+        if "refresh_minus_health_s" in r:
+            rh, hn = r["refresh_minus_health_s"], r["health_minus_none_s"]
+            lines += [f"Against the `/health` burst of the same size (paired rounds, the "
+                      f"three arms' order alternating; {len(r['max_gap_s']['refresh']['rounds'])}"
+                      f" rounds): refresh minus /health {_ms(rh['mean'])}, 95% CI "
+                      f"{_ci(rh['ci95'])}, median of the rounds' differences "
+                      f"{_ms(rh.get('median', float('nan')))}; /health minus none "
+                      f"{_ms(hn['mean'])}, 95% CI {_ci(hn['ci95'])}, median "
+                      f"{_ms(hn.get('median', float('nan')))}. On this shared 2-core machine a "
+                      "single round's gap can be hundreds of ms of other work; the medians "
+                      "are the steadier figure.", ""]
         rb = res.get("refresh_before_issue_24")
         if rb:
             lines += [f"Before issue 24's changes ({rb['note']}; `{rb['commit']}`): difference "
@@ -551,8 +809,10 @@ def write_markdown(res: dict[str, Any]) -> None:
                   "serialized its accumulator's delta inside the pull (`take_bytes`). After: "
                   "the pull swaps the accumulator's two halves (O(1)) and a drain thread "
                   "serializes the old half; on one machine the delta reaches the API server "
-                  "as a file, not in the answer (medians of 9 runs; filled with 40 prompts "
-                  "of 1024 tokens on every layer).", "",
+                  "as a file, not in the answer (medians of 9 runs, the stalls of 7; filled "
+                  "with 40 prompts of 1024 tokens on every layer). Since issue 30 the drain "
+                  "writes in pieces, handing the GIL over between two (so it takes longer, "
+                  "off the engine's path).", "",
                   "| shape | delta bytes | engine blocked before | engine blocked after | "
                   "drain (off the engine's path) | engine thread's longest stall during the "
                   "drain (idle: same probe, no drain) | API server event loop max lag "
@@ -576,9 +836,51 @@ def write_markdown(res: dict[str, Any]) -> None:
                       f"the worker over {pc['polls']} pulls of the refresh experiment): the "
                       f"largest head-statistics part of a pull "
                       f"{pc['max_head_stats_s'] * 1e6:.0f} us, the largest whole pull "
-                      f"(worker snapshot included) {_ms(pc['max_s'])}; the last delta "
+                      "(all the engine's thread does for it, vLLM's pickling aside) "
+                      f"{_ms(pc['max_s'])}; the last delta "
                       f"{pc['delta_bytes'] / 1e6:.2f} MB, drained in {_ms(pc['drain_s'])} off "
                       "the engine's path.", ""]
+    pl = res.get("pull")
+    if pl:
+        lines += ["## The whole pull on the engine's thread (issue 30)", "",
+                  "What one API-server pull (`attnprof_poll` with head statistics) costs the "
+                  "engine's thread, which waits for its answer. Before: the worker snapshot "
+                  "(layers, kernel map, step phases) was built and encoded inside the pull, "
+                  "and the drain thread wrote the swapped-out delta in whole arrays. After: "
+                  "the pull reads the snapshot thread's latest build (O(1)) and only the "
+                  "per-step counters; the snapshot thread rebuilds and the drain writes in "
+                  "pieces, sleeping 0.1 ms between two so a thread waiting for the GIL gets "
+                  "it. Stall: the largest gap of a 1 ms ticking thread (a stand-in for the "
+                  "engine between two kernels) after the pull returned, while that "
+                  "background work runs; idle: the same probe with nothing running. Worker "
+                  "state of a long-running server: every layer with decode, prefill and "
+                  "mixed aggregates, a full head-statistics delta. Arms alternate in paired "
+                  "rounds; on this shared 2-core machine the probe's idle stall is "
+                  "scheduling noise, so the differences to idle carry the signal.", "",
+                  "| shape | delta | pull holds the engine's thread, before (median, max) | "
+                  "after (median, max) | vLLM pickling the answer, after | largest stall "
+                  "after the pull, mean of rounds: before / after / idle | before - idle "
+                  "(95% CI) | after - idle (95% CI) |", "|---|---|---|---|---|---|---|---|"]
+        for name, v in pl.items():
+            if not isinstance(v, dict) or "shape" not in v:
+                continue
+            sh = v["shape"]
+            b, a, i = v["before"], v["after"], v["idle"]
+            d = v["stall_minus_idle_s"]
+            lines.append(
+                f"| {name} ({sh['layers']} layers x {sh['kv_heads'] * sh['group']} query "
+                f"heads) | {v['delta_bytes'] / 1e6:.2f} MB | {_ms(b['pull_s']['median'])}, "
+                f"{_ms(b['pull_s']['max'])} | {a['pull_s']['median'] * 1e6:.0f} us, "
+                f"{a['pull_s']['max'] * 1e6:.0f} us | {a['pickle_s']['median'] * 1e6:.0f} us | "
+                f"{_ms(b['stall_s']['mean'])} / {_ms(a['stall_s']['mean'])} / "
+                f"{_ms(i['stall_s']['mean'])} | {_ms(d['before']['mean'])} "
+                f"{_ci(d['before']['ci95'])} | {_ms(d['after']['mean'])} "
+                f"{_ci(d['after']['ci95'])} |")
+        lines += ["", f"{next(iter(pl.values()))['reps']} paired rounds per shape. The "
+                  "snapshot a pull answers is the snapshot thread's latest build: when "
+                  "sampled steps were folded since, the answer says so (`snapshot_stale`, "
+                  "with the build's age) and the next pull has them; the sampler's counters "
+                  "are always read at the pull.", ""]
     tr = res.get("trace")
     if tr:
         lines += ["## A live trace at the default bounds", "",
