@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from attnprof.contracts.jsonsafe import dumps
+from attnprof.contracts.jsonsafe import dumps_yielding
 
 __all__ = ["PUBLIC", "WITHHELD", "public_snapshot", "public_snapshot_body"]
 
@@ -122,5 +122,6 @@ def public_snapshot(doc: dict[str, Any], restricted: str) -> dict[str, Any]:
 
 
 def public_snapshot_body(body: bytes, restricted: str) -> bytes:
-    """:func:`public_snapshot` of a rendered snapshot body, as UTF-8 JSON."""
-    return dumps(public_snapshot(json.loads(body), restricted)).encode()
+    """:func:`public_snapshot` of a rendered snapshot body, as UTF-8 JSON (for a thread: the
+    output is encoded in pieces, so the event loop gets the GIL between them)."""
+    return dumps_yielding(public_snapshot(json.loads(body), restricted)).encode()
