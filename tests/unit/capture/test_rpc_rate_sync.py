@@ -89,3 +89,36 @@ def test_ranks_sample_alike_through_the_api_servers_poll(api_state: runtime.Stat
     assert s0.decisions_digest == s1.decisions_digest
     # Each poll's answer says which rank leads and what it wants; the follower adds nothing.
     assert [w.sampler.sync for w in view.workers] == ["leader", "follower"]
+
+
+def test_the_first_poll_comes_soon_after_start_up_not_at_the_advice_loops_round(
+        api_state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a GET, ranks on the RPC channel would throttle only from the advice loop's
+    first round (60 s): the API server polls once soon after start-up; a server whose ranks
+    share the file (no ``rate_sync`` in the answers) is polled no more."""
+    import attnprof.capture.vllm.live_view as lv
+
+    monkeypatch.setattr(lv, "RATE_SYNC_IDLE_S", 0.01)
+    monkeypatch.setattr(lv, "RATE_SYNC_PENDING_S", 0.01)
+    on_rpc = [_rank(0, Clock()), _rank(1, Clock())]
+    file_cfg = Config(enabled=True, sample_rate=1.0, seed=3)
+    on_file = [Capture(runtime.State(config=file_cfg)) for _ in range(2)]
+
+    async def run(caps: list[Capture], polls: int) -> tuple[Workers, LiveView]:
+        engine = Workers([worker_methods(c, c.state) for c in caps])
+        view = LiveView(engine)
+        view.start_rate_sync()
+        view.start_rate_sync()  # idempotent: one timer
+        for _ in range(3000):  # until the polls came (a hang bound, not a speed check)
+            if engine.polls >= polls:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # room for a poll that should not come
+        if view._sync_timer is not None:
+            view._sync_timer.cancel()
+        return engine, view
+
+    engine, view = asyncio.run(run(on_rpc, 2))
+    assert engine.polls >= 2 and view.rate_sync  # the first poll, then the sync goes on
+    engine, view = asyncio.run(run(on_file, 1))
+    assert engine.polls == 1 and not view.rate_sync

@@ -387,6 +387,7 @@ class AttnProfEndpoint:
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
             start(cfg, otlp)
+            self.view.start_rate_sync()
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
                     _advice_loop(self.view, cfg.advice_interval_s, cfg.rpc_timeout_s))

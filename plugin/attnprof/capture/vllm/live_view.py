@@ -192,6 +192,14 @@ class LiveView:
         except Exception as exc:
             runtime.STATE.errors.note("rate_sync", exc)
 
+    def start_rate_sync(self) -> None:
+        """A first poll ``RATE_SYNC_IDLE_S`` after start-up (its answer says whether any rank
+        is on the RPC channel; without one nothing more is scheduled), so ranks on other
+        nodes throttle from then on, not from the advice loop's first round (60 s)."""
+        if self.keeps_head_stats and self._sync_timer is None and self.engine_client is not None:
+            self._sync_timer = asyncio.get_running_loop().call_later(RATE_SYNC_IDLE_S,
+                                                                     self._sync_poll)
+
     def _sync_poll(self) -> None:
         self._sync_timer = None
         if self._sync_task is None or self._sync_task.done():
