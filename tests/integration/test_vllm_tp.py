@@ -31,11 +31,12 @@ if __name__ == "__main__":
     # path and collected by a second, tiny RPC.
     polls = llm.collective_rpc("attnprof_poll")
     deltas = [[] for _ in polls]
-    for _ in range(500):
+    deadline = time.monotonic() + 120  # polled to a deadline, not a count of polls: load-proof
+    while True:
         got = llm.collective_rpc("attnprof_head_stats")
         for i, g in enumerate(got):
             deltas[i] += [d["data"] for d in g["head_stats"]["deltas"]]
-        if not any(g["head_stats"]["pending"] for g in got):
+        if not any(g["head_stats"]["pending"] for g in got) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
