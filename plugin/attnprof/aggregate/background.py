@@ -33,8 +33,10 @@ def yield_gil() -> None:
 
 class LatestBuild:
     """The latest ``build()`` result, rebuilt on a daemon thread of its own whenever
-    ``version()`` changed: when :meth:`get` finds it stale (the next reader then has it) and
-    every ``interval`` seconds, so a source that went quiet is caught up within that time.
+    ``version()`` changed and someone asked: when :meth:`get` finds it stale (the next
+    reader then has it), and with an ``interval``, also every ``interval`` seconds. Without
+    one (the worker snapshot) nothing is built that nobody reads: a server nobody polls
+    pays nothing for it.
 
     ``version`` is called on both threads and must be O(1); ``build`` runs on the thread
     only (it may pause between pieces with :func:`yield_gil`). Never raises: a failing
@@ -45,7 +47,7 @@ class LatestBuild:
     GONE: Hashable = ("attnprof: source gone",)
 
     def __init__(self, build: Callable[[], Any], version: Callable[[], Hashable],
-                 interval: float = 1.0, name: str = "attnprof-snapshot",
+                 interval: float | None = None, name: str = "attnprof-snapshot",
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         self._build = build
         self._version = version
@@ -64,6 +66,7 @@ class LatestBuild:
         """Start the thread (once; at model build, not on a serving step: a thread start
         takes ~0.1-0.5 ms)."""
         if self._thread is None or not self._thread.is_alive():
+            self._wake.set()  # a first build right away (at model build: nothing folded yet)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
@@ -112,12 +115,15 @@ class LatestBuild:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self.interval)
+            # without an interval, a timeout only checks that the source still exists
+            woken = self._wake.wait(self.interval if self.interval is not None else 30.0)
             self._wake.clear()
             try:
                 version = self._version()
                 if version == self.GONE:
                     return
+                if not woken and self.interval is None and self._latest is not None:
+                    continue
                 latest = self._latest
                 if latest is None or latest[1] != version:
                     self.build_now()

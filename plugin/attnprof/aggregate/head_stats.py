@@ -92,6 +92,44 @@ def _tolist(a: Any, piece: int = 1 << 16) -> list[Any]:
     return out
 
 
+class _Pieces:
+    """A seekable sink for ``zipfile`` that keeps each write as a buffer of its own (no
+    copy, no growing buffer); zipfile's one rewrite, a local header at its own offset and
+    of its own length, replaces that buffer."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self._starts: dict[int, int] = {}  # offset -> index in parts
+        self._pos = 0
+        self._size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._pos == self._size:
+            self._starts[self._pos] = len(self.parts)
+            self.parts.append(data if isinstance(data, bytes) else view)
+            self._size += n
+        else:
+            i = self._starts.get(self._pos)
+            if i is None or memoryview(self.parts[i]).nbytes != n:
+                raise ValueError("only a whole earlier write can be rewritten")
+            self.parts[i] = bytes(view)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1
+                                             else self._size + pos)
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+
 def _kbins(max_k: int = 1 << 20) -> tuple[int, ...]:
     out, k = [], 1
     while k <= max_k:
@@ -562,13 +600,19 @@ class HeadStatsAccumulator:
         non-default entries: index + value per field), and restart from zero. A worker sends
         these deltas between model steps; the API server merges them (:meth:`add_at`). Not
         compressed: zlib would triple the time the engine waits, to save wire bytes on a
-        local socket.
+        local socket. ``b"".join`` of :meth:`take_chunks`."""
+        return b"".join(self.take_chunks(pause, piece))
+
+    def take_chunks(self, pause: Callable[[], None] | None = None,
+                    piece: int = TAKE_PIECE_ELEMENTS) -> list[Any]:
+        """:meth:`take_bytes`'s bytes as a list of buffers, never copied into one: the drain
+        writes them to a file one by one (a 25 MB join or an in-memory file's growth would
+        hold the GIL for milliseconds).
 
         The work goes in pieces of at most ``piece`` entries (scan, zeroing) or
         ``piece`` x 8 bytes (writing), with ``pause()`` between two pieces: the drain thread
         passes :func:`attnprof.aggregate.background.yield_gil`, so the engine's thread never
         waits long for the GIL. The bytes are those of ``np.savez`` whatever the pieces."""
-        import io
         import json
         import zipfile
 
@@ -603,9 +647,10 @@ class HeadStatsAccumulator:
         self.exact.fill(False)
         # np.savez's own layout (stored, zip64 entries, a version-1.0 .npy header each),
         # each array's data written part by part instead of in 16 MiB copies.
-        buf = io.BytesIO()
+        buf = _Pieces()
         step_bytes = piece * 8
-        with zipfile.ZipFile(buf, mode="w", compression=zipfile.ZIP_STORED,
+        sink: Any = buf  # zipfile's stubs want a real file; it uses write/tell/seek/flush
+        with zipfile.ZipFile(sink, mode="w", compression=zipfile.ZIP_STORED,
                              allowZip64=True) as zf:
             for name, dtype, parts in arrays:
                 npy = np.lib.format
@@ -619,7 +664,7 @@ class HeadStatsAccumulator:
                         for i in range(0, len(data), step_bytes):
                             fid.write(data[i:i + step_bytes])
                             step()
-        return buf.getvalue()
+        return buf.parts
 
     @classmethod
     def from_bytes(cls, data: bytes) -> HeadStatsAccumulator:

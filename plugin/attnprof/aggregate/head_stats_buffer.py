@@ -3,10 +3,11 @@
 The engine folds sampled prompts into the *active* accumulator. A pull (the API server's
 poll, between two model steps) only swaps it with a zeroed *spare*: two attribute
 assignments and a queue put, whatever the model's size. A background thread then turns the
-swapped-out half into delta bytes (:meth:`HeadStatsAccumulator.take_bytes`, which zeroes it
+swapped-out half into delta bytes (:meth:`HeadStatsAccumulator.take_chunks`, which zeroes it
 in passing: 46 ms for an 80-layer, 64-head accumulator) in pieces, handing the GIL to the
 engine's thread between two (:func:`~attnprof.aggregate.background.yield_gil`), hands them
-to ``finish`` (which may write them to a file) and returns the zeroed half as the next
+to ``finish`` as a list of buffers never joined into one (it may write them to a file one
+by one; ``b"".join`` is the delta) and returns the zeroed half as the next
 spare. The result is collected by a later, equally cheap call (:meth:`take_ready`).
 
 While a drain is still running there is no spare: a pull then swaps nothing (counted in
@@ -40,7 +41,7 @@ class HeadStatsDoubleBuffer:
         self._spare: HeadStatsAccumulator | None = active.empty_like()
         self._ready: list[Any] = []
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[HeadStatsAccumulator, Callable[[bytes], Any]]] = (
+        self._jobs: queue.SimpleQueue[tuple[HeadStatsAccumulator, Callable[[list[Any]], Any]]] = (
             queue.SimpleQueue())
         self.swaps = 0
         self.skipped = 0
@@ -61,9 +62,9 @@ class HeadStatsDoubleBuffer:
         """A swapped-out half is still being serialized."""
         return self._spare is None
 
-    def swap(self, finish: Callable[[bytes], Any]) -> bool:
+    def swap(self, finish: Callable[[list[Any]], Any]) -> bool:
         """Swap the active half for the spare and queue the old one for serialization;
-        ``finish(delta_bytes)`` runs on the drain thread and its result is what
+        ``finish(delta_chunks)`` runs on the drain thread and its result is what
         :meth:`take_ready` hands out. O(1); False when there was nothing to swap (no data, or
         the previous drain still running)."""
         with self._lock:
@@ -98,8 +99,8 @@ class HeadStatsDoubleBuffer:
             result: Any = None
             try:
                 # zeroes ``old`` too (it is the next spare), in pieces
-                data = old.take_bytes(self.pause)
-                self.delta_bytes = len(data)
+                data = old.take_chunks(self.pause)
+                self.delta_bytes = sum(memoryview(c).nbytes for c in data)
                 result = finish(data)
             except Exception as exc:  # a lost delta is counted by the caller's book
                 self.errors.append(f"{type(exc).__name__}: {exc}")

@@ -32,9 +32,9 @@ def test_swap_serializes_on_the_drain_thread_not_the_callers() -> None:
     _fold(buf.active, 1)
     threads: list[str] = []
 
-    def finish(data: bytes) -> bytes:
+    def finish(chunks: list[Any]) -> bytes:
         threads.append(threading.current_thread().name)
-        return data
+        return b"".join(chunks)
 
     before = buf.active
     assert buf.swap(finish)
@@ -52,9 +52,9 @@ def test_nothing_is_lost_or_counted_twice_whatever_the_timing_of_pulls() -> None
     buf = HeadStatsDoubleBuffer(HeadStatsAccumulator(3, 2, 2))
     gate = threading.Event()
 
-    def slow(data: bytes) -> bytes:
+    def slow(chunks: list[Any]) -> bytes:
         gate.wait(5.0)  # the drain is still running when the next pulls come
-        return data
+        return b"".join(chunks)
 
     merged = HeadStatsAccumulator(3, 2, 2)
     folded = 0
@@ -88,7 +88,7 @@ def test_a_failing_finish_loses_that_delta_only_and_says_so() -> None:
     buf = HeadStatsDoubleBuffer(HeadStatsAccumulator(2, 1, 1))
     _fold(buf.active, 0)
 
-    def broken(data: bytes) -> Any:
+    def broken(chunks: list[Any]) -> Any:
         raise OSError("disk full")
 
     assert buf.swap(broken) and buf.wait()
@@ -100,7 +100,7 @@ def test_a_failing_finish_loses_that_delta_only_and_says_so() -> None:
 # ----------------------------------------------------------------- how deltas travel
 def test_on_one_machine_a_delta_is_a_private_file_read_once(tmp_path: Path) -> None:
     files = DeltaFiles(tmp_path)
-    handle = files.finish_for(host_id())(b"delta-bytes")
+    handle = files.finish_for(host_id())([b"delta-", b"bytes"])
     assert set(handle) == {"path", "size"} and handle["size"] == 11
     path = Path(handle["path"])
     assert path.parent == tmp_path and stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -113,7 +113,7 @@ def test_on_one_machine_a_delta_is_a_private_file_read_once(tmp_path: Path) -> N
 def test_across_machines_a_delta_travels_in_the_answer(tmp_path: Path) -> None:
     files = DeltaFiles(tmp_path)
     for other in (None, "other-host/boot", host_id() + "x"):
-        handle = files.finish_for(other)(b"abc")
+        handle = files.finish_for(other)([b"a", b"bc"])
         assert handle == {"data": b"abc", "size": 3} and read_delta(handle) == b"abc"
     assert list(tmp_path.iterdir()) == []
 
@@ -122,7 +122,7 @@ def test_files_nobody_collected_are_removed_at_the_next_pull_and_at_exit(tmp_pat
                                                                          ) -> None:
     files = DeltaFiles(tmp_path)
     finish = files.finish_for(host_id())
-    a, b = finish(b"a"), finish(b"b")
+    a, b = finish([b"a"]), finish([b"b"])
     files.hand([a])  # handed out, never read (the API server died)
     files.forget_handed()
     assert not Path(a["path"]).exists() and Path(b["path"]).exists()  # b not handed yet

@@ -89,7 +89,7 @@ def test_the_drain_pauses_on_its_own_thread_never_the_callers() -> None:
     seen: list[str] = []
     buf = HeadStatsDoubleBuffer(_filled(), pause=lambda: seen.append(
         threading.current_thread().name))
-    assert buf.swap(lambda d: d) and buf.wait()
+    assert buf.swap(b"".join) and buf.wait()
     assert len(seen) > 1 and set(seen) == {"attnprof-head-stats"}
     (delta,) = buf.take_ready()
     assert HeadStatsAccumulator.from_bytes(delta).queries.sum() == _filled().queries.sum()
