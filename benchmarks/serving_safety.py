@@ -301,7 +301,7 @@ def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
         blob = full.take_bytes()
         before, after, drains = [], [], []
         buf = HeadStatsDoubleBuffer(HeadStatsAccumulator.from_bytes(blob))
-        buf.swap(lambda d: d)  # the drain thread exists from the first pull on
+        buf.swap(b"".join)  # the drain thread exists from the first pull on
         assert buf.wait() and buf.take_ready()
         for _ in range(reps):
             acc = HeadStatsAccumulator.from_bytes(blob)
@@ -310,7 +310,7 @@ def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
             before.append(time.perf_counter() - t)
             buf.active = HeadStatsAccumulator.from_bytes(blob)  # what the engine folded
             t = time.perf_counter()
-            buf.swap(lambda d: d)  # the pull: swap the halves, collect finished deltas
+            buf.swap(b"".join)  # the pull: swap the halves, collect finished deltas
             ready = buf.take_ready()
             after.append(time.perf_counter() - t)
             assert ready == [] and buf.wait()
@@ -320,10 +320,15 @@ def bench_engine_blocking(reps: int = 9) -> dict[str, Any]:
         # The drain holds the GIL in pieces: the engine's thread can run in between.
         # Medians of 7 alternating runs: one probe's largest gap is at the mercy of the
         # machine's other work.
+        from attnprof.capture.vllm.deltas import DeltaFiles
+
+        files = DeltaFiles()
         drains_stall, idles_stall = [], []
         for _ in range(7):
             buf = HeadStatsDoubleBuffer(HeadStatsAccumulator.from_bytes(blob))
-            drains_stall.append(_max_stall(lambda b=buf: (b.swap(lambda d: d), b.wait()))[1])
+            # the drain as on one machine: the delta written to a file, buffer by buffer
+            to_file = files.finish_for(files.here)
+            drains_stall.append(_max_stall(lambda b=buf, f=to_file: (b.swap(f), b.wait()))[1])
             idles_stall.append(_max_stall(lambda: time.sleep(0.1))[1])
         stall_drain = statistics.median(drains_stall)
         stall_idle = statistics.median(idles_stall)
@@ -435,7 +440,7 @@ def _old_poll(cap: Any) -> dict[str, Any]:
 
     snap = worker_rpc.snapshot(cap, include_head_stats=False, flush=False).to_json()
     out = worker_rpc._placement(cap)
-    out["head_stats"] = worker_rpc._take_deltas(cap, None, swap=True)
+    out["head_stats"] = worker_rpc._take_deltas(cap, cap.deltas.here, swap=True)
     out["snapshot"] = snap
     return out
 
@@ -495,8 +500,8 @@ def bench_pull(reps: int = 15) -> dict[str, Any]:
         def fill(old: bool, b: Any = buf, data: bytes = blob) -> None:
             acc = HeadStatsAccumulator.from_bytes(data)
             if old:
-                acc.take_bytes = types.MethodType(  # type: ignore[method-assign]
-                    lambda self, pause=None: _old_take_bytes(self), acc)
+                acc.take_chunks = types.MethodType(  # type: ignore[method-assign]
+                    lambda self, pause=None: [_old_take_bytes(self)], acc)
             assert b.wait()
             b.take_ready()
             b.active = acc
@@ -519,7 +524,8 @@ def bench_pull(reps: int = 15) -> dict[str, Any]:
             c.snapshots.wait_current()
             c.aggs.outcomes["sampled"] += 1
             got: dict[str, Any] = {}
-            pull_s, stall = _stall_after(lambda: got.update(worker_rpc.poll(c)),
+            pull_s, stall = _stall_after(lambda: got.update(worker_rpc.poll(
+                c, True, c.deltas.here)),
                                          lambda: (b.wait(), c.snapshots.wait_current()))
             t = time.perf_counter()
             pickle.dumps(got)
