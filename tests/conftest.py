@@ -100,9 +100,10 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
     return total
 
 
-def poll_metrics(base_url: str, check: Any, timeout: float = 6.0) -> str:
+def poll_metrics(base_url: str, check: Any, timeout: float = 60.0) -> str:
     """``/metrics`` text once ``check(text)`` holds. Exporters flush every second (off the
-    serving path), so a value lags the event that changed it by up to that interval."""
+    serving path), so a value lags the event that changed it by up to that interval, more on
+    a busy machine: ``timeout`` only bounds a hang."""
     import time
 
     from attnprof.tools.http import get_text

@@ -95,7 +95,13 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
             "model": "smollm2", "temperature": 0.0, "max_tokens": 12,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert "Paris" in out["choices"][0]["message"]["content"]
-        snap = json.loads(get_text(base + "/attnprof/snapshot"))
+        # The stat logger counts a request a little after answering it (and the snapshot is
+        # cached up to 2 s): polled to a bound on a hang, not read once.
+        deadline = time.monotonic() + 120
+        while (snap := json.loads(get_text(base + "/attnprof/snapshot")))[
+                "requests"]["requests"] < 1:
+            assert time.monotonic() < deadline, "the server never counted the request"
+            time.sleep(0.5)
         (worker,) = snap["workers"]
         assert len(worker["layers"]) == 30
         assert {lay["backend"] for lay in worker["layers"]} == {"CPU_ATTN"}

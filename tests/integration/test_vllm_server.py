@@ -73,6 +73,20 @@ def test_request_is_served_and_every_layer_is_captured(tiny_server: Any) -> None
     assert info == 1.0
 
 
+def _vllm_finished(metrics: str) -> float:
+    """Requests vLLM's own logger counted as finished (every finish reason)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _attnprof_caught_up(metrics: str) -> bool:
+    return (metric_value(metrics, "attnprof_request_context_tokens_count", model="tiny")
+            or 0.0) == _vllm_finished(metrics)
+
+
 def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) -> None:
     from transformers import AutoTokenizer
 
@@ -81,16 +95,11 @@ def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) ->
                " ".join(["latency throughput engineer traffic"] * 20)]
     gen = [3, 5, 7]
     n_prompt = [len(tok(p)["input_ids"]) for p in prompts]
-    # Earlier tests' last requests reach /metrics within the export interval (1 s): read the
-    # baseline once it has stopped moving.
-    before = get_text(tiny_server.base_url + "/metrics")
-    for _ in range(20):
-        time.sleep(1.2)
-        again = get_text(tiny_server.base_url + "/metrics")
-        if metric_value(again, "attnprof_request_context_tokens_count", model="tiny") == \
-                metric_value(before, "attnprof_request_context_tokens_count", model="tiny"):
-            break
-        before = again
+    # Earlier tests' last requests reach attnprof's series a little after their answers: the
+    # baseline is read once attnprof has counted every request vLLM's own logger counted (both
+    # are stat loggers fed the same finished requests), not after a quiet spell of time.
+    before = poll_metrics(tiny_server.base_url, lambda t: _attnprof_caught_up(t))
+    assert _attnprof_caught_up(before), "attnprof never caught up with vLLM's request count"
     c0 = metric_value(before, "attnprof_request_context_tokens_count", model="tiny") or 0.0
     s0 = metric_value(before, "attnprof_request_context_tokens_sum", model="tiny") or 0.0
     p0 = metric_value(before, "attnprof_request_prompt_tokens_sum", model="tiny") or 0.0
@@ -98,7 +107,9 @@ def test_context_length_histogram_is_exact(tiny_server: Any, tiny_model: Any) ->
         out = _complete(tiny_server, p, g)
         assert out["usage"]["prompt_tokens"] == n  # the tokenizer count is the server's count
     after = poll_metrics(tiny_server.base_url, lambda t: metric_value(
-        t, "attnprof_request_context_tokens_count", model="tiny") == c0 + 3)
+        t, "attnprof_request_context_tokens_count", model="tiny") == c0 + 3
+        and _attnprof_caught_up(t))
+    assert _vllm_finished(after) == _vllm_finished(before) + 3  # nothing else was counted
     assert metric_value(after, "attnprof_request_context_tokens_count", model="tiny") == c0 + 3
     assert metric_value(after, "attnprof_request_context_tokens_sum", model="tiny") == \
         s0 + sum(n_prompt) + sum(gen)
