@@ -26,6 +26,10 @@ YIELD_S = 0.0001
 GIL to wake and take it."""
 
 
+_GONE_CHECK_S = 30.0
+"""How often an idle builder thread checks that its source still exists."""
+
+
 def yield_gil() -> None:
     """Give the GIL to any thread waiting for it (call between two pieces of work)."""
     time.sleep(YIELD_S)
@@ -33,10 +37,8 @@ def yield_gil() -> None:
 
 class LatestBuild:
     """The latest ``build()`` result, rebuilt on a daemon thread of its own whenever
-    ``version()`` changed and someone asked: when :meth:`get` finds it stale (the next
-    reader then has it), and with an ``interval``, also every ``interval`` seconds. Without
-    one (the worker snapshot) nothing is built that nobody reads: a server nobody polls
-    pays nothing for it.
+    ``version()`` changed and someone asked (:meth:`get` found it stale, or :meth:`wake`):
+    nothing is built that nobody reads, so a server nobody polls pays nothing for it.
 
     ``version`` is called on both threads and must be O(1); ``build`` runs on the thread
     only (it may pause between pieces with :func:`yield_gil`). Never raises: a failing
@@ -47,11 +49,10 @@ class LatestBuild:
     GONE: Hashable = ("attnprof: source gone",)
 
     def __init__(self, build: Callable[[], Any], version: Callable[[], Hashable],
-                 interval: float | None = None, name: str = "attnprof-snapshot",
+                 name: str = "attnprof-snapshot",
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         self._build = build
         self._version = version
-        self.interval = interval
         self.name = name
         self.on_error = on_error
         # One tuple, replaced whole: a reader on another thread sees an old or a new build,
@@ -115,14 +116,14 @@ class LatestBuild:
 
     def _run(self) -> None:
         while True:
-            # without an interval, a timeout only checks that the source still exists
-            woken = self._wake.wait(self.interval if self.interval is not None else 30.0)
+            # a timeout only checks that the source still exists
+            woken = self._wake.wait(_GONE_CHECK_S)
             self._wake.clear()
             try:
                 version = self._version()
                 if version == self.GONE:
                     return
-                if not woken and self.interval is None and self._latest is not None:
+                if not woken and self._latest is not None:
                     continue
                 latest = self._latest
                 if latest is None or latest[1] != version:

@@ -107,7 +107,7 @@ class _Source:
 
 def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
     src = _Source()
-    lb = LatestBuild(src.build, lambda: src.version, interval=3600.0, name="t-build")
+    lb = LatestBuild(src.build, lambda: src.version, name="t-build")
     assert lb.get() == (None, False, 0.0)  # nothing yet: the reader builds nothing
     lb.start()
     assert lb.wait_current()
@@ -132,7 +132,7 @@ def test_a_failing_build_keeps_the_last_one_and_the_thread_ends_with_its_source(
     def version() -> Any:
         return LatestBuild.GONE if state["gone"] else state["version"]
 
-    lb = LatestBuild(build, version, interval=3600.0, on_error=errors.append)
+    lb = LatestBuild(build, version, on_error=errors.append)
     lb.start()
     assert lb.wait_current()
     state.update(version=1, fail=True)
