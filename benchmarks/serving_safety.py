@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -238,29 +239,43 @@ def _filled(layers: int, kv: int, group: int, head: int, prompts: int = 40) -> A
     return acc
 
 
-def _max_stall(work: Any) -> tuple[float, float]:
-    """``work()``'s wall time and the largest gap a 1 ms ticking thread saw meanwhile (a
-    stand-in for the engine's thread, which needs the GIL between its kernels)."""
-    gaps: list[float] = []
-    stop = threading.Event()
+class _Ticker:
+    """A 1 ms ticking thread, a stand-in for the engine's thread (which needs the GIL between
+    its kernels): ``gaps`` holds (end time, how much later than 1 ms each tick came)."""
 
-    def tick() -> None:
+    def __init__(self) -> None:
+        self.gaps: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._tick)
+
+    def _tick(self) -> None:
         last = time.perf_counter()
-        while not stop.is_set():
+        while not self._stop.is_set():
             time.sleep(0.001)
             now = time.perf_counter()
-            gaps.append(now - last - 0.001)
+            self.gaps.append((now, now - last - 0.001))
             last = now
 
-    th = threading.Thread(target=tick)
-    th.start()
-    time.sleep(0.05)
-    t = time.perf_counter()
-    work()
-    took = time.perf_counter() - t
-    stop.set()
-    th.join()
-    return took, max(gaps, default=0.0)
+    def __enter__(self) -> _Ticker:
+        self._th.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._th.join()
+
+    def largest(self, after: float = -math.inf) -> float:
+        return max((g for end, g in self.gaps if end > after), default=0.0)
+
+
+def _max_stall(work: Any) -> tuple[float, float]:
+    """``work()``'s wall time and the largest gap the ticking thread saw meanwhile."""
+    with _Ticker() as tk:
+        time.sleep(0.05)
+        t = time.perf_counter()
+        work()
+        took = time.perf_counter() - t
+    return took, tk.largest()
 
 
 def _loop_lag(work: Any) -> tuple[float, float]:
@@ -489,32 +504,18 @@ def _old_poll(cap: Any) -> dict[str, Any]:
 
 
 def _stall_after(pull: Any, background_done: Any) -> tuple[float, float]:
-    """``pull()`` on this thread (the engine's, which waits for it), then the largest gap a
-    1 ms ticking thread sees while the work the pull started finishes in the background
+    """``pull()`` on this thread (the engine's, which waits for it), then the largest gap the
+    ticking thread sees while the work the pull started finishes in the background
     (``background_done()`` waits for it): (pull seconds, largest gap after the pull)."""
-    gaps: list[tuple[float, float]] = []
-    stop = threading.Event()
-
-    def tick() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            time.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append((now, now - last - 0.001))
-            last = now
-
-    th = threading.Thread(target=tick)
-    th.start()
-    time.sleep(0.02)
-    t0 = time.perf_counter()
-    pull()
-    t1 = time.perf_counter()
-    background_done()
-    time.sleep(0.005)
-    stop.set()
-    th.join()
+    with _Ticker() as tk:
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        pull()
+        t1 = time.perf_counter()
+        background_done()
+        time.sleep(0.005)
     # gaps that ended after the pull: the engine's thread was running again by then
-    return t1 - t0, max((g for end, g in gaps if end > t1 + 0.0015), default=0.0)
+    return t1 - t0, tk.largest(after=t1 + 0.0015)
 
 
 def bench_pull(reps: int = 15) -> dict[str, Any]:
