@@ -16,7 +16,7 @@ from tests.conftest import run_py
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-_SCRIPT = r"""
+_PROLOGUE = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
@@ -25,6 +25,10 @@ if __name__ == "__main__":
               distributed_executor_backend="mp")
     prompts = ["the model request server " * 12,
                "cache token layer attention window head latency " * 8]
+"""
+"""Two tensor-parallel ranks on vLLM's real multiprocess executor, and two prompts."""
+
+_SCRIPT = _PROLOGUE + r"""
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
     # The pull swaps each rank's head statistics; the deltas are serialized off the engine's
@@ -107,16 +111,8 @@ def test_two_tp_ranks_sample_alike_and_merge_by_global_head(tiny_model: Path) ->
     assert t0["effective_rate"] == t1["effective_rate"] < 0.3
 
 
-_RPC_SCRIPT = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
-              kv_cache_memory_bytes=32 << 20, seed=0, tensor_parallel_size=2,
-              distributed_executor_backend="mp")
+_RPC_SCRIPT = _PROLOGUE + r"""
     from attnprof.capture.vllm.rank_sync import carried_rates
-    prompts = ["the model request server " * 12,
-               "cache token layer attention window head latency " * 8]
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     # What the API server's LiveView does: each poll carries the scales the last one
     # reported, and the executor delivers it to both ranks between the same two steps.
