@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from attnprof._safety import fault_point
@@ -118,65 +119,56 @@ class LiveView:
         # metrics on /metrics agree with the snapshot right away; workers flush every second.
         await asyncio.to_thread(runtime.STATE.flush)
 
-    async def _catch_up(self, answers: list[Any], timeout: float) -> None:
-        """A worker answers the snapshot its snapshot thread built last (built off the
-        engine's path); one built before the last sampled steps says so (``snapshot_stale``)
-        and the thread rebuilds. Then ask again (tiny pulls: no head statistics, nothing
-        swapped), with short sleeps, within ``timeout`` (2 s at most), until one pull finds
-        every worker's snapshot built after this refresh began; its snapshots replace all
-        of ``answers``' (one collective pull: the ranks' counters stay of the same step).
-        Otherwise ``answers`` stay as they are, and say they are behind."""
-        if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
-            return
-        t0 = time.monotonic()
-        deadline = t0 + min(timeout, 2.0)
+    async def _repolls(self, deadline: float, place: str, method: str,
+                       *args: Any) -> AsyncIterator[list[Any]]:
+        """``method``'s answers, asked again and again with growing short sleeps in between
+        (5 ms up to 100 ms) until ``deadline`` or the caller stops; an RPC that fails ends
+        it, noted under ``place`` (the engine's state, not attnprof's bug: no breaker)."""
         wait = 0.005
         while time.monotonic() < deadline:
             await asyncio.sleep(wait)
             wait = min(0.1, wait * 2)
             self.rpcs += 1
             try:
-                again = await rpc_all(self.engine_client, "attnprof_poll", False, self.host)
-            except Exception as exc:  # the engine's state, not attnprof's bug: no breaker
-                runtime.STATE.errors.note("snapshot_rpc", exc)
+                got = await rpc_all(self.engine_client, method, *args)
+            except Exception as exc:
+                runtime.STATE.errors.note(place, exc)
                 return
-            since = time.monotonic() - t0
-            later = {}
-            for b in again:
-                if not isinstance(b, dict) or not isinstance(b.get("snapshot"), dict):
-                    continue
-                st = b.get("snapshot_stale")
-                if st is not None and not float(st.get("age_s", since)) < since:
-                    break  # this worker's thread has not built since the refresh began
-                later[b["snapshot"].get("pid")] = b["snapshot"]
-            else:
-                pids = [(a.get("snapshot") or {}).get("pid") for a in answers
-                        if isinstance(a, dict)]
-                if all(p in later for p in pids):
-                    for a in answers:
-                        if isinstance(a, dict):
-                            a["snapshot"] = later[(a.get("snapshot") or {}).get("pid")]
-                            a.pop("snapshot_stale", None)
-                    return
+            yield got
+
+    async def _catch_up(self, answers: list[Any], timeout: float) -> None:
+        """A worker answers the snapshot its snapshot thread built last (built off the
+        engine's path); one built before the last sampled steps says so (``snapshot_stale``)
+        and the thread rebuilds. Then ask again (tiny pulls: no head statistics, nothing
+        swapped) within ``timeout`` (2 s at most), until one pull finds every worker's
+        snapshot built after this refresh began; its snapshots replace all of ``answers``'
+        (one collective pull: the ranks' counters stay of the same step). Otherwise
+        ``answers`` stay as they are, and say they are behind."""
+        if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
+            return
+        t0 = time.monotonic()
+        pids = [(a.get("snapshot") or {}).get("pid") for a in answers if isinstance(a, dict)]
+        async for again in self._repolls(t0 + min(timeout, 2.0), "snapshot_rpc",
+                                         "attnprof_poll", False, self.host):
+            later = _built_since(again, time.monotonic() - t0)
+            if later is not None and all(p in later for p in pids):
+                for a in answers:
+                    if isinstance(a, dict):
+                        a["snapshot"] = later[(a.get("snapshot") or {}).get("pid")]
+                        a.pop("snapshot_stale", None)
+                return
 
     async def _collect_deltas(self, answers: list[Any], timeout: float) -> None:
         """The poll swapped each worker's head statistics; their deltas are serialized on
-        the workers' own threads. Ask (a tiny RPC, no swap) until none is pending, with
-        short sleeps in between; what is not ready within ``timeout`` comes with the next
-        refresh."""
-        deadline = time.monotonic() + timeout
-        wait = 0.005
-        while any(isinstance(a, dict) and (a.get("head_stats") or {}).get("pending")
-                  for a in answers) and time.monotonic() < deadline:
-            await asyncio.sleep(wait)
-            wait = min(0.1, wait * 2)
-            self.rpcs += 1
-            try:
-                answers = await rpc_all(self.engine_client, "attnprof_head_stats", self.host)
-            except Exception as exc:  # the engine's state, not attnprof's bug: no breaker
-                runtime.STATE.errors.note("head_stats_rpc", exc)
-                return
+        the workers' own threads. Ask (a tiny RPC, no swap) until none is pending; what is
+        not ready within ``timeout`` comes with the next refresh."""
+        if not _deltas_pending(answers):
+            return
+        async for answers in self._repolls(time.monotonic() + timeout, "head_stats_rpc",
+                                           "attnprof_head_stats", self.host):
             await asyncio.to_thread(self._fold_deltas, answers)
+            if not _deltas_pending(answers):
+                return
 
     def _sync_rates(self, answers: list[Any]) -> None:
         """Keep the leaders' scales for the next poll and schedule it (RPC rate channel
@@ -354,6 +346,25 @@ class LiveView:
         return list(await asyncio.wait_for(
             rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate),
             timeout))
+
+
+def _deltas_pending(answers: list[Any]) -> bool:
+    return any(isinstance(a, dict) and (a.get("head_stats") or {}).get("pending")
+               for a in answers)
+
+
+def _built_since(answers: list[Any], since: float) -> dict[Any, Any] | None:
+    """Each worker's snapshot by pid when every one was built within the last ``since``
+    seconds (fresh, or stale but rebuilt since), else None."""
+    later = {}
+    for b in answers:
+        if not isinstance(b, dict) or not isinstance(b.get("snapshot"), dict):
+            continue
+        st = b.get("snapshot_stale")
+        if st is not None and not float(st.get("age_s", since)) < since:
+            return None  # this worker's thread has not built since the refresh began
+        later[b["snapshot"].get("pid")] = b["snapshot"]
+    return later
 
 
 _PROVENANCE: dict[tuple[str, str | None], Any] = {}
