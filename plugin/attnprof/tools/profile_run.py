@@ -77,7 +77,7 @@ def environment() -> Environment:
         dev.type, dev.name = "cuda", torch.cuda.get_device_name()
         dev.compute_capability = f"{cc[0]}.{cc[1]}"
     ver = provenance.package_version
-    git = provenance.git_info(Path(__file__).resolve().parent)  # attnprof's own source
+    git = provenance.git_info()  # attnprof's own checkout
     return Environment(
         attnprof=ver("attnprof"), python=platform.python_version(),
         torch=torch.__version__, transformers=ver("transformers"),

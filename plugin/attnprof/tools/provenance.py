@@ -45,23 +45,30 @@ def package_version(*names: str) -> str | None:
     return None
 
 
-def git_info(cwd: Path | None = None) -> GitInfo | None:
-    """Revision and dirty flag of the git checkout at ``cwd`` (default: attnprof's own
-    source); None when it is not one or git is missing."""
-    where = str(cwd or _OWN_SOURCE)
+def git_info() -> GitInfo | None:
+    """Revision and dirty flag of attnprof's own checkout (``plugin/attnprof`` two levels
+    below a ``.git``); None for an installed package, or when git is missing. git is run
+    there only, and told not to look above it: installed in a virtual environment inside
+    someone's repository, an upward search would find theirs and run its hooks."""
+    root = _OWN_SOURCE.parents[2]
+    if not (root / ".git").exists():
+        return None
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
+
+    def git(*args: str, timeout: float = 5) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
-                             text=True, timeout=5)
+        rev = git("rev-parse", "HEAD")
         if rev.returncode != 0 or not rev.stdout.strip():
             return None
-        root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=where,
-                              capture_output=True, text=True, timeout=5)
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                            cwd=where, capture_output=True, text=True, timeout=10)
+        top = git("rev-parse", "--show-toplevel")
+        st = git("status", "--porcelain", "--untracked-files=no", timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return GitInfo(revision=rev.stdout.strip(), dirty=bool(st.stdout.strip()),
-                   root=root.stdout.strip() or None)
+                   root=top.stdout.strip() or None)
 
 
 def cpu_info() -> tuple[str | None, list[str]]:
@@ -151,7 +158,7 @@ def model_identity(name: str, path: str | os.PathLike[str] | None) -> ModelIdent
 
 
 def collect(model_name: str, model_path: str | os.PathLike[str] | None = None,
-            argv: Sequence[str] | None = None, cwd: Path | None = None) -> Provenance:
+            argv: Sequence[str] | None = None) -> Provenance:
     """Provenance of a measurement taken now, in this process; never raises."""
     now = time.time()
     try:
@@ -163,7 +170,7 @@ def collect(model_name: str, model_path: str | os.PathLike[str] | None = None,
     except Exception:
         model = ModelIdentity(name=str(model_name))
     try:
-        git = git_info(cwd)
+        git = git_info()
     except Exception:
         git = None
     torch = sys.modules.get("torch")

@@ -130,6 +130,19 @@ def test_provenance_runs_git_only_in_attnprofs_own_checkout(
     assert (prov.git.revision if prov.git is not None else None) == want
 
 
+def test_installed_inside_someone_elses_repository_git_never_runs_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnprof in a virtual environment inside another project's checkout: an upward
+    search from its own folder would find that project's repository and run its hooks."""
+    repo, _, _, marker = _evil_repo(tmp_path)
+    tools = repo / ".venv" / "lib" / "python3.11" / "site-packages" / "attnprof" / "tools"
+    tools.mkdir(parents=True)
+    monkeypatch.setattr(provenance, "_OWN_SOURCE", tools)
+    assert provenance.git_info() is None
+    assert provenance.collect("m", None, argv=["x"]).git is None
+    assert not marker.exists()
+
+
 _HOSTILE = "tiny\x1b[2J\x1b]0;pwned\x07\rREGRESSION: none\u202e"
 
 
