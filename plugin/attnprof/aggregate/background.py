@@ -64,16 +64,11 @@ class LatestBuild:
         self.errors = 0
 
     def start(self) -> None:
-        """Start the thread (once; at model build, not on a serving step: a thread start
-        takes ~0.1-0.5 ms)."""
+        """Start the thread (once: by the first pull, a thread start takes ~0.1-0.5 ms)."""
         if self._thread is None or not self._thread.is_alive():
             self._wake.set()  # a first build right away (at model build: nothing folded yet)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def get(self, wake: bool = True) -> tuple[Any, bool, float]:
         """(the latest build or None, whether it is current, its age in seconds). O(1): a
@@ -95,13 +90,18 @@ class LatestBuild:
         self._wake.set()
 
     def build_now(self) -> Any:
-        """Build on the calling thread and keep the result (tests, and a reader that found
-        no build at all); raises what ``build`` raises."""
+        """Build on the calling thread and keep the result (the thread, and tests); raises
+        what ``build`` raises."""
         version = self._version()
         value = self._build()
+        self.keep(value, version)
+        return value
+
+    def keep(self, value: Any, version: Hashable) -> None:
+        """Keep ``value``, built from ``version`` elsewhere (a reader that found no build
+        at all and made one itself)."""
         self._latest = (value, version, time.monotonic())
         self.builds += 1
-        return value
 
     def wait_current(self, timeout: float = 10.0) -> bool:
         """Until the latest build is current (tests, offline use); False on timeout."""

@@ -43,6 +43,7 @@ def _unstarted(cap: Capture) -> LatestBuild:
 
 def test_a_pull_builds_no_layer_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     cap = _rig()
+    worker_rpc.poll(cap)  # the first pull builds once, here, and starts the snapshot thread
     for i in range(5):
         _step(cap, "decode" if i % 2 else "prefill")
     built_on: list[str] = []
@@ -193,3 +194,36 @@ def test_a_refresh_waits_for_the_build_its_pull_started(monkeypatch: pytest.Monk
     assert [m for m, _ in engine.calls] == ["attnprof_poll", "attnprof_poll"]
     assert engine.calls[1][1][0] is False  # the second pull swaps no head statistics
     cap.state.hub.stop(final_flush=False)
+
+
+def test_model_build_starts_no_builder_and_a_blind_step_leaves_the_build_current() -> None:
+    """The builder reads the layers and asks vLLM's backend reports for each: started while
+    layers are still being wrapped (model build) it fixed a layer's report before vLLM's
+    selector had given it. A blind step (a full CUDA graph) changes no layer, so it must not
+    make every pull stale."""
+    cap = _rig(2)
+    assert cap.snapshots._thread is None  # nothing runs beside the model build
+    got = worker_rpc.poll(cap)
+    assert "snapshot_stale" not in got and cap.snapshots._thread is not None
+    before = worker_rpc.slow_version(cap)
+    cap.aggs.record_step(StepRecord("blind", 0.01, []))
+    assert worker_rpc.slow_version(cap) == before
+    _step(cap)
+    assert worker_rpc.slow_version(cap) != before
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_catch_up_matches_workers_by_position_not_pid() -> None:
+    """Two ranks on two nodes (or containers) may both be pid 57: a catch-up pull's
+    snapshots go back to the answers in rank order, never one rank's to the other."""
+    from attnprof.capture.vllm.live_view import _built_since
+
+    first = [{"snapshot": {"pid": 57, "rank": r}, "snapshot_stale": {"age_s": 9.0}}
+             for r in (0, 1)]
+    again = [{"snapshot": {"pid": 57, "rank": r, "new": True}} for r in (0, 1)]
+    assert _built_since(first, again, 1.0) == [again[0]["snapshot"], again[1]["snapshot"]]
+    assert _built_since(first, again[:1], 1.0) is None  # a rank missing: not replaced
+    behind = [again[0], {**again[1], "snapshot_stale": {"age_s": 5.0}}]
+    assert _built_since(first, behind, 1.0) is None  # built before the refresh began
+    other = [again[0], {"snapshot": {"pid": 58}}]
+    assert _built_since(first, other, 1.0) is None  # not the same worker

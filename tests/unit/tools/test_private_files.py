@@ -118,9 +118,10 @@ def test_a_new_worker_sweeps_a_crashed_workers_deltas_and_reads_its_own(tmp_path
     dead = _dead_pid()
     left = tmp_path / f"attnprof-hs-{dead}-crash.npz"
     left.write_bytes(b"x" * 1000)
-    files = DeltaFiles(tmp_path)
+    files = DeltaFiles(tmp_path)  # on the engine's thread, at a sampled step: no scan there
+    assert left.exists()
+    handle = files.finish_for(files.here)(b"delta")  # the drain thread's first delta
     assert not left.exists()
-    handle = files.finish_for(files.here)(b"delta")
     name = Path(handle["path"]).name
     assert name.startswith(f"attnprof-hs-{os.getpid()}-")
     files_again = DeltaFiles(tmp_path)  # another worker starting beside a live one

@@ -44,9 +44,7 @@ class DeltaFiles:
         self._written: set[str] = set()  # every file not known to be gone
         self._handed: list[str] = []  # files handed out by earlier answers
         atexit.register(self.forget_all)
-        # A worker that crashed (OOM kill) never ran its atexit: its deltas, megabytes each,
-        # are removed by the next worker to start here (only dead writers' files).
-        sweep(where or Path(tempfile.gettempdir()), kinds=(DELTA_FILE,))
+        self._swept = False
 
     def finish_for(self, api_host: str | None) -> Any:
         """A file when the API server shares this machine, else the bytes themselves."""
@@ -59,6 +57,12 @@ class DeltaFiles:
         joined into one copy first)."""
         if isinstance(chunks, (bytes, bytearray)):
             chunks = [chunks]
+        if not self._swept:
+            # A worker that crashed (OOM kill) never ran its atexit: its deltas, megabytes
+            # each, are removed by the next worker here (only dead writers' files). On the
+            # drain thread, at its first delta: never on the engine's thread.
+            self._swept = True
+            sweep(self.where or Path(tempfile.gettempdir()), kinds=(DELTA_FILE,))
         fd, path = tempfile.mkstemp(prefix=delta_prefix(), suffix=".npz",
                                     dir=str(self.where) if self.where else None)
         size = 0

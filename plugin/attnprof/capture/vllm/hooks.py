@@ -119,7 +119,8 @@ class Capture:
         self.deltas: Any = None  # DeltaFiles: how deltas reach the API server
         self.hs = HeadStatsCost()
         self.poll_cost = PollCost()
-        # The snapshot's layers, built off the engine's thread (started at model build).
+        # The snapshot's layers, built off the engine's thread (started by the first pull:
+        # after model build, whose layers it reads, and never for a server nobody polls).
         self.snapshots = _snapshot_builder(self)
         self._hs_step = False
         self._hs_time = 0.0
@@ -163,7 +164,6 @@ class Capture:
         impl._attnprof_wrapped = True
         self.state.add_role("worker")
         self.state.export_source("worker", functools.partial(worker_rpc.samples, self))
-        self.snapshots.start()
         if self.trace.spans and not self._spans_started:
             self._spans_started = True
             worker_rpc.start_spans(self)

@@ -147,14 +147,13 @@ class LiveView:
         if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
             return
         t0 = time.monotonic()
-        pids = [(a.get("snapshot") or {}).get("pid") for a in answers if isinstance(a, dict)]
         async for again in self._repolls(t0 + min(timeout, 2.0), "snapshot_rpc",
                                          "attnprof_poll", False, self.host):
-            later = _built_since(again, time.monotonic() - t0)
-            if later is not None and all(p in later for p in pids):
-                for a in answers:
+            later = _built_since(answers, again, time.monotonic() - t0)
+            if later is not None:
+                for a, snap in zip(answers, later, strict=True):
                     if isinstance(a, dict):
-                        a["snapshot"] = later[(a.get("snapshot") or {}).get("pid")]
+                        a["snapshot"] = snap
                         a.pop("snapshot_stale", None)
                 return
 
@@ -353,18 +352,26 @@ def _deltas_pending(answers: list[Any]) -> bool:
                for a in answers)
 
 
-def _built_since(answers: list[Any], since: float) -> dict[Any, Any] | None:
-    """Each worker's snapshot by pid when every one was built within the last ``since``
-    seconds (fresh, or stale but rebuilt since), else None."""
-    later = {}
-    for b in answers:
-        if not isinstance(b, dict) or not isinstance(b.get("snapshot"), dict):
+def _built_since(answers: list[Any], again: list[Any], since: float) -> list[Any] | None:
+    """``again``'s snapshots, one per answer of ``answers`` and in its order, when every one
+    was built within the last ``since`` seconds (fresh, or stale but rebuilt since), else
+    None. Matched by position (a collective RPC answers in rank order) and checked by pid:
+    pids alone repeat across nodes and containers."""
+    if len(again) != len(answers):
+        return None
+    out: list[Any] = []
+    for a, b in zip(answers, again, strict=True):
+        if not isinstance(a, dict):
+            out.append(None)
             continue
+        if not isinstance(b, dict) or not isinstance(b.get("snapshot"), dict) or \
+                b["snapshot"].get("pid") != (a.get("snapshot") or {}).get("pid"):
+            return None
         st = b.get("snapshot_stale")
         if st is not None and not float(st.get("age_s", since)) < since:
             return None  # this worker's thread has not built since the refresh began
-        later[b["snapshot"].get("pid")] = b["snapshot"]
-    return later
+        out.append(b["snapshot"])
+    return out
 
 
 _PROVENANCE: dict[tuple[str, str | None], Any] = {}

@@ -103,8 +103,12 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     # on 80 layers, in pieces that leave the engine the GIL); only the counters every step
     # changes are read here. A build behind the aggregates is served as it is, and says so.
     slow, fresh, age = cap.snapshots.get(wake=False)
-    if slow is None:  # no build yet (the thread starts at model build): once, here
-        slow, fresh, age = cap.snapshots.build_now(), True, 0.0
+    if slow is None:
+        # The first pull (or every build so far failed): built here, once, without the
+        # pauses a background build takes; the thread rebuilds from now on.
+        slow, fresh, age = slow_parts(cap, pieces=False), True, 0.0
+        cap.snapshots.keep(slow, slow_version(cap))
+        cap.snapshots.start()
     snap = ws.join(ws.fast_snapshot(
         os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
         ws.head_stats_cost(cap.hs), cap.poll_cost), slow)
@@ -127,17 +131,21 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     return out
 
 
-def slow_parts(cap: Any) -> dict[str, Any]:
-    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`), built on
-    the snapshot thread in pieces (:func:`~attnprof.aggregate.background.yield_gil`)."""
+def slow_parts(cap: Any, pieces: bool = True) -> dict[str, Any]:
+    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`); in
+    pieces (:func:`~attnprof.aggregate.background.yield_gil`) as the snapshot thread builds
+    them, or in one go (``pieces=False``: on the engine's thread, sleeping would only add)."""
     from attnprof.aggregate.background import yield_gil
 
-    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe, yield_gil)
+    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe,
+                         yield_gil if pieces else None)
 
 
 def slow_version(cap: Any) -> tuple[int, int, bool]:
-    """What :func:`slow_parts` depends on, in O(1): steps folded, layers known, a probe."""
-    return (sum(cap.aggs.outcomes.values()), len(cap.aggs.layers),
+    """What :func:`slow_parts` depends on, in O(1): sampled steps folded (a blind step,
+    replayed from a full CUDA graph, changes no layer), layers known, a probe."""
+    o = cap.aggs.outcomes
+    return (o["sampled"] + o["sampled_long"], len(cap.aggs.layers),
             cap.state.probe is not None)
 
 
