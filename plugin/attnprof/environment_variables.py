@@ -166,8 +166,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         "How tensor-parallel ranks agree on the overhead budget's scale, so they sample the "
         "same steps: `file`, the first rank's announcements in a node-local file; `rpc`, "
         "carried by the API server's poll and applied by every rank at that RPC (ranks on "
-        "other nodes); `auto`, `rpc` when vLLM's parallel config spans several nodes (or "
-        "runs on Ray), else `file`.",
+        "other nodes; it throttles only once the API server's poll carries a scale); `auto`, "
+        "`rpc` when vLLM's parallel config spans several nodes (`--nnodes`), else `file` "
+        "(set `rpc` by hand for Ray across nodes).",
     ),
     EnvVar(
         "ATTNPROF_FAULT_DELAY_S", "float in [0, 60]", "0",

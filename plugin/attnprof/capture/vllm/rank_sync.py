@@ -160,15 +160,16 @@ def group_key(dp_rank: int, pp_rank: int) -> str:
 
 
 def multi_node(parallel_config: Any) -> bool:
-    """Whether vLLM's parallel config may place this engine's ranks on several nodes: more
-    than one node per data-parallel group (``--nnodes``), or Ray (which places workers on any
-    node of its cluster). False when it cannot tell."""
+    """Whether vLLM's parallel config places this engine's ranks on several nodes: more than
+    one node per data-parallel group (``--nnodes``). False when it cannot tell, and for Ray,
+    whose placement it cannot see: on the RPC channel no rank throttles until a poll carries
+    a scale, so it is chosen only where the file cannot work (set it by hand for Ray across
+    nodes)."""
     try:
         nodes = int(getattr(parallel_config, "nnodes_within_dp", 1) or 1)
     except Exception:
         nodes = 1
-    backend = getattr(parallel_config, "distributed_executor_backend", None)
-    return nodes > 1 or backend == "ray" or getattr(backend, "uses_ray", False) is True
+    return nodes > 1
 
 
 class RpcRate:
