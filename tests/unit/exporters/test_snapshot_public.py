@@ -41,10 +41,25 @@ def _unclassified(cls: type, rule: Any, path: str) -> list[str]:
         sub = rule[name]
         if isinstance(sub, tuple):
             sub = sub[0]
-        if isinstance(sub, dict):
-            for inner in _dataclasses_in(hints.get(name)):
+        for inner in _dataclasses_in(hints.get(name)):
+            if isinstance(sub, dict):
                 missing += _unclassified(inner, sub, f"{path}.{name}")
+            elif sub is True:
+                missing += _changed_whole(inner, f"{path}.{name}")
     return missing
+
+
+def _changed_whole(cls: type, path: str) -> list[str]:
+    """A class kept whole must have exactly the fields KEPT_WHOLE names (at any depth)."""
+    have = tuple(f.name for f in dataclasses.fields(cls))
+    if snapshot_public.KEPT_WHOLE.get(cls.__name__) != have:
+        return [f"{path} ({cls.__name__} kept whole: {have})"]
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        for inner in _dataclasses_in(hints.get(f.name)):
+            out += _changed_whole(inner, f"{path}.{f.name}")
+    return out
 
 
 def test_every_snapshot_field_is_kept_or_withheld_by_name() -> None:
@@ -62,6 +77,14 @@ def test_the_walk_finds_a_field_left_unnamed() -> None:
     rule = {**PUBLIC, "workers": (worker,)}
     missing = _unclassified(Snapshot, rule, "snapshot")
     assert "snapshot.workers.layers.phases.time_s (PhaseStats)" in missing
+    # ... and a field added to a class kept whole (SamplerStats under each worker).
+    sampler = snapshot_public.KEPT_WHOLE["SamplerStats"]
+    try:
+        snapshot_public.KEPT_WHOLE["SamplerStats"] = sampler[:-1]
+        missing = _unclassified(Snapshot, PUBLIC, "snapshot")
+        assert [m.split(" ")[0] for m in missing] == ["snapshot.workers.sampler"]
+    finally:
+        snapshot_public.KEPT_WHOLE["SamplerStats"] = sampler
 
 
 def test_unknown_keys_and_odd_values_never_pass() -> None:
@@ -77,3 +100,11 @@ def test_unknown_keys_and_odd_values_never_pass() -> None:
         "requests": None, "errors": {"api_server": {"endpoint": 1}, "collective_rpc": "error"},
         "restricted": "hint"}
     assert doc["future_field"] == "secret"  # the input is not changed
+
+
+def test_an_error_keeps_only_an_exception_type_never_a_one_word_message() -> None:
+    kind = snapshot_public.error_kind
+    assert kind("TimeoutError: workers did not answer within 10 s") == "TimeoutError"
+    assert kind("vllm.RPCError: /secret/path") == "vllm.RPCError"
+    assert kind("hf_AbCdSecret123") == "error"  # one word: a message, maybe a key
+    assert kind("/models/llama: not found") == "error" and kind(None) is None
