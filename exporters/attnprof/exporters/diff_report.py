@@ -8,25 +8,13 @@ drive the terminal (ANSI escapes, ``\\r``) or forge lines.
 
 from __future__ import annotations
 
-import re
-
+from attnprof._text import inert
 from attnprof.contracts.diff import DiffReport, Finding
 from attnprof.facts.layers import format_layers, format_sites
 
 __all__ = ["inert", "render_markdown", "render_text"]
 
 _MAX_INFO = 12
-# C0/C1 controls (ESC, CR, LF, BEL, ...), DEL, and the Unicode line separators and bidi
-# overrides that reorder what a reader sees.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
-                      "\u202a-\u202e\u2066-\u2069]")
-
-
-def inert(text: object) -> str:
-    """``text`` with every control character written as its escape (``\\x1b``, ``\\r``,
-    ``\\n``, ``\\u202e``): safe to print on a terminal or in a comment; never raises."""
-    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"),
-                        str(text))
 
 
 def _side(rep: DiffReport, which: str) -> str:
@@ -74,10 +62,15 @@ def _interesting(rep: DiffReport) -> tuple[list[Finding], list[Finding], list[Fi
     return reg, imp, info
 
 
+_MD_SYNTAX = str.maketrans({"|": "\\|", "<": "&lt;", "(": "&#40;", "@": "&#64;"})
+
+
 def _md_escape(text: str) -> str:
-    """Text from the input files, made inert in a PR comment: no table breaks, no HTML."""
+    """Text from the input files, made inert in a PR comment: no table breaks, no HTML, no
+    links or images (``](`` needs its parenthesis), no mentions (``@team``), no autolinks."""
     # "<" opens HTML; ">" alone cannot (and "->" must stay readable in the raw text).
-    return inert(text).replace("|", "\\|").replace("<", "&lt;")
+    out = inert(text).translate(_MD_SYNTAX)
+    return out.replace("://", "&#58;//").replace("www.", "www&#46;")
 
 
 def _code(value: object) -> str:

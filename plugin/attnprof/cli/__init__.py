@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from attnprof._text import inert
 from attnprof.cli._common import CliError
 
 __all__ = ["CliError", "main"]
@@ -24,14 +25,9 @@ SUBCOMMANDS = ("model", "serve", "demo", "snapshot", "trace", "env", "profile", 
                "report", "whatif", "container_start")
 
 
-# Control characters (C0, DEL, C1) and Unicode line separators in a message, escaped: an
-# error is one printable line, whatever value or file name it quotes.
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
-    0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
 def _one_line(message: str) -> str:
-    return message.translate(_ESCAPES)
+    """An error is one printable line, whatever value or file name it quotes."""
+    return inert(message)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from attnprof._text import inert
 from attnprof.cli._common import (
     CliError,
     api_key_arg,
@@ -157,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         require_module("matplotlib", "attnprof snapshot --roofline", "report")
     snap = fetch_snapshot(args.url, api_key=args.api_key, head_stats=args.head_stats)
     if isinstance(snap.get("restricted"), str):  # a server with no key: say what is missing
-        note = "".join(c if c.isprintable() else "?" for c in snap["restricted"][:400])
+        note = inert(snap["restricted"][:400])
         print(f"attnprof: {args.url}: {note}", file=sys.stderr)
     if args.png is not None:
         _write_map(snap, args.png, args.url)

@@ -159,6 +159,12 @@ def test_control_characters_from_input_files_are_printed_escaped(
     for out in (render_text(rep), render_markdown(rep)):
         assert not any(c in out for c in "\x1b\r\x07\u202e"), repr(out)
         assert "\\x1b[2J" in out and "\\r" in out
+    # A PR comment: a name from a file makes no image, link, mention or autolink.
+    for s in (base, new):
+        s.model = ("![x](https://evil.example/p.png) [docs](http://evil.example) @octocat "
+                   "www.evil.example")
+    md = render_markdown(_diff(base, new, allow_model_change=True))
+    assert "evil" in md and not any(x in md for x in ("](", "@octocat", "://", "www.evil"))
     # The same through the CLI, on files: nothing a file holds drives the terminal.
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(base.to_json()))
