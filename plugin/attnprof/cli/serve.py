@@ -48,12 +48,21 @@ def check_config() -> None:
         raise CliError(f"invalid configuration: {err}") from None
 
 
-def _key_note() -> str:
-    """What the snapshot line should add about keys (the server reads the same env)."""
+def _key_note(vllm_args: list[str]) -> str:
+    """What the snapshot line should add about keys: the server reads the same environment
+    and ``vllm_args`` (vLLM's own ``--api-key``, under any name its parser takes, opens the
+    routes when ``ATTNPROF_API_KEY`` is unset)."""
     import os
+
+    from attnprof.contracts.redact import vllm_option
 
     if os.environ.get("ATTNPROF_API_KEY"):
         return " (bearer: $ATTNPROF_API_KEY)"
+    if os.environ.get("VLLM_API_KEY") or any(
+            (hit := vllm_option(a.partition("=")[0])) is not None and hit[0] == "--api-key"
+            for a in vllm_args if a.startswith("--")):
+        return ("\n            (bearer: vLLM's API key: every inference key opens it; set "
+                "ATTNPROF_API_KEY to a separate monitoring key)")
     return ("\n            (no ATTNPROF_API_KEY: only what /metrics shows; set one to a "
             "monitoring key for the rest)")
 
@@ -87,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"attnprof: ready in {secs:.0f} s\n"
                   f"  API:      {srv.base_url}/v1\n"
                   f"  metrics:  {srv.base_url}/metrics\n"
-                  f"  snapshot: {srv.base_url}/attnprof/snapshot{_key_note()}\n"
+                  f"  snapshot: {srv.base_url}/attnprof/snapshot{_key_note(extra)}\n"
                   f"Ctrl-C stops the server and all its processes.", file=sys.stderr)
             assert srv.proc is not None
             while (rc := srv.proc.poll()) is None:
