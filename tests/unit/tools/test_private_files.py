@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,26 @@ def test_container_start_sweeps_attnprof_leftovers_before_exec(tmp_path: Path) -
     assert r.stdout.strip() == "['unrelated.txt']"
     assert sorted(os.listdir(run)) == []
     assert r.stderr.count("attnprof file(s) left in") == 2, r.stderr
+
+
+def test_as_a_containers_first_process_every_earlier_file_is_swept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pid 1 of a fresh pid namespace: every earlier process is gone, even one whose pid a
+    new process reuses (here: this test's own pid, alive), and rate files (no pid) go too;
+    elsewhere only dead writers' files do."""
+    from attnprof.tools.container_start import sweep_leftovers
+
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    run.mkdir()
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    reused = os.getpid()
+    names = [f"attnprof-hs-{reused}-a.npz", f"worker-{reused}.json",
+             "attnprof-rate-0123456789abcdef.bin"]
+    for n in names:
+        (run / n).write_bytes(b"x")
+    assert sweep_leftovers(str(run)) == []  # not pid 1: a live pid's files and rates stay
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    assert sweep_leftovers(str(run)) == [(str(run), sorted(names))]
+    assert list(run.iterdir()) == []

@@ -29,13 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnprof.contracts.redact import is_secret_name
+from attnprof.contracts.redact import VLLM_OPTIONS_PATH, is_secret_name
 
 __all__ = ["REVIEWED_NOT_SECRET", "SECRET_DESTS", "TABLE_PATH", "build", "main"]
 
 SECRET_DESTS = frozenset({"api_key", "hf_token"})
 REVIEWED_NOT_SECRET = frozenset({"allow_credentials"})
-TABLE_PATH = Path(__file__).resolve().parents[2] / "analyze" / "data" / "vllm_serve_options.json"
+TABLE_PATH = VLLM_OPTIONS_PATH  # the file redaction reads: one definition
 
 
 def _nargs(action: argparse.Action) -> str:
