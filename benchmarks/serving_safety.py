@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnprof.capture import head_rows
@@ -471,25 +472,15 @@ def _worker(layers: int, kv: int, group: int, head: int, blob: bytes) -> Any:
 
 
 def _old_take_bytes(acc: Any) -> bytes:
-    """The delta as the drain wrote it before issue 30: whole arrays, one ``np.savez``."""
-    import io
+    """The delta as the drain wrote it before issue 30: whole arrays, one ``np.savez`` (the
+    test's one definition), then the half zeroed."""
+    from tests.unit.aggregate.test_pieces import _savez_take
 
-    import numpy as np
-
-    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(acc._meta()).encode(),
-                                                    dtype=np.uint8)}
+    out = _savez_take(acc)
     for f in (*acc._SUM_FIELDS, "cov_min"):
-        a = getattr(acc, f)
-        fill = 1.0 if f == "cov_min" else 0.0
-        nz = np.flatnonzero(a != fill)
-        arrays[f + ".i"] = nz.astype(np.uint32)
-        arrays[f + ".v"] = a.ravel()[nz]
-        a.fill(fill)
-    arrays["exact.i"] = np.flatnonzero(acc.exact).astype(np.uint32)
+        getattr(acc, f).fill(1.0 if f == "cov_min" else 0.0)
     acc.exact.fill(False)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
+    return out
 
 
 def _old_poll(cap: Any) -> dict[str, Any]:
