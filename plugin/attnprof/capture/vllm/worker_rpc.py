@@ -11,6 +11,7 @@ its own errors (counted) and answers ``{"error": ...}``, never raising into vLLM
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import os
 import time
@@ -221,14 +222,8 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
     on purpose."""
     from attnprof.capture.vllm.rank_sync import leader_answer, take_carried
 
-    def delay() -> None:
-        cfg = state.config
-        if cfg is not None and cfg.fault_delay_s > 0:
-            time.sleep(cfg.fault_delay_s)
-
     def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
         try:
-            delay()
             # No flush: the export thread flushes every second.
             return snapshot(cap, include_head_stats, flush=False).to_json()
         except Exception as exc:  # runs in vLLM's worker loop: never raise there
@@ -240,7 +235,6 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
         """``rate_sync``: the leaders' scales the API server carries back (``{group: [seq,
         scale]}``), applied by every rank here, between the same two steps."""
         try:
-            delay()
             take_carried(cap.sampler, rate_sync)
             out = poll(cap, with_head_stats, api_host)
             rep = leader_answer(cap.sampler)
@@ -254,7 +248,6 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
 
     def attnprof_head_stats(self: Any, api_host: str | None = None) -> dict[str, Any]:
         try:
-            delay()
             return head_stats_take(cap, api_host)
         except Exception as exc:
             state.errors.record("snapshot", exc)
@@ -263,7 +256,6 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
     def attnprof_set_sampling(self: Any, rate: float | None = None,
                               head_stats_rate: float | None = None) -> dict[str, Any]:
         try:
-            delay()
             return cap.set_sampling(rate, head_stats_rate)  # type: ignore[no-any-return]
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -274,7 +266,6 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
         """One RPC for the live trace: ``arm`` (``max_ranges``: this worker's bound),
         ``count``, ``take`` (one page of at most ``max_ranges`` ranges) or ``drop``."""
         try:
-            delay()
             fault_point("capture")
             if op == "arm":
                 return trace_arm(cap, steps, timeout_s, trace_id, max_ranges)
@@ -290,6 +281,16 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
             state.errors.record("trace", exc)
             return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
 
-    return {"attnprof_snapshot": attnprof_snapshot, "attnprof_trace": attnprof_trace,
-            "attnprof_poll": attnprof_poll, "attnprof_head_stats": attnprof_head_stats,
-            "attnprof_set_sampling": attnprof_set_sampling}
+    def delayed(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        """``ATTNPROF_FAULT_DELAY_S`` (tests only): the method sleeps first."""
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            cfg = state.config
+            if cfg is not None and cfg.fault_delay_s > 0:
+                time.sleep(cfg.fault_delay_s)
+            return fn(self, *args, **kwargs)
+        return call
+
+    return {fn.__name__: delayed(fn) for fn in (
+        attnprof_snapshot, attnprof_trace, attnprof_poll, attnprof_head_stats,
+        attnprof_set_sampling)}
