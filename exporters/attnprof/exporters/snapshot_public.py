@@ -1,6 +1,7 @@
 """The snapshot a server with no API key answers to anyone: what ``/metrics`` already shows.
 
-``GET /attnprof/snapshot`` where no key is configured gets this cut of the rendered body.
+``GET /attnprof/snapshot`` where no key is configured gets this cut of the snapshot document,
+rendered by the live view as a cached variant of its own.
 
 An allow-list over the rendered document, not a deny-list: a field added to the contract
 later stays out of this answer until it is named here
@@ -24,14 +25,11 @@ record's window; and every error's text (only its exception type stays).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Any
 
-from attnprof.contracts.jsonsafe import dumps_yielding
-
-__all__ = ["KEPT_WHOLE", "PUBLIC", "WITHHELD", "public_snapshot", "public_snapshot_body"]
+__all__ = ["KEPT_WHOLE", "PUBLIC", "WITHHELD", "public_snapshot"]
 
 Rule = Any
 """``True``: keep the value whole; a dict: keep only the keys it names, each by its rule;
@@ -158,9 +156,3 @@ def public_snapshot(doc: dict[str, Any], restricted: str) -> dict[str, Any]:
                      "recommendation is on /metrics as attnprof_window_*"}
     out["restricted"] = restricted
     return out
-
-
-def public_snapshot_body(body: bytes, restricted: str) -> bytes:
-    """:func:`public_snapshot` of a rendered snapshot body, as UTF-8 JSON (for a thread: the
-    output is encoded in pieces, so the event loop gets the GIL between them)."""
-    return dumps_yielding(public_snapshot(json.loads(body), restricted)).encode()

@@ -570,9 +570,11 @@ def test_a_keyless_answer_is_cut_once_per_refresh(state: runtime.State) -> None:
     first = asyncio.run(_get(app, "/attnprof/snapshot", n=5, key=None))
     again = asyncio.run(_get(app, "/attnprof/snapshot", n=2, key=None))
     assert len({r.content for r in first + again}) == 1 and len(eng.calls) == 1
-    cut = app.state.plugin._public
+    from attnprof.capture.vllm.endpoint import PUBLIC_NOTE
+
+    cut = app.state.plugin.view._bodies[(False, PUBLIC_NOTE)]  # the keyless render
     asyncio.run(_get(app, "/attnprof/snapshot", key=None))
-    assert app.state.plugin._public is cut  # the same body: not cut again
+    assert app.state.plugin.view._bodies[(False, PUBLIC_NOTE)] is cut  # not cut again
 
 
 def test_the_start_up_log_says_who_can_open_the_routes(

@@ -60,6 +60,12 @@ OPEN_HINT = ("set ATTNPROF_API_KEY on the server to a monitoring key (not a tena
 """How to read what a server with no key withholds (in its answers and start-up log)."""
 
 
+PUBLIC_NOTE = ("no API key is configured on this server, so this answer holds only what "
+               "/metrics shows (no exact request lengths, per-step lengths or timings, head "
+               f"statistics, provenance or error text); {OPEN_HINT}")
+"""The keyless snapshot's ``restricted`` note."""
+
+
 class TokenCheck:
     """Bearer-token check, as vLLM's ``AuthenticationMiddleware`` does it: sha256 digests
     (one length whatever the key) compared in constant time against every configured key,
@@ -204,23 +210,6 @@ class AttnProfEndpoint:
         self.auth = TokenCheck(api_tokens())
         self.gate = SamplingGate()
         self._task: asyncio.Task[None] | None = None
-        # The last keyless answer, by the full body it was cut from (one per refresh).
-        self._public: tuple[bytes, bytes] | None = None
-        self._public_lock = asyncio.Lock()
-
-    async def public_body(self, body: bytes) -> bytes:
-        """``body`` cut to what ``/metrics`` shows (a thread; once per rendered body)."""
-        from attnprof.exporters.snapshot_public import public_snapshot_body
-
-        async with self._public_lock:
-            if self._public is None or self._public[0] is not body:
-                cut = await asyncio.to_thread(
-                    public_snapshot_body, body,
-                    f"no API key is configured on this server, so this answer holds only "
-                    f"what /metrics shows (no exact request lengths, per-step lengths or "
-                    f"timings, head statistics, provenance or error text); {OPEN_HINT}")
-                self._public = (body, cut)
-            return self._public[1]
 
     def attach_router(self, app: Any) -> None:
         from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -263,10 +252,11 @@ class AttnProfEndpoint:
             try:
                 fault_point("endpoint")
                 cfg = st.config or Config()
-                body, age = await plugin.view.body(want, cfg.snapshot_max_age_s,
-                                                   cfg.rpc_timeout_s, cfg.snapshot_max_bytes)
-                if not plugin.auth.required:
-                    body = await plugin.public_body(body)
+                # No key: the answer is cut to what /metrics shows, rendered and cached as a
+                # variant of its own (shared by every keyless client of one refresh).
+                body, age = await plugin.view.body(
+                    want, cfg.snapshot_max_age_s, cfg.rpc_timeout_s, cfg.snapshot_max_bytes,
+                    None if plugin.auth.required else PUBLIC_NOTE)
                 return Response(body, media_type="application/json",
                                 headers={"Age": str(int(age)), "Cache-Control": "no-store"})
             except Exception as exc:

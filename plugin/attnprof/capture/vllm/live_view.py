@@ -59,7 +59,8 @@ class LiveView:
         self._task: asyncio.Future[None] | None = None
         self._task_kind = (False, False)  # (advice, head statistics) of the task in flight
         self._render_slots = asyncio.Semaphore(2)  # renders after a timeout are not shared
-        self._bodies: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
+        # (head statistics?, the keyless note or None) -> (refresh it is of, its render)
+        self._bodies: dict[tuple[bool, str | None], tuple[float, asyncio.Future[bytes]]] = {}
         # Merges (refresh thread) and renders of ?head_stats=1 (another thread) may overlap.
         self._hs_lock = threading.Lock()
         # Workers on this machine hand their deltas over as files (not through the engine).
@@ -269,13 +270,15 @@ class LiveView:
 
     # ----- answers -----
     async def body(self, with_head_stats: bool, max_age: float, timeout: float,
-                   max_bytes: int) -> tuple[bytes, float]:
+                   max_bytes: int, public: str | None = None) -> tuple[bytes, float]:
         """The snapshot body and its age in seconds, refreshing first when it is older than
-        ``max_age``; on timeout the cached data is served, and says so."""
+        ``max_age``; on timeout the cached data is served, and says so. ``public``: the
+        answer for a server with no key, cut to what ``/metrics`` shows
+        (:mod:`attnprof.exporters.snapshot_public`), with this ``restricted`` note."""
         st = runtime.STATE
         if not st.enabled:
-            snap = Snapshot(time=time.time(), model=st.model_label, enabled=False)
-            return dumps(snap.to_json()).encode(), 0.0
+            doc = Snapshot(time=time.time(), model=st.model_label, enabled=False).to_json()
+            return dumps(doc if public is None else _public(doc, public)).encode(), 0.0
         timed_out = None
         if self.refreshed_at == 0.0 or time.monotonic() - self.refreshed_at > max_age:
             # The window advice is the advice loop's job (ATTNPROF_ADVICE_INTERVAL_S): a GET
@@ -292,22 +295,23 @@ class LiveView:
         if timed_out is not None:
             async with self._render_slots:  # a hung engine must not pile up renders
                 body = await asyncio.to_thread(self._render, with_head_stats, age, timed_out,
-                                               max_bytes)
+                                               max_bytes, public)
             return body, age
         # One render per refresh and variant, shared by every client waiting for it.
-        cached = self._bodies.get(with_head_stats)
+        variant = (with_head_stats, public)
+        cached = self._bodies.get(variant)
         if cached is None or cached[0] != self.refreshed_at:
             fut = asyncio.ensure_future(asyncio.to_thread(
-                self._render, with_head_stats, age, None, max_bytes))
-            cached = self._bodies[with_head_stats] = (self.refreshed_at, fut)
+                self._render, with_head_stats, age, None, max_bytes, public))
+            cached = self._bodies[variant] = (self.refreshed_at, fut)
         try:
             return await asyncio.shield(cached[1]), age
         except Exception:
-            self._bodies.pop(with_head_stats, None)  # a failed render is not cached
+            self._bodies.pop(variant, None)  # a failed render is not cached
             raise
 
     def _render(self, with_head_stats: bool, age: float, timed_out: str | None,
-                max_bytes: int) -> bytes:
+                max_bytes: int, public: str | None = None) -> bytes:
         st = runtime.STATE
         snap = Snapshot(
             time=time.time(), model=st.model_label, enabled=st.enabled,
@@ -333,6 +337,10 @@ class LiveView:
         if with_head_stats and self.head_stats is not None:
             with self._hs_lock:  # not while a refresh merges into it
                 snap.head_stats = self.head_stats.to_dict()
+        if public is not None:  # from the typed snapshot: nothing rendered to be re-parsed
+            from attnprof.contracts.jsonsafe import dumps_yielding
+
+            return dumps_yielding(_public(snap.to_json(), public)).encode()
         from attnprof.exporters.snapshot_json import snapshot_body
 
         return snapshot_body(snap, max_bytes)
@@ -345,6 +353,12 @@ class LiveView:
         return list(await asyncio.wait_for(
             rpc_all(self.engine_client, "attnprof_set_sampling", rate, head_stats_rate),
             timeout))
+
+
+def _public(doc: dict[str, Any], note: str) -> dict[str, Any]:
+    from attnprof.exporters.snapshot_public import public_snapshot
+
+    return public_snapshot(doc, note)
 
 
 def _deltas_pending(answers: list[Any]) -> bool:
