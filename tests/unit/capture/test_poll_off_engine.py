@@ -227,3 +227,32 @@ def test_catch_up_matches_workers_by_position_not_pid() -> None:
     assert _built_since(first, behind, 1.0) is None  # built before the refresh began
     other = [again[0], {"snapshot": {"pid": 58}}]
     assert _built_since(first, other, 1.0) is None  # not the same worker
+
+
+def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each extra pull pauses the engine between two steps: a worker whose builds never
+    finish costs at most CATCH_UP_TRIES of them per refresh, and a rate-sync poll (which
+    only carries a scale) makes none."""
+    import asyncio
+
+    from attnprof.capture.vllm import live_view, runtime
+    from attnprof.config import Config
+
+    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
+        enabled=True, rpc_timeout_s=30.0, advice_interval_s=0.0)))
+
+    class AlwaysStale:
+        calls = 0
+
+        async def collective_rpc(self, method: str, timeout: Any = None,
+                                 args: Any = (), kwargs: Any = None) -> list[Any]:
+            self.calls += 1
+            return [{"snapshot": {"pid": 1}, "snapshot_stale": {"age_s": 1e9}}]
+
+    eng = AlwaysStale()
+    view = live_view.LiveView(eng)
+    asyncio.run(view.refresh(30.0, advice=False, head_stats=False, catch_up=False))
+    assert eng.calls == 1
+    asyncio.run(view.refresh(30.0, advice=False, head_stats=False))
+    assert eng.calls == 2 + live_view.CATCH_UP_TRIES

@@ -32,6 +32,10 @@ from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
 
 __all__ = ["RATE_SYNC_IDLE_S", "RATE_SYNC_PENDING_S", "LiveView"]
 
+CATCH_UP_TRIES = 10
+"""Most extra pulls a refresh makes for snapshots built after it began (~0.65 s of growing
+sleeps): each pauses the engine between two steps, so a builder that keeps failing must not
+cost 20 of them every refresh."""
 RATE_SYNC_PENDING_S = 1.0
 """With the RPC rate channel, the next poll while a leader's scale waits to be carried (the
 budget measures once a second: a faster poll would carry nothing new)."""
@@ -57,7 +61,8 @@ class LiveView:
         self.refreshed_at = 0.0  # monotonic time of the last completed refresh
         self.rpcs = 0  # RPCs started (tests and the benchmark read it)
         self._task: asyncio.Future[None] | None = None
-        self._task_kind = (False, False)  # (advice, head statistics) of the task in flight
+        # (advice, head statistics, catch-up) of the task in flight
+        self._task_kind = (False, False, False)
         self._render_slots = asyncio.Semaphore(2)  # renders after a timeout are not shared
         # (head statistics?, the keyless note or None) -> (refresh it is of, its render)
         self._bodies: dict[tuple[bool, str | None], tuple[float, asyncio.Future[bytes]]] = {}
@@ -72,13 +77,15 @@ class LiveView:
 
     # ----- refresh: one RPC in flight at most -----
     async def refresh(self, timeout: float, advice: bool = True,
-                      head_stats: bool | None = None) -> None:
+                      head_stats: bool | None = None, catch_up: bool = True) -> None:
         """Start a refresh unless one is in flight, and wait for it up to ``timeout``.
         Raises ``TimeoutError``; the RPC goes on and its answer is still folded in.
         ``head_stats`` (default: ``advice``): also pull the workers' head-statistics deltas,
         the one large part of a poll, only when the advice or a ``?head_stats=1`` needs them.
-        A task in flight that does less than asked is waited for, then one more starts."""
-        want = (advice, advice if head_stats is None else head_stats)
+        ``catch_up``: wait for workers' snapshots built after the refresh began (a reader's
+        need; a rate-sync poll carries a scale and needs none). A task in flight that does
+        less than asked is waited for, then one more starts."""
+        want = (advice, advice if head_stats is None else head_stats, catch_up)
         deadline = time.monotonic() + timeout
         task = self._task
         if task is not None and not task.done():
@@ -93,7 +100,8 @@ class LiveView:
         await asyncio.wait_for(asyncio.shield(self._task),
                                max(0.0, deadline - time.monotonic()))
 
-    async def _refresh(self, advice: bool, head_stats: bool = True) -> None:
+    async def _refresh(self, advice: bool, head_stats: bool = True,
+                       catch_up: bool = True) -> None:
         answers: list[Any] = []
         error = None
         timeout = (runtime.STATE.config or Config()).rpc_timeout_s
@@ -107,7 +115,8 @@ class LiveView:
                 error = f"{type(exc).__name__}: {exc}"
         if error is None:
             self._sync_rates(answers)
-            await self._catch_up(answers, timeout)
+            if catch_up:
+                await self._catch_up(answers, timeout)
         await asyncio.to_thread(self._fold, answers)
         if want_hs and error is None:
             await self._collect_deltas(answers, timeout)
@@ -148,14 +157,18 @@ class LiveView:
         if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
             return
         t0 = time.monotonic()
+        tries = 0
         async for again in self._repolls(t0 + min(timeout, 2.0), "snapshot_rpc",
                                          "attnprof_poll", False, self.host):
+            tries += 1
             later = _built_since(answers, again, time.monotonic() - t0)
             if later is not None:
                 for a, snap in zip(answers, later, strict=True):
                     if isinstance(a, dict):
                         a["snapshot"] = snap
                         a.pop("snapshot_stale", None)
+                return
+            if tries >= CATCH_UP_TRIES:  # a builder that cannot finish: no more pulls
                 return
 
     async def _collect_deltas(self, answers: list[Any], timeout: float) -> None:
@@ -201,7 +214,7 @@ class LiveView:
         """One poll without head statistics or advice: carries the leaders' scales."""
         try:
             await self.refresh((runtime.STATE.config or Config()).rpc_timeout_s,
-                               advice=False, head_stats=False)
+                               advice=False, head_stats=False, catch_up=False)
         except TimeoutError as exc:  # a slow engine is not attnprof's bug: no breaker
             runtime.STATE.errors.note("rate_sync_timeout", exc)
         except Exception as exc:
