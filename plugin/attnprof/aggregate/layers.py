@@ -217,8 +217,7 @@ class WorkerAggregates:
         self.agg: dict[tuple[int, str], _Agg] = {}
         self.steps: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
         self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
-        # Re-entrant: a reader's ``under_lock`` may call step_stats() inside its own cut.
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
 
     def add_layer(self, info: LayerInfo) -> None:
         self.layers[info.name or str(len(self.layers))] = info
@@ -253,14 +252,17 @@ class WorkerAggregates:
             st[1] += step.model_time_s
             st[2] += attn_total
 
-    def layer_profiles(self, pause: Callable[[], None] | None = None,
-                       under_lock: Callable[[], None] | None = None) -> list[LayerProfile]:
-        """Every layer's profile; ``pause()`` (a background reader handing over the GIL)
-        runs after the copy and after each layer; ``under_lock()`` runs inside the copy's
-        lock, so what it reads (steps, outcomes) is of the same step as the layers."""
+    def layer_profiles(self, pause: Callable[[], None] | None = None) -> list[LayerProfile]:
+        """Every layer's profile (see :meth:`cut`)."""
+        return self.cut(pause)[0]
+
+    def cut(self, pause: Callable[[], None] | None = None
+            ) -> tuple[list[LayerProfile], dict[str, StepPhaseStats]]:
+        """Every layer's profile and the per-phase step totals, copied under one lock (of
+        the same step); ``pause()`` (a background reader handing over the GIL) runs after
+        the copy and after each layer."""
         with self.lock:
-            if under_lock is not None:
-                under_lock()
+            steps = self._step_stats()
             infos = sorted(self.layers.values(), key=lambda i: i.index)
             aggs = {k: (a.calls, a.time_s, a.tokens, a.flops, a.bytes, a.requests,
                         a.kv_tokens, a.max_seq_len, list(a.recent))
@@ -283,10 +285,13 @@ class WorkerAggregates:
                     recent_time_s=recent)
             facts = {name: getattr(info, name) for name in _FACT_FIELDS}
             out.append(LayerProfile(**facts, phases=phases))
-        return out
+        return out, steps
 
     def step_stats(self) -> dict[str, StepPhaseStats]:
         with self.lock:
-            return {p: StepPhaseStats(steps=int(v[0]), model_time_s=v[1], attention_time_s=v[2],
-                                      attention_share=(v[2] / v[1]) if v[1] > 0 else None)
-                    for p, v in self.steps.items() if v[0]}
+            return self._step_stats()
+
+    def _step_stats(self) -> dict[str, StepPhaseStats]:  # under the lock
+        return {p: StepPhaseStats(steps=int(v[0]), model_time_s=v[1], attention_time_s=v[2],
+                                  attention_share=(v[2] / v[1]) if v[1] > 0 else None)
+                for p, v in self.steps.items() if v[0]}

@@ -14,6 +14,7 @@ every step (:func:`fast_snapshot`, microseconds), joined by :func:`join`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -104,13 +105,10 @@ def worker_snapshot(pid: int, process: str, aggs: WorkerAggregates, kernel_map: 
                     poll_cost: PollCost, head_stats: dict[str, Any] | None,
                     probe: Any = None) -> WorkerSnapshot:
     """One worker's :class:`WorkerSnapshot`; ``errors``: its ``ErrorBook`` (copied)."""
-    return WorkerSnapshot(
-        pid=pid, process=process,
-        layers=aggs.layer_profiles(), kernel_map=kernel_map,
-        steps=aggs.step_stats(), sampler=sampler,
-        errors=dict(errors.by_place), dropped=dict(errors.dropped),
-        disabled=errors.disabled, head_stats_cost=hs_cost,
-        poll_cost=poll_cost, head_stats=head_stats, probe=probe)
+    layers, steps = aggs.cut()
+    return dataclasses.replace(
+        _counters(pid, process, sampler, errors, hs_cost, poll_cost), layers=layers,
+        kernel_map=kernel_map, steps=steps, head_stats=head_stats, probe=probe)
 
 
 def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], list[KernelGroup]],
@@ -123,12 +121,7 @@ def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], l
         if pause is not None:
             pause()
 
-    cut: dict[str, Any] = {}
-
-    def same_step() -> None:  # inside the lock: microseconds
-        cut["steps"] = aggs.step_stats()
-
-    profiles = aggs.layer_profiles(pause, same_step)
+    profiles, steps = aggs.cut(pause)
     layers = []
     for lp in profiles:
         layers.append(lp.to_json())
@@ -136,7 +129,7 @@ def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], l
     groups = [g.to_json() for g in kernel_map(list(aggs.layers.values()))]
     step()
     return {"layers": layers, "kernel_map": groups,
-            "steps": {k: v.to_json() for k, v in cut["steps"].items()},
+            "steps": {k: v.to_json() for k, v in steps.items()},
             "probe": probe.to_json() if probe is not None else None}
 
 
@@ -144,10 +137,16 @@ def fast_snapshot(pid: int, process: str, sampler: SamplerStats, errors: Any,
                   hs_cost: HeadStatsCost, poll_cost: PollCost) -> dict[str, Any]:
     """A :class:`WorkerSnapshot`'s JSON without its :data:`SLOW_FIELDS` (left empty): the
     counters of every step, microseconds to build."""
+    return _counters(pid, process, sampler, errors, hs_cost, poll_cost).to_json()
+
+
+def _counters(pid: int, process: str, sampler: SamplerStats, errors: Any,
+              hs_cost: HeadStatsCost, poll_cost: PollCost) -> WorkerSnapshot:
+    """The snapshot's per-step counters (both builds start from it: one list of fields)."""
     return WorkerSnapshot(
         pid=pid, process=process, sampler=sampler, errors=dict(errors.by_place),
         dropped=dict(errors.dropped), disabled=errors.disabled, head_stats_cost=hs_cost,
-        poll_cost=poll_cost).to_json()
+        poll_cost=poll_cost)
 
 
 def join(fast: dict[str, Any], slow: Mapping[str, Any]) -> dict[str, Any]:

@@ -47,13 +47,13 @@ def test_a_pull_builds_no_layer_on_the_calling_thread(monkeypatch: pytest.Monkey
     for i in range(5):
         _step(cap, "decode" if i % 2 else "prefill")
     built_on: list[str] = []
-    orig = WorkerAggregates.layer_profiles
+    orig = WorkerAggregates.cut
 
     def spy(self: WorkerAggregates, *a: Any, **kw: Any) -> Any:
         built_on.append(threading.current_thread().name)
         return orig(self, *a, **kw)
 
-    monkeypatch.setattr(WorkerAggregates, "layer_profiles", spy)
+    monkeypatch.setattr(WorkerAggregates, "cut", spy)
     assert cap.snapshots.wait_current()
     built_on.clear()
     got = worker_rpc.poll(cap)  # on this (the engine's) thread
