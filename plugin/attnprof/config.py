@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 __all__ = ["OTLP_HISTOGRAMS", "RANK_SYNC", "Config", "ConfigError", "api_tokens",
            "default_home", "otlp_histogram", "otlp_spans"]
@@ -54,7 +55,16 @@ def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: flo
     return val
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+@overload
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int: ...
+
+
+@overload
+def _int(env: Mapping[str, str], name: str, default: None, lo: int, hi: int) -> int | None: ...
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, lo: int, hi: int
+         ) -> int | None:
     """An integer in [lo, hi]: every count attnprof reads has a ceiling, so no value can
     ask a worker or the API server for unbounded memory or work."""
     raw = env.get(name)
@@ -249,8 +259,7 @@ class Config:
                                       d.head_stats_min_tokens, 1, MAX_TOKENS),
             advice_interval_s=flt(env, "ATTNPROF_ADVICE_INTERVAL_S", d.advice_interval_s,
                                   MIN_INTERVAL_S, 86400.0, zero_off=True),
-            seed=None if (env.get("ATTNPROF_SEED") or "").strip() == ""
-            else num(env, "ATTNPROF_SEED", 0, 0, MAX_SEED),
+            seed=num(env, "ATTNPROF_SEED", None, 0, MAX_SEED),
             max_errors=num(env, "ATTNPROF_MAX_ERRORS", d.max_errors, 1, MAX_ERRORS),
             home=default_home(env),
             model_label=env.get("ATTNPROF_MODEL_LABEL") or None,

@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from attnprof.aggregate.layers import StepRecord
+from attnprof.config import MAX_TRACE_RANGES_PER_WORKER
 
 __all__ = ["MAX_RANGES", "MAX_STEPS", "SPAN_QUEUE_MAX", "LayerRange", "StepTrace", "TraceBuffer",
            "TracePages", "page_ranges", "step_trace"]
 
 MAX_STEPS = 1000
 """Most steps one live trace may ask for (the route refuses more)."""
-MAX_RANGES = 200_000
-"""Hard ceiling on the layer ranges one worker keeps for one trace, whatever it is asked."""
+MAX_RANGES = MAX_TRACE_RANGES_PER_WORKER
+"""Hard ceiling on the layer ranges one worker keeps for one trace, whatever it is asked
+(the ceiling of ``ATTNPROF_TRACE_MAX_RANGES_PER_WORKER``: one definition, in config)."""
 SPAN_QUEUE_MAX = 256
 """Sampled steps waiting for the span exporter; beyond this the oldest is dropped."""
 
