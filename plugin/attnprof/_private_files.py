@@ -9,10 +9,12 @@ planted symbolic link must not turn one of these writes into a write elsewhere, 
 crash (an OOM kill, a container restart in the same pod, whose ``emptyDir`` outlives the
 container) none of them may pile up.
 
-- :func:`write_private` creates a file exclusively (``O_EXCL | O_NOFOLLOW``, mode 0600) in a
-  directory opened once and checked (a real directory, ours, not writable by others unless
-  sticky), then renames it into place relative to that directory (a rename replaces a link,
-  never follows it).
+- :func:`write_private` (the liveness notes) creates a file exclusively (``O_EXCL |
+  O_NOFOLLOW``, mode 0600) in a directory opened once and checked (a real directory, ours,
+  not writable by others unless sticky), then renames it into place relative to that
+  directory (a rename replaces a link, never follows it). Deltas are created by ``mkstemp``
+  and the rate file with ``O_EXCL | O_NOFOLLOW`` of its own: exclusive, 0600, never through a
+  link either.
 - :func:`sweep` removes attnprof's own leftovers from a directory: only regular files (never
   a link), owned by this user, named like ours, whose writer is gone (a container start, pid 1
   of a fresh pid namespace, also removes the rate files, which carry no pid).

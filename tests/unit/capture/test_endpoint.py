@@ -609,3 +609,7 @@ def test_the_start_up_log_says_who_can_open_the_routes(
     plugin = start(None, None)
     (info,) = caplog.records
     assert "ATTNPROF_API_KEY" in info.message and not plugin.auth.required
+    # The monitoring key set to a tenant's inference key: the separation does not hold.
+    plugin = start(TENANT, [TENANT, "other"])
+    (warn,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "also one of vLLM's inference keys" in warn.message and TENANT not in caplog.text

@@ -372,8 +372,12 @@ class AttnProfEndpoint:
         self.engine_client = engine_client
         self.view = LiveView(engine_client)
         self.trace = LiveTrace(engine_client)
-        self.auth = TokenCheck(api_tokens(vllm_api_key=getattr(args, "api_key", None)))
-        _log_key_mode(self.auth.required, bool(os.environ.get("ATTNPROF_API_KEY")))
+        vllm_key = getattr(args, "api_key", None)
+        self.auth = TokenCheck(api_tokens(vllm_api_key=vllm_key))
+        own = os.environ.get("ATTNPROF_API_KEY", "")
+        tenants = api_tokens({k: v for k, v in os.environ.items() if k != "ATTNPROF_API_KEY"},
+                             vllm_api_key=vllm_key)
+        _log_key_mode(self.auth.required, bool(own), bool(own) and own in tenants)
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
             start(cfg, otlp)
@@ -383,9 +387,15 @@ class AttnProfEndpoint:
                     _advice_loop(self.view, cfg.advice_interval_s, cfg.rpc_timeout_s))
 
 
-def _log_key_mode(required: bool, own_key: bool) -> None:
-    """One start-up line where the routes are not behind a monitoring key of their own."""
-    if not required:
+def _log_key_mode(required: bool, own_key: bool, shared: bool = False) -> None:
+    """One start-up line where the routes are not behind a monitoring key of their own
+    (``shared``: ATTNPROF_API_KEY is one of vLLM's inference keys, so the separation it
+    exists for does not hold: every deploy but Compose's could not check that)."""
+    if shared:
+        logger.warning("attnprof: ATTNPROF_API_KEY is also one of vLLM's inference keys "
+                       "(--api-key / VLLM_API_KEY): whoever holds that tenant key opens "
+                       "/attnprof/*; give attnprof a separate monitoring key")
+    elif not required:
         logger.info("attnprof: no API key configured: /attnprof/snapshot answers only what "
                     "/metrics shows; the rest is off. To open it: %s", OPEN_HINT)
     elif not own_key:
