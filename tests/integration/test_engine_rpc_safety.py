@@ -13,17 +13,14 @@ Nothing here depends on timing beyond the 15x gap between the two knobs."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from attnprof.tools.http import post_json
+from attnprof.tools.http import HttpError, get, get_text, parse_json, post_json
 from attnprof.tools.server import VllmServer
 from tests.conftest import running_tiny_server
 
@@ -47,20 +44,15 @@ def slow_rpc_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 
 def _call(srv: VllmServer, method: str, path: str, body: dict[str, Any] | None = None
           ) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        srv.base_url + path, method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    """(status, answer) of an attnprof route with the monitoring key (the project's client;
+    an error status comes back with its one-line message)."""
+    url = srv.base_url + path
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read()
-            return r.status, (json.loads(raw) if raw.strip().startswith(b"{") else {})
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        try:
-            return err.code, dict(json.loads(raw))
-        except ValueError:
-            return err.code, {"raw": raw[:300].decode(errors="replace")}
+        if method == "POST":
+            return 200, dict(post_json(url, body or {}, timeout=120, api_key=KEY))
+        return 200, dict(parse_json(get(url, timeout=120, api_key=KEY), url))
+    except HttpError as err:
+        return err.status or 0, {"error": str(err)}
 
 
 def _completion_ok(srv: VllmServer, what: str) -> None:
@@ -73,8 +65,10 @@ def _completion_ok(srv: VllmServer, what: str) -> None:
         raise AssertionError(f"completion after {what} failed: {exc}\n"
                              f"{srv.log_tail(40)}") from exc
     assert out["usage"]["completion_tokens"] == 4, out
-    with urllib.request.urlopen(srv.base_url + "/health", timeout=30) as r:
-        assert r.status == 200, f"/health after {what}"
+    try:
+        get_text(srv.base_url + "/health", timeout=30)
+    except HttpError as err:
+        raise AssertionError(f"/health after {what}: {err}") from None
 
 
 def test_late_attnprof_answers_never_kill_the_engine(slow_rpc_server: VllmServer) -> None:
