@@ -150,3 +150,32 @@ def test_two_tp_ranks_without_the_file_sample_alike_through_the_poll(
     assert t0["sampled"] == t1["sampled"] < t0["seen"]
     assert t0["decisions_digest"] == t1["decisions_digest"] != ""
     assert t0["effective_rate"] == t1["effective_rate"] < 0.3
+
+
+def test_two_tp_ranks_without_the_file_sample_alike_through_a_real_api_server(
+        tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same, end to end: vLLM's real OpenAI server at TP=2 with the file channel off;
+    the scales travel through attnprof's own LiveView (snapshot GETs and its rate-sync polls)
+    and vLLM's AsyncLLM utility calls, not through a script's model of them."""
+    from attnprof.tools.http import post_json
+    from tests.conftest import TINY_API_KEY, get_snapshot, running_tiny_server
+
+    env = {"ATTNPROF_SAMPLE_RATE": "0.3", "ATTNPROF_RANK_SYNC": "rpc",
+           "ATTNPROF_OVERHEAD_BUDGET": "0.0001", "ATTNPROF_HEAD_STATS_RATE": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1", "ATTNPROF_API_KEY": TINY_API_KEY,
+           "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0"}
+    with running_tiny_server(tiny_model, tmp_path_factory, "tp-rpc.log", env,
+                             max_model_len=256, kv_bytes=32 << 20,
+                             extra_args=("--tensor-parallel-size", "2")) as srv:
+        for _ in range(12):
+            post_json(srv.base_url + "/v1/completions",
+                      {"model": "tiny", "prompt": "cache token layer attention " * 8,
+                       "max_tokens": 32, "ignore_eos": True, "temperature": 0.0}, timeout=300)
+            get_snapshot(srv.base_url, timeout=120)  # a poll: carries the leader's scale
+        t0, t1 = (w["sampler"] for w in get_snapshot(srv.base_url, timeout=120)["workers"])
+    assert {t0["sync"], t1["sync"]} == {"leader", "follower"}
+    assert t0["throttles"] + t1["throttles"] >= 1 and t0["rate_changes"], (t0, t1)
+    assert t0["rate_changes"] == t1["rate_changes"]
+    assert t0["unsynced"] == t1["unsynced"] == 0
+    assert t0["step_index"] == t1["step_index"] and t0["sampled"] == t1["sampled"]
+    assert t0["decisions_digest"] == t1["decisions_digest"] != ""
