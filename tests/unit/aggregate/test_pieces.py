@@ -5,7 +5,6 @@ reference and rebuilds on its own thread. Pieces are counted, never timed."""
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import threading
@@ -144,4 +143,3 @@ def test_a_failing_build_keeps_the_last_one_and_the_thread_ends_with_its_source(
     assert thread is not None
     thread.join(timeout=10)
     assert not thread.is_alive()
-    gc.collect()

@@ -181,8 +181,8 @@ def test_ranks_without_the_file_decide_the_same_steps_through_the_poll(
     assert ranks[0].scale == ranks[1].scale == 1.0  # recovered once the load went away
     assert ranks[1].sync.unread == 0 and ranks[1].late_changes == 0
 
-    # Before: a follower on another node found no file, kept its scale, and sampled other
-    # steps than its leader (what this channel fixes).
+    # The control (the same scenario on the file channel the follower cannot read, as a rank
+    # on another node): it keeps its scale and samples other steps than its leader.
     clocks = [Clock(), Clock()]
     ranks = [StepSampler(1.0, budget=0.01, seed=3, clock=c) for c in clocks]
     path = channel_path("other-node", 0, 0, tmp_path)
