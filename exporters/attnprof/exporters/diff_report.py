@@ -62,7 +62,7 @@ def _interesting(rep: DiffReport) -> tuple[list[Finding], list[Finding], list[Fi
     return reg, imp, info
 
 
-_MD_SYNTAX = str.maketrans({"|": "\\|", "<": "&lt;", "(": "&#40;", "@": "&#64;"})
+_MD_SYNTAX = str.maketrans({"|": "\\|", "<": "&lt;", "@": "&#64;"})
 
 
 def _md_escape(text: str) -> str:
@@ -70,7 +70,8 @@ def _md_escape(text: str) -> str:
     links or images (``](`` needs its parenthesis), no mentions (``@team``), no autolinks."""
     # "<" opens HTML; ">" alone cannot (and "->" must stay readable in the raw text).
     out = inert(text).translate(_MD_SYNTAX)
-    return out.replace("://", "&#58;//").replace("www.", "www&#46;")
+    return (out.replace("](", "]&#40;").replace("://", "&#58;//")
+            .replace("www.", "www&#46;"))
 
 
 def _code(value: object) -> str:
