@@ -114,6 +114,13 @@ class ErrorBook:
                                  k, area, area, area)
         return n
 
+    def view(self) -> tuple[dict[str, int], dict[str, int], set[str]]:
+        """Errors by place, drops and tripped areas, copied together under the lock: an
+        export that read them one by one while another thread recorded could show a
+        breaker tripped beside fewer errors than trip it."""
+        with self._lock:
+            return dict(self.by_place), dict(self.dropped), set(self.tripped)
+
     def drop(self, reason: str) -> None:
         with self._lock:
             self.dropped[reason] = self.dropped.get(reason, 0) + 1

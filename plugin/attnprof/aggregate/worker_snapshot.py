@@ -143,10 +143,11 @@ def fast_snapshot(pid: int, process: str, sampler: SamplerStats, errors: Any,
 def _counters(pid: int, process: str, sampler: SamplerStats, errors: Any,
               hs_cost: HeadStatsCost, poll_cost: PollCost) -> WorkerSnapshot:
     """The snapshot's per-step counters (both builds start from it: one list of fields)."""
+    # One copy under the book's lock: the snapshot thread reads while serving threads record.
+    by_place, dropped, tripped = errors.view()
     return WorkerSnapshot(
-        pid=pid, process=process, sampler=sampler, errors=dict(errors.by_place),
-        dropped=dict(errors.dropped), disabled=errors.disabled, head_stats_cost=hs_cost,
-        poll_cost=poll_cost)
+        pid=pid, process=process, sampler=sampler, errors=by_place, dropped=dropped,
+        disabled="capture" in tripped, head_stats_cost=hs_cost, poll_cost=poll_cost)
 
 
 def join(fast: dict[str, Any], slow: Mapping[str, Any]) -> dict[str, Any]:

@@ -297,3 +297,35 @@ def test_set_rate_switches_immediately_and_rejects_nonsense() -> None:
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError):
             s.set_rate(bad)
+
+
+def test_an_export_never_shows_a_breaker_tripped_beside_fewer_errors_than_trip_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export thread reads the book while the event loop records into it. CI caught
+    ``capture_disabled{place="advice"} 1`` beside ``internal_errors_total{place=
+    "window_advice"} 2``: the third error landed between reading the counts and reading
+    the breakers. Here it lands exactly there, every time."""
+    import attnprof.exporters.samples as samples_mod
+    from attnprof._safety import ErrorBook
+    from attnprof.capture.vllm.runtime import State
+
+    state = State(errors=ErrorBook(max_errors=3))
+    state.roles.add("api_server")
+    for _ in range(2):
+        state.errors.record("window_advice", RuntimeError())
+    real = samples_mod.error_samples
+
+    def third_error_between_the_reads(model: str, errors: Any, dropped: Any, roles: Any,
+                                      tripped: Any = (), areas: Any = ()) -> Any:
+        counts = dict(errors)  # the counts are read...
+        state.errors.record("window_advice", RuntimeError())  # ...another thread records...
+        return real(model, counts, dropped, roles, tripped, areas)  # ...then the breakers
+
+    monkeypatch.setattr(samples_mod, "error_samples", third_error_between_the_reads)
+    got = {(x.name, dict(x.labels).get("place")): getattr(x, "value", None)
+           for x in state._process_samples()}
+    assert state.errors.is_off("advice")  # the third error did trip it...
+    # ...and this export shows either both (count 3, breaker on) or neither: never torn.
+    shown = (got[("attnprof_internal_errors_total", "window_advice")],
+             got[("attnprof_capture_disabled", "advice")])
+    assert shown in {(2.0, 0.0), (3.0, 1.0)}, shown

@@ -331,7 +331,7 @@ class LiveView:
             processes=runtime.processes_from_run_dir(st.config),
             roles_here=sorted(st.roles), workers=list(self.workers),
             requests=st.requests.summary() if st.requests is not None else None,
-            errors=SnapshotErrors(api_server=dict(st.errors.by_place),
+            errors=SnapshotErrors(api_server=st.errors.view()[0],
                                   collective_rpc=timed_out or self.rpc_error),
             window_advice=self.advice, age_s=round(age, 3),
             provenance=_provenance(st.model_label, st.model_path))

@@ -72,8 +72,9 @@ class State:
     def _process_samples(self) -> list[Any]:
         from attnprof.exporters.samples import error_samples
 
-        return error_samples(self.model_label, self.errors.by_place, self.errors.dropped,
-                             self.roles, self.errors.tripped, _areas(self.roles))
+        by_place, dropped, tripped = self.errors.view()
+        return error_samples(self.model_label, by_place, dropped, self.roles, tripped,
+                             _areas(self.roles))
 
     def export_source(self, name: str, fn: Any) -> None:
         """Register a sample source with this process's export loop and make sure it runs."""
