@@ -121,7 +121,7 @@ def test_a_new_worker_sweeps_a_crashed_workers_deltas_and_reads_its_own(tmp_path
     left.write_bytes(b"x" * 1000)
     files = DeltaFiles(tmp_path)  # on the engine's thread, at a sampled step: no scan there
     assert left.exists()
-    handle = files.finish_for(files.here)(b"delta")  # the drain thread's first delta
+    handle = files.finish_for(files.here)([b"delta"])  # the drain thread's first delta
     assert not left.exists()
     name = Path(handle["path"]).name
     assert name.startswith(f"attnprof-hs-{os.getpid()}-")

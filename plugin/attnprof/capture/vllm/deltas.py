@@ -43,8 +43,8 @@ class DeltaFiles:
         self._lock = threading.Lock()
         self._written: set[str] = set()  # every file not known to be gone
         self._handed: list[str] = []  # files handed out by earlier answers
+        self._swept = False  # crashed workers' deltas removed (at the first delta)
         atexit.register(self.forget_all)
-        self._swept = False
 
     def finish_for(self, api_host: str | None) -> Any:
         """A file when the API server shares this machine, else the bytes themselves."""
@@ -55,8 +55,6 @@ class DeltaFiles:
     def _to_file(self, chunks: list[Any]) -> dict[str, Any]:
         """The delta's buffers written one by one (each write leaves the GIL; they are never
         joined into one copy first)."""
-        if isinstance(chunks, (bytes, bytearray)):
-            chunks = [chunks]
         if not self._swept:
             # A worker that crashed (OOM kill) never ran its atexit: its deltas, megabytes
             # each, are removed by the next worker here (only dead writers' files). On the
@@ -103,8 +101,7 @@ class DeltaFiles:
 
 
 def _inline(chunks: list[Any]) -> dict[str, Any]:
-    # the answer carries bytes (to another machine): one copy
-    data = bytes(chunks) if isinstance(chunks, (bytes, bytearray)) else b"".join(chunks)
+    data = b"".join(chunks)  # the answer carries bytes (to another machine): one copy
     return {"data": data, "size": len(data)}
 
 
