@@ -19,9 +19,9 @@ _MAX_INFO = 12
 
 def _side(rep: DiffReport, which: str) -> str:
     s = rep.base if which == "base" else rep.new
-    rev = (f" @ {inert(s.git_revision[:10])}{'+dirty' if s.git_dirty else ''}"
+    rev = (f" @ {_md_escape(s.git_revision[:10])}{'+dirty' if s.git_dirty else ''}"
            if s.git_revision else "")
-    when = f", {inert(s.time_iso)}" if s.time_iso else ""
+    when = f", {_md_escape(s.time_iso)}" if s.time_iso else ""
     win = f", {s.window_s:g} s window" if s.window_s else ""
     return f"{_code(s.file)} ({_md_escape(s.model)}{rev}{when}{win})"
 

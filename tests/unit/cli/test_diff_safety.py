@@ -163,6 +163,9 @@ def test_control_characters_from_input_files_are_printed_escaped(
     for s in (base, new):
         s.model = ("![x](https://evil.example/p.png) [docs](http://evil.example) @octocat "
                    "www.evil.example")
+        assert s.provenance is not None  # the side line's time and revision too
+        s.provenance.time_iso = "![t](https://evil.example/t.png) @octocat"
+        s.provenance.git = GitInfo(revision="@octocat12", dirty=False)
     md = render_markdown(_diff(base, new, allow_model_change=True))
     assert "evil" in md and not any(x in md for x in ("](", "@octocat", "://", "www.evil"))
     # The same through the CLI, on files: nothing a file holds drives the terminal.
