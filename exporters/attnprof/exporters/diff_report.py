@@ -12,7 +12,7 @@ from attnprof._text import inert
 from attnprof.contracts.diff import DiffReport, Finding
 from attnprof.facts.layers import format_layers, format_sites
 
-__all__ = ["inert", "render_markdown", "render_text"]
+__all__ = ["render_markdown", "render_text"]
 
 _MAX_INFO = 12
 

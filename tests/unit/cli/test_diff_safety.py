@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from attnprof._text import inert
 from attnprof.cli import main
 from attnprof.contracts.provenance import GitInfo
-from attnprof.exporters.diff_report import inert, render_markdown, render_text
+from attnprof.exporters.diff_report import render_markdown, render_text
 from attnprof.tools import provenance
 from tests.unit.analyze.test_diff import _diff, _snap
 
