@@ -509,14 +509,16 @@ def test_fork_after_provider_does_not_deadlock_the_child() -> None:
 
 # ----------------------------------------------------------------------------- faults
 
-def _failing_flushes(sink: OtlpSink, n: int, rec: OtlpReceiver | None = None) -> None:
+def _failing_flushes(sink: OtlpSink, n: int) -> None:
     for i in range(n):
-        failures, hits = sink.failures, rec.hits if rec is not None else 0
+        failures, successes = sink.failures, sink.successes
         sink.export(samples(float(i), CTX))
         # export() never waits on the network: it only records (the reader sends every
-        # 600 s, or on a flush), so nothing was sent or failed. Counted, not timed: a
-        # speed bound here failed on a loaded machine (issue 30, point 10).
-        assert sink.failures == failures and (rec is None or rec.hits == hits)
+        # 600 s, or on a flush), so no export was attempted. Counted, not timed: a speed
+        # bound here failed on a loaded machine (issue 30, point 10). Counted by the sink,
+        # which counts every attempt in the thread making it, not by the receiver: a flush
+        # that timed out on a busy box can still land there later, during this export.
+        assert sink.failures == failures and sink.successes == successes
         assert not sink.force_flush()
 
 
@@ -536,12 +538,12 @@ def test_failures_are_counted_and_do_not_leak(protocol: str, fault: str) -> None
     sink = OtlpSink(config(endpoint, protocol, timeout_s=0.5), role="worker",
                     on_error=lambda place, exc: errors.append((place, exc)))
     try:
-        _failing_flushes(sink, 3, rec)  # warm-up: provider, channel, first-failure warning
+        _failing_flushes(sink, 3)  # warm-up: provider, channel, first-failure warning
         gc.collect()
         threads = exporter_threads()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
-        _failing_flushes(sink, 20, rec)
+        _failing_flushes(sink, 20)
         gc.collect()
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
