@@ -332,3 +332,77 @@ def test_attnprof_env_never_prints_a_secret_value() -> None:
     out = subprocess.run([sys.executable, "-m", "attnprof.cli", "env"], env=env,
                          capture_output=True, text=True, timeout=60).stdout
     assert "k-77" not in out and "(set, not shown)" in out and "/srv/attnprof" in out
+
+
+# ----- against vLLM's real parser, not the table alone -----
+# Each command: what vLLM's own FlexibleArgumentParser makes of it decides what is secret
+# (its preprocessing of `_`, dotted `--opt.key value` and `-O3`, then argparse's
+# abbreviations and nargs), and no value it reads into a secret field, or under a secret
+# key of a JSON option, may survive redaction. The model (the positional) stays readable.
+_PARSED_FORMS = [
+    ["m", "--api-key", "S77a", "S77b", "-tp", "1"],
+    ["m", "--api_key", "S77a", "--port", "8123"],
+    ["m", "--api-k", "S77a", "S77b", "--hf-tok", "S77c"],
+    ["m", "--api_k=S77a", "--hf_t=S77c"],
+    ["m", "--api-key=-S77a"],
+    ["m", "--api-key", "S77a", "-5"],
+    ["m", "--api-key", "S77a", "-O3"],
+    ["m", "--hf-token", "S77c", "--port", "8123"],
+    ["m", "--hf-token", "-1"],
+    ["m", "--api-k.x", "S77a"],
+    ["m", "--watermark-config", '{"key": 77701, "algorithm": "gumbel"}'],
+    ["m", "--watermark-config.key", "77701"],
+    ["m", "--watermark_c.key=77701"],
+    ["m", "--additional-config", '{"a": {"api_key": "S77d", "n": 1}, "t": "Bearer S77e"}'],
+    ["m", "--additional-config.nested.api_key", "S77d"],
+    ["m", "--additional_config.hf.token=S77d"],
+    ["m", "--additional-config.api_key+", "S77d,S77e"],
+    ["m", "--hf-overrides.password", "S77d", "--port", "8123"],
+    ["m", "-O", "3", "--api-key", "S77a"],
+    pytest.param(["m", "--hf-overrides.hf_token", "-S77d"], marks=pytest.mark.xfail(
+        strict=True, reason="a dotted option takes the next word even when it starts with "
+        "'-'; redact_argv reads that word as a flag")),
+    pytest.param(["m", "--api-key", "S77a", "-S77 b"], marks=pytest.mark.xfail(
+        strict=True, reason="argparse reads a '-' word holding a space as a value; "
+        "redact_argv reads it as a flag")),
+]
+_SECRET_FIELDS = {"api_key", "hf_token", "watermark_config"}
+
+
+@pytest.fixture(scope="module")
+def vllm_parser() -> Any:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def _parsed_secrets(value: Any, secret: bool) -> list[str]:
+    if isinstance(value, dict):
+        return [s for k, v in value.items()
+                for s in _parsed_secrets(v, secret or is_secret_name(str(k)))]
+    if isinstance(value, list):
+        return [s for v in value for s in _parsed_secrets(v, secret)]
+    if secret and value is not None and not isinstance(value, bool):
+        return [str(value)]
+    return []
+
+
+@pytest.mark.vllm
+def test_secret_fields_are_the_tables() -> None:
+    doc = json.loads(VLLM_OPTIONS_PATH.read_text())["options"]
+    secret = {o[2:].replace("-", "_") for o, (_, s) in doc.items() if s}
+    assert secret == _SECRET_FIELDS
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("argv", _PARSED_FORMS)
+def test_no_value_vllms_parser_reads_as_secret_survives(vllm_parser: Any,
+                                                        argv: list[str]) -> None:
+    ns = vllm_parser.parse_args(list(argv))
+    secrets = [s for dest, v in vars(ns).items()
+               for s in _parsed_secrets(v, dest in _SECRET_FIELDS)]
+    assert secrets, f"{argv}: the case must carry a secret vLLM reads"
+    out = redact_argv(argv)
+    assert not _leaks(out, *secrets), (argv, out, secrets)
+    assert ns.model_tag == "m" and out[0] == "m"
