@@ -200,6 +200,20 @@ def test_probe_reports_matmul_and_spread() -> None:
     assert bf.kernels[3].dtype == "bfloat16"
 
 
+def test_docs_table_is_the_benchmarks_results_file() -> None:
+    """The agreements these tests leave to benchmarks/roofline.py are read in
+    docs/roofline.md: its table is the one the benchmark renders from its results file, so
+    a hand edit of either (or a results file regenerated without its table) shows here."""
+    import json
+
+    from tests.conftest import load_benchmark
+
+    bench = load_benchmark("roofline")
+    doc = bench.DOC.read_text()
+    table = doc[doc.index(bench.BEGIN):doc.index(bench.END) + len(bench.END)]
+    assert table == bench.markdown(json.loads(bench.OUT.read_text()))
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_live_snapshot_and_metrics_carry_the_probe_and_roofline(
