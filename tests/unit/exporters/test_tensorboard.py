@@ -277,6 +277,45 @@ def test_tensorboard_cli_stops_after_duration(snap_server: BearerJsonServer, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("poll_s", "polls"), [
+    ((), 5),  # ticks at 0, 0.2, 0.4, 0.6 and 0.8 s of a 0.9 s window
+    ((0.25,), 4)])  # the poll at 0.2 s ends at 0.45: the tick at 0.4 is skipped, not bunched
+def test_tensorboard_cli_ticks_on_the_clock(snap_server: BearerJsonServer, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            poll_s: tuple[float, ...], polls: int) -> None:
+    """--duration and --interval on an injected clock, so the exact number of polls is known
+    at any load (the test above, on the real clock, can only bound it): the clock moves only
+    while the CLI naps and, by ``poll_s``, while a poll after the first one takes."""
+    from types import SimpleNamespace
+
+    import attnprof.cli.tensorboard as tb_cli
+    from attnprof.cli._common import StopSignals
+
+    now = [0.0]
+    costs = list(poll_s)
+    fetch = tb_cli.fetch_typed_snapshot
+
+    def slow_fetch(url: str, key: str | None) -> Snapshot:
+        snap = fetch(url, key)
+        if len(snap_server.served) > 1 and costs:
+            now[0] += costs.pop(0)
+        return snap
+
+    def nap(self: StopSignals, seconds: float) -> bool:
+        now[0] += max(0.0, seconds)
+        return self.requested
+
+    monkeypatch.setattr(tb_cli, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(tb_cli, "fetch_typed_snapshot", slow_fetch)
+    monkeypatch.setattr(StopSignals, "nap", nap)
+    rc = main(["tensorboard", "--url", snap_server.url, "--api-key", "k3y", "--logdir",
+               str(tmp_path), "--duration", "0.9s", "--interval", "200ms", "--count", "20"])
+    assert rc == 0 and not costs
+    assert len(snap_server.served) == polls
+    assert sorted(scalars(accumulator(tmp_path))["context/p50"]) == list(range(polls))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_exits_0_with_the_files_flushed(snap_server: BearerJsonServer, tmp_path: Path,
                                                sig: int) -> None:
