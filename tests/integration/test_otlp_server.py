@@ -102,15 +102,20 @@ def test_otlp_counters_equal_metrics_exactly(otlp_server: tuple[VllmServer, Otlp
                                   {"model": "tiny", "prompt": "the model request " * (i + 2),
                                    "max_tokens": 5, "ignore_eos": True, "temperature": 0.0})
         assert out["usage"]["completion_tokens"] == 5
-    # Traffic stopped: wait until both sides have flushed the final totals and agree.
+    # Traffic stopped: wait until both sides have flushed the final totals and agree. The
+    # OTLP side compared is the one read beside that /metrics text: the receiver's threads
+    # keep adding exports (every 0.5 s), so a second read could be a later one.
+    seen: list[Any] = []
+
     def agree(text: str) -> bool:
         prom = _prom_counters(text)
-        otlp = _otlp_latest(rx)[0]
+        seen[:] = [_otlp_latest(rx)]
+        otlp = seen[0][0]
         return (any(k[0] == "attnprof_attention_calls_total" for k in prom)
                 and all(otlp.get(_to_otel(k)) == v for k, v in prom.items()))
 
-    prom = _prom_counters(poll_metrics(srv.base_url, agree, timeout=20))
-    otlp, resources, units = _otlp_latest(rx)
+    prom = _prom_counters(poll_metrics(srv.base_url, agree))
+    otlp, resources, units = seen[0]
     missing = {k: (v, otlp.get(_to_otel(k))) for k, v in prom.items() if otlp.get(_to_otel(k)) != v}
     assert not missing, f"OTLP disagrees with /metrics: {list(missing.items())[:8]}"
     calls = [k for k in prom if k[0] == "attnprof_attention_calls_total"]
