@@ -1,7 +1,7 @@
 """Collect :class:`attnprof.contracts.provenance.Provenance` for this process.
 
 Never raises: each part that cannot be read stays null. Cheap (tens of milliseconds: reads
-config.json, safetensors headers and runs ``git`` three times, in attnprof's own checkout
+config.json, safetensors headers and runs ``git`` twice, in attnprof's own checkout
 only), and never initialises CUDA (the
 GPU is read through NVML when it is there; an API server that touched CUDA would take GPU
 memory from the engine). Call it off any event loop.
@@ -63,12 +63,11 @@ def git_info() -> GitInfo | None:
         rev = git("rev-parse", "HEAD")
         if rev.returncode != 0 or not rev.stdout.strip():
             return None
-        top = git("rev-parse", "--show-toplevel")
         st = git("status", "--porcelain", "--untracked-files=no", timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return GitInfo(revision=rev.stdout.strip(), dirty=bool(st.stdout.strip()),
-                   root=top.stdout.strip() or None)
+    # root holds .git and git runs there: it is the top level git would name.
+    return GitInfo(revision=rev.stdout.strip(), dirty=bool(st.stdout.strip()), root=str(root))
 
 
 def cpu_info() -> tuple[str | None, list[str]]:

@@ -129,6 +129,11 @@ def test_provenance_runs_git_only_in_attnprofs_own_checkout(
                          capture_output=True, text=True)
     want = own.stdout.strip() if own.returncode == 0 else None
     assert (prov.git.revision if prov.git is not None else None) == want
+    if prov.git is not None:  # the checkout's top level, as git itself names it
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], check=True,
+                             cwd=Path(provenance.__file__).parent, capture_output=True,
+                             text=True)
+        assert prov.git.root == top.stdout.strip()
 
 
 def test_installed_inside_someone_elses_repository_git_never_runs_there(
