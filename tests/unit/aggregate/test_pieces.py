@@ -84,6 +84,12 @@ def test_the_delta_pauses_between_every_two_pieces() -> None:
     assert len(pauses) == scan + write and scan > 20
 
 
+def test_the_drain_hands_over_the_gil_unless_told_otherwise() -> None:
+    from attnprof.aggregate.background import yield_gil
+
+    assert HeadStatsDoubleBuffer(_filled()).pause is yield_gil
+
+
 def test_the_drain_pauses_on_its_own_thread_never_the_callers() -> None:
     seen: list[str] = []
     buf = HeadStatsDoubleBuffer(_filled(), pause=lambda: seen.append(

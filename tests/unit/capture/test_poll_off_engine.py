@@ -256,3 +256,37 @@ def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
     assert eng.calls == 1
     asyncio.run(view.refresh(30.0, advice=False, head_stats=False))
     assert eng.calls == 2 + live_view.CATCH_UP_TRIES
+
+
+def test_a_long_prefill_step_makes_the_build_stale_like_any_sampled_step() -> None:
+    """The long-prefill stratum's steps fold layers too: a build from before one is behind."""
+    cap = _rig(2)
+    lb = _unstarted(cap)
+    lb.build_now()
+    cap.aggs.record_step(StepRecord("sampled_long", 0.01, [
+        LayerCall(info, _shape("prefill", 100, (100,)), 0.001)
+        for info in cap.aggs.layers.values()]))
+    got = worker_rpc.poll(cap)
+    assert "snapshot_stale" in got
+    lb.build_now()
+    assert "snapshot_stale" not in worker_rpc.poll(cap)
+    cap.state.hub.stop(final_flush=False)
+
+
+def test_the_snapshot_thread_hands_over_the_gil_between_layers_the_first_pull_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread's build pauses (yield_gil) after every layer, on its own thread; the first
+    pull, which builds on the engine's thread, builds in one go (a sleep there only adds)."""
+    from attnprof.aggregate import background
+
+    layers = 4
+    paused_on: list[str] = []
+    monkeypatch.setattr(background, "yield_gil",
+                        lambda: paused_on.append(threading.current_thread().name))
+    cap = _rig(layers)
+    worker_rpc.poll(cap)  # the first pull: built here
+    assert paused_on == []
+    _step(cap)
+    assert cap.snapshots.wait_current()
+    assert len(paused_on) >= 2 * layers and set(paused_on) == {cap.snapshots.name}
+    cap.state.hub.stop(final_flush=False)
