@@ -387,6 +387,10 @@ class TimeoutSeen:
     async def collective_rpc(self, method: str, timeout: float | None = None,
                              args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
         self.seen.append((method, timeout))
+        return self.answer(method)
+
+    @staticmethod
+    def answer(method: str) -> list[Any]:
         if method == "attnprof_trace":
             return [{"pid": 1, "armed": True, "steps": 5, "recording": False, "more": False}]
         return [{"snapshot": {"pid": 1}, "head_stats": {"deltas": [], "pending": False},
@@ -421,3 +425,70 @@ def test_no_attnprof_rpc_hands_the_engine_a_timeout(state: runtime.State) -> Non
     llm = Llm()
     attnprof.set_sampling(0.5, llm=llm)
     assert llm.timeouts == [None]
+
+
+def test_through_vllms_own_utility_path_the_executor_gets_no_timeout(
+        state: runtime.State) -> None:
+    """The same through what vLLM 0.32's API server really uses (``rpc_all``'s first
+    branch): ``AsyncMPClient``'s utility call to each engine, its msgpack codec, and
+    ``EngineCore``'s dispatch into ``collective_rpc(method, timeout, args, kwargs)``. Only the
+    sockets and the executor are stood in: a reordered vLLM signature, or a timeout slipped
+    into the utility call, lands in the executor's ``timeout`` here."""
+    from vllm.v1.engine import UtilityOutput
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    from vllm.v1.engine.core_client import AsyncMPClient, _process_utility_output
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from attnprof.capture.vllm.deltas import host_id
+
+    seen: list[tuple[bytes, str, float | None, tuple[Any, ...]]] = []
+
+    def engine_core(identity: bytes) -> Any:
+        class Executor:
+            def collective_rpc(self, method: str, timeout: float | None = None,
+                               args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+                seen.append((identity, method, timeout, tuple(args)))
+                return TimeoutSeen.answer(method)
+
+        core = object.__new__(EngineCore)
+        core.model_executor = Executor()
+        return core
+
+    client = object.__new__(AsyncMPClient)
+    client.core_engines = [b"\x00\x00", b"\x01\x00"]  # two data-parallel engines
+    client.client_index = 0
+    client.utility_results = {}
+    client.encoder = MsgpackEncoder()
+    decoder = MsgpackDecoder()
+    client._ensure_output_queue_task = lambda: None
+
+    async def send(message: tuple[Any, ...], engine: bytes) -> None:
+        """What EngineCoreProc does with a UTILITY request, its output handed back."""
+        _, call_id, name, args = decoder.decode(message[1:])
+        method = getattr(engine_core(engine), name)
+        out = UtilityOutput(call_id)
+        EngineCoreProc._invoke_utility_method(
+            name, lambda: method(*EngineCoreProc._convert_msgspec_args(method, args)), out,
+            lambda o: asyncio.get_running_loop().call_soon(
+                _process_utility_output, o, client.utility_results))
+
+    client._send_input_message = send
+
+    class Llm:
+        engine_core = client
+
+    app = _app(Llm(), [KEY])
+    got = asyncio.run(_requests(app, ("GET", "/attnprof/snapshot?head_stats=1", None),
+                                ("POST", "/attnprof/sampling", {"sample_rate": 0.5}),
+                                ("GET", "/attnprof/trace?steps=1&timeout=1", None)))
+    # (The trace's pages are not this stand-in's to answer: only its RPCs are checked.)
+    assert [r.status_code for r in got[:2]] == [200, 200], [r.text for r in got]
+    assert {m for _, m, _, _ in seen} == {"attnprof_poll", "attnprof_set_sampling",
+                                          "attnprof_trace"}
+    assert {t for _, _, t, _ in seen} == {None}
+    for method in ("attnprof_poll", "attnprof_set_sampling"):  # every engine was asked
+        assert sorted(e for e, m, _, _ in seen if m == method) == client.core_engines
+    # The poll's arguments reach the worker method as it reads them (head statistics wanted,
+    # the API server's host, no scale to carry yet); both engines' workers are folded.
+    assert next(a for _, m, _, a in seen if m == "attnprof_poll") == (True, host_id(), None)
+    assert len(got[0].json()["workers"]) == 2
