@@ -66,7 +66,7 @@ class LatestBuild:
     def start(self) -> None:
         """Start the thread (once: by the first pull, a thread start takes ~0.1-0.5 ms)."""
         if self._thread is None or not self._thread.is_alive():
-            self._wake.set()  # a first build right away (at model build: nothing folded yet)
+            self._wake.set()  # a first check right away (builds unless a pull kept one)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 

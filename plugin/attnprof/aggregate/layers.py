@@ -252,9 +252,9 @@ class WorkerAggregates:
             st[1] += step.model_time_s
             st[2] += attn_total
 
-    def layer_profiles(self, pause: Callable[[], None] | None = None) -> list[LayerProfile]:
+    def layer_profiles(self) -> list[LayerProfile]:
         """Every layer's profile (see :meth:`cut`)."""
-        return self.cut(pause)[0]
+        return self.cut()[0]
 
     def cut(self, pause: Callable[[], None] | None = None
             ) -> tuple[list[LayerProfile], dict[str, StepPhaseStats]]:
