@@ -891,6 +891,10 @@ def _env_float(lo: float, hi: float, lo_open: bool, zero_off: bool = False) -> E
         return math.isfinite(x) and (in_range or (zero_off and x == 0.0))
 
     good = st.floats(lo, hi, exclude_min=lo_open, allow_nan=False).map(repr)
+    # The next float past each documented edge (and past 0 for a knob whose 0 is "off"):
+    # the range the table prints is the one enforced, to the last bit.
+    past = [x for x in (math.nextafter(lo, -math.inf), math.nextafter(hi, math.inf),
+                        math.nextafter(0.0, math.inf)) if not inside(x)]
     return EnvKind(
         bad=st.floats().filter(lambda x: not inside(x)).map(repr)
         | ANY_TEXT.filter(lambda s: s.strip() != "" and not _parses(float, s)),
@@ -900,7 +904,7 @@ def _env_float(lo: float, hi: float, lo_open: bool, zero_off: bool = False) -> E
         # an instant timeout)
         edges=("abc", "nan", "-nan", "inf", "-inf", "1e999", repr(lo - 1), repr(hi + 1),
                *([repr(lo)] if lo_open else []), *(() if inside(1e-300) else ("1e-300",)),
-               "0.5.5", "5%", "\x01", "1,5"))
+               *map(repr, past), "0.5.5", "5%", "\x01", "1,5"))
 
 
 def _env_int(lo: int | None, hi: int | None = None) -> EnvKind:
