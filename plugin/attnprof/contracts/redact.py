@@ -111,6 +111,12 @@ def _vllm_table() -> tuple[dict[str, tuple[str, bool]], tuple[str, ...], bool]:
     return opts, tuple(o for o in opts if o.startswith("--")), abbrev
 
 
+def _vllm_spelling(flag: str) -> str:
+    """``flag`` as vLLM's FlexibleArgumentParser hands it to argparse: ``_`` read as ``-``
+    in a long option's name."""
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
 def vllm_option(flag: str) -> tuple[str, str, bool] | None:
     """The vLLM option that ``flag`` (a word before any ``=``) names as vLLM's parser reads
     it: ``(option, nargs, secret)`` for an exact name (``_`` read as ``-``, as vLLM's
@@ -118,8 +124,7 @@ def vllm_option(flag: str) -> tuple[str, str, bool] | None:
     option vLLM does not know or an ambiguous prefix. nargs is argparse's: '0', '1', '?',
     '+' or '*'."""
     opts, longs, abbrev = _vllm_table()
-    if flag.startswith("--"):
-        flag = "--" + flag[2:].replace("_", "-")
+    flag = _vllm_spelling(flag)
     hit = opts.get(flag)
     if hit is not None:
         return flag, *hit
@@ -143,8 +148,7 @@ def _flag_rule(name: str) -> tuple[bool, str | None]:
     if hit is None:
         return is_secret_name(name), None
     opt, nargs, secret = hit
-    exact = opt == (name if not name.startswith("--") else "--" + name[2:].replace("_", "-"))
-    return secret or (not exact and is_secret_name(name)), nargs
+    return secret or (opt != _vllm_spelling(name) and is_secret_name(name)), nargs
 
 
 def _redact_text(text: str) -> str:
