@@ -339,11 +339,14 @@ def test_deltas_accumulate_across_refreshes(state: runtime.State,
 
 
 def test_data_parallel_engines_are_all_asked(state: runtime.State) -> None:
-    class Core:
-        async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+    class Core:  # vLLM's AsyncMPClient: one utility call per engine
+        core_engines = [b"\x00\x00", b"\x01\x00"]
+
+        async def _call_utility_async(self, method: str, *args: Any, engine: bytes
+                                      ) -> list[Any]:
             assert (method, args[0]) == ("collective_rpc", "attnprof_poll")
             assert args[1] is None  # no timeout for vLLM's executor (issue 30, point 1)
-            return [[_answer(21)], [_answer(22)]]
+            return [_answer(21 + self.core_engines.index(engine))]
 
     class Client:
         engine_core = Core()

@@ -24,8 +24,10 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """``collective_rpc(method, *args)`` on every engine, every worker's answer in one list.
 
     vLLM's data-parallel client answers ``collective_rpc`` with the first engine's workers
-    only, so each engine is asked. Never passes a timeout to the engine (see the module
-    docstring); callers bound their own wait with ``asyncio.wait_for``."""
+    only, so each engine is asked: a utility call per engine (every ``AsyncMPClient`` of
+    vLLM 0.32 has them); any other client, its ``collective_rpc``. Never passes a timeout to
+    the engine (see the module docstring); callers bound their own wait with
+    ``asyncio.wait_for``."""
     core = getattr(engine_client, "engine_core", None)
     engines = getattr(core, "core_engines", None)
     one = getattr(core, "_call_utility_async", None)
@@ -38,8 +40,4 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
         if not ok and got:
             raise got[0] if isinstance(got[0], Exception) else RuntimeError(str(got[0]))
         return [w for ws in ok for w in (ws or [])]
-    every = getattr(core, "call_utility_all_async", None)
-    if callable(every):
-        per_engine = await every("collective_rpc", method, None, args, None)
-        return [w for ws in per_engine for w in (ws or [])]
     return list(await engine_client.collective_rpc(method, timeout=None, args=args))
