@@ -133,6 +133,21 @@ def get_snapshot(base_url: str, head_stats: bool = False, key: str | None = TINY
         return dict(json.loads(r.read()))
 
 
+def counted_snapshot(base_url: str, n: int, key: str | None = TINY_API_KEY,
+                     timeout: float = 120.0) -> dict[str, Any]:
+    """The snapshot once the server's stat logger has counted ``n`` finished requests: it
+    counts a request a little after answering it, so a snapshot read right after an answer
+    may not show it yet, and a read of /metrics after that snapshot may. Polled; ``timeout``
+    only bounds a hang."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (snap := get_snapshot(base_url, key=key))["requests"]["requests"] < n:
+        assert time.monotonic() < deadline, f"the server never counted {n} requests"
+        time.sleep(0.2)
+    return snap
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,

@@ -17,7 +17,7 @@ import pytest
 
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.http import post_json
-from tests.conftest import TINY_API_KEY, get_snapshot
+from tests.conftest import TINY_API_KEY, counted_snapshot, get_snapshot
 
 pytestmark = pytest.mark.vllm
 
@@ -30,21 +30,11 @@ def _complete(srv: Any, n: int) -> None:
     post_json(srv.base_url + "/v1/completions", body, timeout=120)
 
 
-def _counted(srv: Any, n: int) -> dict[str, Any]:
-    """The server's snapshot once its stat logger has counted ``n`` finished requests (it
-    counts a request a little after answering it): polled, not slept."""
-    deadline = time.monotonic() + 120  # a bound on a hang, not a speed
-    while (snap := get_snapshot(srv.base_url))["requests"]["requests"] < n:
-        assert time.monotonic() < deadline, f"the server never counted {n} requests"
-        time.sleep(0.2)
-    return snap
-
-
 def test_record_holds_the_window_only_and_diffs_clean_against_itself(
         tiny_server: Any, tmp_path: Path) -> None:
     base = get_snapshot(tiny_server.base_url)["requests"]["requests"]
     _complete(tiny_server, 4)  # traffic before the window: must not count
-    before = _counted(tiny_server, base + 1)
+    before = counted_snapshot(tiny_server.base_url, base + 1)
     out = tmp_path / "rec" / "snap.json"
     # The window is opened and closed on events, not on the clock (issue 30, point 10): the
     # traffic starts once record has printed its first progress line (its start snapshot
@@ -62,7 +52,7 @@ def test_record_holds_the_window_only_and_diffs_clean_against_itself(
         t.start()
     for t in threads:
         t.join()
-    _counted(tiny_server, base + 1 + sent)
+    counted_snapshot(tiny_server.base_url, base + 1 + sent)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr

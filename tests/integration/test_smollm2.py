@@ -15,7 +15,7 @@ import pytest
 
 from attnprof.capture.vllm.runtime import pid_alive
 from attnprof.tools.http import HttpError, get_text, post_json
-from tests.conftest import free_port
+from tests.conftest import counted_snapshot, free_port
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 ATTNPROF = [sys.executable, "-m", "attnprof.cli"]
@@ -97,11 +97,7 @@ def test_serve_smollm2_answers_and_ctrl_c_stops_every_process(smollm2_dir: Path,
         assert "Paris" in out["choices"][0]["message"]["content"]
         # The stat logger counts a request a little after answering it (and the snapshot is
         # cached up to 2 s): polled to a bound on a hang, not read once.
-        deadline = time.monotonic() + 120
-        while (snap := json.loads(get_text(base + "/attnprof/snapshot")))[
-                "requests"]["requests"] < 1:
-            assert time.monotonic() < deadline, "the server never counted the request"
-            time.sleep(0.5)
+        snap = counted_snapshot(base, 1, key=None)
         (worker,) = snap["workers"]
         assert len(worker["layers"]) == 30
         assert {lay["backend"] for lay in worker["layers"]} == {"CPU_ATTN"}
