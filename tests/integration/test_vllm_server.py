@@ -12,7 +12,14 @@ import pytest
 from attnprof.aggregate.head_stats import _SCHEMA as HEAD_STATS_SCHEMA
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.http import get_text, post_json
-from tests.conftest import TINY_API_KEY, dump, get_snapshot, metric_value, poll_metrics
+from tests.conftest import (
+    TINY_API_KEY,
+    counted_snapshot,
+    dump,
+    get_snapshot,
+    metric_value,
+    poll_metrics,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -192,8 +199,11 @@ def test_kernel_map_of_the_live_server(tiny_server: Any) -> None:
 
 
 def test_window_advice_in_snapshot_and_metrics(tiny_server: Any) -> None:
+    n = _snapshot(tiny_server)["requests"]["requests"]
     _complete(tiny_server, " ".join(["budget cost report batch prefill decode"] * 15), 2)
-    snap = _snapshot(tiny_server)
+    # Once the request is counted: /metrics, read after this snapshot, must not be the
+    # only one of the two to show it.
+    snap = counted_snapshot(tiny_server.base_url, n + 1)
     adv = snap["window_advice"]
     assert "error" not in adv, adv
     for key in ("attention_flop_saving", "kv_memory_saving", "exact_request_fraction"):
@@ -218,9 +228,12 @@ def test_quantiles_agree_in_table_snapshot_metrics_and_advice(tiny_server: Any) 
     from attnprof.aggregate.quantiles import DEFAULT_EXACT_LIMIT
     from attnprof.exporters.terminal import render_snapshot
 
+    counted = _snapshot(tiny_server)["requests"]["requests"]
     for n in (3, 9, 27):  # a few more distinct lengths on top of earlier tests' traffic
         _complete(tiny_server, " ".join(["cache layer token"] * n), 2)
-    snap = _snapshot(tiny_server)  # the snapshot flushes the export loop first
+    # The snapshot flushes the export loop first; read once every request is counted, or
+    # the /metrics read after it could count the last one and the snapshot not.
+    snap = counted_snapshot(tiny_server.base_url, counted + 3)
     ctx = snap["requests"]["context_tokens"]
     qs = [ctx["p50"], ctx["p90"], ctx["p99"]]
     assert all(isinstance(q, (int, float)) for q in qs)
