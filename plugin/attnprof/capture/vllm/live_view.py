@@ -153,7 +153,8 @@ class LiveView:
         swapped) within ``timeout`` (2 s at most), until one pull finds every worker's
         snapshot built after this refresh began; its snapshots replace all of ``answers``'
         (one collective pull: the ranks' counters stay of the same step). Otherwise
-        ``answers`` stay as they are, and say they are behind."""
+        ``answers`` stay as they are: counters current, layers behind (their
+        ``snapshot_stale`` is not carried into the served snapshot)."""
         if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
             return
         t0 = time.monotonic()
