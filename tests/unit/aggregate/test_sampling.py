@@ -289,6 +289,31 @@ def test_a_late_announcement_applies_at_once_and_is_counted() -> None:
     assert list(s.rate_changes) == [(300, 0.5)]
 
 
+def test_a_scale_taken_at_an_rpc_rules_from_the_very_next_step_clamped() -> None:
+    """``apply_now`` (the RPC rate channel, which every rank runs between the same two
+    steps) reschedules: the next step is drawn at the new scale, as an announcement for that
+    step would have it, not at the one the countdown was drawn with."""
+    a, b = (StepSampler(0.5, seed=1, clock=FakeClock()) for _ in range(2))
+    for s in (a, b):
+        s.sync_role = "follower"  # no budget of its own: the scale is only what it is told
+        for _ in range(300):
+            s.tick()
+    a.apply_now(1e-4)
+    b.announce(1, b.step + 1, 1e-4)
+    assert a.scale == 1e-4 and a.rate_changes[-1] == (300, 1e-4)
+    got = [a.tick() for _ in range(2000)]
+    assert got == [b.tick() for _ in range(2000)] and not any(got[:50])
+    # Back up: the countdown drawn at 1e-4 would skip thousands of steps the new scale samples
+    a.apply_now(1.0)
+    b.announce(2, b.step + 1, 1.0)
+    got = [a.tick() for _ in range(200)]
+    assert got == [b.tick() for _ in range(200)] and 60 < sum(got) < 140
+    a.apply_now(0.0)
+    assert a.scale == 1e-4  # clamped as announcements are
+    a.apply_now(7.0)
+    assert a.scale == 1.0
+
+
 def test_set_rate_switches_immediately_and_rejects_nonsense() -> None:
     s = StepSampler(0.0, seed=1)
     assert not any(s.tick() for _ in range(1000))
