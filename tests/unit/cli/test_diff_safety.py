@@ -188,3 +188,18 @@ def test_inert_escapes_every_control_and_keeps_text() -> None:
     assert inert("Qwen/Qwen3-8B -> é ✓") == "Qwen/Qwen3-8B -> é ✓"
     assert inert("\x1b[2J\r\n\t\x00\x7f\x9b\u2028\u202e") == (
         "\\x1b[2J\\r\\n\\t\\x00\\x7f\\x9b\\u2028\\u202e")
+
+
+def test_a_broken_own_checkout_never_searches_above_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnprof's folder holds a ``.git`` git cannot use (an empty directory, a checkout
+    copied without its repository): git's upward search would go on to the repository
+    above and run its hooks; GIT_CEILING_DIRECTORIES stops it at attnprof's folder."""
+    repo, _, _, marker = _evil_repo(tmp_path)
+    own = repo / "attnprof-copy"
+    (own / ".git").mkdir(parents=True)
+    tools = own / "plugin" / "attnprof" / "tools"
+    tools.mkdir(parents=True)
+    monkeypatch.setattr(provenance, "_OWN_SOURCE", tools)
+    assert provenance.git_info() is None
+    assert not marker.exists()
