@@ -49,6 +49,14 @@ STREAM_LONG = 1
 STREAM_HEAD_STATS = 2
 """Hash stream of the head-statistics coin of a sampled step."""
 
+MIN_SCALE = 1e-4
+"""The lowest scale the budget sets and an announcement may carry."""
+
+
+def _scale(x: float) -> float:
+    """A scale from outside (an announcement, an RPC) within [MIN_SCALE, 1]."""
+    return min(1.0, max(MIN_SCALE, float(x)))
+
 
 def _mix(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -264,7 +272,7 @@ class StepSampler:
             # in the channel): the ranks may have diverged, counted like a late change.
             self.late_changes += 1
         self._seq = seq
-        scale = min(1.0, max(1e-4, float(scale)))
+        scale = _scale(scale)
         if at_step < first_free:
             self.late_changes += 1
             at_step = first_free
@@ -275,7 +283,7 @@ class StepSampler:
         """Put ``scale`` in force from the next step: an announcement taken at a collective
         RPC, which every rank of an engine runs between the same two steps (the RPC rate
         channel: ranks that cannot share the announcement file)."""
-        scale = min(1.0, max(1e-4, float(scale)))
+        scale = _scale(scale)
         self._apply(self.step + 1, scale)
         self._reschedule(self.step + 1)
 
@@ -327,7 +335,7 @@ class StepSampler:
         frac = self._window_self / span
         want = self.wanted
         if frac > self.budget:
-            want = max(1e-4, want * max(0.1, self.budget / frac))
+            want = max(MIN_SCALE, want * max(0.1, self.budget / frac))
         elif want < 1.0:
             # Recover by 25% per elapsed second, however long since the last sampled step.
             want = min(1.0, want * 1.25 ** min(span, 60.0))
