@@ -17,13 +17,16 @@ __all__ = ["render_markdown", "render_text"]
 _MAX_INFO = 12
 
 
-def _side(rep: DiffReport, which: str) -> str:
+def _side(rep: DiffReport, which: str, markdown: bool) -> str:
+    """One input's line: file, model, revision, time, window; for Markdown escaped as
+    Markdown, for the terminal only made inert (a model ``org/m@v2`` stays as it is)."""
     s = rep.base if which == "base" else rep.new
-    rev = (f" @ {_md_escape(s.git_revision[:10])}{'+dirty' if s.git_dirty else ''}"
+    esc = _md_escape if markdown else inert
+    rev = (f" @ {esc(s.git_revision[:10])}{'+dirty' if s.git_dirty else ''}"
            if s.git_revision else "")
-    when = f", {_md_escape(s.time_iso)}" if s.time_iso else ""
+    when = f", {esc(s.time_iso)}" if s.time_iso else ""
     win = f", {s.window_s:g} s window" if s.window_s else ""
-    return f"{_code(s.file)} ({_md_escape(s.model)}{rev}{when}{win})"
+    return f"{_code(s.file) if markdown else inert(s.file)} ({esc(s.model)}{rev}{when}{win})"
 
 
 def _verdict(rep: DiffReport) -> str:
@@ -98,7 +101,7 @@ def render_markdown(rep: DiffReport) -> str:
     other changes, what changed in provenance, and the thresholds used."""
     reg, imp, info = _interesting(rep)
     lines = [f"### attnprof diff: {_verdict(rep)}", "",
-             f"- base: {_side(rep, 'base')}", f"- new: {_side(rep, 'new')}", ""]
+             f"- base: {_side(rep, 'base', True)}", f"- new: {_side(rep, 'new', True)}", ""]
     if reg:
         lines += ["#### Regressions", "", "| check | finding |", "|---|---|"]
         lines += [f"| {f.threshold or f.kind} | {_md_escape(f.title)} |" for f in reg]
@@ -130,8 +133,8 @@ def render_text(rep: DiffReport) -> str:
     """The terminal view: the same content as the Markdown, as plain lines."""
     reg, imp, info = _interesting(rep)
     out = [f"attnprof diff: {_verdict(rep)}",
-           f"  base: {_side(rep, 'base').replace('`', '')}",
-           f"  new:  {_side(rep, 'new').replace('`', '')}", ""]
+           f"  base: {_side(rep, 'base', False)}",
+           f"  new:  {_side(rep, 'new', False)}", ""]
     for title, items in (("Regressions", reg), ("Improvements", imp), ("Other", info)):
         if not items:
             continue

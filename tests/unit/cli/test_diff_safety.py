@@ -203,3 +203,15 @@ def test_a_broken_own_checkout_never_searches_above_it(
     monkeypatch.setattr(provenance, "_OWN_SOURCE", tools)
     assert provenance.git_info() is None
     assert not marker.exists()
+
+
+def test_the_terminal_view_prints_names_as_they_are() -> None:
+    """Markdown's escapes are the PR comment's; the terminal shows a name as it is."""
+    base, new = _snap(), _snap(seed=1)
+    for s in (base, new):
+        s.model = "org/m@v2 <fp8> | see https://x.example"
+    text = render_text(_diff(base, new))
+    assert "(org/m@v2 <fp8> | see https://x.example" in text, text
+    assert not any(x in text for x in ("&#", "&lt;", "\\|"))
+    assert "org/m&#64;v2 &lt;fp8> \\| see https&#58;//x.example" in render_markdown(
+        _diff(base, new))
