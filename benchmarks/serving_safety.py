@@ -558,8 +558,10 @@ def bench_pull(reps: int = 15) -> dict[str, Any]:
             fill(False)
             b.pause = p
             # One more sampled step since the last build: the thread rebuilds after the pull
-            # (the case of a serving engine), beside the drain.
-            c.snapshots.wait_current()
+            # (the case of a serving engine), beside the drain. (Before the first pull there
+            # is no build and no thread: waiting for one would only spin to its timeout.)
+            if c.snapshots.get()[0] is not None:
+                c.snapshots.wait_current()
             c.aggs.outcomes["sampled"] += 1
             got: dict[str, Any] = {}
             pull_s, stall = _stall_after(lambda: got.update(worker_rpc.poll(
