@@ -8,8 +8,10 @@ does that). Every route is a guest on the host's port, so:
   else vLLM's own ``--api-key`` / ``VLLM_API_KEY`` with a start-up warning
   (:func:`attnprof.config.api_tokens`); vLLM's middleware guards only ``/v1``-style
   prefixes, so attnprof checks its own routes;
-- **closed by default:** with no key anywhere, the snapshot answers only what ``/metrics``
-  shows (:mod:`attnprof.exporters.snapshot_public`) and says how to open the rest;
+- **closed by default:** with no key anywhere, the snapshot answers what ``/metrics`` shows
+  plus operational facts it has no series for (pids, process names, rejected backends'
+  reasons, sampler and pull counters: the allow-list of
+  :mod:`attnprof.exporters.snapshot_public`) and says how to open the rest;
   ``?head_stats=1``, the trace and the sampling switch answer 403;
 - **never stalls the engine on demand:** answers come from
   :class:`~attnprof.capture.vllm.live_view.LiveView`, a cache refreshed at most every

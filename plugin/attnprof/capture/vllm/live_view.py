@@ -287,8 +287,9 @@ class LiveView:
                    max_bytes: int, public: str | None = None) -> tuple[bytes, float]:
         """The snapshot body and its age in seconds, refreshing first when it is older than
         ``max_age``; on timeout the cached data is served, and says so. ``public``: the
-        answer for a server with no key, cut to what ``/metrics`` shows
-        (:mod:`attnprof.exporters.snapshot_public`), with this ``restricted`` note."""
+        answer for a server with no key, cut to ``/metrics``' share and the operational
+        facts :mod:`attnprof.exporters.snapshot_public` keeps, with this ``restricted``
+        note."""
         st = runtime.STATE
         if not st.enabled:
             doc = Snapshot(time=time.time(), model=st.model_label, enabled=False).to_json()
