@@ -122,3 +122,36 @@ def test_the_first_poll_comes_soon_after_start_up_not_at_the_advice_loops_round(
     assert engine.polls >= 2 and view.rate_sync  # the first poll, then the sync goes on
     engine, view = asyncio.run(run(on_file, 1))
     assert engine.polls == 1 and not view.rate_sync
+
+
+@pytest.mark.xfail(strict=True, reason="review finding: a rate-sync poll (catch_up=False) "
+                   "stamps refreshed_at with its stale answers, so a GET within "
+                   "ATTNPROF_SNAPSHOT_MAX_AGE_S serves them without the catch-up")
+def test_a_get_right_after_a_rate_sync_poll_still_catches_up(
+        api_state: runtime.State) -> None:
+    """On the RPC channel the API server polls every 1-5 s only to carry a scale; such a poll
+    makes no catch-up pulls. A GET after it must still show the steps folded before it (what
+    the catch-up exists for), not the sync poll's stale workers."""
+    from attnprof.contracts.advice import AdviceUnavailable
+
+    class Stale:
+        calls = 0
+
+        async def collective_rpc(self, method: str, timeout: float | None = None,
+                                 args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+            self.calls += 1
+            return [{"snapshot": {"pid": 1}, "snapshot_stale": {"age_s": 1e9},
+                     "rate_sync": {"group": "0:0", "seq": 1, "scale": 0.5, "in_force": 1.0}}]
+
+    async def go() -> int:
+        eng = Stale()
+        view = LiveView(eng)
+        view.advice = AdviceUnavailable("the advice loop's")
+        await view._sync_once()
+        before = eng.calls
+        await view.body(False, 2.0, 5.0, 1 << 20)  # a GET right after
+        if view._sync_timer is not None:
+            view._sync_timer.cancel()
+        return eng.calls - before
+
+    assert asyncio.run(go()) > 0  # the GET asked the workers again
