@@ -616,3 +616,26 @@ def test_the_start_up_log_says_who_can_open_the_routes(
     plugin = start(TENANT, [TENANT, "other"])
     (warn,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "also one of vLLM's inference keys" in warn.message and TENANT not in caplog.text
+
+
+@pytest.mark.xfail(strict=True, reason="review finding: read_private opens without "
+                   "O_NONBLOCK and reads what is not a regular file: a FIFO named *.json in "
+                   "the run dir blocks the snapshot's render thread for good")
+def test_a_fifo_planted_in_the_run_dir_never_hangs_the_snapshot(tmp_path: Any) -> None:
+    """The liveness notes are read in every snapshot render (a thread of the API server);
+    a planted link is refused (_private_files), and so must a planted FIFO be: opened for
+    reading, it blocks until someone writes, and every later render joins it."""
+    import os
+    import threading
+
+    fifo = tmp_path / "worker-1.json"
+    os.mkfifo(fifo)
+    t = threading.Thread(target=runtime.processes_from_run_dir,
+                         args=(Config(run_dir=tmp_path),), daemon=True)
+    t.start()
+    t.join(timeout=5)  # generous: a hang detector (the read takes microseconds)
+    hung = t.is_alive()
+    if hung:  # release the reader: a writer that opens and closes at once
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout=5)
+    assert not hung
