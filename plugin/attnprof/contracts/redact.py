@@ -209,23 +209,27 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     Never raises on any list of strings."""
     out: list[str] = []
     hide = 0  # words still to hide after a secret flag; -1: every word up to the next flag
+    glued = False  # the word after a secret --opt.key: vLLM takes it whatever it looks like
     for word in map(str, argv):
+        if glued or (hide and not _is_flag(word)):
+            glued = False
+            hide = -1 if hide < 0 else hide - 1
+            out.append(REDACTED)
+            continue
         if _is_flag(word):
             name, eq, value = word.partition("=")
             secret, nargs = _flag_rule(name)
             # What vLLM's parser takes as the value: '1'/'?' one word (none after =),
             # '+'/'*'/unknown every word up to the next flag (after = too: a stray word
-            # after --api-key=k1 is a key by intent).
+            # after --api-key=k1 is a key by intent); a dotted --opt.key (no =) the next
+            # word, even one starting with '-' (its preprocessing, before argparse).
             many = nargs not in ("0", "1", "?")
             hide = (-1 if many else 0 if eq or nargs == "0" else 1) if secret else 0
+            glued = secret and not eq and "." in name
             if not eq:
                 out.append(word)
             else:
                 out.append(f"{name}={REDACTED if secret else redact_value(value)}")
-            continue
-        if hide:
-            hide = -1 if hide < 0 else hide - 1
-            out.append(REDACTED)
             continue
         name, eq, value = word.partition("=")
         if eq and _ENV_NAME.fullmatch(name) and is_secret_name(name):
