@@ -290,3 +290,20 @@ def test_the_snapshot_thread_hands_over_the_gil_between_layers_the_first_pull_do
     assert cap.snapshots.wait_current()
     assert len(paused_on) >= 2 * layers and set(paused_on) == {cap.snapshots.name}
     cap.state.hub.stop(final_flush=False)
+
+
+def test_a_cut_is_one_step_whatever_is_folded_while_it_pauses() -> None:
+    """``cut`` copies the layers and the step phases under one lock before its first pause:
+    a step the engine folds while the builder has handed it the GIL is in neither."""
+    cap = _rig(3)
+    _step(cap)
+    folded: list[int] = []
+
+    def pause() -> None:  # the engine's thread runs here, and folds a step each time
+        _step(cap, "prefill")
+        folded.append(1)
+
+    layers, steps = cap.aggs.cut(pause)
+    assert folded and sum(st.steps for st in steps.values()) == 1
+    assert all(sum(p.calls for p in lay.phases.values()) == 1 for lay in layers)
+    cap.state.hub.stop(final_flush=False)
