@@ -53,9 +53,23 @@ def test_a_liveness_note_is_never_written_through_a_planted_link(tmp_path: Path)
     assert st.errors.by_place.get("run_dir", 0) == 0
     # The reading side does not follow a link either (nor read a huge file).
     (run_dir / "worker-1.json").symlink_to(victim)
-    (run_dir / "worker-2.json").write_bytes(b" " * (runtime.NOTE_MAX_BYTES + 1))
+    valid = (run_dir / f"worker-{pid}.json").read_bytes()  # a note JSON reads whole...
+    (run_dir / "worker-2.json").write_bytes(valid + b" " * runtime.NOTE_MAX_BYTES)  # ...padded
     notes = runtime.processes_from_run_dir(st.config)
     assert sorted(n.role for n in notes) == ["api_server", "worker"]
+
+
+def test_read_private_reads_at_most_max_bytes_and_never_through_a_link(tmp_path: Path
+                                                                       ) -> None:
+    f = tmp_path / "note.json"
+    f.write_bytes(b"x" * 10)
+    assert read_private(f, 10) == b"x" * 10
+    with pytest.raises(ValueError):
+        read_private(f, 9)
+    link = tmp_path / "link.json"
+    link.symlink_to(f)
+    with pytest.raises(OSError):
+        read_private(link, 10)
 
 
 def test_write_private_refuses_a_linked_or_open_directory(tmp_path: Path) -> None:
