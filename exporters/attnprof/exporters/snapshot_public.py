@@ -1,4 +1,6 @@
-"""The snapshot a server with no API key answers to anyone: what ``/metrics`` already shows.
+"""The snapshot a server with no API key answers to anyone: what ``/metrics`` already shows,
+plus operational facts it has no series for (processes' pids and names, the kernel map's
+reasons, the sampler's, pulls' and probe's counters).
 
 ``GET /attnprof/snapshot`` where no key is configured gets this cut of the snapshot document,
 rendered by the live view as a cached variant of its own.
