@@ -53,7 +53,10 @@ def git_info() -> GitInfo | None:
     root = _OWN_SOURCE.parents[2]
     if not (root / ".git").exists():
         return None
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
+    # No GIT_* from this process's environment: GIT_DIR, GIT_WORK_TREE or GIT_CONFIG_*
+    # would point git at another repository (and its hooks) whatever the working directory.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
+           "GIT_CEILING_DIRECTORIES": str(root.parent)}
 
     def git(*args: str, timeout: float = 5) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True,

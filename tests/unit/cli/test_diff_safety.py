@@ -136,6 +136,21 @@ def test_provenance_runs_git_only_in_attnprofs_own_checkout(
         assert prov.git.root == top.stdout.strip()
 
 
+def test_a_git_dir_in_the_environment_points_git_nowhere_else(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GIT_DIR (or GIT_WORK_TREE, GIT_CONFIG_*) in the server's environment would make git
+    read that repository, record its revision and run its hooks, from any directory."""
+    repo, _, _, marker = _evil_repo(tmp_path)
+    own = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(provenance.__file__).parent,
+                         capture_output=True, text=True)
+    want = own.stdout.strip() if own.returncode == 0 else None
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(repo))
+    git = provenance.git_info()
+    assert not marker.exists()
+    assert (git.revision if git is not None else None) == want
+
+
 def test_installed_inside_someone_elses_repository_git_never_runs_there(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """attnprof in a virtual environment inside another project's checkout: an upward
