@@ -79,7 +79,7 @@ _OLD_SCHEMA = "attnprof.head_stats/1"  # unweighted sums: read as weight 1 per s
 # queries, and the weights undo the tilt.
 _DENSITY_FLOOR = 0.25
 TAKE_PIECE_ELEMENTS = 1 << 16
-"""Entries scanned (or x 8 bytes written) between two pauses of :meth:`take_bytes`: about
+"""Entries scanned (or x 8 bytes written) between two pauses of :meth:`take_chunks`: about
 0.1-0.3 ms of work each on one core."""
 
 
@@ -621,7 +621,7 @@ class HeadStatsAccumulator:
                 pause()
 
         piece = max(1, int(piece))
-        # name -> (dtype, parts): each field is scanned and zeroed a piece at a time and
+        # (name, dtype, parts): each field is scanned and zeroed a piece at a time and
         # written a part at a time, never joined into one large array (a copy under the GIL)
         arrays: list[tuple[str, Any, list[Any]]] = [
             ("meta", np.dtype(np.uint8),
