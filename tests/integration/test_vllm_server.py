@@ -211,7 +211,11 @@ def test_window_advice_in_snapshot_and_metrics(tiny_server: Any) -> None:
     assert adv["traffic"]["requests"] == snap["requests"]["requests"]
     assert adv["head_stats_requests"] >= 1 and len(adv["per_layer"]) == 2
     assert "your traffic: P50/P90/P99" in adv["summary"]
-    metrics = get_text(tiny_server.base_url + "/metrics")
+    # The snapshot flushes the API server's series; the worker's (its head-statistics
+    # queries) reach /metrics on the worker's own export clock, up to a second later: a
+    # first head-statistics request in this server showed 0 to a read right after it.
+    metrics = poll_metrics(tiny_server.base_url, lambda t: (metric_value(
+        t, "attnprof_head_stats_queries_total", model="tiny") or 0) > 0)
     assert metric_value(metrics, "attnprof_window_sinks_tokens", model="tiny") == adv["sinks"]
     assert metric_value(metrics, "attnprof_window_exact_request_ratio", model="tiny") == \
         pytest.approx(adv["exact_request_fraction"])
