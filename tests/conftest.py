@@ -123,14 +123,11 @@ TINY_API_KEY = "tiny-server-test-key"
 def get_snapshot(base_url: str, head_stats: bool = False, key: str | None = TINY_API_KEY,
                  timeout: float = 30.0) -> dict[str, Any]:
     """``GET /attnprof/snapshot`` with the bearer token (``head_stats``: the merged head
-    statistics too)."""
-    import json
-    import urllib.request
+    statistics too), through the project's one HTTP client."""
+    from attnprof.tools.http import get_json
 
     url = base_url + "/attnprof/snapshot" + ("?head_stats=1" if head_stats else "")
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return dict(json.loads(r.read()))
+    return dict(get_json(url, timeout=timeout, api_key=key))
 
 
 def counted_snapshot(base_url: str, n: int, key: str | None = TINY_API_KEY,
