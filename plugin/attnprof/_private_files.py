@@ -111,9 +111,14 @@ def write_private(directory: Path, name: str, data: bytes) -> Path:
 
 def read_private(path: Path, max_bytes: int) -> bytes:
     """A small file's bytes, never through a link and never more than ``max_bytes``
-    (``ValueError`` beyond; ``OSError`` for a link or an unreadable file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    (``ValueError`` beyond; ``OSError`` for a link, an unreadable file or anything but a
+    regular file: a FIFO planted under a note's name would block the reader for good, so
+    the open never waits and the type is checked before the read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"{path.name} is larger than {max_bytes} bytes")
