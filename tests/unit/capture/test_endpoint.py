@@ -637,3 +637,34 @@ def test_a_fifo_planted_in_the_run_dir_never_hangs_the_snapshot(tmp_path: Any) -
         t.join(timeout=5)
     assert not hung
 
+
+def test_only_a_server_whose_ranks_may_span_nodes_polls_for_the_rate_sync(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first rate-sync poll starts every worker's snapshot thread; a one-node server
+    (ranks on the file channel, ``auto``) is not polled, so a server nobody reads pays
+    nothing. Through the endpoint's real start-up (init_state)."""
+    from types import SimpleNamespace
+
+    import attnprof.capture.vllm.endpoint as ep
+
+    monkeypatch.setattr(ep, "start", lambda cfg, otlp: None)  # no process-wide start here
+    monkeypatch.setenv("ATTNPROF_ENABLED", "1")
+    monkeypatch.setenv("ATTNPROF_ADVICE_INTERVAL_S", "0")
+    monkeypatch.delenv("ATTNPROF_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+
+    def polls(mode: str, nnodes: int) -> bool:
+        monkeypatch.setenv("ATTNPROF_RANK_SYNC", mode)
+
+        async def go() -> bool:
+            plugin = AttnProfEndpoint()
+            await plugin.init_state(object(), None, SimpleNamespace(api_key=None, nnodes=nnodes))
+            timer = plugin.view._sync_timer
+            if timer is not None:
+                timer.cancel()
+            return timer is not None
+
+        return asyncio.run(go())
+
+    assert [polls("auto", 1), polls("file", 4)] == [False, False]
+    assert [polls("auto", 2), polls("rpc", 1)] == [True, True]

@@ -383,7 +383,11 @@ class AttnProfEndpoint:
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
             start(cfg, otlp)
-            self.view.start_rate_sync()
+            # Only ranks that may span nodes sync over the poll (model_info.sync_ranks): a
+            # one-node server is not polled (a server nobody reads pays nothing).
+            if cfg.rank_sync == "rpc" or (cfg.rank_sync == "auto"
+                                          and int(getattr(args, "nnodes", 1) or 1) > 1):
+                self.view.start_rate_sync()
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
                     _advice_loop(self.view, cfg.advice_interval_s, cfg.rpc_timeout_s))

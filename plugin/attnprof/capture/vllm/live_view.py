@@ -83,7 +83,8 @@ class LiveView:
         ``head_stats`` (default: ``advice``): also pull the workers' head-statistics deltas,
         the one large part of a poll, only when the advice or a ``?head_stats=1`` needs them.
         ``catch_up``: wait for workers' snapshots built after the refresh began (a reader's
-        need; a rate-sync poll carries a scale and needs none). A task in flight that does
+        need); without it the poll only carries the ranks' scales and leaves the view as
+        it is (a rate-sync poll). A task in flight that does
         less than asked is waited for, then one more starts."""
         want = (advice, advice if head_stats is None else head_stats, catch_up)
         deadline = time.monotonic() + timeout
@@ -113,10 +114,14 @@ class LiveView:
                                         self.host, dict(self.rate_sync) or None)
             except Exception as exc:  # the engine may not be ours to query
                 error = f"{type(exc).__name__}: {exc}"
+        # A failed poll keeps the rate sync going at its idle pace (no answer: no new scale).
+        self._sync_rates(answers if error is None else [])
+        if not catch_up:
+            # A rate-sync poll carries scales only: its answers (layers not caught up) never
+            # become the view a GET within ATTNPROF_SNAPSHOT_MAX_AGE_S would serve.
+            return
         if error is None:
-            self._sync_rates(answers)
-            if catch_up:
-                await self._catch_up(answers, timeout)
+            await self._catch_up(answers, timeout)
         await asyncio.to_thread(self._fold, answers)
         if want_hs and error is None:
             await self._collect_deltas(answers, timeout)
