@@ -214,6 +214,21 @@ def test_docs_table_is_the_benchmarks_results_file() -> None:
     assert table == bench.markdown(json.loads(bench.OUT.read_text()))
 
 
+@pytest.mark.slow
+def test_the_benchmark_still_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/roofline.py measures what the tests above leave to it, on this file's
+    decode model: one quick round (``--print-only``) so that neither can drift from the
+    other unnoticed; its ratios are not read here, and its results stay untouched."""
+    from tests.conftest import load_benchmark
+
+    bench = load_benchmark("roofline")
+    before = bench.OUT.read_bytes(), bench.DOC.read_bytes()
+    assert bench.main(["--rounds", "1", "--kv-lens", "4096", "--print-only"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(bench.BEGIN) and "| 6 MiB (4096 tokens) |" in out
+    assert (bench.OUT.read_bytes(), bench.DOC.read_bytes()) == before
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_live_snapshot_and_metrics_carry_the_probe_and_roofline(
