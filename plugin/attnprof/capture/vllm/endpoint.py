@@ -63,7 +63,8 @@ OPEN_HINT = ("set ATTNPROF_API_KEY on the server to a monitoring key (not a tena
 
 
 PUBLIC_NOTE = ("no API key is configured on this server, so this answer holds only what "
-               "/metrics shows (no exact request lengths, per-step lengths or timings, head "
+               "/metrics shows and the processes' operational facts (pids, backends, "
+               "counters; no exact request lengths, per-step lengths or timings, head "
                f"statistics, provenance or error text); {OPEN_HINT}")
 """The keyless snapshot's ``restricted`` note."""
 
@@ -267,7 +268,7 @@ class AttnProfEndpoint:
         def needs_key(what: str, alternative: str = "") -> Any:
             # 403, not 401: the server has no key to check, so no client key can help.
             return JSONResponse({"error": f"attnprof: {what} is off until the server has an "
-                                          "API key (vLLM's --api-key or ATTNPROF_API_KEY)"
+                                          "API key (ATTNPROF_API_KEY, as 'restricted' says)"
                                           f"{alternative}",
                                  "restricted": OPEN_HINT}, status_code=403)
 
