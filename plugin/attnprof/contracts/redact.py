@@ -203,6 +203,16 @@ def _is_flag(word: str) -> bool:
     return word == "--" or bool(_FLAG.match(word))
 
 
+def _read_as_value(word: str) -> bool:
+    """argparse reads a '-' word holding a space as a value (``--api-key "-S77 b"``) unless
+    its part before '=' or '.' names an option vLLM knows: after a secret flag such a word
+    is hidden, never read as the next flag."""
+    if " " not in word:
+        return False
+    name = word.partition("=")[0]
+    return not ("." in name and name.startswith("--")) and vllm_option(name) is None
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` with every secret replaced by ``<redacted>`` (see the module docstring); the
     flags themselves and every other word stay, so the command still reads as it was run.
@@ -211,7 +221,7 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     hide = 0  # words still to hide after a secret flag; -1: every word up to the next flag
     glued = False  # the word after a secret --opt.key: vLLM takes it whatever it looks like
     for word in map(str, argv):
-        if glued or (hide and not _is_flag(word)):
+        if glued or (hide and (not _is_flag(word) or _read_as_value(word))):
             glued = False
             hide = -1 if hide < 0 else hide - 1
             out.append(REDACTED)
