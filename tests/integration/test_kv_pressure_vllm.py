@@ -96,7 +96,8 @@ class _GaugePoller:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(60)  # a hang bound; max and polls are read only once it ended
+        assert not self._thread.is_alive()
 
 
 def _bucket(u: float) -> int:
@@ -158,7 +159,7 @@ def test_long_documents_fill_the_cache_and_agree_with_vllm(kv_server: VllmServer
         v = metric_value(text, "vllm:num_preemptions_total")
         return v is not None and metric_value(text, "attnprof_kv_preemptions_total") == v
 
-    metrics = poll_metrics(url, agreed, timeout=15)
+    metrics = poll_metrics(url, agreed)
     vllm_preempted = metric_value(metrics, "vllm:num_preemptions_total")
     print("preemptions: vLLM", vllm_preempted, "attnprof", kv.preemptions,
           "test seconds", round(time.monotonic() - t_start, 1))

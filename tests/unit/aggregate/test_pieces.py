@@ -104,10 +104,14 @@ class _Source:
     def __init__(self) -> None:
         self.version = 0
         self.built_on: list[str] = []
+        self.gate = threading.Event()  # cleared: a build waits (the test decides when)
+        self.gate.set()
 
     def build(self) -> int:
         self.built_on.append(threading.current_thread().name)
-        return self.version
+        version = self.version
+        assert self.gate.wait(10)
+        return version
 
 
 def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
@@ -118,9 +122,11 @@ def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
     assert lb.wait_current()
     value, fresh, _ = lb.get()
     assert (value, fresh) == (0, True) and set(src.built_on) == {"t-build"}
+    src.gate.clear()  # a wake left from wait_current cannot finish a rebuild before get()
     src.version = 1  # the source changed: the reader gets the old build, marked stale,
     value, fresh, age = lb.get()  # and the thread is woken to rebuild
     assert (value, fresh) == (0, False) and age >= 0.0
+    src.gate.set()
     assert lb.wait_current() and lb.get()[:2] == (1, True)
     assert "MainThread" not in src.built_on
 
@@ -142,6 +148,9 @@ def test_a_failing_build_keeps_the_last_one_and_the_thread_ends_with_its_source(
     assert lb.wait_current()
     state.update(version=1, fail=True)
     assert not lb.wait_current(timeout=0.2)  # bounded wait, not a timing claim
+    deadline = time.monotonic() + 10  # a hang bound: a busy box may try the build late
+    while lb.errors < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert lb.get()[0] == 0 and lb.errors >= 1 and isinstance(errors[0], RuntimeError)
     state["gone"] = True
     lb.get()  # wakes the thread, which sees its source gone
