@@ -82,6 +82,7 @@ bench: model
 	$(PY) benchmarks/otlp_faults.py
 	$(PY) benchmarks/serving_safety.py --only gets --only synthetic --only trace --only calibration
 	$(PY) benchmarks/serving_safety.py --only refresh
+	$(PY) benchmarks/serving_safety.py --only pull --only refresh_cpu
 	$(PY) benchmarks/regression_tools.py
 	$(PY) benchmarks/roofline.py
 

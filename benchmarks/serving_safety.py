@@ -19,10 +19,9 @@
    batches, so the ~8% spread between separate server processes does not enter. Reports
    means over rounds with 95% bootstrap confidence intervals.
 
-Run: ``make bench`` runs it twice (``--only gets --only synthetic --only trace --only
-calibration``, then ``--only refresh``; about 25 minutes on 2 cores at 16 rounds;
-``pull`` and ``refresh_cpu`` run only when named or with no ``--only``;
-``--rounds`` trades time for precision). Results: benchmarks/results/serving_safety.json
+Run: ``make bench`` runs it three times (``--only gets --only synthetic --only trace
+--only calibration``, then ``--only refresh``, then ``--only pull --only refresh_cpu``; about
+25 minutes on 2 cores at 16 rounds for the first two; ``--rounds`` trades time for precision). Results: benchmarks/results/serving_safety.json
 and docs/serving-safety.md.
 """
 
