@@ -21,8 +21,8 @@
 
 Run: ``make bench`` runs it three times (``--only gets --only synthetic --only trace
 --only calibration``, then ``--only refresh``, then ``--only pull --only refresh_cpu``; about
-25 minutes on 2 cores at 16 rounds for the first two; ``--rounds`` trades time for precision). Results: benchmarks/results/serving_safety.json
-and docs/serving-safety.md.
+25 minutes on 2 cores at 16 rounds for the first two; ``--rounds`` trades time for
+precision). Results: benchmarks/results/serving_safety.json and docs/serving-safety.md.
 """
 
 from __future__ import annotations
