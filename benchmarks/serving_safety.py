@@ -489,7 +489,7 @@ def _old_poll(cap: Any) -> dict[str, Any]:
     """The pull as the engine ran it before issue 30: the worker snapshot built in place."""
     from attnprof.capture.vllm import worker_rpc
 
-    snap = worker_rpc.snapshot(cap, include_head_stats=False, flush=False).to_json()
+    snap = worker_rpc.snapshot(cap, include_head_stats=False).to_json()
     out = worker_rpc._placement(cap)
     out["head_stats"] = worker_rpc._take_deltas(cap, cap.deltas.here, swap=True)
     out["snapshot"] = snap

@@ -70,20 +70,15 @@ class LatestBuild:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
-    def get(self, wake: bool = True) -> tuple[Any, bool, float]:
-        """(the latest build or None, whether it is current, its age in seconds). O(1): a
-        stale or missing build only wakes the thread (``wake=False``: the caller calls
-        :meth:`wake` itself once done, so the thread does not compete with it meanwhile)."""
+    def get(self) -> tuple[Any, bool, float]:
+        """(the latest build or None, whether it is current, its age in seconds). O(1);
+        wakes nothing: a reader that finds the build stale or missing calls :meth:`wake`
+        once it is done, so the thread does not compete with it meanwhile."""
         latest = self._latest
         if latest is None:
-            if wake:
-                self._wake.set()
             return None, False, 0.0
         value, version, at = latest
-        fresh = version == self._version()
-        if not fresh and wake:
-            self._wake.set()
-        return value, fresh, time.monotonic() - at
+        return value, version == self._version(), time.monotonic() - at
 
     def wake(self) -> None:
         """Have the thread check its source now (O(1))."""

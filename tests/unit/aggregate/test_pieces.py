@@ -124,8 +124,9 @@ def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
     assert (value, fresh) == (0, True) and set(src.built_on) == {"t-build"}
     src.gate.clear()  # a wake left from wait_current cannot finish a rebuild before get()
     src.version = 1  # the source changed: the reader gets the old build, marked stale,
-    value, fresh, age = lb.get()  # and the thread is woken to rebuild
+    value, fresh, age = lb.get()  # and the thread, woken, rebuilds
     assert (value, fresh) == (0, False) and age >= 0.0
+    lb.wake()
     src.gate.set()
     assert lb.wait_current() and lb.get()[:2] == (1, True)
     assert "MainThread" not in src.built_on
@@ -153,7 +154,7 @@ def test_a_failing_build_keeps_the_last_one_and_the_thread_ends_with_its_source(
         time.sleep(0.01)
     assert lb.get()[0] == 0 and lb.errors >= 1 and isinstance(errors[0], RuntimeError)
     state["gone"] = True
-    lb.get()  # wakes the thread, which sees its source gone
+    lb.wake()  # the thread sees its source gone
     thread = lb._thread
     assert thread is not None
     thread.join(timeout=10)

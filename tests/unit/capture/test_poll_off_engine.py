@@ -59,7 +59,7 @@ def test_a_pull_builds_no_layer_on_the_calling_thread(monkeypatch: pytest.Monkey
     got = worker_rpc.poll(cap)  # on this (the engine's) thread
     assert built_on == []  # the layers were built on the snapshot thread, before
     assert "snapshot_stale" not in got
-    full = worker_rpc.snapshot(cap, include_head_stats=False, flush=False).to_json()
+    full = worker_rpc.snapshot(cap, include_head_stats=False).to_json()
     assert built_on == ["MainThread"]  # the offline snapshot RPC still builds in place
     snap = got["snapshot"]
     assert snap["layers"] == full["layers"] and snap["steps"] == full["steps"]

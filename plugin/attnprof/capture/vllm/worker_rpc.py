@@ -68,12 +68,11 @@ def kernel_map(cap: Any) -> list[KernelGroup]:
     return cap.reports.kernel_map(list(cap.aggs.layers.values()))  # type: ignore[no-any-return]
 
 
-def snapshot(cap: Any, include_head_stats: bool = True, flush: bool = True) -> WorkerSnapshot:
-    """This worker's snapshot; GPU steps whose events completed are folded first, and
-    ``flush`` exports now."""
+def snapshot(cap: Any, include_head_stats: bool = True) -> WorkerSnapshot:
+    """This worker's snapshot; GPU steps whose events completed are folded first. No
+    export flush: it runs between model steps, and an export may hold the hub's lock for
+    seconds (the export thread flushes every second)."""
     cap.resolve_pending()
-    if flush:
-        cap.state.flush()
     return ws.worker_snapshot(
         os.getpid(), multiprocessing.current_process().name, cap.aggs, kernel_map(cap),
         sampler_stats(cap), cap.errors, ws.head_stats_cost(cap.hs),
@@ -103,7 +102,7 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     # The layers, kernel map and step phases were built on the snapshot thread (milliseconds
     # on 80 layers, in pieces that leave the engine the GIL); only the counters every step
     # changes are read here. A build behind the aggregates is served as it is, and says so.
-    slow, fresh, age = cap.snapshots.get(wake=False)
+    slow, fresh, age = cap.snapshots.get()
     if slow is None:
         # The first pull (or every build so far failed): built here, once, without the
         # pauses a background build takes; the thread rebuilds from now on.
@@ -225,7 +224,7 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
     def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
         try:
             # No flush: the export thread flushes every second.
-            return snapshot(cap, include_head_stats, flush=False).to_json()
+            return snapshot(cap, include_head_stats).to_json()
         except Exception as exc:  # runs in vLLM's worker loop: never raise there
             state.errors.record("snapshot", exc)
             return {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
