@@ -353,6 +353,19 @@ def test_data_parallel_engines_are_all_asked(state: runtime.State) -> None:
 
     (r,) = asyncio.run(_get(_app(Client(), [KEY]), "/attnprof/snapshot"))
     assert sorted(w["pid"] for w in r.json()["workers"]) == [21, 22]
+    assert "engine_rpc" not in state.errors.by_place
+
+    class HalfDown(Core):  # one engine failing: the other's workers, the failure counted
+        async def _call_utility_async(self, method: str, *args: Any, engine: bytes
+                                      ) -> list[Any]:
+            if engine == self.core_engines[1]:
+                raise ConnectionError("engine 1 gone")
+            return await super()._call_utility_async(method, *args, engine=engine)
+
+    Client.engine_core = HalfDown()
+    (r,) = asyncio.run(_get(_app(Client(), [KEY]), "/attnprof/snapshot"))
+    assert [w["pid"] for w in r.json()["workers"]] == [21]
+    assert state.errors.by_place["engine_rpc"] >= 1
 
 
 def test_body_over_the_bound_drops_head_statistics_and_says_so(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from attnprof.capture.vllm import runtime
+
 __all__ = ["rpc_all"]
 
 
@@ -39,5 +41,8 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
         ok = [g for g in got if not isinstance(g, BaseException)]
         if not ok and got:
             raise got[0] if isinstance(got[0], Exception) else RuntimeError(str(got[0]))
+        for g in got:  # the answer lacks these engines' workers: counted, so it shows
+            if isinstance(g, Exception):
+                runtime.STATE.errors.note("engine_rpc", g)
         return [w for ws in ok for w in (ws or [])]
     return list(await engine_client.collective_rpc(method, timeout=None, args=args))
