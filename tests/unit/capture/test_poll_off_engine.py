@@ -258,6 +258,33 @@ def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
     assert eng.calls == 2 + live_view.CATCH_UP_TRIES
 
 
+def test_the_catch_up_ends_at_the_refreshs_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catch-up's 2 s are inside the refresh's ATTNPROF_RPC_TIMEOUT_S, not after it: a
+    first poll that used the whole of a short timeout leaves no catch-up pulls (before, up
+    to 2 s of them made a reader's GET time out as if the workers had not answered)."""
+    import asyncio
+
+    from attnprof.capture.vllm import live_view, runtime
+    from attnprof.config import Config
+
+    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
+        enabled=True, rpc_timeout_s=0.2, advice_interval_s=0.0)))
+
+    class SlowThenStale:
+        calls = 0
+
+        async def collective_rpc(self, method: str, timeout: Any = None,
+                                 args: Any = (), kwargs: Any = None) -> list[Any]:
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.3)  # past the 0.2 s timeout, however busy the box
+            return [{"snapshot": {"pid": 1}, "snapshot_stale": {"age_s": 1e9}}]
+
+    eng = SlowThenStale()
+    asyncio.run(live_view.LiveView(eng)._refresh(False, head_stats=False))
+    assert eng.calls == 1
+
+
 def test_a_long_prefill_step_makes_the_build_stale_like_any_sampled_step() -> None:
     """The long-prefill stratum's steps fold layers too: a build from before one is behind."""
     cap = _rig(2)

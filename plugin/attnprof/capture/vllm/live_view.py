@@ -106,6 +106,7 @@ class LiveView:
         answers: list[Any] = []
         error = None
         timeout = (runtime.STATE.config or Config()).rpc_timeout_s
+        deadline = time.monotonic() + timeout  # what a reader waits for this refresh
         want_hs = head_stats and self.keeps_head_stats
         if self.engine_client is not None:
             self.rpcs += 1
@@ -121,7 +122,7 @@ class LiveView:
             # become the view a GET within ATTNPROF_SNAPSHOT_MAX_AGE_S would serve.
             return
         if error is None:
-            await self._catch_up(answers, timeout)
+            await self._catch_up(answers, deadline)
         await asyncio.to_thread(self._fold, answers)
         if want_hs and error is None:
             await self._collect_deltas(answers, timeout)
@@ -151,12 +152,12 @@ class LiveView:
                 return
             yield got
 
-    async def _catch_up(self, answers: list[Any], timeout: float) -> None:
+    async def _catch_up(self, answers: list[Any], deadline: float) -> None:
         """A worker answers the snapshot its snapshot thread built last (built off the
         engine's path); one built before the last sampled steps says so (``snapshot_stale``)
         and the thread rebuilds. Then ask again (tiny pulls: no head statistics, nothing
-        swapped) within ``timeout`` (2 s at most), until one pull finds every worker's
-        snapshot built after this refresh began; its snapshots replace all of ``answers``'
+        swapped) until the refresh's ``deadline`` (2 s at most) or one pull finds every
+        worker's snapshot built after this refresh began; its snapshots replace all of ``answers``'
         (one collective pull: the ranks' counters stay of the same step). Otherwise
         ``answers`` stay as they are: counters current, layers behind (their
         ``snapshot_stale`` is not carried into the served snapshot)."""
@@ -164,7 +165,7 @@ class LiveView:
             return
         t0 = time.monotonic()
         tries = 0
-        async for again in self._repolls(t0 + min(timeout, 2.0), "snapshot_rpc",
+        async for again in self._repolls(min(deadline, t0 + 2.0), "snapshot_rpc",
                                          "attnprof_poll", False, self.host):
             tries += 1
             later = _built_since(answers, again, time.monotonic() - t0)
