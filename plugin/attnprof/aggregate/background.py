@@ -70,15 +70,16 @@ class LatestBuild:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
-    def get(self) -> tuple[Any, bool, float]:
-        """(the latest build or None, whether it is current, its age in seconds). O(1);
-        wakes nothing: a reader that finds the build stale or missing calls :meth:`wake`
-        once it is done, so the thread does not compete with it meanwhile."""
+    def get(self) -> tuple[Any, bool, float, Hashable]:
+        """(the latest build or None, whether it is current, its age in seconds, the
+        version it was built from). O(1), one read of the build; wakes nothing: a reader
+        that finds the build stale or missing calls :meth:`wake` once it is done, so the
+        thread does not compete with it meanwhile."""
         latest = self._latest
         if latest is None:
-            return None, False, 0.0
+            return None, False, 0.0, None
         value, version, at = latest
-        return value, version == self._version(), time.monotonic() - at
+        return value, version == self._version(), time.monotonic() - at, version
 
     def wake(self) -> None:
         """Have the thread check its source now (O(1))."""

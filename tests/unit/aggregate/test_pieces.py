@@ -117,15 +117,15 @@ class _Source:
 def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
     src = _Source()
     lb = LatestBuild(src.build, lambda: src.version, name="t-build")
-    assert lb.get() == (None, False, 0.0)  # nothing yet: the reader builds nothing
+    assert lb.get() == (None, False, 0.0, None)  # nothing yet: the reader builds nothing
     lb.start()
     assert lb.wait_current()
-    value, fresh, _ = lb.get()
+    value, fresh, _, _ = lb.get()
     assert (value, fresh) == (0, True) and set(src.built_on) == {"t-build"}
     src.gate.clear()  # a wake left from wait_current cannot finish a rebuild before get()
     src.version = 1  # the source changed: the reader gets the old build, marked stale,
-    value, fresh, age = lb.get()  # and the thread, woken, rebuilds
-    assert (value, fresh) == (0, False) and age >= 0.0
+    value, fresh, age, built = lb.get()  # and the thread, woken, rebuilds
+    assert (value, fresh, built) == (0, False, 0) and age >= 0.0  # built from version 0
     lb.wake()
     src.gate.set()
     assert lb.wait_current() and lb.get()[:2] == (1, True)

@@ -91,6 +91,7 @@ def test_a_build_behind_the_aggregates_is_served_and_says_so() -> None:
     got = worker_rpc.poll(cap)
     stale = got["snapshot_stale"]
     assert stale["age_s"] >= 0 and "next pull" in stale["reason"]
+    assert stale["built"][0] == 1 and stale["now"][0] == 2  # sampled steps: build, pull
     snap = got["snapshot"]
     # The counters are this step's (every rank reads them between the same two steps); the
     # layers and step phases are the build's, one step behind, and agree with each other.
@@ -218,15 +219,35 @@ def test_catch_up_matches_workers_by_position_not_pid() -> None:
     snapshots go back to the answers in rank order, never one rank's to the other."""
     from attnprof.capture.vllm.live_view import _built_since
 
-    first = [{"snapshot": {"pid": 57, "rank": r}, "snapshot_stale": {"age_s": 9.0}}
+    first = [{"snapshot": {"pid": 57, "rank": r},
+              "snapshot_stale": {"age_s": 9.0, "built": [3, 6, 0], "now": [5, 6, 0]}}
              for r in (0, 1)]
     again = [{"snapshot": {"pid": 57, "rank": r, "new": True}} for r in (0, 1)]
-    assert _built_since(first, again, 1.0) == [again[0]["snapshot"], again[1]["snapshot"]]
-    assert _built_since(first, again[:1], 1.0) is None  # a rank missing: not replaced
-    behind = [again[0], {**again[1], "snapshot_stale": {"age_s": 5.0}}]
-    assert _built_since(first, behind, 1.0) is None  # built before the refresh began
+    assert _built_since(first, again) == [again[0]["snapshot"], again[1]["snapshot"]]
+    assert _built_since(first, again[:1]) is None  # a rank missing: not replaced
+    behind = [again[0], {**again[1], "snapshot_stale": {"age_s": 5.0, "built": [3, 6, 0],
+                                                        "now": [5, 6, 0]}}]
+    assert _built_since(first, behind) is None  # built before the refresh began
     other = [again[0], {"snapshot": {"pid": 58}}]
-    assert _built_since(first, other, 1.0) is None  # not the same worker
+    assert _built_since(first, other) is None  # not the same worker
+
+
+def test_catch_up_takes_a_build_by_the_steps_it_holds_not_by_when_it_finished() -> None:
+    """A build already running when the refresh's pull came finishes after it, young, but
+    without the steps that pull saw: taken by its age, it passed as caught up. A later
+    build that covers them is taken even while newer steps make it stale again."""
+    from attnprof.capture.vllm.live_view import _built_since
+
+    first = [{"snapshot": {"pid": 7}, "snapshot_stale": {"age_s": 0.5, "built": [3, 6, 0],
+                                                         "now": [5, 6, 0]}}]
+    young_but_old = [{"snapshot": {"pid": 7}, "snapshot_stale": {
+        "age_s": 0.001, "built": [4, 6, 0], "now": [6, 6, 0]}}]
+    assert _built_since(first, young_but_old) is None
+    covers = [{"snapshot": {"pid": 7}, "snapshot_stale": {"age_s": 0.2, "built": [5, 6, 0],
+                                                          "now": [6, 6, 0]}}]
+    assert _built_since(first, covers) == [{"pid": 7}]
+    unreadable = [{"snapshot": {"pid": 7}, "snapshot_stale": {"built": "x", "now": None}}]
+    assert _built_since(first, unreadable) is None
 
 
 def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(

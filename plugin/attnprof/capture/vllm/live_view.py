@@ -82,7 +82,7 @@ class LiveView:
         Raises ``TimeoutError``; the RPC goes on and its answer is still folded in.
         ``head_stats`` (default: ``advice``): also pull the workers' head-statistics deltas,
         the one large part of a poll, only when the advice or a ``?head_stats=1`` needs them.
-        ``catch_up``: wait for workers' snapshots built after the refresh began (a reader's
+        ``catch_up``: wait for workers' snapshots built from the steps this poll saw (a reader's
         need); without it the poll only carries the ranks' scales and leaves the view as
         it is (a rate-sync poll). A task in flight that does
         less than asked is waited for, then one more starts."""
@@ -157,8 +157,10 @@ class LiveView:
         engine's path); one built before the last sampled steps says so (``snapshot_stale``)
         and the thread rebuilds. Then ask again (tiny pulls: no head statistics, nothing
         swapped) until the refresh's ``deadline`` (2 s at most) or one pull finds every
-        worker's snapshot built after this refresh began; its snapshots replace all of ``answers``'
-        (one collective pull: the ranks' counters stay of the same step). Otherwise
+        worker's snapshot built from at least the steps its first answer stood at (build
+        versions, not clocks: a build already running when the refresh began finishes after
+        it without those steps); its snapshots replace all of ``answers``' (one collective
+        pull: the ranks' counters stay of the same step). Otherwise
         ``answers`` stay as they are: counters current, layers behind (their
         ``snapshot_stale`` is not carried into the served snapshot)."""
         if not any(isinstance(a, dict) and a.get("snapshot_stale") for a in answers):
@@ -168,7 +170,7 @@ class LiveView:
         async for again in self._repolls(min(deadline, t0 + 2.0), "snapshot_rpc",
                                          "attnprof_poll", False, self.host):
             tries += 1
-            later = _built_since(answers, again, time.monotonic() - t0)
+            later = _built_since(answers, again)
             if later is not None:
                 for a, snap in zip(answers, later, strict=True):
                     if isinstance(a, dict):
@@ -387,11 +389,12 @@ def _deltas_pending(answers: list[Any]) -> bool:
                for a in answers)
 
 
-def _built_since(answers: list[Any], again: list[Any], since: float) -> list[Any] | None:
+def _built_since(answers: list[Any], again: list[Any]) -> list[Any] | None:
     """``again``'s snapshots, one per answer of ``answers`` and in its order, when every one
-    was built within the last ``since`` seconds (fresh, or stale but rebuilt since), else
-    None. Matched by position (a collective RPC answers in rank order) and checked by pid:
-    pids alone repeat across nodes and containers."""
+    was built from at least what its first answer's pull stood at (``snapshot_stale``'s
+    ``now``; a current build always is), else None. Matched by position (a collective RPC
+    answers in rank order) and checked by pid: pids alone repeat across nodes and
+    containers."""
     if len(again) != len(answers):
         return None
     out: list[Any] = []
@@ -402,11 +405,23 @@ def _built_since(answers: list[Any], again: list[Any], since: float) -> list[Any
         if not isinstance(b, dict) or not isinstance(b.get("snapshot"), dict) or \
                 b["snapshot"].get("pid") != (a.get("snapshot") or {}).get("pid"):
             return None
-        st = b.get("snapshot_stale")
-        if st is not None and not float(st.get("age_s", since)) < since:
-            return None  # this worker's thread has not built since the refresh began
+        first, st = a.get("snapshot_stale"), b.get("snapshot_stale")
+        # A worker current at the first pull: its latest build is at least that one.
+        if first is not None and st is not None and not _covers(
+                st.get("built"), first.get("now") if isinstance(first, dict) else None):
+            return None  # still a build from before the steps the refresh's pull saw
         out.append(b["snapshot"])
     return out
+
+
+def _covers(built: Any, want: Any) -> bool:
+    """A build of version ``built`` has everything of version ``want`` (versions count up:
+    sampled steps, layers, a probe); False for anything unreadable."""
+    try:
+        return len(built) == len(want) and all(
+            float(b) >= float(w) for b, w in zip(built, want, strict=True))
+    except (TypeError, ValueError):
+        return False
 
 
 _PROVENANCE: dict[tuple[str, str | None], Any] = {}

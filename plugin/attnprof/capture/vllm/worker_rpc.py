@@ -102,7 +102,7 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     # The layers, kernel map and step phases were built on the snapshot thread (milliseconds
     # on 80 layers, in pieces that leave the engine the GIL); only the counters every step
     # changes are read here. A build behind the aggregates is served as it is, and says so.
-    slow, fresh, age = cap.snapshots.get()
+    slow, fresh, age, built = cap.snapshots.get()
     if slow is None:
         # The first pull (or every build so far failed): built here, once, without the
         # pauses a background build takes; the thread rebuilds from now on.
@@ -125,8 +125,11 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
         # Sampled steps were folded since the build: they are in the counters (read now, at
         # the same step on every rank), not yet in the layers. Said so; the API server asks
         # again once the build it woke is done (LiveView._catch_up).
-        out["snapshot_stale"] = {"age_s": age, "reason": "built before the last sampled "
-                                 "steps; the next pull has them"}
+        # built/now: the versions (slow_version) the served build and this pull stand at;
+        # the API server takes a later build once it covers "now" (LiveView._catch_up).
+        out["snapshot_stale"] = {"age_s": age, "built": list(built), "now": list(
+            slow_version(cap)), "reason": "built before the last sampled steps; the next "
+                                 "pull has them"}
         cap.snapshots.wake()  # now that this pull is done: the rebuild is for the next one
     return out
 
