@@ -211,7 +211,6 @@ def test_ambiguous_or_unknown_flags_fall_back_to_the_name_pattern() -> None:
 def test_shipped_vllm_option_table_equals_the_installed_vllm_parser() -> None:
     from attnprof.capture.vllm.option_table import TABLE_PATH, build, dumps
 
-    assert TABLE_PATH == VLLM_OPTIONS_PATH
     assert TABLE_PATH.read_text() == dumps(build()), (
         "vLLM's options changed: run python -m attnprof.capture.vllm.option_table")
 
