@@ -49,8 +49,7 @@ __all__ = ["REDACTED", "VLLM_OPTIONS_PATH", "is_secret_name", "redact_argv", "re
            "vllm_option"]
 
 REDACTED = "<redacted>"
-VLLM_OPTIONS_PATH = (Path(__file__).resolve().parents[1] / "analyze" / "data"
-                     / "vllm_serve_options.json")
+VLLM_OPTIONS_PATH = Path(__file__).resolve().parent / "data" / "vllm_serve_options.json"
 
 _WORDS = (r"key|token|secrets?|passwords?|passwd|pwd|passphrases?|auth|authorization|"
           r"credentials?|creds|bearer|cookies?|signature|sig|jwt")

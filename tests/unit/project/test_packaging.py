@@ -105,6 +105,8 @@ def test_public_api_from_wheel_in_clean_venv(tmp_path: Path) -> None:
     assert str(venv) in r.stdout
     r = subprocess.run([str(py), "-c", "import importlib.resources as r; "
                         "print(r.files('attnprof.analyze').joinpath('data/compat_matrix.json')"
-                        ".is_file(), r.files('attnprof').joinpath('py.typed').is_file())"],
+                        ".is_file(), r.files('attnprof').joinpath('py.typed').is_file(), "
+                        "r.files('attnprof.contracts').joinpath('data/vllm_serve_options.json')"
+                        ".is_file())"],
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert r.stdout.split() == ["True", "True"], r.stderr
+    assert r.stdout.split() == ["True", "True", "True"], r.stderr

@@ -2,7 +2,7 @@
 
 :mod:`attnprof.contracts.redact` must not import vLLM (5 s of imports, and a snapshot read on a
 laptop has no vLLM), so it reads this table as shipped data
-(``analyze/data/vllm_serve_options.json``). Regenerate it after a vLLM upgrade::
+(``contracts/data/vllm_serve_options.json``). Regenerate it after a vLLM upgrade::
 
     python -m attnprof.capture.vllm.option_table      # (make compat-data runs it)
 
