@@ -250,6 +250,33 @@ def test_catch_up_takes_a_build_by_the_steps_it_holds_not_by_when_it_finished() 
     assert _built_since(first, unreadable) is None
 
 
+class _AlwaysStale:
+    """An engine whose every worker answer is a build that never catches up."""
+
+    def __init__(self, first_poll_s: float) -> None:
+        self.calls = 0
+        self.first_poll_s = first_poll_s
+
+    async def collective_rpc(self, method: str, timeout: Any = None,
+                             args: Any = (), kwargs: Any = None) -> list[Any]:
+        import asyncio
+
+        self.calls += 1
+        if self.calls == 1 and self.first_poll_s:
+            await asyncio.sleep(self.first_poll_s)
+        return [{"snapshot": {"pid": 1}, "snapshot_stale": {"age_s": 1e9}}]
+
+
+def _always_stale(monkeypatch: pytest.MonkeyPatch, rpc_timeout_s: float,
+                  first_poll_s: float = 0.0) -> _AlwaysStale:
+    from attnprof.capture.vllm import runtime
+    from attnprof.config import Config
+
+    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
+        enabled=True, rpc_timeout_s=rpc_timeout_s, advice_interval_s=0.0)))
+    return _AlwaysStale(first_poll_s)
+
+
 def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each extra pull pauses the engine between two steps: a worker whose builds never
@@ -257,21 +284,9 @@ def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
     only carries a scale) makes none."""
     import asyncio
 
-    from attnprof.capture.vllm import live_view, runtime
-    from attnprof.config import Config
+    from attnprof.capture.vllm import live_view
 
-    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
-        enabled=True, rpc_timeout_s=30.0, advice_interval_s=0.0)))
-
-    class AlwaysStale:
-        calls = 0
-
-        async def collective_rpc(self, method: str, timeout: Any = None,
-                                 args: Any = (), kwargs: Any = None) -> list[Any]:
-            self.calls += 1
-            return [{"snapshot": {"pid": 1}, "snapshot_stale": {"age_s": 1e9}}]
-
-    eng = AlwaysStale()
+    eng = _always_stale(monkeypatch, rpc_timeout_s=30.0)
     view = live_view.LiveView(eng)
     asyncio.run(view.refresh(30.0, advice=False, head_stats=False, catch_up=False))
     assert eng.calls == 1
@@ -285,23 +300,10 @@ def test_the_catch_up_ends_at_the_refreshs_deadline(monkeypatch: pytest.MonkeyPa
     to 2 s of them made a reader's GET time out as if the workers had not answered)."""
     import asyncio
 
-    from attnprof.capture.vllm import live_view, runtime
-    from attnprof.config import Config
+    from attnprof.capture.vllm import live_view
 
-    monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
-        enabled=True, rpc_timeout_s=0.2, advice_interval_s=0.0)))
-
-    class SlowThenStale:
-        calls = 0
-
-        async def collective_rpc(self, method: str, timeout: Any = None,
-                                 args: Any = (), kwargs: Any = None) -> list[Any]:
-            self.calls += 1
-            if self.calls == 1:
-                await asyncio.sleep(0.3)  # past the 0.2 s timeout, however busy the box
-            return [{"snapshot": {"pid": 1}, "snapshot_stale": {"age_s": 1e9}}]
-
-    eng = SlowThenStale()
+    # The first poll answers past the 0.2 s timeout, however busy the box.
+    eng = _always_stale(monkeypatch, rpc_timeout_s=0.2, first_poll_s=0.3)
     asyncio.run(live_view.LiveView(eng)._refresh(False, head_stats=False))
     assert eng.calls == 1
 
