@@ -66,13 +66,33 @@ def complete(base_url: str) -> None:
 
 
 def scraped(prometheus: Any, base_url: str) -> None:
-    """Wait until Prometheus holds every finished request, and the worker's and the KV
-    tracker's counters exist (each exporter flushes on its own 1 s timer)."""
-    n = get_snapshot(base_url)["requests"]["requests"]
+    """Wait until Prometheus holds every finished request and every step the worker has
+    seen so far, and the KV tracker's counters exist (each exporter flushes on its own 1 s
+    timer). Waiting for the steps, not for any step series: a round's last decode steps
+    reach the worker's export a flush after its first, and a panel read before that flush
+    was scraped has only one value per decode series (no rate)."""
+    snap = get_snapshot(base_url)
+    n = snap["requests"]["requests"]
+    seen = max(w["sampler"]["seen"] for w in snap["workers"])
     # Generous timeouts: only a loaded 2-core CI box comes near them.
     prometheus.wait_for(f"sum(attnprof_request_context_tokens_count) >= {n}", timeout=120)
-    prometheus.wait_for("sum(attnprof_step_time_seconds_total) > 0", timeout=120)
+    prometheus.wait_for(f"sum(attnprof_steps_total) >= {seen}", timeout=120)
     prometheus.wait_for("sum(attnprof_kv_cache_busy_seconds_total) > 0", timeout=120)
+
+
+def evidence(prometheus: Any, base_url: str, exprs: list[str]) -> str:
+    """What a failure needs to be understood afterwards: each empty panel's raw series over
+    the range (values only, last 8 scrapes) and the server's own error counts."""
+    lines = []
+    for name in sorted({m for e in exprs for m in re.findall(r"attnprof_\w+", e)}):
+        for r in prometheus.query(f"{name}[{RATE_INTERVAL}]")[:6]:
+            vals = [v[1] for v in r["values"]][-8:]  # type: ignore[index]
+            lines.append(f"  {name} {r['metric']}: {vals}")
+    snap = get_snapshot(base_url)
+    lines.append(f"  errors: {snap.get('errors')}")
+    lines += [f"  worker {w['pid']}: errors {w.get('errors')}, sampler {w['sampler']}"
+              for w in snap["workers"]]
+    return "\n".join(lines)
 
 
 def test_every_dashboard_panel_has_data(tiny_server: Any, prometheus: Any) -> None:
@@ -108,7 +128,9 @@ def test_every_dashboard_panel_has_data(tiny_server: Any, prometheus: Any) -> No
             prometheus.query(q)  # must still run (status success), data or not
             continue
         try:
-            prometheus.wait_for(q, timeout=max(0.0, deadline - time.monotonic()))
+            # A panel after a slow one still gets a few polls, not a single query.
+            prometheus.wait_for(q, timeout=max(10.0, deadline - time.monotonic()))
         except AssertionError:
             empty.append(f"{title!r} {ref}: {q}")
-    assert not empty, "panels without data:\n" + "\n".join(empty)
+    assert not empty, ("panels without data:\n" + "\n".join(empty) + "\n"
+                       + evidence(prometheus, base, empty))
