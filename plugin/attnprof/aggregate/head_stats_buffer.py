@@ -1,6 +1,8 @@
 """Head statistics in two halves, so a pull never makes the engine wait for serialization.
 
-The engine folds sampled prompts into the *active* accumulator. A pull (the API server's
+The engine folds sampled prompts into the *active* accumulator (a
+:class:`~attnprof.aggregate.head_strata.HeadStatsStrata` in a worker: one accumulator per
+(phase, context bucket); a plain accumulator works the same way). A pull (the API server's
 poll, between two model steps) only swaps it with a zeroed *spare*: two attribute
 assignments and a queue put, whatever the model's size. A background thread then turns the
 swapped-out half into delta bytes (:meth:`HeadStatsAccumulator.take_chunks`, which zeroes it
@@ -25,6 +27,7 @@ from typing import Any
 
 from attnprof.aggregate.background import yield_gil
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.aggregate.head_strata import HeadStatsStrata
 
 __all__ = ["HeadStatsDoubleBuffer"]
 
@@ -33,16 +36,16 @@ class HeadStatsDoubleBuffer:
     """``active`` is written by the engine thread only; ``swap`` and ``take_ready`` run on
     that thread too (between steps); the drain runs on one daemon thread of its own."""
 
-    def __init__(self, active: HeadStatsAccumulator,
+    def __init__(self, active: HeadStatsAccumulator | HeadStatsStrata,
                  pause: Callable[[], None] = yield_gil) -> None:
         self.active = active
         self.pause = pause
         """Called by the drain between two pieces of a delta (hands over the GIL)."""
-        self._spare: HeadStatsAccumulator | None = active.empty_like()
+        self._spare: HeadStatsAccumulator | HeadStatsStrata | None = active.empty_like()
         self._ready: list[Any] = []
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[HeadStatsAccumulator, Callable[[list[Any]], Any]]] = (
-            queue.SimpleQueue())
+        self._jobs: queue.SimpleQueue[tuple[HeadStatsAccumulator | HeadStatsStrata,
+                                            Callable[[list[Any]], Any]]] = queue.SimpleQueue()
         self.swaps = 0
         self.skipped = 0
         """Pulls that found the previous drain still running (nothing swapped)."""
@@ -72,7 +75,7 @@ class HeadStatsDoubleBuffer:
             if spare is None:
                 self.skipped += 1
                 return False
-            if not self.active.queries.any():
+            if not _has_data(self.active):
                 return False
             old, self.active, self._spare = self.active, spare, None
         self.swaps += 1
@@ -111,3 +114,7 @@ class HeadStatsDoubleBuffer:
                 if result is not None:
                     self._ready.append(result)
                 self._spare = old
+
+
+def _has_data(acc: HeadStatsAccumulator | HeadStatsStrata) -> bool:
+    return acc.has_data() if isinstance(acc, HeadStatsStrata) else bool(acc.queries.any())
