@@ -17,9 +17,13 @@ import numpy as np
 
 from attnprof.aggregate.head_stats import JS_CHUNK_ELEMENTS, HeadStatsAccumulator
 
-__all__ = ["pair_js", "sample_queries", "update", "update_hf"]
+__all__ = ["SCRATCH_ELEMENTS", "fold_plan", "pair_js", "sample_queries", "update", "update_hf",
+           "update_span"]
 
 _BLOCK = 32  # keys per block for range sums
+SCRATCH_ELEMENTS = 1 << 24
+"""Most logits (queries x heads x keys) one tile of recomputed rows holds: 64 MiB of fp32,
+with a few same-sized temporaries (exp, mask) alongside; long contexts get smaller tiles."""
 
 
 def sample_queries(acc: HeadStatsAccumulator, num_queries: int, q_start: int) -> Any:
@@ -42,32 +46,77 @@ def update(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float, 
     1 (default :meth:`HeadStatsAccumulator.sample_plan`, weighted). Returns the number of
     sampled queries; raises ``ValueError`` when the head counts do not match ``acc``.
     """
-    import torch
-
-    lq, hq, _ = q.shape
-    lk, hkv, _ = k.shape
-    if hq != acc.num_q_heads or hkv != acc.num_kv_heads:
-        raise ValueError(f"expected {acc.num_q_heads} q / {acc.num_kv_heads} kv heads, "
-                         f"got {hq} / {hkv}")
+    lq = q.shape[0]
+    lk = k.shape[0]
     start = lk - lq if q_start is None else int(q_start)
     if sample is None:
         idx_np, wts = acc.sample_plan(lq, start)
     else:
+        import torch
+
         idx_np = np.unique(torch.as_tensor(sample).cpu().numpy().astype(np.int64))
         wts = np.ones(len(idx_np))
     if len(idx_np) == 0:
         return 0
-    idx = torch.as_tensor(idx_np, dtype=torch.long)
     detail = dict(acc.detail_subset(len(idx_np), wts, start))
+    return fold_plan(acc, layer, q, k, scale, start, idx_np, wts, detail, v=v,
+                     softcap=softcap, sink_logits=sink_logits)
+
+
+def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float, *,
+                prompt_len: int, q_start: int, v: Any = None, softcap: float | None = None,
+                sink_logits: Any = None) -> int:
+    """Fold one piece of a prompt (a chunk, or the uncached tail after a prefix-cache hit):
+    ``q`` [Lq, Hq, D] the queries at prompt positions ``q_start`` .. ``q_start + Lq - 1``,
+    ``k`` [>= q_start + Lq, Hkv, D] the prompt's keys from position 0 (earlier ones read from
+    the paged cache). The sample is the **whole prompt's** (:meth:`sample_plan` over
+    ``prompt_len``, and its detail subset), restricted to this piece's positions, so the
+    pieces of a prompt served in chunks fold exactly the queries, weights and detail queries
+    the prompt served whole would. The request counts ``Lq / prompt_len``: once over all its
+    pieces, partly when positions were never computed (a prefix-cache hit's cached head)."""
+    lq = int(q.shape[0])
+    idx, wts = acc.sample_plan(prompt_len, 0)
+    detail = dict(acc.detail_subset(len(idx), wts, 0))
+    keep = np.flatnonzero((idx >= q_start) & (idx < q_start + lq))
+    local = {int(j): detail[int(i)] for j, i in enumerate(keep) if int(i) in detail}
+    return fold_plan(acc, layer, q, k, scale, q_start, idx[keep] - q_start, wts[keep], local,
+                     v=v, softcap=softcap, sink_logits=sink_logits,
+                     request_share=lq / max(1, prompt_len))
+
+
+def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
+              q_start: int, idx_np: Any, wts: Any, detail: dict[int, float], *, v: Any = None,
+              softcap: float | None = None, sink_logits: Any = None,
+              request_share: float = 1.0) -> int:
+    """Fold the queries ``idx_np`` (indices into ``q``, sorted; at positions ``q_start +
+    idx``) with Horvitz-Thompson weights ``wts``; ``detail`` maps an index into ``idx_np`` to
+    its detail weight. Queries go in tiles of at most ``acc.chunk_queries``, fewer when the
+    context is long, so the logits scratch stays under :data:`SCRATCH_ELEMENTS` floats (plus
+    one fp32 copy of the keys: Lk x Hkv x D). Adds ``request_share`` to the layer's requests
+    (also when no query of the plan falls here). Returns the number of queries folded."""
+    import torch
+
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != acc.num_q_heads or hkv != acc.num_kv_heads:
+        raise ValueError(f"expected {acc.num_q_heads} q / {acc.num_kv_heads} kv heads, "
+                         f"got {hq} / {hkv}")
+    acc.requests[layer] += request_share
+    if len(idx_np) == 0:
+        return 0
+    idx = torch.as_tensor(np.asarray(idx_np), dtype=torch.long)
+    n_keys = int(q_start) + int(idx_np[-1]) + 1
+    if n_keys > k.shape[0]:
+        raise ValueError(f"query at position {n_keys - 1} needs {n_keys} keys, "
+                         f"got {k.shape[0]}")
+    tile = max(1, min(acc.chunk_queries, SCRATCH_ELEMENTS // max(1, hq * n_keys)))
     with torch.no_grad():
-        kh = k.float().permute(1, 2, 0)  # [hkv, d, Lk]
-        for c0 in range(0, len(idx_np), acc.chunk_queries):
-            ci = idx[c0:c0 + acc.chunk_queries]
+        kh = k[:n_keys].float().permute(1, 2, 0)  # [hkv, d, Lk]
+        for c0 in range(0, len(idx_np), tile):
+            ci = idx[c0:c0 + tile]
             det = [i - c0 for i in range(c0, c0 + len(ci)) if i in detail]
             det_w = [detail[i + c0] for i in det]
-            _chunk(acc, layer, q, kh, v, ci, start, scale, softcap, sink_logits, det,
+            _chunk(acc, layer, q, kh, v, ci, int(q_start), scale, softcap, sink_logits, det,
                    wts[c0:c0 + len(ci)], det_w)
-    acc.count_request(layer)
     return len(idx_np)
 
 
