@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.capture.vllm.hooks import Capture, step_hook
-from attnprof.capture.vllm.runtime import State
 from attnprof.config import Config
+from attnprof.host.vllm.runtime import State
 
 OUT = Path(__file__).parent / "results" / "microbench.json"
 N = 1_000_000

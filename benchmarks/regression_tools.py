@@ -57,7 +57,7 @@ def _timed(fn: Any, repeats: int = 7) -> tuple[float, float, float]:
 def bench_armed(steps: int = 400, repeats: int = 15) -> dict[str, Any]:
     from tests.unit.aggregate.test_aggregate import _capture, _Layer, _run_steps
 
-    from attnprof.capture.vllm import worker_rpc
+    from attnprof.host.vllm import worker_rpc
 
     cap = _capture(1.0)
     layers = [_Layer(i) for i in range(LAYERS)]

@@ -448,10 +448,10 @@ def _worker(layers: int, kv: int, group: int, head: int, blob: bytes) -> Any:
     from attnprof.aggregate.layers import BatchShape, LayerCall, StepRecord
     from attnprof.capture.vllm.deltas import DeltaFiles
     from attnprof.capture.vllm.hooks import Capture
-    from attnprof.capture.vllm.runtime import State
     from attnprof.config import Config
     from attnprof.exporters.hub import ExportHub
     from attnprof.exporters.prometheus import PrometheusSink
+    from attnprof.host.vllm.runtime import State
 
     state = State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="bench",
                                 long_prefill_rate=0.0, overhead_budget=1.0))
@@ -487,7 +487,7 @@ def _old_take_bytes(acc: Any) -> bytes:
 
 def _old_poll(cap: Any) -> dict[str, Any]:
     """The pull as the engine ran it before issue 30: the worker snapshot built in place."""
-    from attnprof.capture.vllm import worker_rpc
+    from attnprof.host.vllm import worker_rpc
 
     snap = worker_rpc.snapshot(cap, include_head_stats=False).to_json()
     out = worker_rpc._placement(cap)
@@ -522,7 +522,7 @@ def bench_pull(reps: int = 15) -> dict[str, Any]:
     import types
 
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
-    from attnprof.capture.vllm import worker_rpc
+    from attnprof.host.vllm import worker_rpc
 
     out: dict[str, Any] = {}
     for name, (layers, kv, group, head) in SHAPES.items():

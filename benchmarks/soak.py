@@ -4,7 +4,7 @@ a long run?
 Two parts, each writing its own results file:
 
 * ``synthetic`` (no vLLM server): ``--requests`` finished requests through the real
-  :class:`~attnprof.capture.vllm.stat_logger.AttnProfStatLogger` ``record()`` (fake scheduler
+  :class:`~attnprof.host.vllm.stat_logger.AttnProfStatLogger` ``record()`` (fake scheduler
   and iteration stats) and ``--steps`` model steps through the real capture step hook
   (:func:`~attnprof.capture.vllm.hooks.step_hook` over fake layers and attention metadata,
   CPU timing and fake CUDA events alternating), at the default sample rate, with head
@@ -231,10 +231,10 @@ def _api_server_side(real_stat_logger: bool, max_len: int, hub_interval: float,
     """(recorder with .record and .requests, the API server's State, its private registry)."""
     from prometheus_client import CollectorRegistry
 
-    from attnprof.capture.vllm import runtime
     from attnprof.config import Config
     from attnprof.exporters.hub import ExportHub
     from attnprof.exporters.prometheus import PrometheusSink
+    from attnprof.host.vllm import runtime
 
     reg = CollectorRegistry()
     if real_stat_logger:
@@ -249,7 +249,7 @@ def _api_server_side(real_stat_logger: bool, max_len: int, hub_interval: float,
                         on_sink_error=st.errors.note)
         hub.add_sink(PrometheusSink(registry=reg))
         st.hub = hub
-        from attnprof.capture.vllm.stat_logger import AttnProfStatLogger
+        from attnprof.host.vllm.stat_logger import AttnProfStatLogger
 
         # What vLLM hands a stat logger: the model's attention shape (the worker side's fake
         # layers), the cache (blocks, block size, KV dtype) and the scheduler's batch limit.
@@ -293,10 +293,10 @@ def _worker_side(layers: int, hub_interval: float, head_stats_rate: float
     from prometheus_client import CollectorRegistry
 
     from attnprof.capture.vllm.hooks import Capture
-    from attnprof.capture.vllm.runtime import State
     from attnprof.config import Config
     from attnprof.exporters.hub import ExportHub
     from attnprof.exporters.prometheus import PrometheusSink
+    from attnprof.host.vllm.runtime import State
 
     cfg = Config(enabled=True, seed=0, model_label="soak", overhead_budget=1.0,
                  head_stats_rate=head_stats_rate, head_stats_min_tokens=64)
@@ -339,8 +339,8 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
     allocated blocks at each checkpoint plus the counters, timings and errors."""
     import torch
 
-    from attnprof.capture.vllm import worker_rpc
     from attnprof.capture.vllm.hooks import step_hook
+    from attnprof.host.vllm import worker_rpc
 
     torch.set_num_threads(1)
     rng = random.Random(seed)

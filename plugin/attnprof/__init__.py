@@ -65,8 +65,8 @@ def profile(model: Any, on_call: Callable[[AttentionCallEvent], None] | None = N
 
 def _config() -> Config:
     """attnprof's configuration as this process runs with it."""
-    from attnprof.capture.vllm.runtime import STATE
     from attnprof.config import Config
+    from attnprof.host.vllm.runtime import STATE
 
     return STATE.config or Config()
 
@@ -84,10 +84,10 @@ def set_sampling(rate: float | None = None, head_stats_rate: float | None = None
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     if llm is not None:
         # No timeout for vLLM's executor: a late answer would become a model step's output
-        # (attnprof.capture.vllm.rpc); attnprof's worker methods are short by themselves.
+        # (attnprof.host.vllm.rpc); attnprof's worker methods are short by themselves.
         out = list(llm.collective_rpc("attnprof_set_sampling", args=(rate, head_stats_rate)))
     else:
-        from attnprof.capture.vllm.runtime import STATE
+        from attnprof.host.vllm.runtime import STATE
 
         if STATE.capture is None:
             raise RuntimeError("no vLLM worker with attnprof enabled in this process; pass "

@@ -112,7 +112,7 @@ RANK_SYNC = ("auto", "file", "rpc")
 # past any sensible setting.
 MIN_RPC_TIMEOUT_S = 0.1
 """An API-side wait shorter than one model step would serve stale snapshots on every GET
-(the engine itself is never given this timeout: see :mod:`attnprof.capture.vllm.rpc`)."""
+(the engine itself is never given this timeout: see :mod:`attnprof.host.vllm.rpc`)."""
 MIN_INTERVAL_S = 0.5
 """Shortest advice-loop period (0 turns the loop off): each round is one poll of every
 worker, so 1e-9 would poll in a busy loop."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from attnprof.capture.vllm.runtime import pid_alive
+from attnprof.host.vllm.runtime import pid_alive
 from attnprof.tools.http import HttpError, get_text, post_json
 from tests.conftest import counted_snapshot, free_port
 

@@ -44,7 +44,7 @@ _SCRIPT = _PROLOGUE + r"""
             break
         time.sleep(0.01)
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
-    from attnprof.capture.vllm.live_view import LiveView
+    from attnprof.host.vllm.live_view import LiveView
     view = LiveView(None)
     parts, part_requests = [], []
     for p, ds in zip(polls, deltas):

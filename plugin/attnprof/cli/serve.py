@@ -38,8 +38,8 @@ def resolve_or_fail(spec: str) -> tuple[str, str | None]:
 
 
 def check_config() -> None:
-    from attnprof.capture.vllm.runtime import config_from_env
     from attnprof.config import ConfigError, api_tokens
+    from attnprof.host.vllm.runtime import config_from_env
 
     try:
         config_from_env(check_otlp=True)

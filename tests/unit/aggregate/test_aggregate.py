@@ -18,14 +18,14 @@ from attnprof.aggregate.layers import (
     attention_bytes,
     attention_flops,
 )
-from attnprof.capture.vllm import worker_rpc
 from attnprof.capture.vllm.args import batch_shape
 from attnprof.capture.vllm.hooks import Capture, step_hook
-from attnprof.capture.vllm.runtime import State
 from attnprof.config import Config
 from attnprof.exporters.hub import ExportHub
 from attnprof.exporters.prometheus import PrometheusSink
 from attnprof.exporters.samples import worker_samples
+from attnprof.host.vllm import worker_rpc
+from attnprof.host.vllm.runtime import State
 
 
 def _info(index: int = 0, kv_dtype: str = "auto", dtype: str = "bfloat16") -> LayerInfo:
@@ -209,7 +209,7 @@ def test_malformed_liveness_notes_are_counted_not_fatal(tmp_path: Any) -> None:
     import json
     import os
 
-    from attnprof.capture.vllm import runtime
+    from attnprof.host.vllm import runtime
 
     (tmp_path / "worker-1.json").write_text(json.dumps(
         {"role": "worker", "pid": os.getpid(), "process": "w", "started_at": 1.0}))

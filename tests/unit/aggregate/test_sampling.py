@@ -98,7 +98,7 @@ def test_exporter_errors_never_trip_the_capture_breaker() -> None:
 
 def test_a_failing_source_trips_the_breaker_a_failing_exporter_does_not() -> None:
     from attnprof._safety import ErrorBook
-    from attnprof.capture.vllm.runtime import State
+    from attnprof.host.vllm.runtime import State
 
     state = State(errors=ErrorBook(max_errors=3))
     hub = state.get_hub()  # the hub wiring the server runs with
@@ -332,7 +332,7 @@ def test_an_export_never_shows_a_breaker_tripped_beside_fewer_errors_than_trip_i
     the breakers. Here it lands exactly there, every time."""
     import attnprof.exporters.samples as samples_mod
     from attnprof._safety import ErrorBook
-    from attnprof.capture.vllm.runtime import State
+    from attnprof.host.vllm.runtime import State
 
     state = State(errors=ErrorBook(max_errors=3))
     state.roles.add("api_server")

@@ -244,8 +244,9 @@ _install_platform_facts(tuple(json.loads(sys.argv[1])))
 torch.set_default_dtype(torch.bfloat16)
 from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
 import attnprof.capture.vllm.backends as an
-from attnprof.capture.vllm import install, worker_rpc
-from attnprof.capture.vllm.runtime import State
+from attnprof.capture.vllm import install
+from attnprof.host.vllm import worker_rpc
+from attnprof.host.vllm.runtime import State
 from attnprof.config import Config
 calls = []
 real = an.vllm_backend_report

@@ -17,8 +17,9 @@ _VLLM = r"""
 import json
 import attnprof
 from attnprof.capture.vllm import install
-from attnprof.capture.vllm.runtime import State
 from attnprof.config import Config
+from attnprof.host.vllm.runtime import State
+from attnprof.host.vllm.worker_rpc import worker_methods  # the host's RPC answers
 attnprof.uninstrument()  # nothing instrumented yet: a no-op
 install.uninstall()
 from vllm.model_executor.layers.attention.attention import Attention
@@ -29,8 +30,8 @@ places = [(Attention, "__init__"), (GPUModelRunner, "_model_forward"),
           (sel, "_cached_get_attn_backend")]
 before = [vars(o)[n] for o, n in places]
 state = State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m"))
-cap = install.install(state)
-again = install.install(state)  # a second install patches nothing more
+cap = install.install(state, worker_methods)
+again = install.install(state, worker_methods)  # a second install patches nothing more
 patched = [vars(o)[n] is not b for (o, n), b in zip(places, before)]
 rpc = sorted(n for n in vars(WorkerBase) if n.startswith("attnprof_"))
 class Impl:

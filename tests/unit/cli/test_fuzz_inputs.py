@@ -985,8 +985,8 @@ def startup(env: dict[str, str]) -> tuple[Config | None, Any, str | None]:
     environment, else (None, None, the one line its start-up prints). Read as the plugin,
     the stat logger and the route read it (``config_from_env``, OTLP included as when
     enabled); a refusal is then checked through the plugin's own ``register``."""
-    from attnprof.capture.vllm import register
-    from attnprof.capture.vllm.runtime import config_from_env
+    from attnprof.host.vllm import register
+    from attnprof.host.vllm.runtime import config_from_env
 
     with mock.patch.dict(os.environ, env, clear=True):
         try:
@@ -1285,7 +1285,7 @@ def test_header_and_endpoint_errors_never_show_a_credential(secret: str, form: i
     assert secret not in str(line), line
 
 
-_PLUGIN_START = "from attnprof.capture.vllm import register; register()"
+_PLUGIN_START = "from attnprof.host.vllm import register; register()"
 
 
 @pytest.mark.slow

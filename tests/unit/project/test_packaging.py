@@ -15,7 +15,8 @@ from tests.conftest import REPO, run_py
 _PUBLIC = ("import attnprof, sys; "
            "assert callable(attnprof.profile) and callable(attnprof.instrument); "
            "assert attnprof.__version__ and attnprof.__version__ != '0.0.0+unknown'; "
-           "import attnprof.exporters.catalog, attnprof.capture.vllm, attnprof.cli; "
+           "import attnprof.exporters.catalog, attnprof.capture.vllm, attnprof.host.vllm; "
+           "import attnprof.cli; "
            "assert 'torch' not in sys.modules, 'import attnprof must not import torch'; "
            "print(attnprof.__file__)")
 

@@ -54,7 +54,7 @@ def test_a_citation_that_does_not_exist_is_caught() -> None:
 def test_every_route_attnprof_adds_is_named() -> None:
     from fastapi import FastAPI
 
-    from attnprof.capture.vllm.endpoint import AttnProfEndpoint
+    from attnprof.host.vllm.endpoint import AttnProfEndpoint
 
     app = FastAPI()
     before = {r.path for r in app.routes}  # type: ignore[attr-defined]

@@ -110,9 +110,9 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool, Callable[[str], b
         lambda m: False),
     "analyze never touches sys.stderr or torch.profiler": (
         ("attnprof.analyze",), ("sys.stderr", "torch.profiler"), True, lambda m: False),
-    "only capture and tools import vLLM": (
+    "only capture, host and tools import vLLM": (
         ("attnprof",), ("vllm",), False,
-        lambda m: m.startswith(("attnprof.capture", "attnprof.tools"))),
+        lambda m: m.startswith(("attnprof.capture", "attnprof.host", "attnprof.tools"))),
     "only exporters import export libraries (cli included)": (
         ("attnprof",), _EXPORT_LIBS, False, lambda m: m.startswith("attnprof.exporters")),
     "aggregate, analyze, contracts, facts and exporters never import capture, tools or cli": (
@@ -140,8 +140,8 @@ def test_analyze_never_touches_stderr_or_the_profiler() -> None:
     _check("analyze never touches sys.stderr or torch.profiler")
 
 
-def test_only_capture_and_tools_import_vllm() -> None:
-    _check("only capture and tools import vLLM")
+def test_only_capture_host_and_tools_import_vllm() -> None:
+    _check("only capture, host and tools import vLLM")
 
 
 def test_only_exporters_import_export_libraries() -> None:

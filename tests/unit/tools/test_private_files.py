@@ -20,9 +20,9 @@ from attnprof._private_files import (
     sweep,
     write_private,
 )
-from attnprof.capture.vllm import runtime
 from attnprof.capture.vllm.deltas import DeltaFiles, read_delta
 from attnprof.config import Config
+from attnprof.host.vllm import runtime
 
 
 def _dead_pid() -> int:

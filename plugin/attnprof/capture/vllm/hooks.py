@@ -10,7 +10,8 @@ Hook points (docs/vllm.md says why these and not module hooks):
   at all per layer.
 A sampled step becomes one typed :class:`StepRecord` handed to the aggregate room. vLLM's
 arguments and objects are read by :mod:`.args` only; what the worker learns at model build
-is in :mod:`.model_info`, its answers to the API server in :mod:`.worker_rpc`, and the
+is in :mod:`.model_info`, its answers to the API server in the plugin host
+(:mod:`attnprof.host.vllm.worker_rpc`), and the
 patching of vLLM (and its undoing) in :mod:`.install`.
 """
 
@@ -24,13 +25,14 @@ from collections import deque
 from typing import Any
 
 from attnprof._safety import fault_point
+from attnprof.aggregate import worker_snapshot as ws
 from attnprof.aggregate.background import LatestBuild
 from attnprof.aggregate.layers import BatchShape, LayerCall, LayerInfo, StepRecord, WorkerAggregates
 from attnprof.aggregate.sampler import STREAM_HEAD_STATS, StepSampler
 from attnprof.aggregate.trace import TraceBuffer, step_trace
 from attnprof.capture.vllm import args as vargs
-from attnprof.capture.vllm import model_info, worker_rpc
-from attnprof.capture.vllm.runtime import State
+from attnprof.capture.vllm import model_info
+from attnprof.capture.vllm.host_state import HostState
 from attnprof.contracts.snapshot import HeadStatsCost, PollCost
 
 __all__ = ["Capture", "step_hook"]
@@ -84,7 +86,7 @@ class Capture:
     """The hooks' state in one vLLM worker: the sampler (decide), the timers (measure) and
     the aggregates, trace buffer and head-statistics accumulator it hands records to."""
 
-    def __init__(self, state: State, clock: Any = time.perf_counter,
+    def __init__(self, state: HostState, clock: Any = time.perf_counter,
                  args: vargs.VllmArgs = vargs.VLLM_0_32) -> None:
         cfg = state.config
         assert cfg is not None
@@ -162,11 +164,9 @@ class Capture:
 
         self.wrapped.append(_Wrapped(impl, orig, forward, instance_attr))
         impl._attnprof_wrapped = True
-        self.state.add_role("worker")
-        self.state.export_source("worker", functools.partial(worker_rpc.samples, self))
-        if self.trace.spans and not self._spans_started:
-            self._spans_started = True
-            worker_rpc.start_spans(self)
+        spans = self.trace.spans and not self._spans_started
+        self._spans_started = self._spans_started or spans
+        self.state.worker_live(self, spans)  # the host exports this worker's samples
 
     def _learn_model_label(self) -> None:
         model_info.learn_model(self)
@@ -474,6 +474,24 @@ class Capture:
                                     "head_stats_rate": self.hs_rate}}
 
 
+def slow_parts(cap: Capture, pieces: bool = True) -> dict[str, Any]:
+    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`); in
+    pieces (:func:`~attnprof.aggregate.background.yield_gil`) as the snapshot thread builds
+    them, or in one go (``pieces=False``: on the engine's thread, sleeping would only add)."""
+    from attnprof.aggregate.background import yield_gil
+
+    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe,
+                         yield_gil if pieces else None)
+
+
+def slow_version(cap: Capture) -> tuple[int, int, bool]:
+    """What :func:`slow_parts` depends on, in O(1): sampled steps folded (a blind step,
+    replayed from a full CUDA graph, changes no layer), layers known, a probe."""
+    o = cap.aggs.outcomes
+    return (o["sampled"] + o["sampled_long"], len(cap.aggs.layers),
+            cap.state.probe is not None)
+
+
 def _snapshot_builder(cap: Capture) -> LatestBuild:
     """The worker snapshot's slow parts, rebuilt on a thread of their own. The thread holds
     the capture weakly: a capture nobody uses any more (tests, undo) ends it."""
@@ -481,11 +499,11 @@ def _snapshot_builder(cap: Capture) -> LatestBuild:
 
     def build() -> Any:
         c = ref()
-        return None if c is None else worker_rpc.slow_parts(c)
+        return None if c is None else slow_parts(c)
 
     def version() -> Any:
         c = ref()
-        return LatestBuild.GONE if c is None else worker_rpc.slow_version(c)
+        return LatestBuild.GONE if c is None else slow_version(c)
 
     def on_error(exc: BaseException) -> None:
         c = ref()

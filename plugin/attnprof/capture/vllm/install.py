@@ -7,7 +7,8 @@ order, and is idempotent (OpenTelemetry's instrumentors work the same way):
 * ``Attention.__init__``: wraps each layer's impl as it is built (:meth:`Capture.wrap_layer`);
 * ``selector._cached_get_attn_backend``: keeps the selector's inputs for the kernel map;
 * ``GPUModelRunner._model_forward``: the step hook (:func:`~.hooks.step_hook`);
-* ``WorkerBase.attnprof_*``: the RPC methods (:func:`~.worker_rpc.worker_methods`).
+* ``WorkerBase.attnprof_*``: the RPC methods the host hands in
+  (:func:`attnprof.host.vllm.worker_rpc.worker_methods`).
 
 Layers already built keep no attnprof state after :func:`uninstall`: their timing wrappers
 (present only during sampled steps) and marks are removed.
@@ -16,19 +17,19 @@ Layers already built keep no attnprof state after :func:`uninstall`: their timin
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from attnprof.capture.vllm import args as vargs
 from attnprof.capture.vllm.hooks import Capture, step_hook
-from attnprof.capture.vllm.runtime import State
-from attnprof.capture.vllm.worker_rpc import worker_methods
+from attnprof.capture.vllm.host_state import HostState
 
 __all__ = ["install", "installed", "uninstall"]
 
 _MISSING = object()
 _PATCHES: list[tuple[Any, str, Any]] = []
 """(owner, attribute, what its own ``__dict__`` held before; ``_MISSING``: nothing)."""
-_CAPTURES: list[tuple[Capture, State]] = []
+_CAPTURES: list[tuple[Capture, HostState]] = []
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
@@ -50,7 +51,7 @@ def _vllm_version() -> str | None:
         return None
 
 
-def _watch_selector(cap: Capture, state: State) -> None:
+def _watch_selector(cap: Capture, state: HostState) -> None:
     """Keep the ``AttentionSelectorConfig`` vLLM's selector builds for each layer (block size,
     attention type, multimodal prefix, batch invariance, ...), so the kernel map asks vLLM with
     exactly its own inputs. Model build time only; the call itself is untouched."""
@@ -75,9 +76,14 @@ def _watch_selector(cap: Capture, state: State) -> None:
     _patch(sel, "_cached_get_attn_backend", _cached_get_attn_backend)
 
 
-def install(state: State) -> Capture | None:
-    """Patch vLLM classes in this process (called once, from the general plugin). Returns
-    the :class:`Capture`, or None when vLLM's ``Attention`` cannot be imported (counted)."""
+WorkerMethods = Callable[[Capture, HostState], dict[str, Callable[..., Any]]]
+"""Builds the ``attnprof_*`` methods vLLM's ``WorkerBase`` answers RPCs with (the host's)."""
+
+
+def install(state: HostState, methods: WorkerMethods | None = None) -> Capture | None:
+    """Patch vLLM classes in this process (called once, from the general plugin), with
+    ``methods(cap, state)`` on ``WorkerBase`` (none without). Returns the :class:`Capture`,
+    or None when vLLM's ``Attention`` cannot be imported (counted)."""
     try:
         from vllm.model_executor.layers.attention.attention import Attention
     except Exception as exc:
@@ -117,7 +123,7 @@ def install(state: State) -> Capture | None:
     try:
         from vllm.v1.worker.worker_base import WorkerBase
 
-        for name, fn in worker_methods(cap, state).items():
+        for name, fn in (methods(cap, state) if methods is not None else {}).items():
             _patch(WorkerBase, name, fn)
         state.capture = cap
     except Exception as exc:

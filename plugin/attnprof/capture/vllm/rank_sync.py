@@ -29,7 +29,7 @@ of its own. The leader's wanted scale leaves in its answer to the API server's p
 (:func:`take_carried`), and every rank, the leader included, applies it at that RPC. Ranks
 then change the scale at the same step whatever their nodes; the cost is latency (a change
 waits for the next poll: the API server polls again within a second while a change is
-pending, see :class:`~attnprof.capture.vllm.live_view.LiveView`).
+pending, see :class:`~attnprof.host.vllm.live_view.LiveView`).
 """
 
 from __future__ import annotations

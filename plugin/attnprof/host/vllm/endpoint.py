@@ -14,7 +14,7 @@ does that). Every route is a guest on the host's port, so:
   :mod:`attnprof.exporters.snapshot_public`) and says how to open the rest;
   ``?head_stats=1``, the trace and the sampling switch answer 403;
 - **never stalls the engine on demand:** answers come from
-  :class:`~attnprof.capture.vllm.live_view.LiveView`, a cache refreshed at most every
+  :class:`~attnprof.host.vllm.live_view.LiveView`, a cache refreshed at most every
   ``ATTNPROF_SNAPSHOT_MAX_AGE_S``, with at most one collective RPC in flight (however many
   clients), a timeout, and a bounded body. A disabled attnprof answers without any RPC;
 - **nothing large on the event loop:** workers send compact head-statistics deltas
@@ -43,11 +43,11 @@ from typing import Any
 from fastapi import Request
 
 from attnprof._safety import fault_point
-from attnprof.capture.vllm import runtime, start
-from attnprof.capture.vllm.live_trace import LiveTrace, TraceBusy, trace_params
-from attnprof.capture.vllm.live_view import LiveView
 from attnprof.config import Config, api_tokens
 from attnprof.contracts.snapshot import Snapshot
+from attnprof.host.vllm import runtime, start
+from attnprof.host.vllm.live_trace import LiveTrace, TraceBusy, trace_params
+from attnprof.host.vllm.live_view import LiveView
 
 __all__ = ["OPEN_HINT", "SAMPLING_MAX_BODY", "SCHEMA_VERSION", "AttnProfEndpoint",
            "SamplingGate", "TokenCheck", "sampling_body"]

@@ -6,7 +6,7 @@ late attnprof answer stays in the queue and becomes the *next* model step's outp
 EngineCore dies (``AttributeError: 'dict' object has no attribute 'sampled_token_ids'``).
 ``UniProcExecutor`` ignores the timeout altogether. So the executor is never given one: the
 engine waits for the answer, and attnprof's worker methods are what is bounded (each does
-short, non-blocking work: :func:`attnprof.capture.vllm.worker_rpc.worker_methods`). The API
+short, non-blocking work: :func:`attnprof.host.vllm.worker_rpc.worker_methods`). The API
 server's wait is bounded by the caller (``asyncio.wait_for``): vLLM's utility calls between
 the API server and the EngineCore carry a call id, so an answer that comes after the caller
 stopped waiting is dropped there, harmlessly.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from attnprof.capture.vllm import runtime
+from attnprof.host.vllm import runtime
 
 __all__ = ["rpc_all"]
 

@@ -21,11 +21,11 @@ from typing import Any
 from attnprof._safety import fault_point
 from attnprof.aggregate import worker_snapshot as ws
 from attnprof.aggregate.trace import MAX_RANGES
+from attnprof.capture.vllm import hooks
 from attnprof.contracts.snapshot import KernelGroup, SamplerStats, WorkerSnapshot
 
-__all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "slow_parts",
-           "slow_version", "snapshot", "start_spans", "trace_arm", "trace_count", "trace_take",
-           "worker_methods"]
+__all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "snapshot",
+           "start_spans", "trace_arm", "trace_count", "trace_take", "worker_methods"]
 
 
 def start_spans(cap: Any) -> None:
@@ -106,8 +106,8 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     if slow is None:
         # The first pull (or every build so far failed): built here, once, without the
         # pauses a background build takes; the thread rebuilds from now on.
-        slow, fresh, age = slow_parts(cap, pieces=False), True, 0.0
-        cap.snapshots.keep(slow, slow_version(cap))
+        slow, fresh, age = hooks.slow_parts(cap, pieces=False), True, 0.0
+        cap.snapshots.keep(slow, hooks.slow_version(cap))
         cap.snapshots.start()
     snap = ws.join(ws.fast_snapshot(
         os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
@@ -128,28 +128,10 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
         # built/now: the versions (slow_version) the served build and this pull stand at;
         # the API server takes a later build once it covers "now" (LiveView._catch_up).
         out["snapshot_stale"] = {"age_s": age, "built": list(built), "now": list(
-            slow_version(cap)), "reason": "built before the last sampled steps; the next "
+            hooks.slow_version(cap)), "reason": "built before the last sampled steps; the next "
                                  "pull has them"}
         cap.snapshots.wake()  # now that this pull is done: the rebuild is for the next one
     return out
-
-
-def slow_parts(cap: Any, pieces: bool = True) -> dict[str, Any]:
-    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`); in
-    pieces (:func:`~attnprof.aggregate.background.yield_gil`) as the snapshot thread builds
-    them, or in one go (``pieces=False``: on the engine's thread, sleeping would only add)."""
-    from attnprof.aggregate.background import yield_gil
-
-    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe,
-                         yield_gil if pieces else None)
-
-
-def slow_version(cap: Any) -> tuple[int, int, bool]:
-    """What :func:`slow_parts` depends on, in O(1): sampled steps folded (a blind step,
-    replayed from a full CUDA graph, changes no layer), layers known, a probe."""
-    o = cap.aggs.outcomes
-    return (o["sampled"] + o["sampled_long"], len(cap.aggs.layers),
-            cap.state.probe is not None)
 
 
 def head_stats_take(cap: Any, api_host: str | None = None) -> dict[str, Any]:
@@ -217,7 +199,7 @@ def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, An
     """The ``attnprof_*`` methods for vLLM's ``WorkerBase`` (``collective_rpc`` names).
 
     vLLM's executor waits for their answer with no timeout (a timed-out answer would become
-    the next step's output: :mod:`attnprof.capture.vllm.rpc`), so each is bounded by what it
+    the next step's output: :mod:`attnprof.host.vllm.rpc`), so each is bounded by what it
     does: no export flush (its lock may be held by an exporter sending over the network), no
     waiting on another thread beyond a lock held for a few copies, no loop over more than
     what one pull or one page holds. ``ATTNPROF_FAULT_DELAY_S`` (tests only) slows each down

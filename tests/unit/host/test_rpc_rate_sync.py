@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from attnprof.capture.vllm import runtime
 from attnprof.capture.vllm.hooks import Capture
-from attnprof.capture.vllm.live_view import LiveView
 from attnprof.capture.vllm.model_info import sync_ranks
 from attnprof.capture.vllm.rank_sync import RpcRate
-from attnprof.capture.vllm.worker_rpc import worker_methods
 from attnprof.config import Config
+from attnprof.host.vllm import runtime
+from attnprof.host.vllm.live_view import LiveView
+from attnprof.host.vllm.worker_rpc import worker_methods
 
 
 class Clock:
@@ -96,7 +96,7 @@ def test_the_first_poll_comes_soon_after_start_up_not_at_the_advice_loops_round(
     """Without a GET, ranks on the RPC channel would throttle only from the advice loop's
     first round (60 s): the API server polls once soon after start-up; a server whose ranks
     share the file (no ``rate_sync`` in the answers) is polled no more."""
-    import attnprof.capture.vllm.live_view as lv
+    import attnprof.host.vllm.live_view as lv
 
     monkeypatch.setattr(lv, "RATE_SYNC_IDLE_S", 0.01)
     monkeypatch.setattr(lv, "RATE_SYNC_PENDING_S", 0.01)
@@ -158,7 +158,7 @@ def test_one_failed_rate_sync_poll_does_not_end_the_sync(
         api_state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
     """The next sync poll was scheduled only from a poll's answers: one failed RPC ended the
     chain until a GET or an advice round came (never, with ATTNPROF_ADVICE_INTERVAL_S=0)."""
-    import attnprof.capture.vllm.live_view as lv
+    import attnprof.host.vllm.live_view as lv
 
     monkeypatch.setattr(lv, "RATE_SYNC_IDLE_S", 0.01)
     monkeypatch.setattr(lv, "RATE_SYNC_PENDING_S", 0.01)

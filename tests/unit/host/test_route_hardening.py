@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnprof.aggregate.trace import LayerRange, StepTrace, TraceBuffer
-from attnprof.capture.vllm import endpoint, live_trace, runtime
-from attnprof.capture.vllm.endpoint import SAMPLING_MAX_BODY, sampling_body
 from attnprof.config import Config
 from attnprof.exporters.chrome_trace import check_trace
-from tests.unit.capture.test_endpoint import FakeEngine, _app
+from attnprof.host.vllm import endpoint, live_trace, runtime
+from attnprof.host.vllm.endpoint import SAMPLING_MAX_BODY, sampling_body
+from tests.unit.host.test_endpoint import FakeEngine, _app
 
 KEY = "hardening-key"
 
@@ -229,7 +229,7 @@ def test_a_flood_of_timed_out_switches_never_trips_the_read_only_routes(
 # ----------------------------------------------------------------- the live trace
 def test_trace_needs_a_configured_key_unless_opened(state: runtime.State,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.unit.capture.test_trace import TraceEngine
+    from tests.unit.host.test_trace import TraceEngine
 
     eng = TraceEngine()
     app = _app(eng, [])  # no key anywhere

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from attnprof.aggregate.trace import MAX_STEPS, LayerRange, StepTrace, TraceBuffer
-from attnprof.capture.vllm import runtime, worker_rpc
-from attnprof.capture.vllm.live_trace import LiveTrace
 from attnprof.config import Config, ConfigError
 from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_steps
+from attnprof.host.vllm import runtime, worker_rpc
+from attnprof.host.vllm.live_trace import LiveTrace
 from tests.unit.aggregate.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
-from tests.unit.capture.test_endpoint import _app
+from tests.unit.host.test_endpoint import _app
 
 KEY = "trace-key"
 
@@ -209,7 +209,7 @@ def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
     st.model_label = "tiny"
     st.requests = SimpleNamespace(kv_cache_usage=0.125)
     monkeypatch.setattr(runtime, "STATE", st)
-    monkeypatch.setattr("attnprof.capture.vllm.live_trace.TRACE_POLL_S", 0.01)
+    monkeypatch.setattr("attnprof.host.vllm.live_trace.TRACE_POLL_S", 0.01)
     yield st
 
 

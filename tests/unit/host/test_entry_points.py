@@ -16,11 +16,11 @@ def _eps(group: str) -> dict[str, str]:
 
 def test_entry_points_registered() -> None:
     assert _eps("vllm.general_plugins") == {
-        "attnprof": "attnprof.capture.vllm:register"}
+        "attnprof": "attnprof.host.vllm:register"}
     assert _eps("vllm.stat_logger_plugins") == {
-        "attnprof_stats": "attnprof.capture.vllm.stat_logger:AttnProfStatLogger"}
+        "attnprof_stats": "attnprof.host.vllm.stat_logger:AttnProfStatLogger"}
     assert _eps("vllm.endpoint_plugins") == {
-        "attnprof_http": "attnprof.capture.vllm.endpoint:AttnProfEndpoint"}
+        "attnprof_http": "attnprof.host.vllm.endpoint:AttnProfEndpoint"}
     assert _eps("console_scripts") == {"attnprof": "attnprof.cli:main"}
 
 
@@ -36,7 +36,7 @@ def test_entry_points_load() -> None:
 def test_stat_logger_is_a_vllm_stat_logger() -> None:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    from attnprof.capture.vllm.stat_logger import AttnProfStatLogger
+    from attnprof.host.vllm.stat_logger import AttnProfStatLogger
 
     assert issubclass(AttnProfStatLogger, StatLoggerBase)
 
@@ -47,9 +47,9 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.plugins import load_general_plugins
 init0, fwd0 = Attention.__init__, GPUModelRunner._model_forward
 load_general_plugins()
-from attnprof.capture.vllm import register
+from attnprof.host.vllm import register
 register(); register()
-from attnprof.capture.vllm.runtime import STATE
+from attnprof.host.vllm.runtime import STATE
 print("patched" if Attention.__init__ is not init0 else "untouched",
       "patched" if GPUModelRunner._model_forward is not fwd0 else "untouched",
       getattr(Attention.__init__, "__wrapped__", None) is init0, sorted(STATE.roles))
@@ -75,7 +75,7 @@ def test_enabled_plugin_patches_once_even_if_loaded_twice() -> None:
 
 @pytest.mark.slow
 def test_bad_setting_fails_startup_with_one_clear_line() -> None:
-    r = run_py("from attnprof.capture.vllm import register; register()",
+    r = run_py("from attnprof.host.vllm import register; register()",
                env={"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "abc"})
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
@@ -83,7 +83,7 @@ def test_bad_setting_fails_startup_with_one_clear_line() -> None:
 
 
 def test_bad_setting_fails_even_when_disabled_flag_is_bad() -> None:
-    r = run_py("from attnprof.capture.vllm import register; register()",
+    r = run_py("from attnprof.host.vllm import register; register()",
                env={"ATTNPROF_ENABLED": "perhaps"})
     assert r.returncode != 0 and "ATTNPROF_ENABLED" in r.stderr
     assert "Traceback" not in r.stderr
@@ -92,8 +92,8 @@ def test_bad_setting_fails_even_when_disabled_flag_is_bad() -> None:
 _BUCKETS = """
 import os, sys
 from types import SimpleNamespace
-from attnprof.capture.vllm import runtime
-from attnprof.capture.vllm.stat_logger import AttnProfStatLogger
+from attnprof.host.vllm import runtime
+from attnprof.host.vllm.stat_logger import AttnProfStatLogger
 cfg = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096, model="m"))
 for endpoint in ("", sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:9/v1/metrics"):
     runtime.STATE = runtime.State()

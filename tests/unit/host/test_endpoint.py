@@ -16,11 +16,11 @@ import torch
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.capture import head_rows
-from attnprof.capture.vllm import endpoint, runtime
-from attnprof.capture.vllm.endpoint import AttnProfEndpoint, TokenCheck
-from attnprof.capture.vllm.live_view import LiveView
 from attnprof.config import Config, ConfigError, api_tokens
 from attnprof.contracts.snapshot import WorkerSnapshot
+from attnprof.host.vllm import endpoint, runtime
+from attnprof.host.vllm.endpoint import AttnProfEndpoint, TokenCheck
+from attnprof.host.vllm.live_view import LiveView
 
 KEY = "s3cret-token"
 
@@ -72,7 +72,7 @@ def _app(engine: Any, tokens: list[str]) -> Any:
     and trace routes all answer from ``engine``)."""
     from fastapi import FastAPI
 
-    from attnprof.capture.vllm.endpoint import LiveTrace
+    from attnprof.host.vllm.endpoint import LiveTrace
 
     app = FastAPI()
     plugin = AttnProfEndpoint()
@@ -527,8 +527,8 @@ def test_without_a_key_the_snapshot_holds_only_what_metrics_shows(
     import jsonschema
 
     from attnprof.aggregate.requests import RequestAggregates
-    from attnprof.capture.vllm import live_view
     from attnprof.contracts.snapshot import Snapshot
+    from attnprof.host.vllm import live_view
     from tests.conftest import REPO
 
     monkeypatch.setattr(live_view, "_PROVENANCE", {})
@@ -586,7 +586,7 @@ def test_a_keyless_answer_is_cut_once_per_refresh(state: runtime.State) -> None:
     first = asyncio.run(_get(app, "/attnprof/snapshot", n=5, key=None))
     again = asyncio.run(_get(app, "/attnprof/snapshot", n=2, key=None))
     assert len({r.content for r in first + again}) == 1 and len(eng.calls) == 1
-    from attnprof.capture.vllm.endpoint import PUBLIC_NOTE
+    from attnprof.host.vllm.endpoint import PUBLIC_NOTE
 
     cut = app.state.plugin.view._bodies[(False, PUBLIC_NOTE)]  # the keyless render
     asyncio.run(_get(app, "/attnprof/snapshot", key=None))
@@ -658,7 +658,7 @@ def test_only_a_server_whose_ranks_may_span_nodes_polls_for_the_rate_sync(
     nothing. Through the endpoint's real start-up (init_state)."""
     from types import SimpleNamespace
 
-    import attnprof.capture.vllm.endpoint as ep
+    import attnprof.host.vllm.endpoint as ep
 
     monkeypatch.setattr(ep, "start", lambda cfg, otlp: None)  # no process-wide start here
     monkeypatch.setenv("ATTNPROF_ENABLED", "1")

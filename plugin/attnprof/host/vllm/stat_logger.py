@@ -19,9 +19,9 @@ from attnprof._safety import fault_point
 from attnprof.aggregate.histogram import pow2_buckets
 from attnprof.aggregate.kv import FinishedRequest
 from attnprof.aggregate.requests import RequestAggregates
-from attnprof.capture.vllm import runtime, start
 from attnprof.config import ConfigError
 from attnprof.facts.label import model_label
+from attnprof.host.vllm import runtime, start
 
 __all__ = ["AttnProfStatLogger"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import multiprocessing
@@ -91,6 +92,16 @@ class State:
             self.get_hub().flush()
         except Exception as exc:
             self.errors.record("export", exc)
+
+    def worker_live(self, cap: Any, start_spans: bool) -> None:
+        """The hooks wrapped a layer: this process is a worker. Its samples join the export
+        loop (and, with ``start_spans``, its OTLP spans); never raises (counted)."""
+        from attnprof.host.vllm import worker_rpc
+
+        self.add_role("worker")
+        self.export_source("worker", functools.partial(worker_rpc.samples, cap))
+        if start_spans:
+            worker_rpc.start_spans(cap)
 
     def add_role(self, role: str) -> None:
         """Mark this process as live in ``role`` (gauge + run-dir note), once per role."""

@@ -5,7 +5,7 @@ deltas (:mod:`attnprof.aggregate.head_stats_merge`), the window advice, and
 the rendered bodies (:func:`attnprof.exporters.snapshot_json.snapshot_body`), refreshed at
 most every ``ATTNPROF_SNAPSHOT_MAX_AGE_S`` by at most one collective RPC in flight (however
 many clients); the API server waits for it at most ``ATTNPROF_RPC_TIMEOUT_S`` (the engine
-is given no timeout: :mod:`attnprof.capture.vllm.rpc`). Merges and renders run in threads,
+is given no timeout: :mod:`attnprof.host.vllm.rpc`). Merges and renders run in threads,
 never on the event loop. Where tensor-parallel ranks agree on the sampler's scale through the
 API server (:class:`~attnprof.capture.vllm.rank_sync.RpcRate`), the view carries the leaders'
 scales from one poll to the next, and polls again within ``RATE_SYNC_PENDING_S`` while a
@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from attnprof._safety import fault_point
-from attnprof.capture.vllm import runtime
 from attnprof.capture.vllm.deltas import host_id, read_delta
 from attnprof.capture.vllm.rank_sync import carried_rates
-from attnprof.capture.vllm.rpc import rpc_all
 from attnprof.config import Config
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.jsonsafe import dumps
 from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
+from attnprof.host.vllm import runtime
+from attnprof.host.vllm.rpc import rpc_all
 
 __all__ = ["RATE_SYNC_IDLE_S", "RATE_SYNC_PENDING_S", "LiveView"]
 

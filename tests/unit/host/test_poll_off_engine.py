@@ -14,8 +14,9 @@ import pytest
 from attnprof.aggregate import worker_snapshot as ws
 from attnprof.aggregate.background import LatestBuild
 from attnprof.aggregate.layers import LayerCall, StepRecord, WorkerAggregates
-from attnprof.capture.vllm import worker_rpc
+from attnprof.capture.vllm import hooks
 from attnprof.capture.vllm.hooks import Capture
+from attnprof.host.vllm import worker_rpc
 from tests.unit.aggregate.test_aggregate import _capture, _Layer, _shape
 
 
@@ -35,8 +36,8 @@ def _step(cap: Capture, phase: str = "decode") -> None:
 
 def _unstarted(cap: Capture) -> LatestBuild:
     """The capture's builder without its thread: builds happen only when the test says."""
-    lb = LatestBuild(lambda: worker_rpc.slow_parts(cap),
-                     lambda: worker_rpc.slow_version(cap))
+    lb = LatestBuild(lambda: hooks.slow_parts(cap),
+                     lambda: hooks.slow_version(cap))
     cap.snapshots = lb
     return lb
 
@@ -74,7 +75,7 @@ def test_the_joined_halves_are_the_worker_snapshot() -> None:
     _step(cap, "prefill")
     fast = ws.fast_snapshot(1, "w", worker_rpc.sampler_stats(cap), cap.errors,
                             ws.head_stats_cost(cap.hs), cap.poll_cost)
-    joined = ws.join(fast, worker_rpc.slow_parts(cap))
+    joined = ws.join(fast, hooks.slow_parts(cap))
     whole = ws.worker_snapshot(1, "w", cap.aggs, worker_rpc.kernel_map(cap),
                                worker_rpc.sampler_stats(cap), cap.errors,
                                ws.head_stats_cost(cap.hs), cap.poll_cost, None).to_json()
@@ -173,9 +174,9 @@ def test_a_refresh_waits_for_the_build_its_pull_started(monkeypatch: pytest.Monk
                                                         ) -> None:
     import asyncio
 
-    from attnprof.capture.vllm import runtime
-    from attnprof.capture.vllm.live_view import LiveView
     from attnprof.config import Config
+    from attnprof.host.vllm import runtime
+    from attnprof.host.vllm.live_view import LiveView
 
     monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
         enabled=True, rpc_timeout_s=5.0, advice_interval_s=0.0)))
@@ -206,18 +207,18 @@ def test_model_build_starts_no_builder_and_a_blind_step_leaves_the_build_current
     assert cap.snapshots._thread is None  # nothing runs beside the model build
     got = worker_rpc.poll(cap)
     assert "snapshot_stale" not in got and cap.snapshots._thread is not None
-    before = worker_rpc.slow_version(cap)
+    before = hooks.slow_version(cap)
     cap.aggs.record_step(StepRecord("blind", 0.01, []))
-    assert worker_rpc.slow_version(cap) == before
+    assert hooks.slow_version(cap) == before
     _step(cap)
-    assert worker_rpc.slow_version(cap) != before
+    assert hooks.slow_version(cap) != before
     cap.state.hub.stop(final_flush=False)
 
 
 def test_catch_up_matches_workers_by_position_not_pid() -> None:
     """Two ranks on two nodes (or containers) may both be pid 57: a catch-up pull's
     snapshots go back to the answers in rank order, never one rank's to the other."""
-    from attnprof.capture.vllm.live_view import _built_since
+    from attnprof.host.vllm.live_view import _built_since
 
     first = [{"snapshot": {"pid": 57, "rank": r},
               "snapshot_stale": {"age_s": 9.0, "built": [3, 6, 0], "now": [5, 6, 0]}}
@@ -236,7 +237,7 @@ def test_catch_up_takes_a_build_by_the_steps_it_holds_not_by_when_it_finished() 
     """A build already running when the refresh's pull came finishes after it, young, but
     without the steps that pull saw: taken by its age, it passed as caught up. A later
     build that covers them is taken even while newer steps make it stale again."""
-    from attnprof.capture.vllm.live_view import _built_since
+    from attnprof.host.vllm.live_view import _built_since
 
     first = [{"snapshot": {"pid": 7}, "snapshot_stale": {"age_s": 0.5, "built": [3, 6, 0],
                                                          "now": [5, 6, 0]}}]
@@ -269,8 +270,8 @@ class _AlwaysStale:
 
 def _always_stale(monkeypatch: pytest.MonkeyPatch, rpc_timeout_s: float,
                   first_poll_s: float = 0.0) -> _AlwaysStale:
-    from attnprof.capture.vllm import runtime
     from attnprof.config import Config
+    from attnprof.host.vllm import runtime
 
     monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
         enabled=True, rpc_timeout_s=rpc_timeout_s, advice_interval_s=0.0)))
@@ -284,7 +285,7 @@ def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
     only carries a scale) makes none."""
     import asyncio
 
-    from attnprof.capture.vllm import live_view
+    from attnprof.host.vllm import live_view
 
     eng = _always_stale(monkeypatch, rpc_timeout_s=30.0)
     view = live_view.LiveView(eng)
@@ -300,7 +301,7 @@ def test_the_catch_up_ends_at_the_refreshs_deadline(monkeypatch: pytest.MonkeyPa
     to 2 s of them made a reader's GET time out as if the workers had not answered)."""
     import asyncio
 
-    from attnprof.capture.vllm import live_view
+    from attnprof.host.vllm import live_view
 
     # The first poll answers past the 0.2 s timeout, however busy the box.
     eng = _always_stale(monkeypatch, rpc_timeout_s=0.2, first_poll_s=0.3)

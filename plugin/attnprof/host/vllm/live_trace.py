@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from attnprof.aggregate.trace import TracePages
-from attnprof.capture.vllm import runtime
-from attnprof.capture.vllm.rpc import rpc_all
+from attnprof.host.vllm import runtime
+from attnprof.host.vllm.rpc import rpc_all
 
 __all__ = ["TRACE_DEFAULT_STEPS", "TRACE_DEFAULT_TIMEOUT_S", "TRACE_MAX_TIMEOUT_S",
            "TRACE_PAGE_RANGES", "LiveTrace", "TraceBusy", "trace_params"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from attnprof.capture.vllm import runtime
 from attnprof.capture.vllm.hooks import Capture
-from attnprof.capture.vllm.worker_rpc import worker_methods
 from attnprof.config import Config
 from attnprof.exporters.hub import ExportHub
+from attnprof.host.vllm import runtime
+from attnprof.host.vllm.worker_rpc import worker_methods
 
 
 def test_no_worker_method_waits_for_an_export_in_progress() -> None:
