@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from attnprof.aggregate.kv import USAGE_BOUNDS
-from attnprof.aggregate.window import window_between
+from attnprof.analyze.window import window_between
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.facts.kv import blocks_held
 from attnprof.tools.http import get_text

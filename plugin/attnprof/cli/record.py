@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from attnprof.aggregate.window import window_between
+    from attnprof.analyze.window import window_between
 
     duration = parse_seconds(args.duration, "--duration")
     check_out_file(args.out)  # creates nothing: an unreachable server leaves no directory

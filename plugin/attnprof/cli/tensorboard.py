@@ -81,7 +81,7 @@ class _Logger:
         self._prev: Snapshot | None = None
 
     def write(self, snap: Snapshot) -> None:
-        from attnprof.aggregate.window import window_between
+        from attnprof.analyze.window import window_between
         from attnprof.exporters import activation_map as amap
         from attnprof.exporters import tensorboard as tb
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from attnprof.aggregate.window import window_between
 from attnprof.analyze.diff import Incomparable, compare
 from attnprof.analyze.diff_thresholds import parse_fail_on
 from attnprof.analyze.twosample import distribution_distance, mann_whitney, ratio_test
+from attnprof.analyze.window import window_between
 from attnprof.contracts.diff import DiffReport
 from attnprof.contracts.profile import ProfileReport
 from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance

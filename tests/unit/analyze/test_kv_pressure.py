@@ -9,9 +9,9 @@ import pytest
 from attnprof.aggregate.kv import FinishedRequest, KvPressure, block_seconds
 from attnprof.aggregate.layers import LayerInfo
 from attnprof.aggregate.requests import RequestAggregates
-from attnprof.aggregate.window import window_between
 from attnprof.analyze import kv_pressure as kvp
 from attnprof.analyze.sparsity.savings import kv_tokens
+from attnprof.analyze.window import window_between
 from attnprof.contracts.snapshot import KvLayer, KvPressureStats, Snapshot
 from attnprof.exporters.catalog import spec
 from attnprof.exporters.samples import Sample, kv_samples

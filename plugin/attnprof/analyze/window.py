@@ -14,6 +14,7 @@ import copy
 import dataclasses
 
 from attnprof.aggregate.histogram import bucket_quantile
+from attnprof.analyze.kv_pressure import assess
 from attnprof.contracts.snapshot import (
     ContextHistogram,
     KvPressureStats,
@@ -188,8 +189,6 @@ def window_between(start: Snapshot, end: Snapshot) -> Snapshot:
     n_restarted = sum(1 for w in end.workers
                       if restarted(before.get((w.pid, w.process)), w))
     out.requests, n = _requests(start.requests, end.requests)
-    from attnprof.analyze.kv_pressure import assess  # pure; the verdict of the window
-
     out.kv_pressure = assess(out.requests)
     out.head_stats = None
     notes = ["maxima, rates, prompt/generation quantiles and window advice are the end "
