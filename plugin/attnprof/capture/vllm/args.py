@@ -13,7 +13,11 @@ Hooked calls (vLLM 0.32):
   output_scale=..., output_block_scale=...)``, called by ``unified_attention_with_output``;
   ``attn_metadata`` is None on warm-up/dummy runs;
 * ``GPUModelRunner._model_forward(input_ids=None, positions=None,
-  intermediate_tensors=None, inputs_embeds=None, **model_kwargs)``.
+  intermediate_tensors=None, inputs_embeds=None, **model_kwargs)``;
+* ``GPUModelRunner._determine_batch_execution_and_padding(num_tokens, num_reqs, ...,
+  force_uniform_decode=None, ...)`` and ``CudagraphDispatcher.dispatch(num_tokens,
+  uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes)`` (CUDA graphs:
+  :mod:`.cudagraph`).
 """
 
 from __future__ import annotations
@@ -77,6 +81,28 @@ class VllmArgs:
                 x = args[0] if args else None
         shape = getattr(x, "shape", None)
         return int(shape[0]) if shape else 0
+
+    determine: tuple[str, ...] = ("num_tokens", "num_reqs", "num_scheduled_tokens_np",
+                                  "max_num_scheduled_tokens", "use_cascade_attn",
+                                  "allow_microbatching", "force_eager", "force_uniform_decode")
+    """``GPUModelRunner._determine_batch_execution_and_padding``'s leading parameters."""
+    dispatch: tuple[str, ...] = ("num_tokens", "uniform_decode", "has_lora", "num_active_loras",
+                                 "valid_modes", "invalid_modes")
+    """``CudagraphDispatcher.dispatch``'s parameters, in order."""
+
+    def step_dispatch_tokens(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        """The scheduled token count of a ``_determine_batch_execution_and_padding`` call
+        made for a serving step (``execute_model``'s); None for a dummy or CUDA-graph
+        capture run (``_dummy_run`` passes ``force_uniform_decode``, or forces eager)."""
+        call = dict(zip(self.determine, args, strict=False)) | kwargs
+        if call.get("force_uniform_decode") is not None or call.get("force_eager"):
+            return None
+        n = call.get("num_tokens")
+        return int(n) if n is not None else None
+
+    def dispatch_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A ``CudagraphDispatcher.dispatch(*args, **kwargs)`` call's arguments by name."""
+        return dict(zip(self.dispatch, args, strict=False)) | kwargs
 
 
 VLLM_0_32 = VllmArgs(versions=("0.32",))

@@ -22,7 +22,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from attnprof._safety import fault_point
 from attnprof.aggregate import worker_snapshot as ws
@@ -32,12 +32,36 @@ from attnprof.aggregate.sampler import STREAM_HEAD_STATS, StepSampler
 from attnprof.aggregate.trace import TraceBuffer, step_trace
 from attnprof.capture.vllm import args as vargs
 from attnprof.capture.vllm import model_info
+from attnprof.capture.vllm.cudagraph import GraphSteer
 from attnprof.capture.vllm.host_state import HostState
 from attnprof.contracts.snapshot import HeadStatsCost, PollCost
 
 __all__ = ["Capture", "step_hook"]
 
 HEAD_STATS_MAX_TOKENS = 32768
+"""Longest context folded: bounds the fp32 copy of one request's keys (Lk x Hkv x D)."""
+DECODE_SEQS_PER_STEP = 4
+"""Decode sequences folded per sampled step at most (Horvitz-Thompson weighted)."""
+_ZERO = (0,)  # the one query of a decode fold, as an index into its queries
+
+
+class _Fold(NamedTuple):
+    """One request's share of a sampled step's head statistics (see ``Capture._hs_plan``)."""
+
+    phase: str  # "prefill" or "decode"
+    bucket: int  # context bucket's lower edge (head_strata.context_bucket)
+    start: int  # first of its query rows in the step's packed q/k
+    q_len: int
+    q_pos: int  # position of its first query = keys computed before this step
+    prompt_len: int  # prefill: the prompt's total length; decode: the context length
+    row: int  # its row in the block table
+    weight: float  # decode: running sequences per folded one
+
+
+def _cat(prev: Any, new: Any) -> Any:
+    import torch
+
+    return torch.cat([prev, new.to(prev.dtype)])
 PENDING_STEPS_MAX = 64
 """Sampled GPU steps whose timing events are not read yet; beyond this the oldest is dropped."""
 
@@ -95,6 +119,10 @@ class Capture:
         self.sampler = StepSampler(cfg.sample_rate, cfg.overhead_budget, cfg.long_prefill_tokens,
                                    cfg.long_prefill_rate, cfg.seed)
         self.long_on = cfg.long_prefill_rate > 0.0
+        # The next step's decision when it was taken at CUDA-graph dispatch (cudagraph.py):
+        # (outcome, the sampler's countdown after that step); the step hook takes it.
+        self.predecided: tuple[str | None, int] | None = None
+        self.graphs = GraphSteer()  # sampled steps by the CUDA graph mode they ran in
         self.clock = clock
         self.args = args  # where this vLLM version keeps the hooked methods' arguments
         self.aggs = WorkerAggregates()
@@ -127,6 +155,8 @@ class Capture:
         self._hs_step = False
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
+        self._hs_plans: dict[int, list[_Fold]] = {}
+        self._runner: Any = None  # the sampled step's model runner (prompt lengths)
         self._shapes: dict[int, BatchShape] = {}
         self._shape_inputs: dict[int, Any] = {}
         self.reports = model_info.BackendReports(state.errors)
@@ -250,49 +280,117 @@ class Capture:
         return shape
 
     def _head_stats(self, info: LayerInfo, call: vargs.ImplCall) -> None:
-        """Fold whole-prompt prefills of this layer into the head statistics.
+        """Fold this layer's share of the step's statistics plan (:meth:`_hs_plan`): prompt
+        pieces (whole, chunked, the uncached tail of a prefix-cache hit) and sampled decode
+        queries, each against all its earlier keys (the paged cache's, then the call's own).
 
         Runs after the layer's timer stopped; its time is charged to attnprof's budget.
         """
         t0 = self.clock()  # the shape read may wait for the device: ours too
         md = call.attn_metadata
         try:
-            shape = self._shape(md)
-            # Bounded: the statistics allocate O(prompt) scratch mid-forward, outside vLLM's
-            # memory profile, so very long prompts are left out.
-            todo = [(a, n) for a, n in shape.whole_prompts
-                    if self.hs_min_tokens <= n <= HEAD_STATS_MAX_TOKENS]
-            if not todo or call.query is None or call.key is None:
+            plan = self._hs_plan(md)
+            if not plan or call.query is None or call.key is None:
                 return
             if self.hs_buffer is None:
-                from attnprof.aggregate.head_stats import HeadStatsAccumulator
-                from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
-                from attnprof.capture.vllm.deltas import DeltaFiles
-
-                # Both halves, the drain thread and the delta files' place now (charged to
-                # this sampled step), so a pull only swaps.
-                cfg = self.state.config
-                self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
-                self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsAccumulator(
-                    num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
-                    num_kv_heads=info.num_kv_heads,
-                    group_size=max(1, info.num_heads // max(1, info.num_kv_heads)),
-                    seed=0))
+                self._hs_start(info)
             from attnprof.capture import head_rows  # numpy and torch: only once sampled
 
-            acc = self.hs_buffer.active
+            strata = self.hs_buffer.active
             q, k = call.query, call.key
-            for a, n in todo:
-                qs = q[a:a + n].view(n, info.num_heads, info.head_size)
-                ks = k[a:a + n].view(n, info.num_kv_heads, info.head_size)
-                got = head_rows.update(acc, info.index, qs, ks,
-                                       info.scale or info.head_size ** -0.5, q_start=0)
+            hq, hkv, d = info.num_heads, info.num_kv_heads, info.head_size
+            scale = info.scale or d ** -0.5
+            layout: Any = False  # read once per call, only when a fold needs the cache
+            for f in plan:
+                qs = q[f.start:f.start + f.q_len].view(f.q_len, hq, d)
+                ks = k[f.start:f.start + f.q_len].view(f.q_len, hkv, d)
+                if f.q_pos > 0:  # earlier keys live only in the paged cache
+                    if layout is False:
+                        layout = vargs.cache_layout(info, call.layer)
+                    table = vargs.block_table(md)
+                    if layout is None or table is None or call.kv_cache is None:
+                        self.errors.drop("head_stats_unreadable_cache")
+                        continue
+                    from attnprof.capture.vllm.paged_kv import read_kv
+
+                    prev = read_kv(call.kv_cache, layout, table[f.row], f.q_pos)[0]
+                    ks = _cat(prev, ks)
+                acc = strata.get(f.phase, f.bucket)
+                if f.phase == "prefill":
+                    got = head_rows.update_span(acc, info.index, qs, ks, scale,
+                                                prompt_len=f.prompt_len, q_start=f.q_pos)
+                else:  # one query, the sequence's last position, standing for w sequences
+                    got = head_rows.fold_plan(acc, info.index, qs, ks, scale, f.q_pos,
+                                              _ZERO, [f.weight], {0: f.weight},
+                                              request_share=0.0)
                 self.hs.queries += got
-                if id(md) not in self._hs_seen:
-                    self._hs_seen.add(id(md))
-                    self.hs.requests += len(todo)
+            if id(md) not in self._hs_seen:
+                self._hs_seen.add(id(md))
+                self.hs.requests += sum(1 for f in plan if f.phase == "prefill"
+                                        and f.q_pos + f.q_len == f.prompt_len)
         finally:
             self._hs_time += self.clock() - t0
+
+    def _hs_start(self, info: LayerInfo) -> None:
+        """Both halves, the drain thread and the delta files' place now (charged to this
+        sampled step), so a pull only swaps."""
+        from attnprof.aggregate.head_stats import HeadStatsAccumulator
+        from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
+        from attnprof.aggregate.head_strata import HeadStatsStrata
+        from attnprof.capture.vllm.deltas import DeltaFiles
+
+        cfg = self.state.config
+        self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
+        self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(
+            num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
+            num_kv_heads=info.num_kv_heads,
+            group_size=max(1, info.num_heads // max(1, info.num_kv_heads)),
+            seed=0)))
+
+    def _hs_plan(self, md: Any) -> list[_Fold]:
+        """What the step's statistics fold, decided once per metadata object (so every layer
+        of a step folds the same requests and positions):
+
+        * prompt queries (a request whose context ends within its prompt): the piece this step
+          computes, sampled by the whole prompt's plan (``update_span``), in the stratum of the
+          prompt's total length; prompts longer than ``HEAD_STATS_MAX_TOKENS`` are left out;
+        * decode queries (one per running sequence past its prompt): at most
+          ``DECODE_SEQS_PER_STEP`` sequences, drawn by a generator seeded by the step index
+          (the same on every layer, KV-cache group and rank), each weighted running / drawn.
+
+        Without the prompts' lengths (runner unreadable) only whole prompts are folded."""
+        plan = self._hs_plans.get(id(md))
+        if plan is not None:
+            return plan
+        shape = self._shape(md)
+        q_lens, seq_lens = shape.q_lens, shape.seq_lens
+        lens = (vargs.prompt_lens(self._runner, len(seq_lens))
+                if self._runner is not None else None)
+        from attnprof.aggregate.head_strata import context_bucket, context_bucket_edges
+
+        edges = context_bucket_edges(self.hs_min_tokens, HEAD_STATS_MAX_TOKENS)
+        plan, decodes, start = [], [], 0
+        for i, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=False)):
+            done = sl - ql  # positions computed by earlier steps (or the prefix cache)
+            p = lens[i] if lens is not None else (sl if done == 0 else None)
+            if p is not None and sl <= p:
+                if p <= HEAD_STATS_MAX_TOKENS and ql > 0:
+                    plan.append(_Fold("prefill", context_bucket(p, edges), start, ql, done, p,
+                                      i, 1.0))
+            elif p is not None and ql == 1 and sl <= HEAD_STATS_MAX_TOKENS:
+                decodes.append((start, sl, i))
+            start += ql
+        if decodes:
+            import numpy as np
+
+            n = min(len(decodes), DECODE_SEQS_PER_STEP)
+            rng = np.random.default_rng([self.seen, len(decodes)])
+            w = len(decodes) / n
+            for j in sorted(rng.choice(len(decodes), n, replace=False).tolist()):
+                a, sl, i = decodes[j]
+                plan.append(_Fold("decode", context_bucket(sl, edges), a, 1, sl - 1, sl, i, w))
+        self._hs_plans[id(md)] = plan
+        return plan
 
     # ----- per step -----
     def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any) -> Any:
@@ -310,6 +408,11 @@ class Capture:
     def _decide(self, args: Any, kwargs: Any) -> str | None:
         """None (unsampled), "sampled" or "sampled_long"."""
         s = self.sampler
+        pre = self.predecided
+        if pre is not None:  # decided when vLLM chose the step's CUDA graph
+            self.predecided = None
+            s.countdown = pre[1]
+            return pre[0]
         if s.countdown <= 0 and s.fire():
             return None if self.errors.disabled else "sampled"
         if not self.long_on or self.errors.disabled:
@@ -337,6 +440,8 @@ class Capture:
             self._shapes.clear()
             self._shape_inputs.clear()
             self._hs_seen.clear()
+            self._hs_plans.clear()
+            self._runner = runner
             self._hs_time = 0.0
             # A coin of its own at this step index: every rank folds the same prompts.
             self._hs_step = (self.hs_rate > 0

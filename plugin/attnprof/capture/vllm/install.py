@@ -1,12 +1,14 @@
 """Patching vLLM in this process, and undoing it.
 
-:func:`install` (called once per process by the general plugin) patches four places and
+:func:`install` (called once per process by the general plugin) patches five places and
 logs each in a patch book; :func:`uninstall` puts back exactly what was there, in reverse
 order, and is idempotent (OpenTelemetry's instrumentors work the same way):
 
 * ``Attention.__init__``: wraps each layer's impl as it is built (:meth:`Capture.wrap_layer`);
 * ``selector._cached_get_attn_backend``: keeps the selector's inputs for the kernel map;
 * ``GPUModelRunner._model_forward``: the step hook (:func:`~.hooks.step_hook`);
+* ``GPUModelRunner._determine_batch_execution_and_padding``: a sampled step's CUDA graph
+  mode, attention outside the graph (:func:`~.cudagraph.determine_hook`);
 * ``WorkerBase.attnprof_*``: the RPC methods the host hands in
   (:func:`attnprof.host.vllm.worker_rpc.worker_methods`).
 
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnprof.capture.vllm import args as vargs
+from attnprof.capture.vllm import cudagraph
 from attnprof.capture.vllm.hooks import Capture, step_hook
 from attnprof.capture.vllm.host_state import HostState
 
@@ -117,6 +120,12 @@ def install(state: HostState, methods: WorkerMethods | None = None) -> Capture |
             _model_forward = step_hook(cap, orig_fwd)
             _model_forward._attnprof = True  # type: ignore[attr-defined]
             _patch(GPUModelRunner, "_model_forward", _model_forward)
+        # Sampled steps leave full CUDA graphs: decided where vLLM picks the step's graph.
+        orig_det = getattr(GPUModelRunner, "_determine_batch_execution_and_padding", None)
+        if orig_det is not None and not getattr(orig_det, "_attnprof", False):
+            _determine = cudagraph.determine_hook(cap, orig_det, cap.graphs, cap.args)
+            _determine._attnprof = True  # type: ignore[attr-defined]
+            _patch(GPUModelRunner, "_determine_batch_execution_and_padding", _determine)
     except Exception as exc:
         state.errors.record("install", exc)
 
