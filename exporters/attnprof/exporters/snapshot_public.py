@@ -14,7 +14,11 @@ counters ``/metrics`` exports (calls, time, tokens, FLOPs, bytes, KV-cache bytes
 map, per-phase step totals, sampler and poll-cost counters, error and drop counts by place,
 request counts, p50/p90/p99 and mean (``/metrics`` has the quantile gauges and the histograms'
 sums and counts), the context-length histogram (the same buckets as
-``attnprof_request_context_tokens``), KV-pressure aggregates and verdict, probe and roofline.
+``attnprof_request_context_tokens``), KV-pressure aggregates and verdict, probe and roofline,
+the per-bucket request, token and KV block-second counts (``attnprof_context_bucket_*``) and
+the head statistics' coverage and head stability (``attnprof_coverage_*``,
+``attnprof_dynamic_kv_heads``, ``attnprof_head_class_kappa``): counts and shares, no lengths
+finer than the buckets' sums that ``/metrics`` counts too.
 
 Withheld: the exact context lengths (the quantile sketch, which holds every finished
 request's length while fewer than 2048 have finished, and each quantity's ``max``); per-layer
@@ -68,13 +72,14 @@ _WORKER = {
 }
 _REQUESTS = {
     **{k: True for k in ("requests", "max_model_len", "kv_cache_usage", "context_histogram",
-                         "kv_pressure")},
+                         "kv_pressure", "context_buckets")},
     **{k: _QUANTILES for k in ("context_tokens", "prompt_tokens", "generation_tokens")},
 }
 
 PUBLIC: dict[str, Rule] = {
     **{k: True for k in ("schema_version", "time", "model", "enabled", "processes",
-                         "roles_here", "age_s", "truncated", "kv_pressure", "roofline")},
+                         "roles_here", "age_s", "truncated", "kv_pressure", "roofline",
+                         "coverage")},
     "workers": (_WORKER,),
     "requests": _REQUESTS,
     "errors": {"api_server": True, "collective_rpc": error_kind},
@@ -92,7 +97,14 @@ set anew by :func:`public_snapshot`)."""
 
 
 KEPT_WHOLE: dict[str, tuple[str, ...]] = {
+    "ContextBuckets": ("edges", "min_tokens", "requests", "prompt_tokens", "decode_tokens",
+        "kv_block_seconds"),
     "ContextHistogram": ("bounds", "counts"),
+    "Coverage": ("min_tokens", "buckets", "phases", "stability"),
+    "CoverageBucket": ("phase", "bucket", "hi", "traffic_requests", "traffic_queries", "kv_share",
+        "folded_requests", "folded_queries", "sampled_queries", "request_share", "weight"),
+    "HeadStability": ("views", "kv_heads", "dynamic_kv_heads", "dynamic_share", "layers"),
+    "LayerAgreement": ("layer", "kappa", "agreement", "rated_kv_heads", "dynamic_kv_heads"),
     "HeadStatsCost": ("steps", "requests", "queries", "time_s", "prefill_time_s",
         "fraction_of_prefill"),
     "KvAssessment": ("verdict", "confidence", "evidence", "busy_seconds", "peak", "p95",
@@ -105,6 +117,7 @@ KEPT_WHOLE: dict[str, tuple[str, ...]] = {
         "preemptions", "waiting_seconds", "waiting_kv_high_seconds", "saturated_seconds",
         "running_request_seconds", "max_num_seqs", "block_size", "num_blocks", "kv_dtype", "layers",
         "class_names", "class_bounds", "class_requests", "class_block_seconds"),
+    "PhaseCoverage": ("phase", "folded_requests", "traffic_requests", "traffic_query_share"),
     "MemoryProbe": ("device", "bandwidth_bytes_per_second", "matmul_flops_per_second", "kernels",
         "device_name", "threads", "seconds", "time", "spec", "note"),
     "PollCost": ("polls", "last_s", "max_s", "last_head_stats_s", "max_head_stats_s", "drain_s",

@@ -504,6 +504,38 @@ class HeadStatsAccumulator:
                    "top1_out", "out_norm_sum", "out_norm_n", "sink_hist", "sink_n", "js_sum",
                    "js_n", "js_far", "js_k", "weight_sum", "detail_w", "cov_w", "cov_w2", "cov_sq")
     _PAIR_FIELDS = ("js_sum", "js_n", "js_far", "js_k")  # [layer, q head, q head]
+    _RAW_FIELDS = ("queries", "detail_n", "requests", "cov_n", "sink_n", "js_k")
+    """Raw counts of sampled queries and requests: evidence, never reweighted."""
+    _SQUARED_FIELDS = ("cov_w2",)
+    """Sums of squared weights: scale by factor^2."""
+
+    def scaled(self, factor: float) -> HeadStatsAccumulator:
+        """A copy whose every weight is multiplied by ``factor`` (> 0): weighted sums and
+        histograms x factor, sums of squared weights x factor^2, raw counts (``queries``,
+        ``cov_n``, ``requests``, ...) and ``cov_min`` unchanged.
+
+        Post-stratification to the traffic's distribution: merging strata each scaled by
+        (traffic share / sampled share) gives means and shares weighted as the traffic is.
+        A stratum's own estimates and effective sample size (sum w)^2 / sum w^2 do not
+        change; a merge of strata at unequal factors has Kish's n_eff of the reweighted
+        sample, (sum_b f_b W_b)^2 / sum_b f_b^2 W2_b, at most the unweighted one (the
+        design effect of weighting), so standard errors stay honest. Never modifies ``self``.
+        """
+        f = float(factor)
+        if not f > 0 or not np.isfinite(f):
+            raise ValueError(f"scale factor must be positive and finite, not {factor!r}")
+        out = self.empty_like()
+        for name in self._SUM_FIELDS:
+            a = getattr(self, name)
+            if name in self._RAW_FIELDS:
+                getattr(out, name)[...] = a
+            elif name in self._SQUARED_FIELDS:
+                getattr(out, name)[...] = a * (f * f)
+            else:
+                getattr(out, name)[...] = a * f
+        out.cov_min[...] = self.cov_min
+        out.exact[...] = self.exact  # still every query of its prompts, at one weight
+        return out
 
     def merge(self, other: HeadStatsAccumulator) -> HeadStatsAccumulator:
         self._check_compatible(other)

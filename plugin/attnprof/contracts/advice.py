@@ -8,7 +8,10 @@ When the advice cannot be computed (no local checkpoint, no finished requests ye
 snapshot carries :class:`AdviceUnavailable` instead, ``{"error": "..."}`` on the wire.
 
 1.1 adds ``underused_heads`` (dormant / near-uniform / redundant heads with their KV share),
-``heads_undecided`` and ``min_n_eff`` (the sampling error of the window decisions).
+``heads_undecided`` and ``min_n_eff`` (the sampling error of the window decisions); 1.2 adds
+``coverage``: the share of the traffic the advice stands on (statistics post-stratified to the
+traffic's context buckets), the buckets too little covered to decide ("need more traffic at
+> N tokens": the advice then windows nothing) and the dynamic KV heads kept full.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from typing import Literal
 from attnprof.contracts.base import Document, Fraction, NonNegative, Record
 
 __all__ = [
+    "AdviceCoverage",
     "AdviceTraffic",
     "AdviceUnavailable",
     "HeadLevelSplit",
     "LayerAdvice",
     "ParetoPoint",
     "ReplayEvidence",
+    "UnderCoveredBucket",
     "UnderusedHead",
     "WindowAdvice",
 ]
@@ -124,11 +129,55 @@ class UnderusedHead(Record):
 
 
 @dataclass
+class UnderCoveredBucket(Record):
+    """A context bucket holding a large share of the KV block-seconds whose own sample
+    cannot decide the window for every KV head of the layers it would apply to."""
+
+    bucket: int
+    """Lower edge in tokens."""
+    hi: int | None
+    """Upper edge (exclusive; null: open)."""
+    kv_share: Fraction
+    undecided_kv_heads: NonNegative
+    """KV heads whose sampling error (Wilson interval of the failing share) straddles the
+    target here."""
+    unmeasured_kv_heads: NonNegative
+    """KV heads with too few eligible sampled queries here to count as evidence."""
+    min_n_eff: float | None
+    """Fewest effective sampled queries behind a decided KV head here."""
+
+
+@dataclass
+class AdviceCoverage(Record):
+    """What the advice stands on: the traffic its statistics represent, and what they
+    cannot decide."""
+
+    folded_requests: NonNegative
+    """Requests whose prompts the statistics folded."""
+    traffic_requests: int | None
+    """Finished requests of the traffic (null: no per-bucket counts)."""
+    traffic_share: float | None
+    """Share of the traffic's prompt tokens in context buckets that have statistics: what
+    the corrected statistics stand for (null: no per-bucket counts)."""
+    corrected: bool
+    """Statistics weighted to the traffic's context buckets (post-stratified); false: the
+    sample's own mix."""
+    need_more_traffic_above: int | None = None
+    """Set when a bucket holding >= 10% of the KV block-seconds is too little covered: the
+    advice windows nothing and asks for more traffic above this many tokens."""
+    under_covered: list[UnderCoveredBucket] | None = None
+    dynamic_kv_heads: int | None = None
+    """KV heads whose class changes across time windows or context buckets: kept full."""
+    kv_heads: int | None = None
+    dynamic_share: float | None = None
+
+
+@dataclass
 class WindowAdvice(Document):
     """Sinks + sliding window suggested for the traffic, its savings and the evidence."""
 
     KIND = "attnprof.window_advice"
-    VERSION = (1, 1)
+    VERSION = (1, 2)
 
     sinks: NonNegative
     window: int
@@ -165,6 +214,9 @@ class WindowAdvice(Document):
     no head statistics)."""
     min_n_eff: float | None = None
     """Fewest effective sampled queries behind a windowed layer's KV head (sampling error)."""
+    coverage: AdviceCoverage | None = None
+    """What share of the traffic the advice stands on, need-more-traffic buckets and the
+    dynamic-head share (1.2; null: statistics not split by context bucket)."""
 
 
 @dataclass

@@ -21,7 +21,10 @@ per layer, per KV head), the top-level ``kv_pressure`` verdict, each worker's ba
 1.7 adds the sampler's agreement across tensor-parallel ranks (``SamplerStats.step_index``,
 ``sync``, ``late_changes``, ``unsynced``, ``decisions_digest``, ``rate_changes``) and each
 worker's ``poll_cost``; 1.8 adds ``restricted``: set on the answer a server with no API key
-gives anyone, which holds only what ``/metrics`` shows, and says how to read the rest.
+gives anyone, which holds only what ``/metrics`` shows, and says how to read the rest;
+1.9 adds ``RequestStats.context_buckets`` (exact counts per head-statistics context bucket)
+and ``coverage`` (what the head statistics folded per phase and bucket against the traffic,
+and the heads whose class changes across time windows and buckets).
 """
 
 from __future__ import annotations
@@ -30,18 +33,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
-from attnprof.contracts.base import Document, Record
+from attnprof.contracts.base import Document, Fraction, Record
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.roofline import MemoryProbe, Roofline
 
 __all__ = [
+    "ContextBuckets",
     "ContextHistogram",
+    "Coverage",
+    "CoverageBucket",
+    "HeadStability",
     "KernelGroup",
     "KvAssessment",
     "KvLayer",
     "KvPressureStats",
+    "LayerAgreement",
     "LayerFacts",
     "LayerProfile",
+    "PhaseCoverage",
     "PhaseStats",
     "PollCost",
     "ProcessNote",
@@ -247,6 +256,8 @@ class RequestStats(Record):
     """Context lengths of finished requests as bucket counts (1.5)."""
     kv_pressure: KvPressureStats | None = None
     """KV-cache usage over time, preemptions, waiting and block-seconds (1.6)."""
+    context_buckets: ContextBuckets | None = None
+    """Exact counts per head-statistics context bucket (1.9)."""
 
 
 @dataclass
@@ -345,6 +356,104 @@ class ContextHistogram(Record):
 
 
 @dataclass
+class ContextBuckets(Record):
+    """Exact per-context-bucket counts of the finished requests (the API server's stat
+    logger), on the buckets the head statistics are stratified by (1.9). Bucket ``i`` holds
+    contexts in [``edges[i]``, ``edges[i+1]``), the last one is open; bucket 0 ("short") is
+    every context below the statistics' minimum ``min_tokens``."""
+
+    edges: list[int]
+    min_tokens: int
+    requests: list[int]
+    """Finished requests by prompt length."""
+    prompt_tokens: list[int]
+    """Prompt tokens (prefill queries) by prompt length."""
+    decode_tokens: list[int]
+    """Decode queries by the context each one sees (a request's generation split exactly
+    across the buckets it passes through)."""
+    kv_block_seconds: list[float]
+    """Estimated KV block-seconds by context (:func:`attnprof.aggregate.requests.
+    bucket_block_seconds`: the prompt over its prefill time, the growing context over the
+    decode time)."""
+
+
+@dataclass
+class CoverageBucket(Record):
+    """One (phase, context bucket): what the head statistics folded against the traffic."""
+
+    phase: str
+    """``prefill`` or ``decode``."""
+    bucket: int
+    """The bucket's lower edge in tokens (0: short prompts under the minimum)."""
+    hi: int | None
+    """Its upper edge (exclusive; null: open)."""
+    traffic_requests: int
+    traffic_queries: int
+    """Query tokens the traffic had here: prompt tokens (prefill) or decode queries."""
+    kv_share: float | None
+    """Share of the traffic's KV block-seconds in this bucket (null: no times yet)."""
+    folded_requests: int
+    folded_queries: float
+    """Query tokens the folded requests stand for (sum of the sample's weights)."""
+    sampled_queries: int
+    """Queries whose softmax rows were recomputed (raw count)."""
+    request_share: float | None
+    """folded / traffic requests (null: no traffic here)."""
+    weight: float | None
+    """Post-stratification factor applied to this stratum (traffic share / sampled share;
+    null: not part of the corrected statistics)."""
+
+
+@dataclass
+class PhaseCoverage(Record):
+    """One phase's coverage in a line: what the corrected statistics stand on."""
+
+    phase: str
+    folded_requests: int
+    traffic_requests: int
+    traffic_query_share: float | None
+    """Share of the phase's query tokens in buckets that have statistics: what the
+    corrected statistics represent (null: no traffic counts)."""
+
+
+@dataclass
+class LayerAgreement(Record):
+    """Agreement of one layer's KV-head classes across the stability views."""
+
+    layer: int
+    kappa: float | None
+    """Fleiss' kappa over the views' classes (null: undefined, e.g. fewer than two rated
+    views or a single class everywhere)."""
+    agreement: float | None
+    """Observed share of agreeing view pairs (Fleiss' P-bar)."""
+    rated_kv_heads: int
+    dynamic_kv_heads: list[int]
+
+
+@dataclass
+class HeadStability(Record):
+    """Head classes over disjoint time windows and context buckets (1.9)."""
+
+    views: list[str]
+    """The views compared: ``epoch:<i>`` (time windows) and ``<phase>:<bucket>``."""
+    kv_heads: int
+    dynamic_kv_heads: int
+    dynamic_share: Fraction
+    """Dynamic KV heads over all KV heads: they get no window."""
+    layers: list[LayerAgreement]
+
+
+@dataclass
+class Coverage(Record):
+    """Coverage per context bucket and phase, and head stability (snapshot 1.9)."""
+
+    min_tokens: int
+    buckets: list[CoverageBucket]
+    phases: list[PhaseCoverage]
+    stability: HeadStability | None = None
+
+
+@dataclass
 class RecordWindow(Record):
     """What ``attnprof record`` measured: the server's aggregates between two snapshots."""
 
@@ -375,7 +484,7 @@ class Snapshot(Document):
     """One live server: every worker's layers, the request statistics, window advice."""
 
     KIND = "attnprof.snapshot"
-    VERSION = (1, 8)
+    VERSION = (1, 9)
 
     time: float
     model: str
@@ -406,3 +515,6 @@ class Snapshot(Document):
     """Set when the server has no API key: this answer holds only what ``/metrics`` shows
     (no exact request lengths, per-step lengths or timings, head statistics, provenance or
     error text), and this says how to read the rest (1.8)."""
+    coverage: Coverage | None = None
+    """Head-statistics coverage per (phase, context bucket) against the traffic, and head
+    stability across time windows and buckets (1.9)."""

@@ -100,7 +100,7 @@ def test_window_advice_validates_and_round_trips(head_stats: bool) -> None:
     assert isinstance(adv, WindowAdvice)
     assert (adv.per_layer is not None) == head_stats
     doc = json.loads(json.dumps(adv.to_json()))
-    assert doc["schema_version"] == "attnprof.window_advice/1.1"
+    assert doc["schema_version"] == "attnprof.window_advice/1.2"
     _validate(doc, "window_advice.schema.json")
     assert WindowAdvice.from_json(doc) == adv
     # Field names of the bounded view that dashboards and exporters read are unchanged.
@@ -148,7 +148,7 @@ def test_snapshot_with_each_advice_state(kind: str) -> None:
     if kind == "unavailable":
         assert doc["window_advice"] == {"error": "no requests yet"}  # wire form as before
     if kind == "advice":
-        assert doc["window_advice"]["schema_version"] == "attnprof.window_advice/1.1"
+        assert doc["window_advice"]["schema_version"] == "attnprof.window_advice/1.2"
     back = Snapshot.from_json(doc)
     assert back == snap
     assert type(back.window_advice) is type(advice)

@@ -15,6 +15,9 @@ sampled queries that see more than s + w keys:
 * ``local``: needs a window between ``streaming_max_window`` and the largest grid window
 * ``unknown``: the sampled queries were too short to test any window, or every window they
   could test fails while larger ones stay untested (and no far top-1 reads were seen)
+* ``dynamic`` (KV heads, when ``classify(..., dynamic=mask)`` is given): the head's class
+  changes across time windows or context buckets (:mod:`.stability`); it gets no window
+  (``full``), whatever the merged statistics say
 
 Window decisions are three-valued (:func:`window_decisions`): with p the estimated share of
 eligible queries whose coverage is below tau and n the effective sample size, a window
@@ -40,14 +43,17 @@ import numpy as np
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.analyze.sparsity.confidence import wilson_bounds
 
-__all__ = ["CLASSES", "DECISIONS", "Classification", "KvHeadClass", "LayerClass", "Thresholds",
-           "Window", "by_window", "classify", "head_windows", "kv_decisions", "window_decisions"]
+__all__ = ["CLASSES", "DECISIONS", "DYNAMIC", "Classification", "KvHeadClass", "LayerClass",
+           "Thresholds", "Window", "by_window", "classify", "head_windows", "kv_decisions",
+           "window_decisions"]
 
 DECISIONS = {1: "pass", 0: "undecided", -1: "fail"}
 """Codes of :func:`window_decisions` (NaN: no evidence, fewer than ``min_queries``)."""
 
 # Most to least severe: a KV head gets the first class any of its query heads has.
 CLASSES = ("unknown", "retrieval", "near_uniform", "local", "streaming", "sink")
+DYNAMIC = "dynamic"
+"""A KV head's class when its class changes across views (:mod:`.stability`)."""
 
 
 @dataclass(frozen=True)
@@ -208,9 +214,16 @@ def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = 
     return np.where(enough.any(-1), w, math.nan)
 
 
-def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> Classification:
-    """Per layer and KV head: class, window w*, and the statistics behind the decision."""
+def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None,
+             dynamic: Any = None) -> Classification:
+    """Per layer and KV head: class, window w*, and the statistics behind the decision.
+    ``dynamic``: optional bool [layer, KV head] mask of heads whose class changes across
+    views (:func:`.stability.stability`): they are ``dynamic`` with window ``full``."""
     th = (th or Thresholds()).validate()
+    dyn = (np.zeros((acc.num_layers, acc.num_kv_heads), dtype=bool) if dynamic is None
+           else np.asarray(dynamic, dtype=bool))
+    if dyn.shape != (acc.num_layers, acc.num_kv_heads):
+        raise ValueError(f"dynamic mask must be [{acc.num_layers}, {acc.num_kv_heads}]")
     si = _sink_index(acc, th.sinks)
     means = acc.per_head_means()
     wq = head_windows(acc, th)
@@ -224,7 +237,7 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> Classif
     grid = list(acc.window_grid)
     g = acc.group_size
     layers: list[LayerClass] = []
-    totals = dict.fromkeys(CLASSES, 0)
+    totals = dict.fromkeys((*CLASSES, DYNAMIC), 0)
     for layer in range(acc.num_layers):
         norms = means["output_norm"][layer]
         norm_cut = (float(np.nanquantile(norms, th.dormant_norm_quantile))
@@ -265,6 +278,8 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> Classif
             ws = [wq[layer, h] for h in hs]
             w_kv = (math.inf if any(math.isinf(x) for x in ws)
                     else math.nan if any(math.isnan(x) for x in ws) else max(ws))
+            if dyn[layer, kv]:  # its class changes with time or context: keep it full
+                cls_, w_kv = DYNAMIC, math.inf
             totals[cls_] += 1
             hl = list(hs)
             kv_heads.append(KvHeadClass(
@@ -295,7 +310,7 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None) -> Classif
             layer=layer,
             queries=int(acc.queries[layer].max()),
             window=_layer_window([k.window for k in kv_heads]),
-            classes={c: sum(k.cls == c for k in kv_heads) for c in CLASSES
+            classes={c: sum(k.cls == c for k in kv_heads) for c in (*CLASSES, DYNAMIC)
                      if any(k.cls == c for k in kv_heads)},
             sink_mass=_r(float(means["sink_mass"][layer, :, si].mean())),
             kv_heads=tuple(kv_heads),

@@ -103,8 +103,9 @@ def from_snapshot(snap: Mapping[str, Any], source: str = "") -> LengthDistributi
 
 
 def head_stats_from_snapshot(snap: Mapping[str, Any]) -> Any:
-    """Merged head statistics from a snapshot (top level or per worker), or None."""
-    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    """Merged head statistics of the prompts (the strata's ``total("prefill")``) from a
+    snapshot (top level or per worker), or None."""
+    from attnprof.aggregate.head_strata import HeadStatsStrata
 
     found: list[Mapping[str, Any]] = []
     if isinstance(snap.get("head_stats"), Mapping):
@@ -115,7 +116,7 @@ def head_stats_from_snapshot(snap: Mapping[str, Any]) -> Any:
     acc = None
     for d in found:
         try:
-            one = HeadStatsAccumulator.from_dict(d)
+            one = HeadStatsStrata.load(d).total("prefill")
         except (KeyError, TypeError, ValueError):
             continue
         if acc is None:

@@ -292,20 +292,22 @@ def _native_windows(dist: LengthDistribution, shape: AttentionShape) -> NativeWi
 def recommend(lengths: Any, shape: AttentionShape,
               head_stats: HeadStatsAccumulator | None = None, *,
               sinks: int | None = None, windows: Sequence[int] | None = None,
-              thresholds: Thresholds | None = None, min_exact: float = 0.9) -> Recommendation:
+              thresholds: Thresholds | None = None, min_exact: float = 0.9,
+              dynamic: Any = None) -> Recommendation:
     """Choose sinks + window for the traffic.
 
     With head statistics: for each grid window W, window the full-attention layers whose
     every KV head has w* <= W; pick the W with the largest cost-weighted attention-FLOP
     saving. Without: the smallest W that keeps ``min_exact`` of requests exact (coverage risk
-    unknown, said so in ``basis``).
+    unknown, said so in ``basis``). ``dynamic``: bool [layer, KV head] of heads whose class
+    changes across time windows or context buckets (:mod:`.stability`): never windowed.
     """
     dist = as_distribution(lengths)
     th = (thresholds or Thresholds()).validate()
     s = th.sinks if sinks is None else sinks
     if head_stats is not None and s in head_stats.sinks_grid:
         th = replace(th, sinks=s)  # classify at the sinks being recommended
-    cls = classify(head_stats, th) if head_stats is not None else None
+    cls = classify(head_stats, th, dynamic) if head_stats is not None else None
     cands = list(windows) if windows else _candidate_windows(dist, head_stats)
     pareto: list[Evaluation] = []
     for w in cands:
@@ -410,6 +412,15 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     n_layers = rec["model"]["num_layers"]
     layers = rec["layers"]
     parts = [f"your traffic: P50/P90/P99 = {tr['p50']}/{tr['p90']}/{tr['p99']} tokens"]
+    cov = rec.get("coverage") or {}
+    if cov.get("need_more_traffic_above") is not None:
+        from attnprof.analyze.sparsity.coverage import need_more_traffic_phrase
+        from attnprof.contracts.advice import UnderCoveredBucket
+
+        under = [UnderCoveredBucket.from_json(u) for u in cov.get("under_covered") or []]
+        parts.append("suggestion: none yet, " + (need_more_traffic_phrase(under, rec["window"])
+                                                 if under else "need more traffic"))
+        return "; ".join(parts + _stands_on(cov))
     if not layers:
         native = rec["model"].get("layer_windows") or []
         if native and all(w is not None for w in native):
@@ -421,7 +432,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         phrase = _undecided_phrase(rec.get("undecided"))
         if phrase:
             parts.append(phrase.split(" (", 1)[0])
-        return "; ".join(parts)
+        return "; ".join(parts + _stands_on(cov))
     parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
               f"{ranges_text(layers) or 'no layers'} ({len(layers)} of {n_layers})",
               f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
@@ -439,6 +450,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         n = und[w_show]
         parts.append(f"{n} KV head{'s' if n != 1 else ''} undecided at w={w_show}: need more "
                      "traffic")
+    parts += _stands_on(cov)
     if replay is None:
         parts.append("replay: not run (not validated)")
     else:
@@ -447,6 +459,24 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
                      f"{replay['mean_kl']:.3g} -> {verdict} (target >= "
                      f"{replay['target_agreement']:.0%}, KL <= {replay['max_kl']:g})")
     return "; ".join(parts)
+
+
+def _stands_on(cov: Mapping[str, Any]) -> list[str]:
+    """'stands on 4 of 20 requests (85% of prompt tokens, traffic-weighted)', 'dynamic
+    heads: 2 of 48 KV heads (4.2%), kept full' (empty without coverage)."""
+    if not cov:
+        return []
+    n, total, share = (cov.get("folded_requests"), cov.get("traffic_requests"),
+                       cov.get("traffic_share"))
+    out = [f"stands on {n} of {total} requests" if total is not None
+           else f"stands on {n} folded requests"]
+    if share is not None:
+        out[0] += (f" ({share:.0%} of prompt tokens, "
+                   + ("traffic-weighted)" if cov.get("corrected") else "as sampled)"))
+    if cov.get("dynamic_kv_heads") is not None:
+        out.append(f"dynamic heads: {cov['dynamic_kv_heads']} of {cov['kv_heads']} KV heads "
+                   f"({cov['dynamic_share']:.1%}), kept full")
+    return out
 
 
 def export_summary(rec: Recommendation, replay: Mapping[str, Any] | None = None
@@ -478,6 +508,7 @@ def export_summary(rec: Recommendation, replay: Mapping[str, Any] | None = None
         heads_at_risk_count=best.heads_at_risk_count,
         heads_undecided=None if rec.undecided is None
         else {str(w): n for w, n in rec.undecided.items()},
+        coverage=rec.coverage,
         min_n_eff=best.min_n_eff,
         basis=rec.basis,
         traffic=AdviceTraffic(requests=tr.requests, p50=tr.p50, p90=tr.p90, p99=tr.p99,

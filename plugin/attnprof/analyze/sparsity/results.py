@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from attnprof.analyze.sparsity.classify import Classification, Thresholds, Window, by_window
-from attnprof.contracts.advice import HeadLevelSplit, ParetoPoint
+from attnprof.contracts.advice import AdviceCoverage, HeadLevelSplit, ParetoPoint
 from attnprof.facts.shape import AttentionShape
 
 __all__ = [
@@ -223,6 +223,9 @@ class Recommendation:
     underused_heads: dict[str, Any] | None
     """:func:`.underused.find_underused` (None: no statistics, or no default sinks)."""
     advice: tuple[str, ...]
+    coverage: AdviceCoverage | None = None
+    """What the advice stands on (:func:`.strata_advice.recommend_strata`; None: the
+    statistics were not split by context bucket)."""
 
     @property
     def per_layer(self) -> list[LayerWindow] | None:
@@ -247,4 +250,5 @@ class Recommendation:
             else self.native_windows.to_json(),
             "underused_heads": self.underused_heads,
             "advice": list(self.advice),
+            "coverage": None if self.coverage is None else self.coverage.to_json(),
         }
