@@ -1,24 +1,24 @@
-"""vLLM attention backends' rules: the question asked for one layer (:class:`Layer`), the
-report's shape, and the answer read from the derived matrix (``data/vllm_matrix.json``,
-computed from vLLM's own code by ``attnprof compat --regenerate``) for a target this process
-does not run on (an H100 asked about from a CPU process). A CUDA backend is never validated
-under another platform: vLLM would then see no FlashAttention at all and the verdict would be
-the CPU build's, not the GPU's.
+"""vLLM attention backends' rules: the answer read from the derived matrix
+(``data/vllm_matrix.json``, computed from vLLM's own code by ``attnprof compat --regenerate``)
+for a target this process does not run on (an H100 asked about from a CPU process). A CUDA
+backend is never validated under another platform: vLLM would then see no FlashAttention at
+all and the verdict would be the CPU build's, not the GPU's.
 
 Asking the installed vLLM itself (on the device a worker runs on) is capture's:
-:mod:`attnprof.capture.vllm.backends`, which falls back to :func:`from_matrix`. Pure: no vLLM,
-no torch.
+:mod:`attnprof.capture.vllm.backends`, which falls back to :func:`from_matrix` when its caller
+hands it in (capture imports no analyze; the plugin host does). The question and the report's
+shape are :mod:`attnprof.facts.backend_report`. Pure: no vLLM, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from attnprof.analyze import vllm_matrix
+from attnprof.facts.backend_report import Layer, finish
 from attnprof.facts.dtypes import normalize
 
-__all__ = ["Layer", "finish", "from_matrix", "new_report"]
+__all__ = ["from_matrix"]
 
 _FP8 = {"fp8", "fp8_e4m3"}  # the grid's fp8 KV (--kv-cache-dtype fp8 is e4m3 on CUDA)
 _PLAIN_KV = {None, "auto", "bfloat16", "float16"}  # vLLM's --kv-cache-dtype spellings
@@ -31,58 +31,11 @@ def _short_dtype(dtype: Any) -> str:
         return str(dtype).removeprefix("torch.")
 
 
-@dataclass
-class Layer:
-    """The selector's inputs for one layer (vLLM's own ``AttentionSelectorConfig`` when the
-    caller has it; otherwise built from the layer's facts)."""
-
-    num_heads: int
-    head_size: int
-    dtype: Any
-    kv_cache_dtype: str | None
-    block_size: int | None
-    has_sink: bool
-    sliding_window: int | None
-    selector: Any = None
-    requires_alibi: bool = False
-    requires_softcap: bool = False
-
-    @property
-    def attn_type(self) -> str:
-        t = getattr(self.selector, "attn_type", None) or "decoder"
-        return str(getattr(t, "value", t))
-
-    @property
-    def decoder_grid(self) -> bool:
-        """Within the derived grid's assumptions (decoder self-attention, no mm prefix)."""
-        sel = self.selector
-        return self.attn_type == "decoder" and not getattr(sel, "use_mm_prefix", False)
-
-
-def new_report(lay: Layer, num_kv_heads: int, selected: str | None,
-               device_capability: tuple[int, int] | None) -> dict[str, Any]:
-    """The report for ``lay`` before any source answered (``valid`` None)."""
-    return {
-        "layer": {"num_heads": lay.num_heads, "num_kv_heads": num_kv_heads,
-                  "head_size": lay.head_size, "dtype": str(lay.dtype).removeprefix("torch."),
-                  "kv_cache_dtype": lay.kv_cache_dtype, "sliding_window": lay.sliding_window,
-                  "has_sink": lay.has_sink, "block_size": lay.block_size,
-                  "attn_type": lay.attn_type},
-        "selected": selected, "backends": {}, "valid": None, "predicted": None,
-        "flash_attn_version": None, "source": None, "note": None,
-        "vllm_version": None, "platform": None,
-        "device_capability": list(device_capability) if device_capability else None,
-    }
-
-
-def finish(out: dict[str, Any], backends: dict[str, dict[str, Any]]) -> None:
-    out["backends"] = dict(sorted(backends.items(), key=lambda kv: kv[1]["priority"]))
-    out["valid"] = [n for n, e in out["backends"].items() if e["valid"]]
-    out["predicted"] = out["valid"][0] if out["valid"] else None
-
-
 def from_matrix(out: dict[str, Any], cc: tuple[int, int], lay: Layer,
                  installed: str | None) -> None:
+    """Fill ``out`` (:func:`~attnprof.facts.backend_report.new_report`) for capability ``cc``
+    from the derived matrix, or say in ``note`` why it cannot; ``installed``: the vLLM version
+    this process runs (None: no vLLM), noted where the matrix was derived from another."""
     data = vllm_matrix.load()
     notes = [out["note"]] if out.get("note") else []
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Any
 
 import pytest
 import torch
 
 from attnprof.analyze import compat, rules
-from attnprof.capture.vllm.backends import vllm_backend_report
+from attnprof.analyze.vllm_backends import from_matrix
+from attnprof.capture.vllm import backends
+
+
+def vllm_backend_report(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Capture's report with the derived matrix handed in, as the plugin host and CLI do."""
+    return backends.vllm_backend_report(*args, fallback=from_matrix, **kwargs)
 
 
 def test_matrix_is_versioned_and_sourced() -> None:
@@ -127,6 +134,16 @@ def test_vllm_backend_report_cpu() -> None:
     assert rep["valid"] == ["CPU_ATTN"] and rep["predicted"] == "CPU_ATTN"
     bad = vllm_backend_report(9, 3, 72, torch.float32, "auto", None)
     assert bad["backends"]["CPU_ATTN"]["reasons"] == ["head_size not supported"]
+
+
+@pytest.mark.slow
+def test_capture_reads_no_matrix_unless_handed_one() -> None:
+    # Capture imports no analyze: for a target vLLM cannot answer for here, the report says
+    # so instead of reading the derived matrix itself.
+    rep = backends.vllm_backend_report(9, 3, 96, torch.bfloat16, "auto", None,
+                                       device_capability=(9, 0))
+    assert rep["valid"] is None and rep["backends"] == {} and rep["source"] is None
+    assert "no derived matrix was handed in" in rep["note"]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from attnprof.analyze import compat, rules, vllm_matrix
+from attnprof.analyze.vllm_backends import from_matrix
 from attnprof.capture.vllm.backends import vllm_backend_report
 from attnprof.cli import main
 from attnprof.tools import vllm_matrix as derive
@@ -157,7 +158,7 @@ def test_the_live_report_never_validates_a_cuda_backend_under_the_cpu_platform()
     # because vLLM, asked on the CPU platform, saw no FlashAttention; the report then
     # predicted TRITON_ATTN and labelled it vllm.validate_configuration.
     rep = vllm_backend_report(64, 8, 128, torch.bfloat16, "fp8", None, has_sink=True,
-                              device_capability=(9, 0))
+                              device_capability=(9, 0), fallback=from_matrix)
     assert rep["backends"]["FLASH_ATTN"]["valid"] and rep["predicted"] == "FLASH_ATTN"
     assert rep["flash_attn_version"] == 3
     assert "derived matrix" in rep["source"] and "vllm.validate" not in rep["source"]

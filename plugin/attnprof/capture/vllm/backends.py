@@ -4,8 +4,10 @@ others, in vLLM's own words.
 Where the answer comes from, always named in ``source``:
 - the running platform is the target (a worker on its own GPU, or on its own CPU): vLLM itself,
   ``CudaPlatform.get_valid_backends`` / the CPU backend's ``validate_configuration`` (here);
-- another target (an H100 asked about from a CPU process): the derived matrix
-  (:func:`attnprof.analyze.vllm_backends.from_matrix`).
+- another target (an H100 asked about from a CPU process), or vLLM cannot be asked as its
+  selector was: the ``fallback`` the caller hands in (the derived matrix,
+  :func:`attnprof.analyze.vllm_backends.from_matrix`, which the plugin host passes;
+  capture imports no analyze). Without one, ``valid`` stays None and ``note`` says why.
 
 Safe inside a vLLM worker: nothing is allocated, no kernel runs, no process is started.
 """
@@ -16,10 +18,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from attnprof.analyze.vllm_backends import Layer, finish, from_matrix, new_report
+from attnprof.facts.backend_report import Layer, finish, new_report
 from attnprof.facts.dtypes import torch_dtype
 
-__all__ = ["ask_cuda", "vllm_backend_report"]
+__all__ = ["Fallback", "ask_cuda", "vllm_backend_report"]
+
+Fallback = Callable[[dict[str, Any], tuple[int, int], Layer, str | None], None]
+"""Fills a report for a capability vLLM cannot be asked about here: ``(report, capability,
+layer, installed vLLM version)`` (:func:`attnprof.analyze.vllm_backends.from_matrix`)."""
 
 logger = logging.getLogger("attnprof")
 
@@ -42,7 +48,8 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
                         device_capability: tuple[int, int] | None = None,
                         selected: str | None = None, selector_config: Any = None,
                         flash_attn_version: int | None = None, requires_alibi: bool = False,
-                        requires_softcap: bool = False) -> dict[str, Any]:
+                        requires_softcap: bool = False,
+                        fallback: Fallback | None = None) -> dict[str, Any]:
     """Per-backend validity for one attention layer, as vLLM judges it.
 
     ``device_capability`` None means "the device this process runs on". ``selector_config``
@@ -50,7 +57,8 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
     it): with it vLLM is asked with exactly its own inputs (attention type, block size,
     multimodal prefix, ...). ``flash_attn_version`` is the version the layer's implementation
     resolved (what runs); without it vLLM's resolution is asked with ``requires_alibi`` and
-    ``requires_softcap`` as the implementation passes them.
+    ``requires_softcap`` as the implementation passes them. ``fallback`` answers where vLLM
+    cannot (another target, a pinned backend, outside vLLM's config context).
 
     vLLM is asked live only inside its own config context (as at model build in a worker);
     this never sets vLLM's process-global config. Returns ``{"source", "vllm_version",
@@ -85,7 +93,12 @@ def vllm_backend_report(num_heads: int, num_kv_heads: int, head_size: int, dtype
         if out["valid"] and "FLASH_ATTN" in out["valid"] and flash_attn_version is not None:
             out["flash_attn_version"] = flash_attn_version  # what the implementation runs
         return out
-    from_matrix(out, device_capability, lay, version)
+    if fallback is None:
+        notes = [out["note"]] if out.get("note") else []
+        out["note"] = "; ".join([*notes, "vLLM cannot answer for this target here and no "
+                                 "derived matrix was handed in"])
+        return out
+    fallback(out, device_capability, lay, version)
     return out
 
 

@@ -159,7 +159,7 @@ class Capture:
         self._runner: Any = None  # the sampled step's model runner (prompt lengths)
         self._shapes: dict[int, BatchShape] = {}
         self._shape_inputs: dict[int, Any] = {}
-        self.reports = model_info.BackendReports(state.errors)
+        self.reports = model_info.BackendReports(state.errors, state.backend_fallback)
         # vLLM's own selector inputs for the layer being built (see install()).
         self.selector_seen: Any = None
         # Step records for a live trace (armed by the API server) or OTLP spans; nothing is

@@ -23,6 +23,11 @@ class HostState(Protocol):
     model_label: str  # learnt at model build unless the config names it
     probe: Any  # the start-up probe's result, once it ran (read by the snapshot)
 
+    def backend_fallback(self, out: dict[str, Any], cc: tuple[int, int], lay: Any,
+                         installed: str | None) -> None:
+        """Fill a backend report vLLM cannot answer here (a pinned backend) from the derived
+        matrix (:data:`attnprof.capture.vllm.backends.Fallback`)."""
+
     def worker_live(self, cap: Any, start_spans: bool) -> None:
         """A layer was wrapped in this process: it is a worker; export its samples (and,
         with ``start_spans``, its OTLP spans). Called once per layer; never raises."""

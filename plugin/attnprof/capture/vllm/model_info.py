@@ -21,8 +21,10 @@ __all__ = ["BackendReports", "learn_model", "sync_ranks"]
 class BackendReports:
     """vLLM's verdict on every backend, asked once per layer shape (and selector inputs)."""
 
-    def __init__(self, errors: Any) -> None:
+    def __init__(self, errors: Any, fallback: Any = None) -> None:
         self.errors = errors
+        # Answers where vLLM cannot (a pinned backend): the host's derived matrix.
+        self.fallback = fallback
         self.reports: dict[Any, dict[str, Any]] = {}
         # id(LayerInfo) -> key of its report (names can be empty; the infos live as long as
         # the capture does)
@@ -48,7 +50,8 @@ class BackendReports:
                     selected=info.backend, selector_config=selector,
                     flash_attn_version=fa_ran if isinstance(fa_ran, int) else None,
                     requires_alibi=getattr(impl, "alibi_slopes", None) is not None,
-                    requires_softcap=bool(getattr(impl, "logits_soft_cap", None)))
+                    requires_softcap=bool(getattr(impl, "logits_soft_cap", None)),
+                    fallback=self.fallback)
             except Exception as exc:
                 self.errors.record("kernel_map", exc)
                 rep = {"error": f"{type(exc).__name__}: {exc}"}

@@ -93,6 +93,13 @@ class State:
         except Exception as exc:
             self.errors.record("export", exc)
 
+    def backend_fallback(self, out: dict[str, Any], cc: tuple[int, int], lay: Any,
+                         installed: str | None) -> None:
+        """The derived matrix answers where vLLM cannot be asked (the hooks' kernel map)."""
+        from attnprof.analyze.vllm_backends import from_matrix
+
+        from_matrix(out, cc, lay, installed)
+
     def worker_live(self, cap: Any, start_spans: bool) -> None:
         """The hooks wrapped a layer: this process is a worker. Its samples join the export
         loop (and, with ``start_spans``, its OTLP spans); never raises (counted)."""
