@@ -115,10 +115,27 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool, Callable[[str], b
         lambda m: m.startswith(("attnprof.capture", "attnprof.host", "attnprof.tools"))),
     "only exporters import export libraries (cli included)": (
         ("attnprof",), _EXPORT_LIBS, False, lambda m: m.startswith("attnprof.exporters")),
-    "aggregate, analyze, contracts, facts and exporters never import capture, tools or cli": (
+    "aggregate, analyze, contracts, facts and exporters never import capture, host, tools or "
+    "cli": (
         ("attnprof.aggregate", "attnprof.analyze", "attnprof.contracts", "attnprof.facts",
          "attnprof.exporters"),
-        ("attnprof.capture", "attnprof.tools", "attnprof.cli"), False, lambda m: False),
+        ("attnprof.capture", "attnprof.host", "attnprof.tools", "attnprof.cli"), False,
+        lambda m: False),
+    # Capture measures inside the step and hands typed records on; what is made of them
+    # (findings, exports, routes, RPC answers) is downstream or the host's.
+    "capture imports neither analyze, exporters, the host, tools nor cli": (
+        ("attnprof.capture",),
+        ("attnprof.analyze", "attnprof.exporters", "attnprof.host", "attnprof.tools",
+         "attnprof.cli"), False, lambda m: False),
+    "aggregate imports no analyze": (
+        ("attnprof.aggregate",), ("attnprof.analyze",), False, lambda m: False),
+    # The plugin host wires the rooms inside a server; only its own entry points (vLLM's
+    # plugin groups name them), the package's public face and the command line reach it.
+    "only the host, the package's public face and cli import the host": (
+        ("attnprof",), ("attnprof.host",), False,
+        lambda m: m == "attnprof" or m.startswith(("attnprof.host", "attnprof.cli"))),
+    "the host never imports cli": (
+        ("attnprof.host",), ("attnprof.cli",), False, lambda m: False),
 }
 
 
@@ -148,9 +165,25 @@ def test_only_exporters_import_export_libraries() -> None:
     _check("only exporters import export libraries (cli included)")
 
 
-def test_inner_rooms_never_import_capture_tools_or_cli() -> None:
-    _check("aggregate, analyze, contracts, facts and exporters never import capture, tools or "
-           "cli")
+def test_inner_rooms_never_import_capture_host_tools_or_cli() -> None:
+    _check("aggregate, analyze, contracts, facts and exporters never import capture, host, "
+           "tools or cli")
+
+
+def test_capture_imports_neither_analyze_exporters_nor_the_host() -> None:
+    _check("capture imports neither analyze, exporters, the host, tools nor cli")
+
+
+def test_aggregate_imports_no_analyze() -> None:
+    _check("aggregate imports no analyze")
+
+
+def test_only_the_host_public_face_and_cli_import_the_host() -> None:
+    _check("only the host, the package's public face and cli import the host")
+
+
+def test_the_host_never_imports_cli() -> None:
+    _check("the host never imports cli")
 
 
 def test_no_import_cycles() -> None:
