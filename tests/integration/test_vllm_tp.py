@@ -43,17 +43,17 @@ _SCRIPT = _PROLOGUE + r"""
         if not any(g["head_stats"]["pending"] for g in got) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.aggregate.head_strata import HeadStatsStrata
     from attnprof.host.vllm.live_view import LiveView
     view = LiveView(None)
     parts, part_requests = [], []
     for p, ds in zip(polls, deltas):
         assert len(ds) == 1, len(ds)
-        part = HeadStatsAccumulator.from_bytes(ds[0])
+        part = HeadStatsStrata.from_bytes(ds[0]).total()
         parts.append(part.queries.tolist())
         part_requests.append(part.requests.tolist())
         view._merge_delta(p, ds[0])
-    acc = view.head_stats
+    acc = view.head_stats.total()
     # Then hundreds of steps under a budget nobody can meet: the first rank throttles, and
     # both ranks must still decide the same steps.
     long_sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

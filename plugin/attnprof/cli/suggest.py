@@ -145,7 +145,7 @@ def read_lengths(path: Path) -> Any:
 
 
 def load_head_stats(path: Path) -> Any:
-    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.aggregate.head_strata import HeadStatsStrata
     from attnprof.analyze.sparsity.inputs import head_stats_from_snapshot
 
     obj = read_json(path)
@@ -157,7 +157,7 @@ def load_head_stats(path: Path) -> Any:
             if acc is None:
                 raise CliError(f"{path}: no head statistics in it")
             return acc
-        return HeadStatsAccumulator.from_dict(obj)
+        return HeadStatsStrata.load(obj).total("prefill")  # strata or one accumulator
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError,
             MemoryError) as err:
         # The accumulator reads arrays and shapes from the file: any of them can be wrong.

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.aggregate.head_strata import HeadStatsStrata
 from attnprof.capture import head_rows
 from attnprof.config import Config, ConfigError, api_tokens
 from attnprof.contracts.snapshot import WorkerSnapshot
@@ -305,7 +306,7 @@ def test_tensor_parallel_ranks_merge_by_global_head_index(state: runtime.State) 
            _answer(12, r1.take_bytes(), {"tp_rank": 1, "tp_size": 2}, total_kv_heads=4)]
     app = _app(FakeEngine(ans), [KEY])
     (r,) = asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
-    merged = HeadStatsAccumulator.from_dict(r.json()["head_stats"])
+    merged = HeadStatsStrata.load(r.json()["head_stats"]).total()
     assert (merged.num_layers, merged.num_kv_heads, merged.group_size) == (2, 4, 2)
     assert np.array_equal(merged.queries[:, :4], want0)
     assert np.array_equal(merged.sink_sum[:, 4:], want1)  # rank 1's heads at offset 4
@@ -334,7 +335,7 @@ def test_deltas_accumulate_across_refreshes(state: runtime.State,
     asyncio.run(_get(app, "/attnprof/snapshot"))
     eng.answers = [_answer(1, d2)]
     (r,) = asyncio.run(_get(app, "/attnprof/snapshot?head_stats=1"))
-    merged = HeadStatsAccumulator.from_dict(r.json()["head_stats"])
+    merged = HeadStatsStrata.load(r.json()["head_stats"]).total()
     assert merged.requests[0] == 2 and merged.queries.sum() == 2 * 64 * 2
 
 

@@ -235,3 +235,43 @@ def on_cuda(runner: Any) -> bool:
     """Whether a model runner runs on a CUDA device."""
     dev = getattr(runner, "device", None)
     return getattr(dev, "type", "cpu") == "cuda"
+
+
+# ----- paged KV cache: what chunked, prefix-cached and decode statistics read -----
+_PLAIN_KV = ("auto", "bfloat16", "float16", "float32", "half", "float")
+_LOGICAL_KV = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+
+
+def cache_layout(info: LayerInfo, layer: Any) -> Any:
+    """The :class:`~attnprof.capture.vllm.paged_kv.CacheLayout` of a layer's ``kv_cache``
+    (vLLM 0.32), or None where it is not readable: fp8/quantized caches (their scales are not
+    applied: left out, not guessed), CPU_ATTN ISAs whose packing was not verified (neon), and
+    other backends."""
+    from attnprof.capture.vllm.paged_kv import CacheLayout
+
+    if info.kv_cache_dtype not in _PLAIN_KV or not info.head_size:
+        return None
+    if info.backend == "CPU_ATTN":
+        isa = str(getattr(layer, "isa", ""))
+        kind = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}.get(isa)
+        return None if kind is None else CacheLayout(kind, info.head_size)
+    if info.backend in _LOGICAL_KV:
+        return CacheLayout("logical", info.head_size)
+    return None
+
+
+def block_table(md: Any) -> Any:
+    """The step's block table [num_reqs, max_blocks] (rows in the batch's request order), or
+    None where the metadata class has none (FlashInfer keeps per-phase slices)."""
+    return getattr(md, "block_table", None)
+
+
+def prompt_lens(runner: Any, num_reqs: int) -> list[int] | None:
+    """Each scheduled request's prompt length (``input_batch.num_prompt_tokens``, in the
+    batch's request order, which attention metadata follows), or None when unreadable."""
+    try:
+        n = runner.input_batch.num_prompt_tokens
+        out = [int(x) for x in n[:num_reqs]]
+    except Exception:
+        return None
+    return out if len(out) == num_reqs else None

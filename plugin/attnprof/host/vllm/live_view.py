@@ -55,7 +55,7 @@ class LiveView:
         index = getattr(getattr(engine_client, "engine_core", None), "client_index", 0)
         self.keeps_head_stats = not isinstance(index, int) or index == 0
         self.workers: list[WorkerSnapshot] = []
-        self.head_stats: Any = None  # global HeadStatsAccumulator
+        self.head_stats: Any = None  # global HeadStatsStrata
         self.advice: WindowAdvice | AdviceUnavailable | None = None
         self.rpc_error: str | None = None
         self.refreshed_at = 0.0  # monotonic time of the last completed refresh
@@ -258,10 +258,10 @@ class LiveView:
 
     def _merge_delta(self, answer: dict[str, Any], delta: bytes) -> None:
         """Place one rank's delta at its global layers and heads (shape-checked)."""
-        from attnprof.aggregate.head_stats import HeadStatsAccumulator
         from attnprof.aggregate.head_stats_merge import add_rank_delta, global_for
+        from attnprof.aggregate.head_strata import HeadStatsStrata
 
-        part = HeadStatsAccumulator.from_bytes(delta)
+        part = HeadStatsStrata.from_bytes(delta)  # strata, or an older worker's accumulator
         rank = answer.get("rank") or {}
         acc = self.head_stats = global_for(self.head_stats, part, rank,
                                            answer.get("total_kv_heads"),
@@ -283,7 +283,10 @@ class LiveView:
             from attnprof.analyze.window_advice import advise
 
             requests = st.requests.summary() if st.requests is not None else None
-            adv = await asyncio.to_thread(advise, requests, self.head_stats, st.model_path)
+            hs = self.head_stats  # strata: the advice reads the prompts' statistics
+            adv = await asyncio.to_thread(
+                lambda: advise(requests, None if hs is None else hs.total("prefill"),
+                               st.model_path))
             st.advice = adv.to_json()  # the export loop renders it as gauges
             self.advice = adv
         except Exception as exc:
