@@ -72,7 +72,8 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
             # one set of bounds: /metrics shows them too). Without an endpoint, no change.
             buckets = (pow2_buckets(max_len) if st.otlp is not None
                        and cfg.otlp_histogram == "exponential" else None)
-            st.requests = RequestAggregates(max_len, buckets=buckets)
+            st.requests = RequestAggregates(max_len, buckets=buckets,
+                                            min_tokens=cfg.head_stats_min_tokens)
         self.requests: RequestAggregates = st.requests
         self.vllm_config = vllm_config
         try:
@@ -129,12 +130,13 @@ class AttnProfStatLogger(StatLoggerBase):  # type: ignore[misc]
             if iteration_stats is not None:
                 preempted = int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
                 for fr in iteration_stats.finished_requests:
-                    self.requests.observe(int(fr.num_prompt_tokens),
-                                          int(fr.num_generation_tokens))
-                    finished.append(FinishedRequest(
+                    done = FinishedRequest(
                         int(fr.num_prompt_tokens), int(fr.num_generation_tokens),
                         float(getattr(fr, "prefill_time", 0.0) or 0.0),
-                        float(getattr(fr, "decode_time", 0.0) or 0.0)))
+                        float(getattr(fr, "decode_time", 0.0) or 0.0))
+                    self.requests.observe(done.prompt_tokens, done.generation_tokens,
+                                          done.prefill_time_s, done.decode_time_s)
+                    finished.append(done)
             if self.requests.kv.num_blocks is None:
                 self.log_engine_initialized()
             # One KvPressure serves every engine's logger (vLLM makes one per engine_idx):
