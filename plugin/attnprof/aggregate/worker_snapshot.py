@@ -29,7 +29,7 @@ from attnprof.contracts.snapshot import (
 )
 
 __all__ = ["SLOW_FIELDS", "fast_snapshot", "head_stats_cost", "join", "kernel_groups",
-           "note_poll", "sampler_stats", "slow_parts", "worker_snapshot"]
+           "note_poll", "sampler_stats", "slow_parts", "slow_version", "worker_snapshot"]
 
 SLOW_FIELDS = ("layers", "kernel_map", "steps", "probe")
 """The :class:`WorkerSnapshot` fields :func:`slow_parts` builds."""
@@ -109,6 +109,13 @@ def worker_snapshot(pid: int, process: str, aggs: WorkerAggregates, kernel_map: 
     return dataclasses.replace(
         _counters(pid, process, sampler, errors, hs_cost, poll_cost), layers=layers,
         kernel_map=kernel_map, steps=steps, head_stats=head_stats, probe=probe)
+
+
+def slow_version(aggs: WorkerAggregates, probe: Any = None) -> tuple[int, int, bool]:
+    """What :func:`slow_parts` depends on, in O(1): sampled steps folded (a blind step,
+    replayed from a full CUDA graph, changes no layer), layers known, a probe."""
+    o = aggs.outcomes
+    return (o["sampled"] + o["sampled_long"], len(aggs.layers), probe is not None)
 
 
 def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], list[KernelGroup]],

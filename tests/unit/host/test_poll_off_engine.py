@@ -14,7 +14,6 @@ import pytest
 from attnprof.aggregate import worker_snapshot as ws
 from attnprof.aggregate.background import LatestBuild
 from attnprof.aggregate.layers import LayerCall, StepRecord, WorkerAggregates
-from attnprof.capture.vllm import hooks
 from attnprof.capture.vllm.hooks import Capture
 from attnprof.host.vllm import worker_rpc
 from tests.unit.aggregate.test_aggregate import _capture, _Layer, _shape
@@ -36,8 +35,8 @@ def _step(cap: Capture, phase: str = "decode") -> None:
 
 def _unstarted(cap: Capture) -> LatestBuild:
     """The capture's builder without its thread: builds happen only when the test says."""
-    lb = LatestBuild(lambda: hooks.slow_parts(cap),
-                     lambda: hooks.slow_version(cap))
+    lb = LatestBuild(lambda: worker_rpc.slow_parts(cap),
+                     lambda: worker_rpc.slow_version(cap))
     cap.snapshots = lb
     return lb
 
@@ -75,7 +74,7 @@ def test_the_joined_halves_are_the_worker_snapshot() -> None:
     _step(cap, "prefill")
     fast = ws.fast_snapshot(1, "w", worker_rpc.sampler_stats(cap), cap.errors,
                             ws.head_stats_cost(cap.hs), cap.poll_cost)
-    joined = ws.join(fast, hooks.slow_parts(cap))
+    joined = ws.join(fast, worker_rpc.slow_parts(cap))
     whole = ws.worker_snapshot(1, "w", cap.aggs, worker_rpc.kernel_map(cap),
                                worker_rpc.sampler_stats(cap), cap.errors,
                                ws.head_stats_cost(cap.hs), cap.poll_cost, None).to_json()
@@ -207,11 +206,11 @@ def test_model_build_starts_no_builder_and_a_blind_step_leaves_the_build_current
     assert cap.snapshots._thread is None  # nothing runs beside the model build
     got = worker_rpc.poll(cap)
     assert "snapshot_stale" not in got and cap.snapshots._thread is not None
-    before = hooks.slow_version(cap)
+    before = worker_rpc.slow_version(cap)
     cap.aggs.record_step(StepRecord("blind", 0.01, []))
-    assert hooks.slow_version(cap) == before
+    assert worker_rpc.slow_version(cap) == before
     _step(cap)
-    assert hooks.slow_version(cap) != before
+    assert worker_rpc.slow_version(cap) != before
     cap.state.hub.stop(final_flush=False)
 
 

@@ -579,24 +579,6 @@ class Capture:
                                     "head_stats_rate": self.hs_rate}}
 
 
-def slow_parts(cap: Capture, pieces: bool = True) -> dict[str, Any]:
-    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`); in
-    pieces (:func:`~attnprof.aggregate.background.yield_gil`) as the snapshot thread builds
-    them, or in one go (``pieces=False``: on the engine's thread, sleeping would only add)."""
-    from attnprof.aggregate.background import yield_gil
-
-    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe,
-                         yield_gil if pieces else None)
-
-
-def slow_version(cap: Capture) -> tuple[int, int, bool]:
-    """What :func:`slow_parts` depends on, in O(1): sampled steps folded (a blind step,
-    replayed from a full CUDA graph, changes no layer), layers known, a probe."""
-    o = cap.aggs.outcomes
-    return (o["sampled"] + o["sampled_long"], len(cap.aggs.layers),
-            cap.state.probe is not None)
-
-
 def _snapshot_builder(cap: Capture) -> LatestBuild:
     """The worker snapshot's slow parts, rebuilt on a thread of their own. The thread holds
     the capture weakly: a capture nobody uses any more (tests, undo) ends it."""
@@ -604,11 +586,15 @@ def _snapshot_builder(cap: Capture) -> LatestBuild:
 
     def build() -> Any:
         c = ref()
-        return None if c is None else slow_parts(c)
+        if c is None:
+            return None
+        from attnprof.aggregate.background import yield_gil  # looked up per build (tests)
+
+        return ws.slow_parts(c.aggs, c.reports.kernel_map, c.state.probe, yield_gil)
 
     def version() -> Any:
         c = ref()
-        return LatestBuild.GONE if c is None else slow_version(c)
+        return LatestBuild.GONE if c is None else ws.slow_version(c.aggs, c.state.probe)
 
     def on_error(exc: BaseException) -> None:
         c = ref()

@@ -108,7 +108,7 @@ class State:
         self.add_role("worker")
         self.export_source("worker", functools.partial(worker_rpc.samples, cap))
         if start_spans:
-            worker_rpc.start_spans(cap)
+            worker_rpc.start_spans(cap, self.get_hub)
 
     def add_role(self, role: str) -> None:
         """Mark this process as live in ``role`` (gauge + run-dir note), once per role."""

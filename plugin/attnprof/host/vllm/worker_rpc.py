@@ -1,6 +1,7 @@
 """A vLLM worker's answers to the API server: snapshot, poll, head-statistics deltas, the live
 trace's arm/count/take, and the export loop's samples and spans, read from a running
-:class:`~attnprof.capture.vllm.hooks.Capture` (``cap``).
+:class:`~attnprof.capture.vllm.hooks.Capture` (``cap``) through :class:`WorkerCapture`, what
+these answers read of it and nothing more.
 
 These run between model steps (collective RPC) or on the export thread, never inside one;
 the snapshot itself is assembled in :mod:`attnprof.aggregate.worker_snapshot`.
@@ -15,26 +16,83 @@ import functools
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, Protocol, cast
 
-from attnprof._safety import fault_point
+from attnprof._safety import ErrorBook, fault_point
 from attnprof.aggregate import worker_snapshot as ws
-from attnprof.aggregate.trace import MAX_RANGES
-from attnprof.capture.vllm import hooks
-from attnprof.contracts.snapshot import KernelGroup, SamplerStats, WorkerSnapshot
+from attnprof.aggregate.background import LatestBuild
+from attnprof.aggregate.layers import WorkerAggregates
+from attnprof.aggregate.sampler import StepSampler
+from attnprof.aggregate.trace import MAX_RANGES, TraceBuffer
+from attnprof.capture.vllm.host_state import HostState
+from attnprof.capture.vllm.model_info import BackendReports
+from attnprof.contracts.snapshot import (
+    HeadStatsCost,
+    KernelGroup,
+    PollCost,
+    SamplerStats,
+    WorkerSnapshot,
+)
 
-__all__ = ["head_stats_take", "kernel_map", "poll", "sampler_stats", "samples", "snapshot",
-           "start_spans", "trace_arm", "trace_count", "trace_take", "worker_methods"]
+__all__ = ["WorkerCapture", "head_stats_take", "kernel_map", "poll", "sampler_stats", "samples",
+           "slow_parts", "slow_version", "snapshot", "start_spans", "trace_arm", "trace_count",
+           "trace_take", "worker_methods"]
 
 
-def start_spans(cap: Any) -> None:
-    """Add the OTLP span sink to this worker's export loop (its thread builds the spans);
-    a sink that cannot start is counted and spans stay off."""
+class WorkerCapture(Protocol):
+    """What the worker's answers read of its capture (:class:`~attnprof.capture.vllm.hooks.
+    Capture` is one): the aggregates and counters they report, the buffers they take from,
+    and the two calls they make. Read-only but for the two the answers set (``deltas``,
+    ``hs_buffer``: made at the first pull where the hooks have not made them)."""
+
+    hs_buffer: Any  # HeadStatsDoubleBuffer once a sampled prompt made it
+    deltas: Any  # DeltaFiles: how the deltas reach the API server
+
+    @property
+    def state(self) -> HostState: ...
+    @property
+    def errors(self) -> ErrorBook: ...
+    @property
+    def sampler(self) -> StepSampler: ...
+    @property
+    def aggs(self) -> WorkerAggregates: ...
+    @property
+    def seen(self) -> int: ...
+    @property
+    def pending(self) -> Sized: ...
+    @property
+    def in_step(self) -> int: ...
+    @property
+    def hs(self) -> HeadStatsCost: ...
+    @property
+    def poll_cost(self) -> PollCost: ...
+    @property
+    def rank(self) -> dict[str, int]: ...
+    @property
+    def total_kv_heads(self) -> int | None: ...
+    @property
+    def total_layers(self) -> int | None: ...
+    @property
+    def reports(self) -> BackendReports: ...
+    @property
+    def snapshots(self) -> LatestBuild: ...
+    @property
+    def trace(self) -> TraceBuffer: ...
+
+    def resolve_pending(self) -> None: ...
+
+    def set_sampling(self, rate: float | None = None,
+                     head_stats_rate: float | None = None) -> dict[str, Any]: ...
+
+
+def start_spans(cap: WorkerCapture, get_hub: Callable[[], Any]) -> None:
+    """Add the OTLP span sink to this worker's export loop (``get_hub()``; its thread builds
+    the spans); a sink that cannot start is counted and spans stay off."""
     try:
         from attnprof.exporters.otlp import OtlpSpanSink
 
-        hub = cap.state.get_hub()
+        hub = get_hub()
         hub.add_sink(OtlpSpanSink(cap.state.otlp, role="worker", take=cap.trace.take_spans,
                                   model=lambda: cap.state.model_label,
                                   on_error=cap.errors.note))
@@ -44,14 +102,14 @@ def start_spans(cap: Any) -> None:
         cap.trace.spans = False
 
 
-def sampler_stats(cap: Any) -> SamplerStats:
+def sampler_stats(cap: WorkerCapture) -> SamplerStats:
     """The sampler's counters; a step in progress or a GPU step waiting for its events is
     not counted as unsampled."""
     return ws.sampler_stats(cap.sampler, cap.aggs.outcomes, cap.seen,
                              len(cap.pending) + cap.in_step)
 
 
-def samples(cap: Any) -> list[Any]:
+def samples(cap: WorkerCapture) -> list[Any]:
     """This worker's metric samples for the export loop (its thread)."""
     from attnprof.exporters.samples import worker_samples
 
@@ -63,12 +121,12 @@ def samples(cap: Any) -> list[Any]:
                           per_step=first_tp and cap.rank["pp_rank"] == 0)
 
 
-def kernel_map(cap: Any) -> list[KernelGroup]:
+def kernel_map(cap: WorkerCapture) -> list[KernelGroup]:
     """The worker's kernel map (see :meth:`BackendReports.kernel_map`)."""
     return cap.reports.kernel_map(list(cap.aggs.layers.values()))  # type: ignore[no-any-return]
 
 
-def snapshot(cap: Any, include_head_stats: bool = True) -> WorkerSnapshot:
+def snapshot(cap: WorkerCapture, include_head_stats: bool = True) -> WorkerSnapshot:
     """This worker's snapshot; GPU steps whose events completed are folded first. No
     export flush: it runs between model steps, and an export may hold the hub's lock for
     seconds (the export thread flushes every second)."""
@@ -81,7 +139,7 @@ def snapshot(cap: Any, include_head_stats: bool = True) -> WorkerSnapshot:
         else None, cap.state.probe)
 
 
-def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
+def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None = None
          ) -> dict[str, Any]:
     """The API server's periodic pull (between model steps, so small and cheap): this
     worker's snapshot without head statistics, its parallel placement, and the head
@@ -106,8 +164,8 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
     if slow is None:
         # The first pull (or every build so far failed): built here, once, without the
         # pauses a background build takes; the thread rebuilds from now on.
-        slow, fresh, age = hooks.slow_parts(cap, pieces=False), True, 0.0
-        cap.snapshots.keep(slow, hooks.slow_version(cap))
+        slow, fresh, age = slow_parts(cap, pieces=False), True, 0.0
+        cap.snapshots.keep(slow, slow_version(cap))
         cap.snapshots.start()
     snap = ws.join(ws.fast_snapshot(
         os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
@@ -127,14 +185,30 @@ def poll(cap: Any, with_head_stats: bool = True, api_host: str | None = None
         # again once the build it woke is done (LiveView._catch_up).
         # built/now: the versions (slow_version) the served build and this pull stand at;
         # the API server takes a later build once it covers "now" (LiveView._catch_up).
-        out["snapshot_stale"] = {"age_s": age, "built": list(built), "now": list(
-            hooks.slow_version(cap)), "reason": "built before the last sampled steps; the next "
+        built_at = cast("tuple[int, int, bool]", built)  # the builder's: slow_version's
+        out["snapshot_stale"] = {"age_s": age, "built": list(built_at), "now": list(
+            slow_version(cap)), "reason": "built before the last sampled steps; the next "
                                  "pull has them"}
         cap.snapshots.wake()  # now that this pull is done: the rebuild is for the next one
     return out
 
 
-def head_stats_take(cap: Any, api_host: str | None = None) -> dict[str, Any]:
+def slow_parts(cap: WorkerCapture, pieces: bool = True) -> dict[str, Any]:
+    """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`); in
+    pieces (:func:`~attnprof.aggregate.background.yield_gil`) as the snapshot thread builds
+    them, or in one go (``pieces=False``: on the engine's thread, sleeping would only add)."""
+    from attnprof.aggregate.background import yield_gil
+
+    return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe,
+                         yield_gil if pieces else None)
+
+
+def slow_version(cap: WorkerCapture) -> tuple[int, int, bool]:
+    """What :func:`slow_parts` depends on (:func:`ws.slow_version`), in O(1)."""
+    return ws.slow_version(cap.aggs, cap.state.probe)
+
+
+def head_stats_take(cap: WorkerCapture, api_host: str | None = None) -> dict[str, Any]:
     """The deltas finished since the last pull, with this worker's placement (tiny: the
     API server asks until none is pending)."""
     fault_point("capture")
@@ -143,12 +217,12 @@ def head_stats_take(cap: Any, api_host: str | None = None) -> dict[str, Any]:
     return out
 
 
-def _placement(cap: Any) -> dict[str, Any]:
+def _placement(cap: WorkerCapture) -> dict[str, Any]:
     return {"pid": os.getpid(), "rank": dict(cap.rank),
             "total_kv_heads": cap.total_kv_heads, "total_layers": cap.total_layers}
 
 
-def _take_deltas(cap: Any, api_host: str | None, swap: bool) -> dict[str, Any]:
+def _take_deltas(cap: WorkerCapture, api_host: str | None, swap: bool) -> dict[str, Any]:
     buf = cap.hs_buffer
     if buf is None:
         return {"deltas": [], "pending": False}
@@ -168,7 +242,7 @@ def _take_deltas(cap: Any, api_host: str | None, swap: bool) -> dict[str, Any]:
     return {"deltas": ready, "pending": buf.draining}
 
 
-def trace_arm(cap: Any, steps: int, timeout_s: float, trace_id: str = "",
+def trace_arm(cap: WorkerCapture, steps: int, timeout_s: float, trace_id: str = "",
               max_ranges: int = MAX_RANGES) -> dict[str, Any]:
     """Record the next ``steps`` sampled steps for a live trace, at most ``max_ranges``
     layer ranges (RPC, between steps); returns this worker's identity. Recording stops
@@ -178,14 +252,15 @@ def trace_arm(cap: Any, steps: int, timeout_s: float, trace_id: str = "",
             "rank": dict(cap.rank), "armed": True}
 
 
-def trace_count(cap: Any, trace_id: str = "") -> dict[str, Any]:
+def trace_count(cap: WorkerCapture, trace_id: str = "") -> dict[str, Any]:
     """Steps recorded so far for the armed trace (tiny: the API server polls it)."""
     cap.resolve_pending()  # GPU steps whose events completed are recorded now
     return {"pid": os.getpid(), "steps": cap.trace.count(trace_id),
             "recording": cap.trace.recording}
 
 
-def trace_take(cap: Any, trace_id: str = "", page_ranges: int | None = None) -> dict[str, Any]:
+def trace_take(cap: WorkerCapture, trace_id: str = "", page_ranges: int | None = None
+               ) -> dict[str, Any]:
     """One page of the recorded steps (compact JSON, at most ``page_ranges`` layer ranges)
     and this worker's identity; ``more``: pages are left. Recording stops."""
     cap.resolve_pending()
@@ -195,7 +270,8 @@ def trace_take(cap: Any, trace_id: str = "", page_ranges: int | None = None) -> 
             "steps": [s.to_json() for s in steps]}
 
 
-def worker_methods(cap: Any, state: Any) -> dict[str, Callable[..., dict[str, Any]]]:
+def worker_methods(cap: WorkerCapture, state: Any
+                   ) -> dict[str, Callable[..., dict[str, Any]]]:
     """The ``attnprof_*`` methods for vLLM's ``WorkerBase`` (``collective_rpc`` names).
 
     vLLM's executor waits for their answer with no timeout (a timed-out answer would become
