@@ -60,7 +60,16 @@ _FACT_FIELDS = tuple(f.name for f in fields(LayerFacts))  # what a LayerProfile 
 @dataclass
 class LayerInfo(LayerFacts):
     """A layer's static facts (the contract's field list) as capture keeps them: ``kernel``
-    and ``kv_cache_bytes`` are filled in on the first sampled call."""
+    and ``kv_cache_bytes`` are filled in on the first sampled call, the KV-cache group's
+    facts when vLLM allocates the KV cache."""
+
+    kv_group: int | None = None
+    """vLLM's KV-cache group index (layers sharing a block table and spec); None: unknown."""
+    kv_spec: str | None = None
+    """The group's spec class name (``FullAttentionSpec``, ``SlidingWindowSpec``, ...)."""
+    kv_block_size: int = 0
+    kv_bytes_per_token: int = 0
+    """KV-cache bytes one token holds in this layer (the spec's page size / block size)."""
 
     @property
     def kv_element_bytes(self) -> int:

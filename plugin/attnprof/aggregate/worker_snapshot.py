@@ -56,17 +56,20 @@ def sampler_stats(sampler: StepSampler, outcomes: Mapping[str, int], seen: int,
 
 def kernel_groups(layers: Iterable[LayerInfo], report_key: Callable[[LayerInfo], Any],
                   reports: Mapping[Any, dict[str, Any]]) -> list[KernelGroup]:
-    """Per group of identical layers (same backend, kernel and report key), in layer order:
-    the backend that ran, the kernel variant, and why each other vLLM backend is not valid
-    (``reports[report_key(info)]``, vLLM's own answer; see
+    """Per group of identical layers (same vLLM KV-cache group, backend, kernel and report
+    key), in layer order: the KV-cache group (its spec, window, block size and the bytes a
+    token holds in these layers), the backend that ran, the kernel variant, and why each
+    other vLLM backend is not valid (``reports[report_key(info)]``, vLLM's own answer; see
     :mod:`attnprof.capture.vllm.backends`)."""
     groups: dict[tuple[Any, ...], list[LayerInfo]] = {}
     for info in sorted(layers, key=lambda i: i.index):
-        groups.setdefault((info.backend, info.kernel, report_key(info)), []).append(info)
+        groups.setdefault((info.kv_group, info.backend, info.kernel, report_key(info)),
+                          []).append(info)
     out = []
-    for (_, _, key), infos in groups.items():
+    for (_, _, _, key), infos in groups.items():
         rep = reports[key]
         first = infos[0]
+        known = first.kv_group is not None
         out.append(KernelGroup(
             layers=[i.index for i in infos], backend=first.backend, kernel=first.kernel,
             fused=first.fused, valid_backends=rep.get("valid"),
@@ -74,7 +77,10 @@ def kernel_groups(layers: Iterable[LayerInfo], report_key: Callable[[LayerInfo],
                       (rep.get("backends") or {}).items() if not b.get("valid")},
             source=rep.get("source"), error=rep.get("error"),
             predicted=rep.get("predicted"),
-            flash_attn_version=rep.get("flash_attn_version"), note=rep.get("note")))
+            flash_attn_version=rep.get("flash_attn_version"), note=rep.get("note"),
+            kv_group=first.kv_group, kv_spec=first.kv_spec, sliding_window=first.sliding_window,
+            kv_block_size=first.kv_block_size if known else None,
+            kv_bytes_per_token=sum(i.kv_bytes_per_token for i in infos) if known else None))
     return out
 
 

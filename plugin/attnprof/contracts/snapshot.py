@@ -24,7 +24,9 @@ worker's ``poll_cost``; 1.8 adds ``restricted``: set on the answer a server with
 gives anyone, which holds only what ``/metrics`` shows, and says how to read the rest;
 1.9 adds ``RequestStats.context_buckets`` (exact counts per head-statistics context bucket)
 and ``coverage`` (what the head statistics folded per phase and bucket against the traffic,
-and the heads whose class changes across time windows and buckets).
+and the heads whose class changes across time windows and buckets), and each
+``KernelGroup``'s vLLM KV-cache group (``kv_group``, ``kv_spec``, ``sliding_window``,
+``kv_block_size``, ``kv_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -135,6 +137,18 @@ class KernelGroup(Record):
     predicted: str | None = None
     flash_attn_version: int | None = None
     note: str | None = None
+    kv_group: int | None = None
+    """vLLM's KV-cache group of these layers (index in ``kv_cache_config.kv_cache_groups``:
+    layers sharing one block table and spec); None before the KV cache exists (added in 1.9)."""
+    kv_spec: str | None = None
+    """The group's KV-cache spec: ``FullAttentionSpec``, ``SlidingWindowSpec``, ... (1.9)."""
+    sliding_window: int | None = None
+    """The layers' sliding window in tokens; None: full attention (1.9)."""
+    kv_block_size: int | None = None
+    """Tokens per KV-cache block of the group (1.9)."""
+    kv_bytes_per_token: int | None = None
+    """KV-cache bytes one token holds in these layers together: the spec's page size over
+    its block size, per layer, summed (1.9)."""
 
 
 @dataclass

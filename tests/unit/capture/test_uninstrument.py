@@ -28,7 +28,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.worker_base import WorkerBase
 places = [(Attention, "__init__"), (GPUModelRunner, "_model_forward"),
           (sel, "_cached_get_attn_backend"),
-          (GPUModelRunner, "_determine_batch_execution_and_padding")]
+          (GPUModelRunner, "_determine_batch_execution_and_padding"),
+          (GPUModelRunner, "initialize_kv_cache")]
 before = [vars(o)[n] for o, n in places]
 state = State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m"))
 cap = install.install(state, worker_methods)
@@ -70,11 +71,11 @@ def test_vllm_patches_are_undone_to_the_original_functions() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     got = json.loads(line.removeprefix("RESULT "))
-    assert got["patched"] == [True, True, True, True]
+    assert got["patched"] == [True] * 5
     assert got["rpc"] == ["attnprof_head_stats", "attnprof_poll", "attnprof_set_sampling",
                           "attnprof_snapshot", "attnprof_trace"]
     assert got["mid_step"]
-    assert got["restored"] == [True] * 4 and got["restored_twice"] == [True] * 4
+    assert got["restored"] == [True] * 5 and got["restored_twice"] == [True] * 5
     assert got["rpc_after"] == [] and got["layer_clean"] and got["impl_call"] == "vllm"
     assert not got["installed"] and got["state_capture"]
 

@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 from attnprof.aggregate.layers import UNFUSED_BACKENDS, BatchShape, LayerInfo, layer_index
 
-__all__ = ["VLLM_0_32", "ImplCall", "VllmArgs", "batch_shape", "for_version", "kernel_variant",
+__all__ = ["VLLM_0_32", "ImplCall", "KvGroupFacts", "VllmArgs", "batch_shape", "for_version",
+           "kernel_variant", "kv_cache_groups",
            "layer_info", "on_cuda", "report_key", "shape_inputs", "step_has_metadata"]
 
 
@@ -229,6 +230,36 @@ def step_has_metadata() -> bool:
         return bool(fc.is_forward_context_available() and fc.get_forward_context().attn_metadata)
     except Exception:
         return False
+
+
+class KvGroupFacts(NamedTuple):
+    """One layer's place in vLLM's KV cache: its group and the group's spec."""
+
+    group: int
+    spec: str
+    block_size: int
+    sliding_window: int | None
+    bytes_per_token: int
+    """The spec's real (unpadded) page size over its block size: K and V of one token."""
+
+
+def kv_cache_groups(kv_cache_config: Any) -> dict[str, KvGroupFacts]:
+    """Layer name -> its KV-cache group facts, from vLLM's ``KVCacheConfig`` (the runner's
+    ``kv_cache_config``: ``kv_cache_groups[i].layer_names`` share a block table and the
+    ``kv_cache_spec``; a ``UniformTypeKVCacheSpecs`` holds one spec per layer)."""
+    out: dict[str, KvGroupFacts] = {}
+    for gi, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None) or {}
+        for name in group.layer_names:
+            ls = per_layer.get(name, spec)
+            block = int(getattr(ls, "block_size", 0) or 0)
+            page = getattr(ls, "real_page_size_bytes", None) or ls.page_size_bytes
+            sw = getattr(ls, "sliding_window", None)
+            out[str(name)] = KvGroupFacts(
+                gi, type(ls).__name__, block, int(sw) if sw else None,
+                int(page) // block if block else 0)
+    return out
 
 
 def on_cuda(runner: Any) -> bool:

@@ -1,6 +1,6 @@
 """Patching vLLM in this process, and undoing it.
 
-:func:`install` (called once per process by the general plugin) patches five places and
+:func:`install` (called once per process by the general plugin) patches six places and
 logs each in a patch book; :func:`uninstall` puts back exactly what was there, in reverse
 order, and is idempotent (OpenTelemetry's instrumentors work the same way):
 
@@ -9,6 +9,8 @@ order, and is idempotent (OpenTelemetry's instrumentors work the same way):
 * ``GPUModelRunner._model_forward``: the step hook (:func:`~.hooks.step_hook`);
 * ``GPUModelRunner._determine_batch_execution_and_padding``: a sampled step's CUDA graph
   mode, attention outside the graph (:func:`~.cudagraph.determine_hook`);
+* ``GPUModelRunner.initialize_kv_cache``: each layer's KV-cache group
+  (:func:`~.model_info.learn_kv_groups`);
 * ``WorkerBase.attnprof_*``: the RPC methods the host hands in
   (:func:`attnprof.host.vllm.worker_rpc.worker_methods`).
 
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnprof.capture.vllm import args as vargs
-from attnprof.capture.vllm import cudagraph
+from attnprof.capture.vllm import cudagraph, model_info
 from attnprof.capture.vllm.hooks import Capture, step_hook
 from attnprof.capture.vllm.host_state import HostState
 
@@ -79,6 +81,26 @@ def _watch_selector(cap: Capture, state: HostState) -> None:
     _patch(sel, "_cached_get_attn_backend", _cached_get_attn_backend)
 
 
+def _watch_kv_cache(cap: Capture, state: HostState, runner_cls: Any) -> None:
+    """Learn each layer's KV-cache group when vLLM allocates the KV cache
+    (``initialize_kv_cache``; ``CPUModelRunner`` calls this one): the call is untouched."""
+    orig = getattr(runner_cls, "initialize_kv_cache", None)
+    if orig is None or getattr(orig, "_attnprof", False):
+        return
+
+    @functools.wraps(orig)
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, kv_cache_config, *args, **kwargs)
+        try:
+            model_info.learn_kv_groups(cap, kv_cache_config)
+        except Exception as exc:
+            state.errors.record("kv_groups", exc)
+        return out
+
+    initialize_kv_cache._attnprof = True  # type: ignore[attr-defined]
+    _patch(runner_cls, "initialize_kv_cache", initialize_kv_cache)
+
+
 WorkerMethods = Callable[[Capture, HostState], dict[str, Callable[..., Any]]]
 """Builds the ``attnprof_*`` methods vLLM's ``WorkerBase`` answers RPCs with (the host's)."""
 
@@ -126,6 +148,7 @@ def install(state: HostState, methods: WorkerMethods | None = None) -> Capture |
             _determine = cudagraph.determine_hook(cap, orig_det, cap.graphs, cap.args)
             _determine._attnprof = True  # type: ignore[attr-defined]
             _patch(GPUModelRunner, "_determine_batch_execution_and_padding", _determine)
+        _watch_kv_cache(cap, state, GPUModelRunner)
     except Exception as exc:
         state.errors.record("install", exc)
 

@@ -1,7 +1,8 @@
 """What a vLLM worker learns at model build, once: the model label, its parallel placement,
-the shared sampler seed and rate channel, and vLLM's verdict on every backend per layer shape.
+the shared sampler seed and rate channel, vLLM's verdict on every backend per layer shape, and
+(when vLLM allocates the KV cache) each layer's KV-cache group.
 
-Model build time only (inside vLLM's own config context); nothing here runs per step.
+Model build and KV-cache allocation time only; nothing here runs per step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from attnprof.aggregate.worker_snapshot import kernel_groups
 from attnprof.capture.vllm.args import report_key
 from attnprof.contracts.snapshot import KernelGroup
 
-__all__ = ["BackendReports", "learn_model", "sync_ranks"]
+__all__ = ["BackendReports", "learn_kv_groups", "learn_model", "sync_ranks"]
 
 
 class BackendReports:
@@ -108,6 +109,21 @@ def learn_model(cap: Any) -> None:
         sync_ranks(cap, getattr(vc, "instance_id", None), getattr(vc, "parallel_config", None))
     except Exception as exc:
         cap.errors.record("install", exc)
+
+
+def learn_kv_groups(cap: Any, kv_cache_config: Any) -> None:
+    """Each wrapped layer's vLLM KV-cache group (index, spec, window, block size, bytes per
+    token), from the runner's ``kv_cache_config`` as vLLM allocates the KV cache: the
+    kernel map keys on the group. A layer vLLM does not list keeps ``kv_group`` None."""
+    from attnprof.capture.vllm.args import kv_cache_groups
+
+    facts = kv_cache_groups(kv_cache_config)
+    for info in list(cap.aggs.layers.values()):
+        f = facts.get(info.name)
+        if f is None:
+            continue
+        info.kv_group, info.kv_spec = f.group, f.spec
+        info.kv_block_size, info.kv_bytes_per_token = f.block_size, f.bytes_per_token
 
 
 def sync_ranks(cap: Any, instance: Any, parallel_config: Any = None) -> None:
