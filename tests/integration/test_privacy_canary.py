@@ -573,6 +573,10 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         if settled(metrics) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    # the coverage families are on the scanned surfaces (per-bucket traffic counters on
+    # /metrics, the coverage section in the snapshot)
+    assert "attnprof_context_bucket_requests_total{" in metrics
+    assert '"context_buckets": {' in snap_hs and '"coverage": {' in snap_hs
     outputs["/metrics"] = metrics
     outputs["/attnprof/snapshot?head_stats=1"] = snap_hs
     outputs["/attnprof/snapshot"] = _get(base + "/attnprof/snapshot", TINY_API_KEY)[1]

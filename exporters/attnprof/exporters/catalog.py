@@ -173,7 +173,8 @@ HEAD_COVERAGE_RATIO = MetricSpec("attnprof_head_coverage_ratio", "gauge",
     "Low-quantile coverage C(sinks, window) of the worst KV head, per layer and "
     "grid window.", "ratio", (_M, "layer", "window"), "livemostrecent")
 HEAD_CLASS_HEADS = MetricSpec("attnprof_head_class_heads", "gauge",
-    "KV heads per class (sink, streaming, local, retrieval, near_uniform, unknown), "
+    "KV heads per class (sink, streaming, local, retrieval, near_uniform, unknown, "
+    "dynamic), "
     "per layer.", "heads", (_M, "layer", "class"), "livemostrecent")
 WINDOW_RECOMMENDED_TOKENS = MetricSpec("attnprof_window_recommended_tokens", "gauge",
     "Recommended sliding window for the observed traffic (0: keep full attention).",
@@ -195,6 +196,43 @@ WINDOW_EXACT_REQUEST_RATIO = MetricSpec("attnprof_window_exact_request_ratio", "
 WINDOW_HEADS_AT_RISK = MetricSpec("attnprof_window_heads_at_risk", "gauge",
     "KV heads whose coverage is below target at the recommended window.", "heads",
     (_M,), "livemostrecent")
+# --- coverage per context bucket (API server: stat logger counters, live view's table) ---
+CONTEXT_BUCKET_REQUESTS_TOTAL = MetricSpec("attnprof_context_bucket_requests_total", "counter",
+    "Finished requests by the head-statistics context bucket of their prompt (label bucket: "
+    "its lower edge in tokens; 0: prompts under ATTNPROF_HEAD_STATS_MIN_TOKENS).",
+    "requests", (_M, "bucket"))
+CONTEXT_BUCKET_KV_BLOCK_SECONDS_TOTAL = MetricSpec(
+    "attnprof_context_bucket_kv_block_seconds_total", "counter",
+    "Estimated KV block-seconds of finished requests by the context they held them at "
+    "(the prompt over its prefill time, the growing context over its decode time).",
+    "block_seconds", (_M, "bucket"))
+COVERAGE_FOLDED_REQUESTS = MetricSpec("attnprof_coverage_folded_requests", "gauge",
+    "Requests the head statistics folded, by phase and context bucket (against "
+    "attnprof_context_bucket_requests_total: the coverage).", "requests",
+    (_M, "phase", "bucket"), "livemostrecent")
+COVERAGE_QUERY_SHARE_RATIO = MetricSpec("attnprof_coverage_query_share_ratio", "gauge",
+    "Share of the traffic's query tokens in a phase and context bucket that the head "
+    "statistics' folded requests stand for (their sample's weights; token sums are not "
+    "exported: in a bucket of one request they are its length).", "ratio",
+    (_M, "phase", "bucket"), "livemostrecent")
+COVERAGE_TRAFFIC_SHARE_RATIO = MetricSpec("attnprof_coverage_traffic_share_ratio", "gauge",
+    "Share of the phase's query tokens in context buckets that have head statistics: what "
+    "the traffic-weighted (post-stratified) window advice stands on.", "ratio",
+    (_M, "phase"), "livemostrecent")
+WINDOW_NEED_MORE_TRAFFIC_TOKENS = MetricSpec("attnprof_window_need_more_traffic_tokens",
+    "gauge", "Set when a context bucket holding >= 10% of the KV block-seconds cannot decide "
+    "the window (its sampling error straddles the target): the advice windows nothing and "
+    "needs more traffic above this many tokens (absent otherwise).", "tokens", (_M,),
+    "livemostrecent")
+HEAD_DYNAMIC_KV_HEADS = MetricSpec("attnprof_head_dynamic_kv_heads", "gauge",
+    "KV heads whose class changes across time windows or context buckets (dynamic: kept "
+    "full, no window).", "heads", (_M,), "livemostrecent")
+HEAD_DYNAMIC_RATIO = MetricSpec("attnprof_head_dynamic_ratio", "gauge",
+    "Share of KV heads that are dynamic.", "ratio", (_M,), "livemostrecent")
+HEAD_CLASS_KAPPA = MetricSpec("attnprof_head_class_kappa", "gauge",
+    "Fleiss' kappa of a layer's KV-head classes across time windows and context buckets "
+    "(1: stable, 0: chance agreement; absent when undefined).", "ratio", (_M, "layer"),
+    "livemostrecent")
 # --- roofline (worker, ATTNPROF_PROBE=1: probed once after start-up) ---
 MEMORY_BANDWIDTH_PEAK_BYTES_PER_SECOND = MetricSpec(
     "attnprof_memory_bandwidth_peak_bytes_per_second", "gauge",
@@ -285,6 +323,15 @@ CATALOG: tuple[MetricSpec, ...] = (
     WINDOW_KV_MEMORY_SAVING_RATIO,
     WINDOW_EXACT_REQUEST_RATIO,
     WINDOW_HEADS_AT_RISK,
+    CONTEXT_BUCKET_REQUESTS_TOTAL,
+    CONTEXT_BUCKET_KV_BLOCK_SECONDS_TOTAL,
+    COVERAGE_FOLDED_REQUESTS,
+    COVERAGE_QUERY_SHARE_RATIO,
+    COVERAGE_TRAFFIC_SHARE_RATIO,
+    WINDOW_NEED_MORE_TRAFFIC_TOKENS,
+    HEAD_DYNAMIC_KV_HEADS,
+    HEAD_DYNAMIC_RATIO,
+    HEAD_CLASS_KAPPA,
     MEMORY_BANDWIDTH_PEAK_BYTES_PER_SECOND,
     MATMUL_PEAK_FLOPS_PER_SECOND,
     MEMORY_BANDWIDTH_SPEC_RATIO,

@@ -243,6 +243,49 @@ def advice_samples(model: str, adv: Mapping[str, Any]) -> list[MetricSample]:
     return out
 
 
+def context_bucket_samples(model: str, cb: Any) -> list[MetricSample]:
+    """Per-bucket traffic counters: requests and KV block-seconds (``cb``: a
+    :class:`~attnprof.contracts.snapshot.ContextBuckets`, or None)."""
+    if cb is None:
+        return []
+    out: list[MetricSample] = []
+    for i, lo in enumerate(cb.edges):
+        b = str(lo)
+        # counts and block-seconds only: a bucket's token sum is a lone request's length
+        out += [s(cat.CONTEXT_BUCKET_REQUESTS_TOTAL, cb.requests[i], model=model, bucket=b),
+                s(cat.CONTEXT_BUCKET_KV_BLOCK_SECONDS_TOTAL, cb.kv_block_seconds[i],
+                  model=model, bucket=b)]
+    return out
+
+
+def coverage_samples(model: str, cov: Mapping[str, Any] | None,
+                     adv: Mapping[str, Any] | None) -> list[MetricSample]:
+    """Coverage gauges from the snapshot's coverage section (``Coverage.to_json()``) and the
+    window advice's (``WindowAdvice.to_json()``; either may be None)."""
+    out: list[MetricSample] = []
+    for row in (cov or {}).get("buckets") or []:
+        lab = {"model": model, "phase": str(row["phase"]), "bucket": str(row["bucket"])}
+        out.append(s(cat.COVERAGE_FOLDED_REQUESTS, row["folded_requests"], **lab))
+        if row.get("query_share") is not None:
+            out.append(s(cat.COVERAGE_QUERY_SHARE_RATIO, row["query_share"], **lab))
+    for ph in (cov or {}).get("phases") or []:
+        if ph.get("traffic_query_share") is not None:
+            out.append(s(cat.COVERAGE_TRAFFIC_SHARE_RATIO, ph["traffic_query_share"],
+                         model=model, phase=str(ph["phase"])))
+    stab = (cov or {}).get("stability")
+    if stab:
+        out += [s(cat.HEAD_DYNAMIC_KV_HEADS, stab["dynamic_kv_heads"], model=model),
+                s(cat.HEAD_DYNAMIC_RATIO, stab["dynamic_share"], model=model)]
+        for lay in stab.get("layers") or []:
+            if lay.get("kappa") is not None:
+                out.append(s(cat.HEAD_CLASS_KAPPA, lay["kappa"], model=model,
+                             layer=str(lay["layer"])))
+    need = ((adv or {}).get("coverage") or {}).get("need_more_traffic_above")
+    if need is not None and "error" not in (adv or {}):
+        out.append(s(cat.WINDOW_NEED_MORE_TRAFFIC_TOKENS, need, model=model))
+    return out
+
+
 def roofline_samples(model: str, probe: Any, rl: Any) -> list[MetricSample]:
     """The probe's peaks and the roofline's headline ratios (``probe``: a
     :class:`attnprof.contracts.roofline.MemoryProbe`, ``rl``: a ``Roofline`` or None)."""

@@ -15,10 +15,10 @@ map, per-phase step totals, sampler and poll-cost counters, error and drop count
 request counts, p50/p90/p99 and mean (``/metrics`` has the quantile gauges and the histograms'
 sums and counts), the context-length histogram (the same buckets as
 ``attnprof_request_context_tokens``), KV-pressure aggregates and verdict, probe and roofline,
-the per-bucket request, token and KV block-second counts (``attnprof_context_bucket_*``) and
-the head statistics' coverage and head stability (``attnprof_coverage_*``,
-``attnprof_dynamic_kv_heads``, ``attnprof_head_class_kappa``): counts and shares, no lengths
-finer than the buckets' sums that ``/metrics`` counts too.
+the per-bucket request and KV block-second counts (``attnprof_context_bucket_*``) and the
+head statistics' coverage and head stability (``attnprof_coverage_*``,
+``attnprof_head_dynamic_*``, ``attnprof_head_class_kappa``): counts and shares. Withheld: the
+per-bucket token sums (traffic's and folded), a lone request's exact length.
 
 Withheld: the exact context lengths (the quantile sketch, which holds every finished
 request's length while fewer than 2048 have finished, and each quantity's ``max``); per-layer
@@ -72,14 +72,20 @@ _WORKER = {
 }
 _REQUESTS = {
     **{k: True for k in ("requests", "max_model_len", "kv_cache_usage", "context_histogram",
-                         "kv_pressure", "context_buckets")},
+                         "kv_pressure")},
+    "context_buckets": {k: True for k in ("edges", "min_tokens", "requests",
+                                          "kv_block_seconds")},
     **{k: _QUANTILES for k in ("context_tokens", "prompt_tokens", "generation_tokens")},
 }
 
 PUBLIC: dict[str, Rule] = {
     **{k: True for k in ("schema_version", "time", "model", "enabled", "processes",
-                         "roles_here", "age_s", "truncated", "kv_pressure", "roofline",
-                         "coverage")},
+                         "roles_here", "age_s", "truncated", "kv_pressure", "roofline")},
+    "coverage": {"min_tokens": True, "phases": True, "stability": True,
+                 "buckets": ({k: True for k in ("phase", "bucket", "hi", "traffic_requests",
+                                                "kv_share", "folded_requests",
+                                                "sampled_queries", "request_share", "weight",
+                                                "query_share")},)},
     "workers": (_WORKER,),
     "requests": _REQUESTS,
     "errors": {"api_server": True, "collective_rpc": error_kind},
@@ -91,18 +97,15 @@ WITHHELD: dict[str, tuple[str, ...]] = {
     "WorkerSnapshot": ("head_stats",),
     "PhaseStats": ("mean_batch_requests", "mean_seq_len", "max_seq_len", "recent_time_s"),
     "QuantileSummary": ("max", "sketch"),
+    "ContextBuckets": ("prompt_tokens", "decode_tokens"),
+    "CoverageBucket": ("traffic_queries", "folded_queries"),
 }
 """Fields left out on purpose, by contract class (``restricted`` and ``window_advice`` are
 set anew by :func:`public_snapshot`)."""
 
 
 KEPT_WHOLE: dict[str, tuple[str, ...]] = {
-    "ContextBuckets": ("edges", "min_tokens", "requests", "prompt_tokens", "decode_tokens",
-        "kv_block_seconds"),
     "ContextHistogram": ("bounds", "counts"),
-    "Coverage": ("min_tokens", "buckets", "phases", "stability"),
-    "CoverageBucket": ("phase", "bucket", "hi", "traffic_requests", "traffic_queries", "kv_share",
-        "folded_requests", "folded_queries", "sampled_queries", "request_share", "weight"),
     "HeadStability": ("views", "kv_heads", "dynamic_kv_heads", "dynamic_share", "layers"),
     "LayerAgreement": ("layer", "kappa", "agreement", "rated_kv_heads", "dynamic_kv_heads"),
     "HeadStatsCost": ("steps", "requests", "queries", "time_s", "prefill_time_s",

@@ -8,10 +8,12 @@ coverage per grid window, head classes) and per model (recommended window, savin
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
+from attnprof.contracts.snapshot import Coverage
 from attnprof.facts.shape import AttentionShape
 
 if TYPE_CHECKING:
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 __all__ = [
     "advise",
     "advise_snapshot",
+    "advise_strata",
+    "coverage_for",
     "recommend_from_snapshot",
     "summarize",
 ]
@@ -73,6 +77,51 @@ def advise(requests: Any, acc: Any, model_path: str | None) -> WindowAdvice | Ad
     except InputError as err:
         return AdviceUnavailable(str(err))
     return summarize(rec, acc)
+
+
+def coverage_for(requests: Any, strata: Any, epochs: Sequence[Any] = ()) -> Coverage | None:
+    """The snapshot's coverage table with head stability, without the model's shape: what
+    a server with no local checkpoint still shows. ``strata``: a ``HeadStatsStrata`` (or
+    None); ``requests``: a ``RequestStats`` (or None)."""
+    from attnprof.analyze.sparsity.coverage import coverage_table, post_stratify
+    from attnprof.analyze.sparsity.stability import stability, stability_views
+
+    items = dict(strata.items()) if strata is not None else {}
+    buckets = getattr(requests, "context_buckets", None)
+    cov = coverage_table(items, buckets, {p: post_stratify(items, buckets, p)
+                                          for p in ("prefill", "decode")})
+    if cov is not None:
+        st = stability(stability_views(items, epochs))
+        cov.stability = None if st is None else st.record
+    return cov
+
+
+def advise_strata(requests: Any, strata: Any, model_path: str | None,
+                  epochs: Sequence[Any] = ()
+                  ) -> tuple[WindowAdvice | AdviceUnavailable, Coverage | None]:
+    """The live server's window advice over stratified statistics (post-stratified to the
+    request statistics' context buckets, dynamic heads kept full, "need more traffic" when
+    a heavy bucket cannot decide) and the snapshot's coverage section. ``strata``: the
+    merged ``HeadStatsStrata`` (or None), ``epochs``: the epoch ring's accumulators."""
+    from attnprof.analyze.sparsity.inputs import InputError, from_sketch
+    from attnprof.analyze.sparsity.strata_advice import recommend_strata
+
+    items = dict(strata.items()) if strata is not None else {}
+    sketch = getattr(getattr(requests, "context_tokens", None), "sketch", None)
+    if (not model_path or not (Path(model_path) / "config.json").is_file()
+            or not isinstance(sketch, dict) or not items):
+        adv = advise(requests, None if strata is None else strata.total("prefill"), model_path)
+        return adv, coverage_for(requests, strata, epochs)
+    try:
+        out = recommend_strata(from_sketch(sketch, "snapshot"), _shape(str(model_path)), items,
+                               getattr(requests, "context_buckets", None), epochs=epochs)
+    except InputError as err:
+        return AdviceUnavailable(str(err)), coverage_for(requests, strata, epochs)
+    acc = out.corrected.acc
+    adv = summarize(out.recommendation, acc)
+    adv.head_stats_requests = sum(int(a.requests.max(initial=0)) for (ph, _), a in items.items()
+                                  if ph == "prefill")
+    return adv, out.coverage
 
 
 def advise_snapshot(snap: dict[str, Any], model_path: str | None

@@ -26,7 +26,8 @@ gives anyone, which holds only what ``/metrics`` shows, and says how to read the
 and ``coverage`` (what the head statistics folded per phase and bucket against the traffic,
 and the heads whose class changes across time windows and buckets), and each
 ``KernelGroup``'s vLLM KV-cache group (``kv_group``, ``kv_spec``, ``sliding_window``,
-``kv_block_size``, ``kv_bytes_per_token``).
+``kv_block_size``, ``kv_bytes_per_token``), each layer's ``kv_group``, and the sampled steps
+by CUDA graph mode (``SamplerStats.graph_modes``, ``graph_steered``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class LayerFacts(Record):
     attn_type: str = "decoder"
     """vLLM's attention type: decoder, encoder, encoder_only, encoder_decoder (cross); added
     in snapshot 1.3."""
+    kv_group: int | None = None
+    """vLLM's KV-cache group of the layer (index in ``kv_cache_config.kv_cache_groups``);
+    None before the KV cache exists or outside vLLM (added in 1.9)."""
 
 
 @dataclass
@@ -187,6 +191,13 @@ class SamplerStats(Record):
     """Digest of every sampled step index: ranks that decided alike show the same (1.7)."""
     rate_changes: list[list[float]] = field(default_factory=list)
     """The last changes of the budget's scale: ``[step index, scale]`` (1.7)."""
+    graph_modes: dict[str, int] = field(default_factory=dict)
+    """Sampled steps on a runner that can replay full CUDA graphs, by the graph mode they
+    ran in: ``PIECEWISE`` or ``NONE`` (attention seen), ``FULL`` (blind: vLLM allowed no
+    other mode) (1.9)."""
+    graph_steered: int = 0
+    """Of those, the steps vLLM would have replayed as a full graph, moved off it so that
+    attention runs outside the graph (1.9)."""
 
 
 @dataclass
@@ -380,15 +391,16 @@ class ContextBuckets(Record):
     min_tokens: int
     requests: list[int]
     """Finished requests by prompt length."""
-    prompt_tokens: list[int]
-    """Prompt tokens (prefill queries) by prompt length."""
-    decode_tokens: list[int]
-    """Decode queries by the context each one sees (a request's generation split exactly
-    across the buckets it passes through)."""
     kv_block_seconds: list[float]
     """Estimated KV block-seconds by context (:func:`attnprof.aggregate.requests.
     bucket_block_seconds`: the prompt over its prefill time, the growing context over the
     decode time)."""
+    prompt_tokens: list[int] | None = None
+    """Prompt tokens (prefill queries) by prompt length (withheld without a key: a bucket's
+    sum is a lone request's length)."""
+    decode_tokens: list[int] | None = None
+    """Decode queries by the context each one sees (a request's generation split exactly
+    across the buckets it passes through; withheld without a key)."""
 
 
 @dataclass
@@ -402,13 +414,9 @@ class CoverageBucket(Record):
     hi: int | None
     """Its upper edge (exclusive; null: open)."""
     traffic_requests: int
-    traffic_queries: int
-    """Query tokens the traffic had here: prompt tokens (prefill) or decode queries."""
     kv_share: float | None
     """Share of the traffic's KV block-seconds in this bucket (null: no times yet)."""
     folded_requests: int
-    folded_queries: float
-    """Query tokens the folded requests stand for (sum of the sample's weights)."""
     sampled_queries: int
     """Queries whose softmax rows were recomputed (raw count)."""
     request_share: float | None
@@ -416,6 +424,15 @@ class CoverageBucket(Record):
     weight: float | None
     """Post-stratification factor applied to this stratum (traffic share / sampled share;
     null: not part of the corrected statistics)."""
+    query_share: float | None = None
+    """folded / traffic query tokens, at most 1 (null: no traffic here). The one token
+    figure shown without a key: the two sums are a lone request's length."""
+    traffic_queries: int | None = None
+    """Query tokens the traffic had here: prompt tokens (prefill) or decode queries
+    (withheld without a key)."""
+    folded_queries: float | None = None
+    """Query tokens the folded requests stand for (sum of the sample's weights; withheld
+    without a key)."""
 
 
 @dataclass

@@ -67,9 +67,9 @@ def acc_for(layers: int, heads: int) -> HeadStatsAccumulator:
 
 def traffic(edges: list[int], prompt: list[int], kv: list[float], requests: list[int] | None = None
             ) -> ContextBuckets:
-    return ContextBuckets(edges=edges, min_tokens=edges[1], requests=requests or [1] * len(edges),
-                          prompt_tokens=prompt, decode_tokens=[0] * len(edges),
-                          kv_block_seconds=kv)
+    return ContextBuckets(edges=edges, min_tokens=edges[1],
+                          requests=requests or [1] * len(edges), prompt_tokens=prompt,
+                          decode_tokens=[0] * len(edges), kv_block_seconds=kv)
 
 
 # ---------------------------------------------------------------- scaled()

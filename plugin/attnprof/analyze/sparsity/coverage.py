@@ -85,7 +85,8 @@ def traffic_queries(buckets: ContextBuckets, phase: str, lo: int) -> int:
     i = _index(buckets, lo)
     if i is None:
         return 0
-    return int((buckets.prompt_tokens if phase == "prefill" else buckets.decode_tokens)[i])
+    tokens = buckets.prompt_tokens if phase == "prefill" else buckets.decode_tokens
+    return int(tokens[i]) if tokens is not None else 0
 
 
 def folded_requests(acc: HeadStatsAccumulator) -> int:
@@ -125,8 +126,12 @@ def post_stratify(strata: Strata, buckets: ContextBuckets | None,
     """Merge ``phase``'s strata weighted to the traffic's query tokens per bucket.
 
     Strata without traffic in their bucket get weight 0 (left out); buckets with traffic
-    and no statistics are what ``traffic_share`` leaves out. Without traffic counts (an
-    older snapshot) the strata are merged as sampled and ``corrected`` is False."""
+    and no statistics are what ``traffic_share`` leaves out. Without traffic token counts (an
+    older snapshot, or one read without a key) the strata are merged as sampled and
+    ``corrected`` is False."""
+    if buckets is not None and (buckets.prompt_tokens if phase == "prefill"
+                                else buckets.decode_tokens) is None:
+        buckets = None  # token counts withheld (a keyless snapshot): merge as sampled
     mine = sorted(((lo, a) for (ph, lo), a in strata.items()
                    if ph == phase and folded_queries(a) > 0), key=lambda x: x[0])
     if not mine:
@@ -139,7 +144,8 @@ def post_stratify(strata: Strata, buckets: ContextBuckets | None,
     t = {lo: traffic_queries(buckets, phase, lo) for lo, _ in mine}
     s = {lo: folded_queries(a) for lo, a in mine}
     both = [(lo, a) for lo, a in mine if t[lo] > 0]
-    t_all = float(sum(buckets.prompt_tokens if phase == "prefill" else buckets.decode_tokens))
+    t_all = float(sum((buckets.prompt_tokens if phase == "prefill" else buckets.decode_tokens)
+                      or ()))
     if not both:
         return Corrected(phase, None, {}, 0.0, True)
     t_cov = float(sum(t[lo] for lo, _ in both))
@@ -166,7 +172,7 @@ def coverage_table(strata: Strata, buckets: ContextBuckets | None,
     for phase in PHASES:
         los = set(edges) | {lo for (ph, lo) in strata if ph == phase}
         if phase == "decode" and not any(ph == "decode" for ph, _ in strata) and (
-                buckets is None or not any(buckets.decode_tokens)):
+                buckets is None or not any(buckets.decode_tokens or ())):
             continue
         fold_r = traffic_r = 0
         for lo in sorted(los):
@@ -185,7 +191,9 @@ def coverage_table(strata: Strata, buckets: ContextBuckets | None,
                 folded_queries=round(folded_queries(acc), 1) if acc is not None else 0.0,
                 sampled_queries=int(acc.queries.max(initial=0)) if acc is not None else 0,
                 request_share=_r(f_req / t_req) if t_req > 0 and phase == "prefill" else None,
-                weight=None if w is None else _r(w)))
+                weight=None if w is None else _r(w),
+                query_share=_r(min(1.0, folded_queries(acc) / t_q))
+                if acc is not None and t_q > 0 else (0.0 if t_q > 0 else None)))
             fold_r += f_req
             traffic_r += t_req
         c = corrected.get(phase)

@@ -126,9 +126,15 @@ def stability_views(strata: Mapping[tuple[str, int], HeadStatsAccumulator],
                     ) -> dict[str, HeadStatsAccumulator]:
     """The views :func:`stability` compares: each epoch (disjoint time windows, oldest
     first) and each stratum of ``phases`` (context buckets; decode beside prefill says
-    whether generation attends like the prompt)."""
-    out: dict[str, HeadStatsAccumulator] = {f"epoch:{i}": a for i, a in enumerate(epochs)}
-    for (phase, lo), a in sorted(strata.items()):
+    whether generation attends like the prompt). Epochs of another shape than the strata
+    (a model whose later pipeline stages reported late) are left out."""
+    shapes = {(a.num_layers, a.num_kv_heads, a.group_size) for a in strata.values()}
+    out: dict[str, HeadStatsAccumulator] = {
+        f"epoch:{i}": a for i, a in enumerate(epochs)
+        if not shapes or (a.num_layers, a.num_kv_heads, a.group_size) in shapes}
+    for (phase, lo), a in sorted(strata.items(), key=lambda kv: (phases.index(kv[0][0])
+                                                                 if kv[0][0] in phases else 9,
+                                                                 kv[0][1])):
         if phase in phases:
             out[f"{phase}:{lo}"] = a
     return out

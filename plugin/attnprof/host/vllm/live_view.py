@@ -26,7 +26,7 @@ from attnprof.capture.vllm.rank_sync import carried_rates
 from attnprof.config import Config
 from attnprof.contracts.advice import AdviceUnavailable, WindowAdvice
 from attnprof.contracts.jsonsafe import dumps
-from attnprof.contracts.snapshot import Snapshot, SnapshotErrors, WorkerSnapshot
+from attnprof.contracts.snapshot import Coverage, Snapshot, SnapshotErrors, WorkerSnapshot
 from attnprof.host.vllm import runtime
 from attnprof.host.vllm.rpc import rpc_all
 
@@ -56,6 +56,11 @@ class LiveView:
         self.keeps_head_stats = not isinstance(index, int) or index == 0
         self.workers: list[WorkerSnapshot] = []
         self.head_stats: Any = None  # global HeadStatsStrata
+        from attnprof.aggregate.head_epochs import EpochRing
+
+        # disjoint time windows of the prefill statistics, for head stability (bounded)
+        self.epochs = EpochRing()
+        self.coverage: Coverage | None = None
         self.advice: WindowAdvice | AdviceUnavailable | None = None
         self.rpc_error: str | None = None
         self.refreshed_at = 0.0  # monotonic time of the last completed refresh
@@ -267,6 +272,7 @@ class LiveView:
                                            answer.get("total_kv_heads"),
                                            answer.get("total_layers"))
         add_rank_delta(acc, part, rank)
+        self.epochs.add(part, rank, answer.get("total_kv_heads"), answer.get("total_layers"))
 
     async def _advise(self) -> None:
         st = runtime.STATE
@@ -280,15 +286,17 @@ class LiveView:
                 self.advice = AdviceUnavailable("window advice disabled after internal errors "
                                                 "(attnprof_capture_disabled{place=\"advice\"})")
                 return
-            from attnprof.analyze.window_advice import advise
+            from attnprof.analyze.window_advice import advise_strata
 
             requests = st.requests.summary() if st.requests is not None else None
-            hs = self.head_stats  # strata: the advice reads the prompts' statistics
-            adv = await asyncio.to_thread(
-                lambda: advise(requests, None if hs is None else hs.total("prefill"),
-                               st.model_path))
+            hs = self.head_stats  # strata: post-stratified to the requests' context buckets
+            self.epochs.rotate()
+            epochs = self.epochs.epochs()
+            adv, cov = await asyncio.to_thread(
+                lambda: advise_strata(requests, hs, st.model_path, epochs))
             st.advice = adv.to_json()  # the export loop renders it as gauges
-            self.advice = adv
+            st.coverage = None if cov is None else cov.to_json()
+            self.advice, self.coverage = adv, cov
         except Exception as exc:
             st.errors.record("window_advice", exc)
             self.advice = AdviceUnavailable(f"{type(exc).__name__}: {exc}")
@@ -346,7 +354,7 @@ class LiveView:
             requests=st.requests.summary() if st.requests is not None else None,
             errors=SnapshotErrors(api_server=st.errors.view()[0],
                                   collective_rpc=timed_out or self.rpc_error),
-            window_advice=self.advice, age_s=round(age, 3),
+            window_advice=self.advice, coverage=self.coverage, age_s=round(age, 3),
             provenance=_provenance(st.model_label, st.model_path))
         try:  # ATTNPROF_PROBE: each phase against the probed peaks (None without a probe)
             from attnprof.analyze.roofline import from_snapshot

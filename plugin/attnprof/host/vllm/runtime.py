@@ -43,6 +43,7 @@ class State:
     otlp: Any = None  # attnprof.exporters.otlp.OtlpConfig when an OTLP endpoint is set
     requests: Any = None  # aggregate.requests.RequestAggregates in the API server
     advice: dict[str, Any] | None = None  # latest window advice (API server)
+    coverage: dict[str, Any] | None = None  # latest coverage section (API server)
     model_label: str = "unknown"
     model_path: str | None = None
     probe: Any = None  # contracts.roofline.MemoryProbe once the start-up probe ran (a worker)

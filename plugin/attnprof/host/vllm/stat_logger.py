@@ -31,7 +31,13 @@ logger = logging.getLogger("attnprof")
 def request_samples() -> list[Any]:
     """The API server's sample source: request statistics and the latest window advice."""
     from attnprof.analyze.kv_pressure import VERDICTS, assess, head_bytes
-    from attnprof.exporters.samples import advice_samples, kv_samples, request_samples
+    from attnprof.exporters.samples import (
+        advice_samples,
+        context_bucket_samples,
+        coverage_samples,
+        kv_samples,
+        request_samples,
+    )
 
     st = runtime.STATE
     out = request_samples(st.model_label, st.requests) if st.requests is not None else []
@@ -43,6 +49,9 @@ def request_samples() -> list[Any]:
         out += kv_samples(st.model_label, kv, a, held, VERDICTS)
     if st.advice is not None:
         out += advice_samples(st.model_label, st.advice)
+    if summ is not None:
+        out += context_bucket_samples(st.model_label, summ.context_buckets)
+    out += coverage_samples(st.model_label, st.coverage, st.advice)
     return out
 
 
