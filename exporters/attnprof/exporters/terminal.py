@@ -7,7 +7,7 @@ from typing import Any
 
 from attnprof.facts.layers import ranges_text
 
-__all__ = ["render_kv", "render_snapshot", "table"]
+__all__ = ["render_coverage", "render_kv", "render_snapshot", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -110,10 +110,57 @@ def render_snapshot(snap: dict[str, Any]) -> str:
                           for n, d in (("context", c), ("prompt", p), ("generated", g))]))
         # No "usage (last)" line: the last gauge value reads 0% once the server is idle and
         # disagrees with the report's p95/peak; render_kv prints those from the aggregate.
+    cov = render_coverage(snap)
+    if cov:
+        out += ["", cov]
     kv = render_kv(snap)
     if kv:
         out += ["", kv]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _span(lo: int, hi: int | None) -> str:
+    return f"{lo}+" if hi is None else f"{lo}-{hi - 1}"
+
+
+def render_coverage(snap: dict[str, Any]) -> str:
+    """The snapshot's coverage section (``coverage``): per phase and context bucket, the
+    requests the head statistics folded against the traffic's, the share of the bucket's
+    query tokens they stand for, the bucket's KV share and post-stratification weight; what
+    each phase's corrected statistics stand on; the dynamic heads. Empty without it."""
+    cov = snap.get("coverage")
+    if not cov:
+        return ""
+    out = [f"Head-statistics coverage by context bucket (bucket 0: prompts under "
+           f"{cov.get('min_tokens')} tokens; weight: traffic share / sampled share):"]
+    rows = []
+    for r in cov.get("buckets") or []:
+        if not (r.get("traffic_requests") or r.get("folded_requests")
+                or r.get("traffic_queries")):
+            continue  # a bucket nothing reached
+        rows.append([r["phase"], _span(r["bucket"], r.get("hi")),
+                     f"{r['folded_requests']}/{r['traffic_requests']}",
+                     _pct(r.get("query_share")), _pct(r.get("kv_share")),
+                     "-" if r.get("weight") is None else f"{r['weight']:.3g}"])
+    out.append(table(["phase", "tokens", "folded/requests", "query share", "KV share",
+                      "weight"], rows))
+    for ph in cov.get("phases") or []:
+        share = ph.get("traffic_query_share")
+        out.append(f"  {ph['phase']}: statistics of {ph['folded_requests']} requests stand on "
+                   + ("an unknown share of the traffic (no per-bucket counts)" if share is None
+                      else f"{share:.0%} of the traffic's query tokens"))
+    st = cov.get("stability")
+    if st:
+        kappas = [(x["kappa"], x["layer"]) for x in st.get("layers") or []
+                  if x.get("kappa") is not None]
+        line = (f"Head stability over {len(st['views'])} views ({', '.join(st['views'][:6])}"
+                f"{', ...' if len(st['views']) > 6 else ''}): {st['dynamic_kv_heads']} of "
+                f"{st['kv_heads']} KV heads dynamic ({st['dynamic_share']:.1%}), kept full")
+        if kappas:
+            k, layer = min(kappas)
+            line += f"; lowest kappa {k:.2f} (layer {layer})"
+        out.append(line)
+    return "\n".join(out)
 
 
 def render_kv(snap: dict[str, Any]) -> str:

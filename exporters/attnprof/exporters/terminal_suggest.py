@@ -73,6 +73,26 @@ def render(out: dict[str, Any]) -> str:
                      f"{ds['attention_flop_share']:.1%} of attention FLOPs"
                      + (f", expected saving {ds['expected_attention_flop_saving']:.1%}"
                         if ds.get("expected_attention_flop_saving") is not None else ""))
+    cov = out.get("coverage")
+    if cov:
+        lines.append(f"coverage: statistics of {cov['folded_requests']} requests"
+                     + (f" of {cov['traffic_requests']}" if cov.get("traffic_requests")
+                        is not None else "")
+                     + (f", {cov['traffic_share']:.0%} of prompt tokens represented"
+                        if cov.get("traffic_share") is not None else "")
+                     + ("; weighted to the traffic's context buckets" if cov.get("corrected")
+                        else "; as sampled (no per-bucket traffic counts)"))
+        for u in cov.get("under_covered") or []:
+            span = f"{u['bucket']}+" if u.get("hi") is None else f"{u['bucket']}-{u['hi'] - 1}"
+            lines.append(f"  too little coverage at {span} tokens ({u['kv_share']:.0%} of KV "
+                         f"block-seconds): {u['undecided_kv_heads']} KV heads undecided, "
+                         f"{u['unmeasured_kv_heads']} unmeasured"
+                         + (f", n_eff >= {u['min_n_eff']:g}" if u.get("min_n_eff") is not None
+                            else ""))
+        if cov.get("dynamic_kv_heads") is not None:
+            lines.append(f"  dynamic KV heads (class changes across epochs and buckets, kept "
+                         f"full): {cov['dynamic_kv_heads']} of {cov['kv_heads']} "
+                         f"({cov['dynamic_share']:.1%})")
     for a in out.get("advice") or []:
         lines.append(f"advice: {a}")
     nw = out.get("native_windows")

@@ -36,16 +36,28 @@ def _shape(model_path: str) -> AttentionShape:
 
 def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
                             ) -> tuple[Recommendation, Any]:
-    """Full recommendation and the merged head statistics for a snapshot's traffic.
+    """Full recommendation and the head statistics it stands on, for a snapshot's traffic:
+    with strata, post-stratified to the snapshot's per-bucket request counts, dynamic heads
+    kept full and the need-more-traffic rule (:func:`.sparsity.strata_advice.
+    recommend_strata`; the statistics returned are the corrected ones), else the plain merge.
 
     Raises ``InputError`` when the snapshot has no finished requests yet.
     """
-    from attnprof.analyze.sparsity.inputs import from_snapshot, head_stats_from_snapshot
-    from attnprof.analyze.sparsity.recommend import recommend
+    from attnprof.analyze.sparsity.inputs import from_snapshot, strata_from_snapshot
+    from attnprof.analyze.sparsity.strata_advice import recommend_strata
+    from attnprof.contracts.snapshot import ContextBuckets
 
     dist = from_snapshot(snap)
-    acc = head_stats_from_snapshot(snap)
-    return recommend(dist, _shape(str(model_path)), acc), acc
+    strata = strata_from_snapshot(snap)
+    raw = ((snap.get("requests") or {}).get("context_buckets")
+           if isinstance(snap.get("requests"), dict) else None)
+    try:
+        buckets = ContextBuckets.from_json(raw) if raw else None
+    except ValueError:
+        buckets = None
+    out = recommend_strata(dist, _shape(str(model_path)),
+                           dict(strata.items()) if strata is not None else {}, buckets)
+    return out.recommendation, out.corrected.acc
 
 
 def summarize(rec: Recommendation, acc: Any, replay: dict[str, Any] | None = None

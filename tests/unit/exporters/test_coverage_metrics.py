@@ -77,3 +77,41 @@ def test_coverage_without_a_model_checkpoint() -> None:
     assert rows[("prefill", 256)].traffic_requests == 1
     assert rows[("prefill", 1024)].folded_requests == 1
     assert rows[("prefill", 1024)].traffic_requests == 0
+
+
+def test_a_snapshot_carries_coverage_to_the_advice_and_the_terminal(tmp_path: Any) -> None:
+    """Through JSON as a live server writes it: the request statistics with their per-bucket
+    counts, the strata's own wire format, the coverage section; the advice read back from it
+    is the stratified one (need more traffic), and the terminal prints the table."""
+    import json
+
+    from attnprof.analyze.window_advice import recommend_from_snapshot
+    from attnprof.contracts.snapshot import Snapshot
+    from attnprof.exporters.terminal import render_snapshot
+    from attnprof.exporters.terminal_suggest import render
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "head_dim": D, "hidden_size": D, "torch_dtype": "float32"}))
+    agg = RequestAggregates(4096, min_tokens=256)
+    for _ in range(10):
+        agg.observe(300, 1, 1.0, 0.0)
+        agg.observe(1200, 1, 1.0, 0.0)
+    strata = HeadStatsStrata(next(iter(sink_strata(10).values())))
+    for (phase, lo), acc in sink_strata(10).items():
+        strata.get(phase, lo).merge(acc)
+    cov = coverage_for(agg.summary(), strata)
+    snap = Snapshot(time=0.0, model="m", enabled=True, requests=agg.summary(),
+                    coverage=cov).to_json()
+    snap["head_stats"] = strata.to_dict()
+    snap = json.loads(json.dumps(snap))
+    rec, acc = recommend_from_snapshot(snap, tmp_path)
+    assert rec.coverage is not None and rec.coverage.need_more_traffic_above == 1024
+    assert rec.best.layers == () and acc is not None and rec.coverage.corrected
+    text = render(rec.to_json())
+    assert "too little coverage at 1024-2047 tokens" in text
+    assert "suggestion: none yet, need more traffic at > 1024 tokens" in text
+    shown = render_snapshot(snap)
+    assert "Head-statistics coverage by context bucket" in shown
+    row = next(line for line in shown.splitlines() if line.startswith("prefill  1024-2047"))
+    assert row.split()[2] == "1/10"  # folded/requests

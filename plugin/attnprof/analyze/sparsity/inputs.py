@@ -29,6 +29,7 @@ __all__ = [
     "head_stats_from_snapshot",
     "parse_lengths_text",
     "read_lengths_file",
+    "strata_from_snapshot",
 ]
 
 PROMETHEUS_QUERY = "sum by (le) ({metric}_bucket{selector})"
@@ -124,6 +125,31 @@ def head_stats_from_snapshot(snap: Mapping[str, Any]) -> Any:
         else:
             acc.merge(one)
     return acc
+
+
+def strata_from_snapshot(snap: Mapping[str, Any]) -> Any:
+    """Every stratum of the head statistics of a snapshot (top level or per worker, merged),
+    as a ``HeadStatsStrata``, or None (data of a version before strata is the one stratum
+    ("prefill", 0))."""
+    from attnprof.aggregate.head_strata import HeadStatsStrata
+
+    found: list[Mapping[str, Any]] = []
+    if isinstance(snap.get("head_stats"), Mapping):
+        found.append(snap["head_stats"])
+    for w in snap.get("workers") or []:
+        if isinstance(w, Mapping) and isinstance(w.get("head_stats"), Mapping):
+            found.append(w["head_stats"])
+    out = None
+    for d in found:
+        try:
+            one = HeadStatsStrata.load(d)
+        except (KeyError, TypeError, ValueError):
+            continue
+        if out is None:
+            out = one
+        else:
+            out.merge(one)
+    return out
 
 
 def from_prometheus_response(obj: Any, source: str = "prometheus") -> LengthDistribution:
