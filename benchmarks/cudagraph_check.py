@@ -49,7 +49,6 @@ def main():
     llm = LLM(model=model, max_model_len=512, max_num_seqs=batch, seed=0,
               skip_tokenizer_init=True, **kw)
     import attnprof
-    from attnprof.host.vllm.runtime import STATE
 
     cc = llm.llm_engine.vllm_config.compilation_config
     prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 1 for j in range(24)]}
@@ -62,13 +61,10 @@ def main():
         return time.perf_counter() - t
 
     attnprof.set_sampling(0.0, llm=llm)
-    gen(4)  # warm-up
-    cap = STATE.capture
-    g0 = dict(cap.graphs.modes)
+    gen(4)  # warm-up, nothing sampled
     attnprof.set_sampling(rate, llm=llm)
     gen(decode)
     (snap,) = llm.collective_rpc("attnprof_snapshot")
-    g1 = dict(cap.graphs.modes)
     times = {"unsampled": [], "sampled": []}
     for _ in range(reps):
         for arm, r in (("unsampled", 0.0), ("sampled", 1.0)):
@@ -80,9 +76,9 @@ def main():
         "sampler": snap["sampler"],
         "decode_calls": [((lay.get("phases") or {}).get("decode") or {}).get("calls", 0)
                          for lay in snap["layers"]],
-        "graph_modes": {k: v - g0.get(k, 0) for k, v in g1.items()},
-        "steered": cap.graphs.steered,
-        "dropped": dict(cap.errors.dropped), "errors": dict(cap.errors.by_place),
+        "graph_modes": snap["sampler"].get("graph_modes", {}),
+        "steered": snap["sampler"].get("graph_steered", 0),
+        "dropped": snap.get("dropped") or {}, "errors": snap.get("errors") or {},
         "times": times, "batch": batch, "decode_tokens": decode}))
 
 

@@ -70,6 +70,9 @@ def test_kernel_map_shows_both_kv_cache_groups(mixed_model: Path) -> None:
     assert {tuple(w[1]) for w in want} == {tuple(sliding), tuple(full)}
     assert {w[3] for w in want} == {"SlidingWindowSpec", "FullAttentionSpec"}
     assert all(g["backend"] == "CPU_ATTN" and g["kv_block_size"] for g in snap["kernel_map"])
-    # the layers' own windows, as their profiles report them
-    assert [lay["sliding_window"] for lay in sorted(snap["layers"], key=lambda x: x["index"])
-            ] == [WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES]
+    # the layers' own windows and groups, as their profiles report them
+    layers = sorted(snap["layers"], key=lambda x: x["index"])
+    assert [lay["sliding_window"] for lay in layers] == [
+        WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES]
+    group_of = {i: gi for gi, ids, *_ in want for i in ids}
+    assert [lay["kv_group"] for lay in layers] == [group_of[i] for i in range(len(layers))]

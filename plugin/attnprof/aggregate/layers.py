@@ -63,8 +63,6 @@ class LayerInfo(LayerFacts):
     and ``kv_cache_bytes`` are filled in on the first sampled call, the KV-cache group's
     facts when vLLM allocates the KV cache."""
 
-    kv_group: int | None = None
-    """vLLM's KV-cache group index (layers sharing a block table and spec); None: unknown."""
     kv_spec: str | None = None
     """The group's spec class name (``FullAttentionSpec``, ``SlidingWindowSpec``, ...)."""
     kv_block_size: int = 0

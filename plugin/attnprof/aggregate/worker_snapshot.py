@@ -36,11 +36,12 @@ SLOW_FIELDS = ("layers", "kernel_map", "steps", "probe")
 
 
 def sampler_stats(sampler: StepSampler, outcomes: Mapping[str, int], seen: int,
-                  in_flight: int) -> SamplerStats:
+                  in_flight: int, graphs: Any = None) -> SamplerStats:
     """The sampler's counters. ``seen``: steps the hook saw; ``in_flight``: sampled steps
     not recorded yet (GPU steps waiting for their events, the step running now): they are
     not unsampled, and counting them so would overshoot an exported counter that cannot
-    come back down."""
+    come back down. ``graphs``: sampled steps by CUDA graph mode (``modes``, ``steered``:
+    capture's ``GraphSteer``)."""
     s = sampler
     o = outcomes
     return SamplerStats(
@@ -51,7 +52,9 @@ def sampler_stats(sampler: StepSampler, outcomes: Mapping[str, int], seen: int,
         self_time_fraction=s.self_time_fraction(), throttles=s.throttles,
         step_index=s.step + 1, sync=s.sync_role, late_changes=s.late_changes,
         unsynced=getattr(s.sync, "unread", 0), decisions_digest=s.decisions_digest,
-        rate_changes=[[st, sc] for st, sc in s.rate_changes])
+        rate_changes=[[st, sc] for st, sc in s.rate_changes],
+        graph_modes=dict(graphs.modes) if graphs is not None else {},
+        graph_steered=int(graphs.steered) if graphs is not None else 0)
 
 
 def kernel_groups(layers: Iterable[LayerInfo], report_key: Callable[[LayerInfo], Any],

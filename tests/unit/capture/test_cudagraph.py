@@ -21,6 +21,7 @@ from attnprof.capture.vllm.hooks import Capture, step_hook
 from attnprof.config import Config
 from attnprof.exporters.hub import ExportHub
 from attnprof.exporters.prometheus import PrometheusSink
+from attnprof.host.vllm import worker_rpc
 from attnprof.host.vllm.runtime import State
 
 pytestmark = pytest.mark.slow
@@ -132,6 +133,9 @@ def test_sampled_steps_leave_full_graphs_unsampled_keep_vllms_answer(mode: Any,
             assert got == own  # untouched: the very tuple vLLM gives
     n_sampled = sum(s for _, s, _ in steps)
     assert cap.graphs == GraphSteer(modes={sampled_mode.name: n_sampled}, steered=n_sampled)
+    stats = worker_rpc.sampler_stats(cap)  # what the snapshot says
+    assert stats.graph_modes == {sampled_mode.name: n_sampled}
+    assert stats.graph_steered == n_sampled
     assert "dispatch" not in vars(runner.cudagraph_dispatcher)  # nothing left on the instance
     assert cap.errors.by_place == {} and FULL_ONLY not in cap.errors.dropped
 

@@ -106,7 +106,7 @@ def sampler_stats(cap: WorkerCapture) -> SamplerStats:
     """The sampler's counters; a step in progress or a GPU step waiting for its events is
     not counted as unsampled."""
     return ws.sampler_stats(cap.sampler, cap.aggs.outcomes, cap.seen,
-                             len(cap.pending) + cap.in_step)
+                             len(cap.pending) + cap.in_step, getattr(cap, "graphs", None))
 
 
 def samples(cap: WorkerCapture) -> list[Any]:
