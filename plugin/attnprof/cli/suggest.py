@@ -166,16 +166,19 @@ def load_head_stats(path: Path) -> Any:
                        f"{': ' + msg if msg else ''})") from None
 
 
-def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(LengthDistribution, head statistics from the source or None)."""
+def _distribution(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(LengthDistribution, head statistics from the source or None, (strata, per-bucket
+    request counts) from a live snapshot or None)."""
     from attnprof.analyze.sparsity.inputs import (
         InputError,
         from_snapshot,
         head_stats_from_snapshot,
+        strata_from_snapshot,
     )
+    from attnprof.contracts.snapshot import RequestStats
 
     if args.lengths is not None:
-        return read_lengths(args.lengths), None
+        return read_lengths(args.lengths), None, None
     source = args.url if args.url is not None else args.prometheus
     try:
         if args.url is not None:
@@ -188,12 +191,15 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any]:
                                f"({snap['truncated']}); raise ATTNPROF_SNAPSHOT_MAX_BYTES on "
                                "the server")
             dist = from_snapshot(snap, source=args.url)
-            return check_lengths(dist, source), head_stats_from_snapshot(snap)
+            strata = strata_from_snapshot(snap)
+            req = RequestStats.from_json(snap["requests"]) if snap.get("requests") else None
+            return (check_lengths(dist, source), head_stats_from_snapshot(snap),
+                    None if strata is None else (strata, getattr(req, "context_buckets", None)))
         from attnprof.tools.prometheus_query import query_prometheus
 
         dist = query_prometheus(args.prometheus, model=args.prometheus_model,
                                 range_=args.prometheus_range)
-        return check_lengths(dist, source), None
+        return check_lengths(dist, source), None, None
     except InputError as err:
         raise CliError(str(err)) from None
     except (ValueError, OverflowError, TypeError, AttributeError, IndexError) as err:
@@ -276,13 +282,14 @@ def _run(args: argparse.Namespace) -> int:
         check_out_file(args.stats_out, "--stats-out")
     arch = load_arch(args.model)
     layers = parse_layers(args.layers, arch.num_layers)
-    dist, stats = _distribution(args)
+    dist, stats, live = _distribution(args)
     if args.head_stats is not None:
-        stats = load_head_stats(args.head_stats)
+        stats, live = load_head_stats(args.head_stats), None
     sinks = 4 if args.sinks is None else args.sinks
     refinement = None
     if args.collect_stats:
         stats, refinement = _collect(args, sinks)
+        live = None
     if stats is not None and (stats.num_layers, stats.num_q_heads) != (arch.num_layers,
                                                                         arch.num_heads):
         raise CliError(f"head statistics are for {stats.num_layers} layers x "
@@ -293,6 +300,11 @@ def _run(args: argparse.Namespace) -> int:
         out = evaluate(dist, arch, args.window, sinks, head_stats=stats, thresholds=th,
                        layers=layers).to_json()
         out["basis"] = "evaluated as given (--window/--sinks)"
+    elif live is not None:  # a live server's strata: weighted to its traffic, stable heads
+        from attnprof.analyze.sparsity.strata_advice import recommend_strata
+
+        out = recommend_strata(dist, arch, dict(live[0].items()), live[1], thresholds=th,
+                               sinks=sinks).recommendation.to_json()
     else:
         out = recommend(dist, arch, stats, sinks=sinks, thresholds=th,
                         min_exact=args.min_exact).to_json()

@@ -79,20 +79,18 @@ def test_coverage_without_a_model_checkpoint() -> None:
     assert rows[("prefill", 1024)].traffic_requests == 0
 
 
-def test_a_snapshot_carries_coverage_to_the_advice_and_the_terminal(tmp_path: Any) -> None:
-    """Through JSON as a live server writes it: the request statistics with their per-bucket
-    counts, the strata's own wire format, the coverage section; the advice read back from it
-    is the stratified one (need more traffic), and the terminal prints the table."""
+CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+          "head_dim": D, "hidden_size": D, "torch_dtype": "float32"}
+
+
+def thin_snapshot() -> dict[str, Any]:
+    """A live snapshot as JSON: 10 prompts of 300 and 10 of 1200 tokens finished (the 1024
+    bucket holds 80% of the KV block-seconds), statistics folded from 2 short prompts and 1
+    long one (10 sampled queries: undecided), in the strata's own wire format."""
     import json
 
-    from attnprof.analyze.window_advice import recommend_from_snapshot
     from attnprof.contracts.snapshot import Snapshot
-    from attnprof.exporters.terminal import render_snapshot
-    from attnprof.exporters.terminal_suggest import render
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-        "head_dim": D, "hidden_size": D, "torch_dtype": "float32"}))
     agg = RequestAggregates(4096, min_tokens=256)
     for _ in range(10):
         agg.observe(300, 1, 1.0, 0.0)
@@ -104,7 +102,21 @@ def test_a_snapshot_carries_coverage_to_the_advice_and_the_terminal(tmp_path: An
     snap = Snapshot(time=0.0, model="m", enabled=True, requests=agg.summary(),
                     coverage=cov).to_json()
     snap["head_stats"] = strata.to_dict()
-    snap = json.loads(json.dumps(snap))
+    return dict(json.loads(json.dumps(snap)))
+
+
+def test_a_snapshot_carries_coverage_to_the_advice_and_the_terminal(tmp_path: Any) -> None:
+    """Through JSON as a live server writes it: the request statistics with their per-bucket
+    counts, the strata's own wire format, the coverage section; the advice read back from it
+    is the stratified one (need more traffic), and the terminal prints the table."""
+    import json
+
+    from attnprof.analyze.window_advice import recommend_from_snapshot
+    from attnprof.exporters.terminal import render_snapshot
+    from attnprof.exporters.terminal_suggest import render
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    snap = thin_snapshot()
     rec, acc = recommend_from_snapshot(snap, tmp_path)
     assert rec.coverage is not None and rec.coverage.need_more_traffic_above == 1024
     assert rec.best.layers == () and acc is not None and rec.coverage.corrected
