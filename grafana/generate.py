@@ -296,6 +296,32 @@ def panels() -> list[Json]:
                    [target(f"sum by (class) (attnprof_head_class_heads{{{M}}})",
                            legend="{{class}}")],
                    description="KV heads per attention class, summed over layers.", w=24),
+        stat(90, "Advice stands on", "percentunit",
+             f'attnprof_coverage_traffic_share_ratio{{{M},phase="prefill"}}',
+             "Share of the traffic's prompt tokens in context buckets that have head "
+             "statistics: what the traffic-weighted window advice represents."),
+        stat(91, "Need more traffic above", "short",
+             f"attnprof_window_need_more_traffic_tokens{{{M}}}",
+             "Set when a context bucket holding >= 10% of the KV block-seconds cannot decide "
+             "the window: the advice windows nothing until traffic above this many tokens is "
+             "sampled (empty: the advice stands)."),
+        stat(92, "Dynamic KV heads", "percentunit", f"attnprof_head_dynamic_ratio{{{M}}}",
+             "Share of KV heads whose class changes across time windows or context buckets "
+             "(kept full, no window)."),
+        timeseries(93, "Head-statistics coverage by context bucket", "percentunit",
+                   [target(f'sum by (bucket) (attnprof_coverage_folded_requests{{{M},'
+                           f'phase="prefill"}}) / (sum by (bucket) '
+                           f"(attnprof_context_bucket_requests_total{{{M}}}) > 0)",
+                           legend="prompts >= {{bucket}} tokens")],
+                   description="Requests the head statistics folded over finished requests, "
+                               "per prompt-length bucket (bucket 0: under the statistics' "
+                               "minimum). A bucket near 0 is advised on without evidence.",
+                   minmax=(0, None)),
+        timeseries(94, "KV block-seconds by context bucket", "short",
+                   [target(f"sum by (bucket) (rate(attnprof_context_bucket_kv_block_seconds_total"
+                           f"{{{M}}}[{RI}]))", legend="{{bucket}}+ tokens")],
+                   description="Where the KV cache is spent, by context: the buckets the "
+                               "advice must be covered in."),
         row(105, "attnprof self-observability"),
         timeseries(21, "Steps by outcome", "ops",
                    [target(f"sum by (outcome) (rate(attnprof_steps_total{{{M}}}[{RI}]))",
