@@ -414,13 +414,16 @@ class CoverageBucket(Record):
     hi: int | None
     """Its upper edge (exclusive; null: open)."""
     traffic_requests: int
+    """Finished requests whose prompt length falls in this bucket (on decode rows too: the
+    decode queries themselves are ``traffic_queries``, by the context each saw)."""
     kv_share: float | None
     """Share of the traffic's KV block-seconds in this bucket (null: no times yet)."""
     folded_requests: int
+    """Requests the statistics folded here (decode: as the worker counts its decode folds)."""
     sampled_queries: int
     """Queries whose softmax rows were recomputed (raw count)."""
     request_share: float | None
-    """folded / traffic requests (null: no traffic here)."""
+    """folded / traffic requests, prefill rows only (null: no traffic here)."""
     weight: float | None
     """Post-stratification factor applied to this stratum (traffic share / sampled share;
     null: not part of the corrected statistics)."""
