@@ -48,11 +48,13 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ATTNPROF_HEAD_STATS_RATE", "float in [0, 1]", "0.1",
         "Fraction of sampled steps on which per-head attention statistics (sink mass, window "
-        "coverage, entropy) are computed for whole-prompt prefills; 0 turns them off.",
+        "coverage, entropy) are computed for prompt queries (whole, chunked or prefix-cached "
+        "prompts) and a few decode queries; 0 turns them off.",
     ),
     EnvVar(
         "ATTNPROF_HEAD_STATS_MIN_TOKENS", "int in [1, 16777216]", "256",
-        "Prompts shorter than this are not used for head statistics (no window could bind).",
+        "Lower edge of the head statistics' first context bucket: shorter prompts are folded "
+        "into their own bucket 0 (\"short\"; no window could bind there).",
     ),
     EnvVar(
         "ATTNPROF_ADVICE_INTERVAL_S", "0 or float in [0.5, 86400]", "60",

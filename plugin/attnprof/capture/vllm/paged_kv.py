@@ -70,19 +70,30 @@ def read_kv(kv_cache: Any, layout: CacheLayout, block_row: Any, n: int,
     hkv = int(kv_cache.shape[1])
     nb = int(ids.numel())
     if layout.kind == "logical":
-        blk = kv_cache.index_select(0, ids)  # [nb, H, bs, 2D]
+        blk = _gather(kv_cache, ids)  # [nb, H, bs, 2D]
         k = blk[..., :d].permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)[:n]
         v = blk[..., d:2 * d].permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)[:n] if values else None
         return k, v
     # CPU_ATTN: per (block, head) a key slab then a value slab, bs * D elements each
-    slabs = kv_cache.view(kv_cache.shape[0], hkv, 2, bs * d).index_select(0, ids)
-    k = _cpu_slab(slabs[:, :, 0], layout.kind, True, bs, d, kv_cache.element_size())
-    v = (_cpu_slab(slabs[:, :, 1], layout.kind, False, bs, d, kv_cache.element_size())
-         if values else None)
+    slabs = kv_cache.view(kv_cache.shape[0], hkv, 2, bs * d)
+    es = kv_cache.element_size()
+    k = _cpu_slab(_gather(slabs[:, :, 0], ids), layout.kind, True, bs, d, es)
+    v = _cpu_slab(_gather(slabs[:, :, 1], ids), layout.kind, False, bs, d, es) if values else None
     k = k.permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)[:n]
     if v is not None:
         v = v.permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)[:n]
     return k, v
+
+
+def _gather(t: Any, ids: Any) -> Any:
+    """``t[ids]`` along dim 0 as one new tensor. On CPU block by block: ``index_select`` over
+    a whole cache took 15-130 ms for 8 blocks there (measured, torch 2.13), a stack of the
+    blocks' views 0.08 ms; on a GPU one ``index_select`` (no host sync on the ids)."""
+    import torch
+
+    if t.device.type == "cpu":
+        return torch.stack([t[i] for i in ids.tolist()])
+    return t.index_select(0, ids)
 
 
 def _cpu_slab(s: Any, kind: str, key: bool, bs: int, d: int, esize: int) -> Any:
