@@ -358,7 +358,8 @@ class Capture:
           ``DECODE_SEQS_PER_STEP`` sequences, drawn by a generator seeded by the step index
           (the same on every layer, KV-cache group and rank), each weighted running / drawn.
 
-        Without the prompts' lengths (runner unreadable) only whole prompts are folded."""
+        Without the prompts' lengths (runner unreadable) only prompts computed from position 0
+        in this step fold, as whole prompts (a first chunk would then pass for one)."""
         plan = self._hs_plans.get(id(md))
         if plan is not None:
             return plan
