@@ -244,7 +244,8 @@ class WorkerSnapshot(Record):
     poll_cost: PollCost = field(default_factory=PollCost)
     """What the API server's pulls cost the engine (1.7)."""
     head_stats: dict[str, Any] | None = None
-    """Mergeable per-(layer, head) statistics (``HeadStatsAccumulator.to_dict``)."""
+    """Mergeable per-(layer, head) statistics per (phase, context bucket)
+    (``HeadStatsStrata.to_dict``; a plain ``HeadStatsAccumulator.to_dict`` before issue 31)."""
     error: str | None = None
     probe: MemoryProbe | None = None
     """This worker's peak bandwidth and matmul FLOP/s (``ATTNPROF_PROBE=1``; null until the
@@ -532,7 +533,9 @@ class Snapshot(Document):
     """Window advice for this traffic, or ``{"error": ...}`` saying what is missing."""
     head_stats: dict[str, Any] | None = None
     """Every worker's head statistics merged by global layer and head index (only when asked
-    for: ``/attnprof/snapshot?head_stats=1``); added in snapshot 1.4."""
+    for: ``/attnprof/snapshot?head_stats=1``); added in snapshot 1.4. Since issue 31 one
+    accumulator per (phase, context bucket), schema ``attnprof.head_strata/1``
+    (``HeadStatsStrata.load`` also reads the single accumulator of earlier versions)."""
     age_s: float | None = None
     """Age of the workers' data when served from the API server's cache (1.4)."""
     truncated: str | None = None
