@@ -52,7 +52,12 @@ restored = [vars(o)[n] is b for (o, n), b in zip(places, before)]
 rpc_after = sorted(n for n in vars(WorkerBase) if n.startswith("attnprof_"))
 attnprof.uninstrument()  # twice: still fine
 restored_twice = [vars(o)[n] is b for (o, n), b in zip(places, before)]
+bare_state = State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m"))
+install.install(bare_state)  # the hooks alone: capture brings no RPC answers of its own
+rpc_bare = sorted(n for n in vars(WorkerBase) if n.startswith("attnprof_"))
+install.uninstall()
 print("RESULT " + json.dumps({
+    "rpc_bare": rpc_bare,
     "patched": patched, "rpc": rpc, "second_install": again is not None,
     "mid_step": mid_step, "restored": restored, "restored_twice": restored_twice,
     "rpc_after": rpc_after, "layer_clean": vars(layer.impl) == {},
@@ -78,6 +83,7 @@ def test_vllm_patches_are_undone_to_the_original_functions() -> None:
     assert got["restored"] == [True] * 5 and got["restored_twice"] == [True] * 5
     assert got["rpc_after"] == [] and got["layer_clean"] and got["impl_call"] == "vllm"
     assert not got["installed"] and got["state_capture"]
+    assert got["rpc_bare"] == []  # the RPC answers are the host's, handed to install
 
 
 CFG: dict[str, Any] = dict(vocab_size=100, hidden_size=64, intermediate_size=128,
