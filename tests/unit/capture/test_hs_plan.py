@@ -1,0 +1,79 @@
+"""What a sampled step's head statistics fold, decided once per step from vLLM's own attention
+metadata class (``CPUAttentionMetadata``) and the runner's prompt lengths: prompt pieces in the
+prompt's context bucket (a chunk is never a short prompt), decode sequences bounded per step,
+Horvitz-Thompson weighted and drawn alike for every metadata object (KV-cache group) of a step.
+The runner is a stand-in holding ``input_batch.num_prompt_tokens`` (the real one runs in
+tests/integration/test_head_stats_paged.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from attnprof.capture.vllm import hooks
+from attnprof.capture.vllm.hooks import DECODE_SEQS_PER_STEP, Capture
+from attnprof.config import Config
+from attnprof.host.vllm.runtime import State
+
+
+def _md(q_lens: list[int], seq_lens: list[int]) -> Any:
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+    return cpu_attn.CPUAttentionMetadata(
+        num_actual_tokens=int(sum(q_lens)), max_query_len=max(q_lens), query_start_loc=qsl,
+        max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.zeros(len(q_lens), 8, dtype=torch.int32),
+        slot_mapping=torch.zeros(int(sum(q_lens)), dtype=torch.int64), scheduler_metadata=None)
+
+
+def _cap(prompts: list[int], min_tokens: int = 256) -> Capture:
+    cap = Capture(State(config=Config(enabled=True, sample_rate=1.0, seed=0, model_label="m",
+                                      head_stats_min_tokens=min_tokens)))
+    cap._runner = SimpleNamespace(input_batch=SimpleNamespace(
+        num_prompt_tokens=np.array(prompts, dtype=np.int32)))
+    return cap
+
+
+def test_prompt_pieces_land_in_the_prompts_bucket() -> None:
+    # a first chunk of a 3000-token prompt, a middle chunk, a cached tail, a short chat
+    cap = _cap([3000, 3000, 700, 40])
+    plan = cap._hs_plan(_md([512, 512, 188, 40], [512, 2048, 700, 40]))
+    assert [(f.phase, f.bucket, f.start, f.q_len, f.q_pos, f.prompt_len) for f in plan] == [
+        ("prefill", 2048, 0, 512, 0, 3000),
+        ("prefill", 2048, 512, 512, 1536, 3000),
+        ("prefill", 512, 1024, 188, 512, 700),
+        ("prefill", 0, 1212, 40, 0, 40)]
+
+
+def test_decode_is_bounded_weighted_and_the_same_for_every_group_of_a_step() -> None:
+    n = 3 * DECODE_SEQS_PER_STEP
+    prompts = [300] * n
+    cap = _cap(prompts)
+    ctx = [301 + i for i in range(n)]
+    a = cap._hs_plan(_md([1] * n, ctx))
+    b = cap._hs_plan(_md([1] * n, ctx))  # another KV-cache group's metadata, same step
+    assert len(a) == DECODE_SEQS_PER_STEP and all(f.phase == "decode" for f in a)
+    assert [f.row for f in a] == [f.row for f in b]
+    assert all(f.weight == pytest.approx(n / DECODE_SEQS_PER_STEP) for f in a)
+    assert all(f.q_pos == ctx[f.row] - 1 and f.start == f.row for f in a)
+    rows = set()
+    for step in range(20):  # other steps draw other sequences
+        cap.seen = step + 1
+        cap._hs_plans.clear()
+        rows.update(f.row for f in cap._hs_plan(_md([1] * n, ctx)))
+    assert len(rows) > DECODE_SEQS_PER_STEP
+
+
+def test_long_contexts_and_unknown_prompts() -> None:
+    cap = _cap([hooks.HEAD_STATS_MAX_TOKENS + 1, 10])
+    # too long a prompt is left out; a few decode sequences are all taken, weight 1
+    plan = cap._hs_plan(_md([512, 1], [512, 11]))
+    assert [(f.phase, f.row, f.weight) for f in plan] == [("decode", 1, 1.0)]
+    cap._runner = None  # no prompt lengths: only pieces from position 0 fold
+    cap._hs_plans.clear()
+    plan = cap._hs_plan(_md([300, 64], [300, 128]))
+    assert [(f.phase, f.row, f.prompt_len) for f in plan] == [("prefill", 0, 300)]
