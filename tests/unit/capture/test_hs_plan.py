@@ -60,7 +60,7 @@ def test_decode_is_bounded_weighted_and_the_same_for_every_group_of_a_step() -> 
     assert [f.row for f in a] == [f.row for f in b]
     assert all(f.weight == pytest.approx(n / DECODE_SEQS_PER_STEP) for f in a)
     assert all(f.q_pos == ctx[f.row] - 1 and f.start == f.row for f in a)
-    rows = set()
+    rows: set[int] = set()
     for step in range(20):  # other steps draw other sequences
         cap.seen = step + 1
         cap._hs_plans.clear()
