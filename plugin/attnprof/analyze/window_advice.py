@@ -95,13 +95,11 @@ def coverage_for(requests: Any, strata: Any, epochs: Sequence[Any] = ()) -> Cove
     """The snapshot's coverage table with head stability, without the model's shape: what
     a server with no local checkpoint still shows. ``strata``: a ``HeadStatsStrata`` (or
     None); ``requests``: a ``RequestStats`` (or None)."""
-    from attnprof.analyze.sparsity.coverage import coverage_table, post_stratify
+    from attnprof.analyze.sparsity.coverage import coverage_table
     from attnprof.analyze.sparsity.stability import stability, stability_views
 
     items = dict(strata.items()) if strata is not None else {}
-    buckets = getattr(requests, "context_buckets", None)
-    cov = coverage_table(items, buckets, {p: post_stratify(items, buckets, p)
-                                          for p in ("prefill", "decode")})
+    cov = coverage_table(items, getattr(requests, "context_buckets", None))
     if cov is not None:
         st = stability(stability_views(items, epochs))
         cov.stability = None if st is None else st.record

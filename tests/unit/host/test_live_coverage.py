@@ -43,7 +43,7 @@ def delta(kinds: list[str]) -> bytes:
 
 def test_a_head_that_changes_between_epochs_is_dynamic_in_the_live_snapshot(
         state: runtime.State) -> None:
-    eng = FakeEngine([_answer(11, delta(["sink", "block"]))])
+    eng = FakeEngine([_answer(11, delta(["needle", "block"]))])
     app = _app(eng, [KEY])
     app.state.plugin.view.epochs = EpochRing(epoch_requests=1)  # one prompt per epoch
     (r,) = asyncio_get(app)

@@ -56,6 +56,7 @@ __all__ = [
     "folded_requests",
     "need_more_traffic_phrase",
     "post_stratify",
+    "stratum_weights",
     "traffic_queries",
     "under_covered",
 ]
@@ -121,6 +122,30 @@ class Corrected:
     """False when there were no traffic counts: a plain merge, the sample's own mix."""
 
 
+def stratum_weights(strata: Strata, buckets: ContextBuckets | None, phase: str = "prefill"
+                    ) -> tuple[dict[int, float], float | None, bool]:
+    """(post-stratification factor per bucket, share of the phase's traffic query tokens
+    the weighted buckets hold, whether the weights come from traffic counts). Numbers only:
+    cheap enough for every snapshot render. See :func:`post_stratify`."""
+    if buckets is not None and (buckets.prompt_tokens if phase == "prefill"
+                                else buckets.decode_tokens) is None:
+        buckets = None  # token counts withheld (a keyless snapshot): merge as sampled
+    mine = sorted((lo, folded_queries(a)) for (ph, lo), a in strata.items()
+                  if ph == phase and folded_queries(a) > 0)
+    if buckets is None:
+        return {lo: 1.0 for lo, _ in mine}, None, False
+    t = {lo: traffic_queries(buckets, phase, lo) for lo, _ in mine}
+    both = [(lo, sq) for lo, sq in mine if t[lo] > 0]
+    t_all = float(sum((buckets.prompt_tokens if phase == "prefill" else buckets.decode_tokens)
+                      or ()))
+    if not both:
+        return {}, 0.0, True
+    t_cov = float(sum(t[lo] for lo, _ in both))
+    s_cov = float(sum(sq for _, sq in both))
+    weights = {lo: (t[lo] / t_cov) / (sq / s_cov) for lo, sq in both}
+    return weights, (t_cov / t_all if t_all > 0 else None), True
+
+
 def post_stratify(strata: Strata, buckets: ContextBuckets | None,
                   phase: str = "prefill") -> Corrected:
     """Merge ``phase``'s strata weighted to the traffic's query tokens per bucket.
@@ -129,42 +154,26 @@ def post_stratify(strata: Strata, buckets: ContextBuckets | None,
     and no statistics are what ``traffic_share`` leaves out. Without traffic token counts (an
     older snapshot, or one read without a key) the strata are merged as sampled and
     ``corrected`` is False."""
-    if buckets is not None and (buckets.prompt_tokens if phase == "prefill"
-                                else buckets.decode_tokens) is None:
-        buckets = None  # token counts withheld (a keyless snapshot): merge as sampled
-    mine = sorted(((lo, a) for (ph, lo), a in strata.items()
-                   if ph == phase and folded_queries(a) > 0), key=lambda x: x[0])
-    if not mine:
-        return Corrected(phase, None, {}, None if buckets is None else 0.0, buckets is not None)
-    if buckets is None:
-        acc = mine[0][1].empty_like()
-        for _, a in mine:
-            acc.merge(a)
-        return Corrected(phase, acc, {lo: 1.0 for lo, _ in mine}, None, False)
-    t = {lo: traffic_queries(buckets, phase, lo) for lo, _ in mine}
-    s = {lo: folded_queries(a) for lo, a in mine}
-    both = [(lo, a) for lo, a in mine if t[lo] > 0]
-    t_all = float(sum((buckets.prompt_tokens if phase == "prefill" else buckets.decode_tokens)
-                      or ()))
-    if not both:
-        return Corrected(phase, None, {}, 0.0, True)
-    t_cov = float(sum(t[lo] for lo, _ in both))
-    s_cov = float(sum(s[lo] for lo, _ in both))
-    weights = {lo: (t[lo] / t_cov) / (s[lo] / s_cov) for lo, _ in both}
-    acc = both[0][1].empty_like()
-    for lo, a in both:
-        acc.merge(a.scaled(weights[lo]))
-    return Corrected(phase, acc, weights, t_cov / t_all if t_all > 0 else None, True)
+    weights, share, corrected = stratum_weights(strata, buckets, phase)
+    if not weights:
+        return Corrected(phase, None, {}, share, corrected)
+    parts = [(lo, a) for (ph, lo), a in sorted(strata.items())
+             if ph == phase and lo in weights]
+    acc = parts[0][1].empty_like()
+    for lo, a in parts:
+        acc.merge(a.scaled(weights[lo]) if corrected else a)
+    return Corrected(phase, acc, weights, share, corrected)
 
 
-def coverage_table(strata: Strata, buckets: ContextBuckets | None,
-                   corrected: Mapping[str, Corrected] | None = None) -> Coverage | None:
+def coverage_table(strata: Strata, buckets: ContextBuckets | None) -> Coverage | None:
     """Coverage per (phase, bucket): every bucket of the traffic (with or without
-    statistics) and every stratum with statistics (with or without traffic); None when
-    there are neither traffic counts nor statistics."""
+    statistics) and every stratum with statistics (with or without traffic), with the
+    post-stratification weight :func:`post_stratify` gives it; None when there are neither
+    traffic counts nor statistics. Counts and numbers only (no accumulator is merged): the
+    live view renders it fresh for every snapshot."""
     if buckets is None and not strata:
         return None
-    corrected = corrected or {}
+    weighted = {p: stratum_weights(strata, buckets, p) for p in PHASES}
     edges = list(buckets.edges) if buckets is not None else []
     kv = _kv_shares(buckets) if buckets is not None else []
     rows: list[CoverageBucket] = []
@@ -181,7 +190,7 @@ def coverage_table(strata: Strata, buckets: ContextBuckets | None,
             t_req = int(buckets.requests[i]) if buckets is not None and i is not None else 0
             t_q = traffic_queries(buckets, phase, lo) if buckets is not None else 0
             f_req = folded_requests(acc) if acc is not None else 0
-            w = corrected[phase].weights.get(lo) if phase in corrected else None
+            w = weighted[phase][0].get(lo)
             rows.append(CoverageBucket(
                 phase=phase, bucket=lo,
                 hi=(edges[i + 1] if i is not None and i + 1 < len(edges) else None),
@@ -196,12 +205,11 @@ def coverage_table(strata: Strata, buckets: ContextBuckets | None,
                 if acc is not None and t_q > 0 else (0.0 if t_q > 0 else None)))
             fold_r += f_req
             traffic_r += t_req
-        c = corrected.get(phase)
+        share = weighted[phase][1]
         phases.append(PhaseCoverage(
             phase=phase, folded_requests=fold_r,
             traffic_requests=traffic_r if buckets is not None else 0,
-            traffic_query_share=None if c is None or c.traffic_share is None
-            else _r(c.traffic_share)))
+            traffic_query_share=None if share is None else _r(share)))
     return Coverage(min_tokens=buckets.min_tokens if buckets is not None else 0,
                     buckets=rows, phases=phases)
 

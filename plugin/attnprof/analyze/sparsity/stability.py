@@ -9,10 +9,18 @@ the view could test for it is undecided (no Wilson interval of the failing share
 the target). A class that sampling error alone could still move is not a rating, so a thin
 epoch does not make a head look dynamic.
 
-* **dynamic**: a KV head rated with two different classes by two views. Dynamic heads get
-  no window (:func:`.classify.classify` ``dynamic=``: class ``dynamic``, window ``full``).
+Views compare **roles** (:data:`ROLES`): ``sink``, ``streaming`` and ``local`` are one role,
+``windowed`` (each is served by sinks + a window; how large a window is what the merged,
+traffic-weighted statistics decide, and a head necessarily looks more local in short prompts,
+where no large window can bind), beside ``near_uniform`` and ``retrieval``.
+
+* **dynamic**: a KV head rated with two different roles by two views (windowed in short
+  prompts, retrieval in long ones; or a retrieval head only at some hours). Dynamic heads get
+  no window (:func:`.classify.classify` ``dynamic=``: class ``dynamic``, window ``full``):
+  the post-stratified merge would window a head whose retrieval behaviour sits in a bucket
+  of little traffic.
 * **agreement per layer**: Fleiss' kappa with subjects = the layer's KV heads, raters = the
-  views that rate each one (a variable number per subject), categories = the classes. With
+  views that rate each one (a variable number per subject), categories = the roles. With
   n_ij the views rating head i as class j and n_i = sum_j n_ij (heads with n_i >= 2 only):
   P_i = sum_j n_ij (n_ij - 1) / (n_i (n_i - 1)), P-bar = mean_i P_i (observed agreement),
   p_j = sum_i n_ij / sum_i n_i, P_e = sum_j p_j^2 (chance agreement) and
@@ -30,10 +38,15 @@ from typing import Any
 import numpy as np
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
-from attnprof.analyze.sparsity.classify import CLASSES, DYNAMIC, Thresholds, classify
+from attnprof.analyze.sparsity.classify import Thresholds, classify
 from attnprof.contracts.snapshot import HeadStability, LayerAgreement
 
-__all__ = ["StabilityResult", "fleiss_kappa", "rated_classes", "stability", "stability_views"]
+__all__ = ["ROLES", "StabilityResult", "fleiss_kappa", "rated_classes", "stability",
+           "stability_views"]
+
+ROLES = {"sink": "windowed", "streaming": "windowed", "local": "windowed",
+         "near_uniform": "near_uniform", "retrieval": "retrieval"}
+"""Class -> role compared across views (``unknown`` rates nothing)."""
 
 
 def fleiss_kappa(counts: Any) -> tuple[float | None, float | None]:
@@ -58,14 +71,15 @@ def fleiss_kappa(counts: Any) -> tuple[float | None, float | None]:
 
 
 def rated_classes(acc: HeadStatsAccumulator, th: Thresholds) -> list[list[str | None]]:
-    """Per [layer][KV head]: the view's class where its sample decides it, else None."""
+    """Per [layer][KV head]: the view's role (:data:`ROLES`) where its sample decides it,
+    else None."""
     cls = classify(acc, th)
     out: list[list[str | None]] = []
     for layer in cls.layers:
         row: list[str | None] = []
         for kv in layer.kv_heads:
             undecided = any(d == "undecided" for d in kv.decision.values())
-            row.append(None if kv.cls == "unknown" or undecided else kv.cls)
+            row.append(None if undecided else ROLES.get(kv.cls))
         out.append(row)
     return out
 
@@ -78,7 +92,7 @@ class StabilityResult:
     dynamic: Any
     """bool [layer, KV head]: rated with two different classes."""
     classes: dict[str, list[list[str | None]]]
-    """Each view's rated classes (None: not rated)."""
+    """Each view's rated roles (None: not rated)."""
 
 
 def stability(views: Mapping[str, HeadStatsAccumulator], th: Thresholds | None = None
@@ -95,7 +109,7 @@ def stability(views: Mapping[str, HeadStatsAccumulator], th: Thresholds | None =
         if (a.num_layers, a.num_kv_heads, a.group_size) != (*shape, first.group_size):
             raise ValueError("stability views must share one model shape")
     rated = {k: rated_classes(a, th) for k, a in items}
-    cats = (*CLASSES, DYNAMIC)
+    cats = tuple(dict.fromkeys(ROLES.values()))
     dynamic: Any = np.zeros(shape, dtype=bool)
     layers: list[LayerAgreement] = []
     for layer in range(shape[0]):

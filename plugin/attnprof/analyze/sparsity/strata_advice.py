@@ -61,7 +61,6 @@ def recommend_strata(lengths: Any, shape: AttentionShape,
     th = (thresholds or Thresholds()).validate()
     dist = as_distribution(lengths)
     corr = post_stratify(strata, buckets, "prefill")
-    corr_dec = post_stratify(strata, buckets, "decode")
     stab = stability(stability_views(strata, epochs), th)
     rec = recommend(dist, shape, corr.acc, thresholds=th, sinks=sinks,
                     dynamic=None if stab is None or corr.acc is None else stab.dynamic)
@@ -80,7 +79,7 @@ def recommend_strata(lengths: Any, shape: AttentionShape,
                                 "this evidence",
                           binds=False, advice=(phrase, *rec.advice))
     rec_stab = None if stab is None else stab.record
-    cov = coverage_table(strata, buckets, {"prefill": corr, "decode": corr_dec})
+    cov = coverage_table(strata, buckets)
     if cov is not None:
         cov.stability = rec_stab
     folded = sum(folded_requests(a) for (ph, _), a in strata.items() if ph == "prefill")

@@ -301,6 +301,23 @@ class LiveView:
             st.errors.record("window_advice", exc)
             self.advice = AdviceUnavailable(f"{type(exc).__name__}: {exc}")
 
+    def _coverage(self, requests: Any) -> Coverage | None:
+        """The coverage table as of now (the request counts of this render, the strata merged
+        so far: the advice's copy lags by the advice interval), with the head stability the
+        last advice refresh computed (it classifies every view: too slow per render)."""
+        from attnprof.analyze.sparsity.coverage import coverage_table
+
+        try:
+            with self._hs_lock:  # not while a refresh merges into the strata
+                items = dict(self.head_stats.items()) if self.head_stats is not None else {}
+                cov = coverage_table(items, getattr(requests, "context_buckets", None))
+        except Exception as exc:
+            runtime.STATE.errors.record("snapshot_parse", exc)
+            return self.coverage
+        if cov is not None and self.coverage is not None:
+            cov.stability = self.coverage.stability
+        return cov
+
     # ----- answers -----
     async def body(self, with_head_stats: bool, max_age: float, timeout: float,
                    max_bytes: int, public: str | None = None) -> tuple[bytes, float]:
@@ -354,7 +371,7 @@ class LiveView:
             requests=st.requests.summary() if st.requests is not None else None,
             errors=SnapshotErrors(api_server=st.errors.view()[0],
                                   collective_rpc=timed_out or self.rpc_error),
-            window_advice=self.advice, coverage=self.coverage, age_s=round(age, 3),
+            window_advice=self.advice, age_s=round(age, 3),
             provenance=_provenance(st.model_label, st.model_path))
         try:  # ATTNPROF_PROBE: each phase against the probed peaks (None without a probe)
             from attnprof.analyze.roofline import from_snapshot
@@ -365,6 +382,7 @@ class LiveView:
         from attnprof.analyze.kv_pressure import assess
 
         snap.kv_pressure = assess(snap.requests)
+        snap.coverage = self._coverage(snap.requests)
         if with_head_stats and not self.keeps_head_stats:
             snap.truncated = ("head_stats left out: they are kept by vLLM's first API server "
                               "(this server runs several); ask that one")
