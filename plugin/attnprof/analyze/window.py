@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import TypeVar
 
 from attnprof.aggregate.histogram import bucket_quantile
 from attnprof.analyze.kv_pressure import assess
@@ -110,6 +111,16 @@ def _quantiles(bounds: list[float], counts: list[int]) -> QuantileSummary:
                            p99=bucket_quantile(bounds, counts, 0.99))
 
 
+_N = TypeVar("_N", int, float)
+
+
+def _sub(a: list[_N] | None, b: list[_N] | None) -> list[_N] | None:
+    """``b - a`` per entry, never below 0 (None when either is missing)."""
+    if a is None or b is None or len(a) != len(b):
+        return None
+    return [max(y - x, y - y) for x, y in zip(a, b, strict=True)]
+
+
 def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestStats | None,
                                                                         int]:
     if b is None:
@@ -135,6 +146,15 @@ def _requests(a: RequestStats | None, b: RequestStats | None) -> tuple[RequestSt
                                                    mean=total / cnt if cnt else None))
     if a.kv_pressure is not None and b.kv_pressure is not None:
         out.kv_pressure = _kv(a.kv_pressure, b.kv_pressure)
+    ca, cb = a.context_buckets, b.context_buckets
+    if cb is not None:  # per-bucket counters subtract like the histogram (else: dropped)
+        out.context_buckets = None
+        if ca is not None and ca.edges == cb.edges:
+            out.context_buckets = dataclasses.replace(
+                cb, requests=_sub(ca.requests, cb.requests) or [],
+                kv_block_seconds=_sub(ca.kv_block_seconds, cb.kv_block_seconds) or [],
+                prompt_tokens=_sub(ca.prompt_tokens, cb.prompt_tokens),
+                decode_tokens=_sub(ca.decode_tokens, cb.decode_tokens))
     return out, n
 
 
@@ -191,6 +211,7 @@ def window_between(start: Snapshot, end: Snapshot) -> Snapshot:
     out.requests, n = _requests(start.requests, end.requests)
     out.kv_pressure = assess(out.requests)
     out.head_stats = None
+    out.coverage = None  # the statistics' folds since the start are not in the snapshots
     notes = ["maxima, rates, prompt/generation quantiles and window advice are the end "
              "snapshot's (the KV peak is capped by the window's highest usage bucket)"]
     if out.requests is not None and out.requests.context_histogram is not None \

@@ -63,3 +63,25 @@ def test_observe_counts_per_bucket_and_lines_up_with_the_workers_strata() -> Non
     assert sum(cb.kv_block_seconds) == pytest.approx(total)
     back = RequestStats.from_json(agg.summary().to_json())
     assert back.context_buckets == cb
+
+
+def test_a_record_window_counts_only_the_requests_inside_it() -> None:
+    from attnprof.analyze.window import window_between
+    from attnprof.contracts.snapshot import Coverage, Snapshot
+
+    agg = RequestAggregates(4096, min_tokens=256)
+    agg.observe(300, 10, 1.0, 1.0)
+    start = Snapshot(time=0.0, model="m", enabled=True, requests=agg.summary())
+    agg.observe(300, 10, 1.0, 1.0)
+    agg.observe(1200, 10, 1.0, 1.0)
+    end = Snapshot(time=1.0, model="m", enabled=True, requests=agg.summary(),
+                   coverage=Coverage(min_tokens=256, buckets=[], phases=[]))
+    win = window_between(start, end)
+    assert win.requests is not None and win.requests.context_buckets is not None
+    cb, whole = win.requests.context_buckets, agg.context_buckets()
+    i = {e: n for n, e in enumerate(cb.edges)}
+    assert cb.requests[i[256]] == 1 and cb.requests[i[1024]] == 1 and sum(cb.requests) == 2
+    assert cb.prompt_tokens is not None and sum(cb.prompt_tokens) == 1500
+    assert sum(cb.kv_block_seconds) == pytest.approx(
+        sum(whole.kv_block_seconds) - block_seconds(FinishedRequest(300, 10, 1.0, 1.0), 16))
+    assert win.coverage is None  # the statistics' folds in the window are not known
