@@ -74,6 +74,7 @@ compat-data: setup
 bench: model
 	$(PY) benchmarks/microbench.py
 	$(PY) benchmarks/head_stats.py
+	$(PY) benchmarks/head_stats_chunked.py
 	$(PY) benchmarks/overhead.py
 	@# overhead.py rewrites docs/overhead.md; the soak section comes back from its results
 	@# (the soaks themselves: benchmarks/soak.py --mode synthetic|live, ~10 min each).
