@@ -6,7 +6,8 @@ warmed the prefix cache folds the same per-head numbers on the same query positi
 from the paged cache. The chunked prompt lands in the prompt's own context bucket, never in a
 chunk-sized one, and counts as one request; the cached prompt folds only the positions vLLM
 computed (the cached head is never recomputed) and counts as the share it covered. Decode
-steps fold one query per sequence, at its last position, into the decode stratum.
+steps fold one query per sequence, at its last position, into the decode stratum, with the
+numbers the same positions give when served as a prompt.
 
 Each configuration runs in a single-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) of
 its own, whose worker records every row ``fold_rows`` receives (per layer and position)."""
@@ -69,9 +70,10 @@ if __name__ == "__main__":
     def serve(ids, tokens=1):
         take()
         ROWS.clear()
-        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0,
-                     max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-        return {"rows": list(ROWS), "strata": take()}
+        (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0,
+                              max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+        return {"rows": list(ROWS), "strata": take(),
+                "gen": list(out.outputs[0].token_ids)}
 
     res = {}
     if budget >= 512:
@@ -81,6 +83,20 @@ if __name__ == "__main__":
         res["cached"] = serve(P)
         llm.reset_prefix_cache()
         res["decode"] = serve(P, tokens=4)
+        # reference: the decode steps' inputs as a prompt, its last 3 positions folded whole
+        ext = P + res["decode"]["gen"][:3]
+        plan = HeadStatsAccumulator.sample_plan
+
+        def last3(self, n, q_start):
+            if n != len(ext):
+                return plan(self, n, q_start)
+            import numpy as np
+            return np.arange(n - 3, n), np.ones(3)
+
+        HeadStatsAccumulator.sample_plan = last3
+        llm.reset_prefix_cache()
+        res["decode_ref"] = serve(ext)
+        HeadStatsAccumulator.sample_plan = plan
     else:
         res["chunked"] = serve(P)
     print("RESULT " + json.dumps(res))
@@ -162,3 +178,9 @@ def test_decode_steps_fold_each_sequences_last_position(served: dict[str, Any]) 
     assert keys == [("prefill", 256), ("decode", 256)]
     acc = _strata(run).get("decode", 256)
     assert acc.queries[:, 0].tolist() == [3.0, 3.0] and acc.requests.tolist() == [0.0, 0.0]
+    # each decode query against its whole context (the paged cache's keys plus its own) folds
+    # what the same position folds when those tokens are served as a prompt
+    ref = _rows(served["decode_ref"])
+    got = {k: v for k, v in _rows(run).items() if k[1] >= L}
+    assert set(ref) == set(got)
+    _close(ref, got, set(got))
