@@ -146,7 +146,12 @@ def render_coverage(snap: dict[str, Any]) -> str:
                       "weight"], rows))
     for ph in cov.get("phases") or []:
         share = ph.get("traffic_query_share")
-        out.append(f"  {ph['phase']}: statistics of {ph['folded_requests']} requests stand on "
+        # decode folds are steps of running sequences, not requests: count their queries
+        n_dec = sum(r.get("sampled_queries") or 0 for r in cov.get("buckets") or []
+                    if r["phase"] == "decode")
+        what = (f"{ph['folded_requests']} requests" if ph["phase"] == "prefill"
+                else f"{n_dec} sampled decode queries")
+        out.append(f"  {ph['phase']}: statistics of {what} stand on "
                    + ("an unknown share of the traffic (no per-bucket counts)" if share is None
                       else f"{share:.0%} of the traffic's query tokens"))
     st = cov.get("stability")
