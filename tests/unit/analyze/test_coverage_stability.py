@@ -176,11 +176,12 @@ def test_need_more_traffic_from_the_buckets_own_sampling_error() -> None:
     light = traffic(edges, [0, 1, 0, 1, 0], [0, 95, 0, 5, 0])
     assert under_covered(thin, light, [0], 4, 16, TH) == []
     # a heavy bucket with no statistics at all
-    gone = {("prefill", 256): thin[("prefill", 256)]}
+    gone = {("prefill", 256): fold(acc_for(1, 3), 0, 300, ["sink"] * 3, SHORT[:20])}
     u = under_covered(gone, heavy, [0], 4, 16, TH)
-    assert [(x.bucket, x.unmeasured_kv_heads) for x in u] == [(1024, 1)]
+    assert [(x.bucket, x.unmeasured_kv_heads) for x in u] == [(1024, 3)]  # 3 KV heads
     # contexts that all fit sinks + window are exact under it: nothing to decide
     assert under_covered(gone, heavy, [0], 4, 2048, TH) == []
+    assert under_covered(gone, heavy, [], 4, 16, TH) == []  # no layer windowed
 
 
 def test_advice_turns_into_need_more_traffic_and_says_what_it_stands_on() -> None:

@@ -227,6 +227,7 @@ def under_covered(strata: Strata, buckets: ContextBuckets | None, layers: Sequen
     if buckets is None or not layers:
         return []
     shares = _kv_shares(buckets)
+    kv_per_layer = next((a.num_kv_heads for a in strata.values()), 1)
     out: list[UnderCoveredBucket] = []
     for i, lo in enumerate(buckets.edges):
         share = shares[i]
@@ -238,7 +239,7 @@ def under_covered(strata: Strata, buckets: ContextBuckets | None, layers: Sequen
         if hi is not None and hi - 1 <= sinks + window:
             continue
         acc = strata.get((phase, lo))
-        n_kv = len(layers) * (acc.num_kv_heads if acc is not None else 1)
+        n_kv = len(layers) * kv_per_layer
         if acc is None or folded_queries(acc) <= 0:
             out.append(UnderCoveredBucket(lo, hi, _r(share) or 0.0, 0, n_kv, None))
             continue
