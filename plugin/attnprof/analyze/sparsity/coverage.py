@@ -50,7 +50,6 @@ __all__ = [
     "MIN_KV_SHARE",
     "PHASES",
     "Corrected",
-    "bucket_hi",
     "coverage_table",
     "folded_queries",
     "folded_requests",
@@ -66,15 +65,6 @@ MIN_KV_SHARE = 0.10
 """A bucket holding at least this share of the KV block-seconds must be covered."""
 
 Strata = Mapping[tuple[str, int], HeadStatsAccumulator]
-
-
-def bucket_hi(buckets: ContextBuckets, lo: int) -> int | None:
-    """Upper (exclusive) edge of the bucket starting at ``lo`` (None: the last, open one)."""
-    edges = list(buckets.edges)
-    i = edges.index(lo) if lo in edges else None
-    if i is None:
-        raise ValueError(f"{lo} is not a bucket edge of {edges}")
-    return edges[i + 1] if i + 1 < len(edges) else None
 
 
 def _index(buckets: ContextBuckets, lo: int) -> int | None:
