@@ -74,9 +74,10 @@ def recommend_strata(lengths: Any, shape: AttentionShape,
             phrase = need_more_traffic_phrase(under, best.window)
             rec = replace(rec, best=evaluate(dist, shape, best.window, best.sinks,
                                              head_stats=corr.acc, thresholds=th, layers=[]),
-                          basis=f"{phrase}; the statistics would window layers "
-                                f"{list(best.layers)} at w={best.window}: not advised on "
-                                "this evidence",
+                          basis=phrase + (f"; the statistics would window layers "
+                                          f"{list(best.layers)} at w={best.window}: not "
+                                          "advised on this evidence" if best.layers
+                                          else "; no layer is windowed on this evidence"),
                           binds=False, advice=(phrase, *rec.advice))
     rec_stab = None if stab is None else stab.record
     cov = coverage_table(strata, buckets)
