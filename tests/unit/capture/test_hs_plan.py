@@ -77,3 +77,54 @@ def test_long_contexts_and_unknown_prompts() -> None:
     cap._hs_plans.clear()
     plan = cap._hs_plan(_md([300, 64], [300, 128]))
     assert [(f.phase, f.row, f.prompt_len) for f in plan] == [("prefill", 0, 300)]
+
+
+def _fold_step(sliding: int | None) -> tuple[Capture, Any]:
+    """One layer's call of a batch holding a whole 300-token prompt and a decode sequence of
+    context 301, its earlier keys written into a CPU_ATTN cache by vLLM's own op."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from vllm.platforms import current_platform
+
+    from attnprof.aggregate.layers import LayerInfo
+    from attnprof.capture.vllm.args import ImplCall
+
+    current_platform.import_kernels()
+    info = LayerInfo(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
+                     impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2, head_size=64,
+                     head_size_v=64, sliding_window=sliding, dtype="float32",
+                     kv_cache_dtype="auto", fused=True, scale=0.125)
+    cap = _cap([300, 300])
+    cap.aggs.add_layer(info)
+    g = torch.Generator().manual_seed(0)
+    kv_cache = torch.zeros(8, 2, 128, 128)
+    key_cache, value_cache = kv_cache.view(8, 2, 256, 64).chunk(2, dim=2)
+    past = torch.randn(300, 2, 64, generator=g)  # the decode sequence's keys 0..299
+    slots = torch.tensor([4 * 128 + i for i in range(300)])  # its blocks: 4, 5, 6
+    ops.cpu_attn_reshape_and_cache(past, past, key_cache, value_cache, slots, "vec")
+    md = _md([300, 1], [300, 301])
+    md.block_table[1, :3] = torch.tensor([4, 5, 6], dtype=torch.int32)
+    q = torch.randn(301, 4 * 64, generator=g)
+    k = torch.randn(301, 2 * 64, generator=g)
+    cap._head_stats(info, ImplCall(SimpleNamespace(isa="vec"), q, k, k, kv_cache, md))
+    return cap, (q, k, past)
+
+
+def test_a_decode_query_reads_its_context_from_the_cache() -> None:
+    from attnprof.aggregate.head_stats import HeadStatsAccumulator
+    from attnprof.capture import head_rows
+
+    cap, (q, k, past) = _fold_step(None)
+    strata = cap.hs_buffer.active
+    assert [key for key, _ in strata.items()] == [("prefill", 256), ("decode", 256)]
+    want = HeadStatsAccumulator(1, 2, 2, seed=0)  # the decode query against its context
+    head_rows.fold_plan(want, 0, q[300:].view(1, 4, 64), torch.cat([past, k[300:].view(1, 2, 64)]),
+                        0.125, 300, (0,), [1.0], {0: 1.0}, request_share=0.0)
+    got = strata.get("decode", 256)
+    for f in ("queries", "sink_sum", "cov_sum", "cov_hist", "entropy_sum", "js_sum"):
+        np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=1e-6, err_msg=f)
+
+
+def test_sliding_layers_read_nothing_from_the_cache() -> None:
+    cap, _ = _fold_step(64)
+    assert [key for key, _ in cap.hs_buffer.active.items()] == [("prefill", 256)]
+    assert cap.errors.dropped == {"head_stats_sliding_window": 1}
