@@ -124,7 +124,11 @@ def test_a_decode_query_reads_its_context_from_the_cache() -> None:
         np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=1e-6, err_msg=f)
 
 
-def test_sliding_layers_read_nothing_from_the_cache() -> None:
-    cap, _ = _fold_step(64)
+def test_sliding_layers_read_nothing_behind_their_window() -> None:
+    cap, _ = _fold_step(64)  # context 301 > window 64: blocks behind it may be freed
     assert [key for key, _ in cap.hs_buffer.active.items()] == [("prefill", 256)]
     assert cap.errors.dropped == {"head_stats_sliding_window": 1}
+    cap, _ = _fold_step(1024)  # the whole context within the window: nothing was freed
+    assert [key for key, _ in cap.hs_buffer.active.items()] == [("prefill", 256),
+                                                                ("decode", 256)]
+    assert not cap.errors.dropped

@@ -305,7 +305,7 @@ class Capture:
                 qs = q[f.start:f.start + f.q_len].view(f.q_len, hq, d)
                 ks = k[f.start:f.start + f.q_len].view(f.q_len, hkv, d)
                 if f.q_pos > 0:  # earlier keys live only in the paged cache
-                    if info.sliding_window:
+                    if info.sliding_window and f.q_pos + f.q_len > info.sliding_window:
                         # vLLM frees a sliding layer's blocks behind its window (their table
                         # entries then name the null block): the cache no longer holds them
                         self.errors.drop("head_stats_sliding_window")
