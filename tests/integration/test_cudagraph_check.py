@@ -26,7 +26,8 @@ def _module() -> Any:
 
 
 def _raw(modes: dict[str, int], blind: int, sampled: int = 10) -> dict[str, Any]:
-    return {"cudagraph_mode": "FULL_AND_PIECEWISE", "sampler": {
+    return {"cudagraph_mode": "FULL_AND_PIECEWISE",
+            "runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "sampler": {
         "sampled": sampled, "sampled_long": 0, "blind": blind}, "decode_calls": [sampled - blind],
         "graph_modes": modes, "steered": sum(modes.values()) - modes.get("FULL", 0),
         "dropped": {}, "errors": {}, "decode_tokens": 64,
@@ -43,6 +44,10 @@ def test_gpu_verdicts() -> None:
     bad = sm(_raw({"FULL": 10}, blind=10), dry=False)
     assert not bad["ok"]
     assert not bad["checks"]["no_blind_steps"] and not bad["checks"]["sampled_left_full_graphs"]
+    # vLLM's Model Runner V2, which attnprof does not hook
+    v2 = sm(dict(_raw({"PIECEWISE": 10}, blind=0),
+                 runner="vllm.v1.worker.gpu.model_runner.GPUModelRunner"), dry=False)
+    assert not v2["ok"] and not v2["checks"]["v1_runner"]
 
 
 @pytest.mark.vllm
@@ -53,7 +58,7 @@ def test_dry_run_on_vllm_cpu(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "cudagraph_check.json").read_text())
     sm = doc["summary"]
     assert doc["dry_run"] and sm["cudagraph_mode"] == "NONE" and not sm["full_graphs"]
-    assert sm["checks"] == {"decode_seen": True, "no_internal_errors": True}
+    assert sm["checks"] == {"v1_runner": True, "decode_seen": True, "no_internal_errors": True}
     assert sm["not_applicable"] == ["no_blind_steps", "sampled_left_full_graphs"]
     assert doc["raw"]["sampler"]["seen"] > 0 and sm["sampled_steps"] > 0
     assert len(doc["raw"]["times"]["sampled"]) == len(doc["raw"]["times"]["unsampled"]) == 1
