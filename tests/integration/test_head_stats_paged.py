@@ -59,13 +59,16 @@ if __name__ == "__main__":
         llm.collective_rpc("attnprof_poll")
         out = None
         deadline = time.monotonic() + 120
+        done = False
         while True:
             (got,) = llm.collective_rpc("attnprof_head_stats")
             for d in got["head_stats"]["deltas"]:
                 part = HeadStatsStrata.from_bytes(d["data"])
                 out = part if out is None else out.merge(part)
-            if not got["head_stats"]["pending"] or time.monotonic() > deadline:
+            if done or time.monotonic() > deadline:
                 return None if out is None else out.to_dict()
+            # a drain that ended between the answer's two reads is collected by one more
+            done = not got["head_stats"]["pending"]
 
     def serve(ids, tokens=1):
         take()

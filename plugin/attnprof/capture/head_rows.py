@@ -69,10 +69,10 @@ def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: fl
     """Fold one piece of a prompt (a chunk, or the uncached tail after a prefix-cache hit):
     ``q`` [Lq, Hq, D] the queries at prompt positions ``q_start`` .. ``q_start + Lq - 1``,
     ``k`` [>= q_start + Lq, Hkv, D] the prompt's keys from position 0 (earlier ones read from
-    the paged cache). The sample is the **whole prompt's** (:meth:`sample_plan` over
-    ``prompt_len``, and its detail subset), restricted to this piece's positions, so the
-    pieces of a prompt served in chunks fold exactly the queries, weights and detail queries
-    the prompt served whole would. The request counts ``Lq / prompt_len``: once over all its
+    the paged cache; or a function of n giving the first n keys: see :func:`fold_plan`). The
+    sample is the **whole prompt's** (:meth:`sample_plan` over ``prompt_len``, and its detail
+    subset), restricted to this piece's positions, so the pieces of a prompt served in chunks
+    fold exactly the queries, weights and detail queries the prompt served whole would. The request counts ``Lq / prompt_len``: once over all its
     pieces, partly when positions were never computed (a prefix-cache hit's cached head)."""
     lq = int(q.shape[0])
     idx, wts = acc.sample_plan(prompt_len, 0)
@@ -92,19 +92,24 @@ def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: floa
     idx``) with Horvitz-Thompson weights ``wts``; ``detail`` maps an index into ``idx_np`` to
     its detail weight. Queries go in tiles of at most ``acc.chunk_queries``, fewer when the
     context is long, so the logits scratch stays under :data:`SCRATCH_ELEMENTS` floats (plus
-    one fp32 copy of the keys: Lk x Hkv x D). Adds ``request_share`` to the layer's requests
-    (also when no query of the plan falls here). Returns the number of queries folded."""
+    one fp32 copy of the keys: Lk x Hkv x D). ``k`` may be a function of n returning the
+    first n keys (a paged-cache read): it is called only when a query is folded, for the keys
+    up to the last one. Adds ``request_share`` to the layer's requests (also when no query of
+    the plan falls here). Returns the number of queries folded."""
     import torch
 
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != acc.num_q_heads or hkv != acc.num_kv_heads:
-        raise ValueError(f"expected {acc.num_q_heads} q / {acc.num_kv_heads} kv heads, "
-                         f"got {hq} / {hkv}")
+    hq = q.shape[1]
+    if hq != acc.num_q_heads:
+        raise ValueError(f"expected {acc.num_q_heads} q heads, got {hq}")
     acc.requests[layer] += request_share
     if len(idx_np) == 0:
         return 0
     idx = torch.as_tensor(np.asarray(idx_np), dtype=torch.long)
     n_keys = int(q_start) + int(idx_np[-1]) + 1
+    if callable(k):
+        k = k(n_keys)
+    if k.shape[1] != acc.num_kv_heads:
+        raise ValueError(f"expected {acc.num_kv_heads} kv heads, got {k.shape[1]}")
     if n_keys > k.shape[0]:
         raise ValueError(f"query at position {n_keys - 1} needs {n_keys} keys, "
                          f"got {k.shape[0]}")

@@ -58,10 +58,15 @@ class _Fold(NamedTuple):
     weight: float  # decode: running sequences per folded one
 
 
-def _cat(prev: Any, new: Any) -> Any:
+def _paged_keys(kv_cache: Any, layout: Any, row: Any, q_pos: int, own: Any, n: int) -> Any:
+    """Keys of positions [0, n) of a request whose first ``q_pos`` keys are in the paged
+    cache and the next ones are ``own`` (the call's)."""
     import torch
 
-    return torch.cat([prev, new.to(prev.dtype)])
+    from attnprof.capture.vllm.paged_kv import read_kv
+
+    prev = read_kv(kv_cache, layout, row, min(n, q_pos))[0]
+    return prev if n <= q_pos else torch.cat([prev, own[:n - q_pos].to(prev.dtype)])
 PENDING_STEPS_MAX = 64
 """Sampled GPU steps whose timing events are not read yet; beyond this the oldest is dropped."""
 
@@ -303,7 +308,7 @@ class Capture:
             layout: Any = False  # read once per call, only when a fold needs the cache
             for f in plan:
                 qs = q[f.start:f.start + f.q_len].view(f.q_len, hq, d)
-                ks = k[f.start:f.start + f.q_len].view(f.q_len, hkv, d)
+                ks: Any = k[f.start:f.start + f.q_len].view(f.q_len, hkv, d)
                 if f.q_pos > 0:  # earlier keys live only in the paged cache
                     if info.sliding_window and f.q_pos + f.q_len > info.sliding_window:
                         # vLLM frees a sliding layer's blocks behind its window (their table
@@ -316,10 +321,10 @@ class Capture:
                     if layout is None or table is None or call.kv_cache is None:
                         self.errors.drop("head_stats_unreadable_cache")
                         continue
-                    from attnprof.capture.vllm.paged_kv import read_kv
-
-                    prev = read_kv(call.kv_cache, layout, table[f.row], f.q_pos)[0]
-                    ks = _cat(prev, ks)
+                    # read when the fold knows how many keys its sampled queries need (none
+                    # when no sampled position falls in this piece)
+                    ks = functools.partial(_paged_keys, call.kv_cache, layout, table[f.row],
+                                           f.q_pos, ks)
                 acc = strata.get(f.phase, f.bucket)
                 if f.phase == "prefill":
                     got = head_rows.update_span(acc, info.index, qs, ks, scale,
