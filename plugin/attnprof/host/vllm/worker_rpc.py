@@ -232,6 +232,9 @@ def _take_deltas(cap: WorkerCapture, api_host: str | None, swap: bool) -> dict[s
         cap.deltas = DeltaFiles()
     if swap:
         cap.deltas.forget_handed()  # a new pull: the last one's files were read
+    # read before taking: a drain ending between the two reads is then still "pending" (the
+    # caller asks once more) instead of neither handed out nor pending (left for a later pull)
+    was_draining = buf.draining
     ready = buf.take_ready()
     if swap:
         buf.swap(cap.deltas.finish_for(api_host))
@@ -239,7 +242,7 @@ def _take_deltas(cap: WorkerCapture, api_host: str | None, swap: bool) -> dict[s
     for e in buf.errors:
         cap.errors.record("head_stats", RuntimeError(e))
     buf.errors.clear()
-    return {"deltas": ready, "pending": buf.draining}
+    return {"deltas": ready, "pending": was_draining or buf.draining}
 
 
 def trace_arm(cap: WorkerCapture, steps: int, timeout_s: float, trace_id: str = "",
