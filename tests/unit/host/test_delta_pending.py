@@ -24,11 +24,15 @@ from attnprof.host.vllm.worker_rpc import head_stats_take, poll
 def test_a_drain_ending_mid_answer_is_pending_or_handed_out() -> None:
     cap = Capture(runtime.State(config=Config(enabled=True, sample_rate=1.0, seed=0)))
     gate = threading.Event()  # the drain waits here (between two pieces) until released
-    buf = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(1, 1, 2)),
-                                pause=lambda: gate.wait(60))
+
+    def held() -> None:
+        gate.wait(60)
+
+    strata = HeadStatsStrata(HeadStatsAccumulator(1, 1, 2))
+    buf = HeadStatsDoubleBuffer(strata, pause=held)
     cap.hs_buffer = buf
     g = torch.Generator().manual_seed(0)
-    head_rows.update(buf.active.get("prefill", 0), 0, torch.randn(20, 2, 8, generator=g),
+    head_rows.update(strata.get("prefill", 0), 0, torch.randn(20, 2, 8, generator=g),
                      torch.randn(20, 1, 8, generator=g), 8 ** -0.5, q_start=0)
     poll(cap, with_head_stats=True)  # swaps: the drain starts on its own thread
     take = buf.take_ready
