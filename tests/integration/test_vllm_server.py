@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from attnprof.aggregate.head_stats import _SCHEMA as HEAD_STATS_SCHEMA
+from attnprof.aggregate.head_strata import SCHEMA as HEAD_STATS_SCHEMA
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.tools.http import get_text, post_json
 from tests.conftest import (
