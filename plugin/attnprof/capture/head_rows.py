@@ -72,16 +72,37 @@ def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: fl
     the paged cache; or a function of n giving the first n keys: see :func:`fold_plan`). The
     sample is the **whole prompt's** (:meth:`sample_plan` over ``prompt_len``, and its detail
     subset), restricted to this piece's positions, so the pieces of a prompt served in chunks
-    fold exactly the queries, weights and detail queries the prompt served whole would. The request counts ``Lq / prompt_len``: once over all its
-    pieces, partly when positions were never computed (a prefix-cache hit's cached head)."""
+    fold exactly the queries, weights and detail queries the prompt served whole would. The
+    request counts ``Lq / prompt_len``: once over all its pieces, partly when positions were
+    never computed (a prefix-cache hit's cached head)."""
     lq = int(q.shape[0])
-    idx, wts = acc.sample_plan(prompt_len, 0)
-    detail = dict(acc.detail_subset(len(idx), wts, 0))
+    idx, wts, detail = _whole_plan(acc, int(prompt_len))
     keep = np.flatnonzero((idx >= q_start) & (idx < q_start + lq))
     local = {int(j): detail[int(i)] for j, i in enumerate(keep) if int(i) in detail}
     return fold_plan(acc, layer, q, k, scale, q_start, idx[keep] - q_start, wts[keep], local,
                      v=v, softcap=softcap, sink_logits=sink_logits,
                      request_share=lq / max(1, prompt_len))
+
+
+_PLANS: dict[tuple[Any, ...], tuple[Any, Any, dict[int, float]]] = {}
+_PLANS_MAX = 64
+
+
+def _whole_plan(acc: HeadStatsAccumulator, prompt_len: int
+                ) -> tuple[Any, Any, dict[int, float]]:
+    """(positions, weights, detail) of a whole prompt's plan, memoized: every piece of a
+    prompt at every layer asks for the same plan (it depends only on the sampling settings
+    and the length). Bounded: cleared past ``_PLANS_MAX`` entries."""
+    key = (acc.seed, acc.n_random, acc.n_last, acc.n_detail, prompt_len)
+    got = _PLANS.get(key)
+    if got is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        idx, wts = acc.sample_plan(prompt_len, 0)
+        idx.setflags(write=False)
+        wts.setflags(write=False)
+        got = _PLANS[key] = (idx, wts, dict(acc.detail_subset(len(idx), wts, 0)))
+    return got
 
 
 def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
