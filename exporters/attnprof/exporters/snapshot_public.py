@@ -9,16 +9,18 @@ An allow-list over the rendered document, not a deny-list: a field added to the 
 later stays out of this answer until it is named here
 (``tests/unit/exporters/test_snapshot_public.py`` makes every new field a decision).
 
-Kept: the model label, ``enabled``, processes and roles, per layer the static facts and the
-counters ``/metrics`` exports (calls, time, tokens, FLOPs, bytes, KV-cache bytes), the kernel
-map, per-phase step totals, sampler and poll-cost counters, error and drop counts by place,
-request counts, p50/p90/p99 and mean (``/metrics`` has the quantile gauges and the histograms'
-sums and counts), the context-length histogram (the same buckets as
-``attnprof_request_context_tokens``), KV-pressure aggregates and verdict, probe and roofline,
-the per-bucket request and KV block-second counts (``attnprof_context_bucket_*``) and the
-head statistics' coverage and head stability (``attnprof_coverage_*``,
-``attnprof_head_dynamic_*``, ``attnprof_head_class_kappa``): counts and shares. Withheld: the
-per-bucket token sums (traffic's and folded), a lone request's exact length.
+Kept: the model label, ``enabled``, processes and roles, per layer the static facts (its KV-
+cache group too) and the counters ``/metrics`` exports (calls, time, tokens, FLOPs, bytes, KV-
+cache bytes), the kernel map (with each group's KV spec, window, block size and bytes per
+token: model facts), per-phase step totals, sampler (sampled steps by CUDA graph mode too) and
+poll-cost counters, error and drop counts by place, request counts, p50/p90/p99 and mean
+(``/metrics`` has the quantile gauges and the histograms' sums and counts), the context-length
+histogram (the same buckets as ``attnprof_request_context_tokens``), KV-pressure aggregates and
+verdict, probe and roofline, the per-bucket request and KV block-second counts
+(``attnprof_context_bucket_*``) and the head statistics' coverage and head stability
+(``attnprof_coverage_*``, ``attnprof_head_dynamic_*``, ``attnprof_head_class_kappa``): counts
+and shares. Withheld: the per-bucket token sums (traffic's and folded), a lone request's exact
+length.
 
 Withheld: the exact context lengths (the quantile sketch, which holds every finished
 request's length while fewer than 2048 have finished, and each quantity's ``max``); per-layer
@@ -58,10 +60,12 @@ _QUANTILES = {k: True for k in ("p50", "p90", "p99", "mean", "count", "exact")}
 _PHASE = {k: True for k in ("calls", "time_s", "mean_time_s", "tokens", "flops", "bytes")}
 _LAYER_FACTS = ("name", "index", "backend", "impl", "num_heads", "num_kv_heads", "head_size",
                 "head_size_v", "sliding_window", "dtype", "kv_cache_dtype", "fused",
-                "kv_cache_bytes", "scale", "kernel", "has_sink", "attn_type")
+                "kv_cache_bytes", "scale", "kernel", "has_sink", "attn_type", "kv_group")
 _KERNEL_GROUP = {**{k: True for k in ("layers", "backend", "kernel", "fused", "valid_backends",
                                       "rejected", "source", "predicted",
-                                      "flash_attn_version", "note")},
+                                      "flash_attn_version", "note", "kv_group", "kv_spec",
+                                      "sliding_window", "kv_block_size",
+                                      "kv_bytes_per_token")},
                  "error": error_kind}
 _WORKER = {
     **{k: True for k in ("pid", "process", "steps", "sampler", "errors", "dropped", "disabled",
@@ -135,7 +139,8 @@ KEPT_WHOLE: dict[str, tuple[str, ...]] = {
         "site"),
     "SamplerStats": ("seen", "sampled", "sampled_long", "blind", "unsampled", "base_rate",
         "effective_rate", "budget", "self_time_s", "self_time_fraction", "throttles", "step_index",
-        "sync", "late_changes", "unsynced", "decisions_digest", "rate_changes"),
+        "sync", "late_changes", "unsynced", "decisions_digest", "rate_changes", "graph_modes",
+        "graph_steered"),
     "SpecCheck": ("part", "bandwidth_bytes_per_second", "flops_per_second", "source",
         "bandwidth_ratio", "flops_ratio"),
     "StepPhaseStats": ("steps", "model_time_s", "attention_time_s", "attention_share"),
