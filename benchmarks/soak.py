@@ -327,6 +327,23 @@ def _worker_side(layers: int, hub_interval: float, head_stats_rate: float
     return cap, fake_layers, reg
 
 
+def _touch_strata(cap: Any) -> None:
+    """Create every head-statistics stratum in both halves before measuring: strata are
+    allocated when a (phase, context bucket) first sees data, at most 2 x the bucket edges
+    per half, a bounded step that a random pool of lengths would otherwise take mid-run."""
+    buf = cap.hs_buffer
+    if buf is None:
+        return
+    from attnprof.aggregate.head_strata import PHASES, context_bucket_edges
+    from attnprof.capture.vllm.hooks import HEAD_STATS_MAX_TOKENS
+
+    buf.wait()
+    for half in (buf.active, buf._spare):
+        for phase in PHASES:
+            for lo in context_bucket_edges(cap.hs_min_tokens, HEAD_STATS_MAX_TOKENS):
+                half.get(phase, lo)
+
+
 def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
                    warmup: int = 50_000, max_len: int = 4096, layers: int = 4,
                    real_stat_logger: bool = True, head_stats_rate: float = 0.1,
@@ -379,6 +396,7 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
     t_run = 0.0
     for i in range(total):
         if i == warmup:
+            _touch_strata(cap)
             settle()
             step_time = rec_time = 0.0
             base_req = done_req
