@@ -74,7 +74,10 @@ def test_long_contexts_and_unknown_prompts() -> None:
     plan = cap._hs_plan(_md([512, 1], [512, 11]))
     assert [(f.phase, f.row, f.weight) for f in plan] == [("decode", 1, 1.0)]
     cap._runner = None  # no prompt lengths: only pieces from position 0 fold
+    # A new step, as _run_sampled starts one: both caches are keyed by id(metadata), and the
+    # first metadata object is gone, so its id may be reused by the next one.
     cap._hs_plans.clear()
+    cap._shapes.clear()
     plan = cap._hs_plan(_md([300, 64], [300, 128]))
     assert [(f.phase, f.row, f.prompt_len) for f in plan] == [("prefill", 0, 300)]
 
