@@ -304,7 +304,7 @@ def panels() -> list[Json]:
              f"attnprof_window_need_more_traffic_tokens{{{M}}}",
              "Set when a context bucket holding >= 10% of the KV block-seconds cannot decide "
              "the window: the advice windows nothing until traffic above this many tokens is "
-             "sampled (empty: the advice stands)."),
+             "sampled (0: the advice stands; empty: no advice yet)."),
         stat(92, "Dynamic KV heads", "percentunit", f"attnprof_head_dynamic_ratio{{{M}}}",
              "Share of KV heads whose class changes across time windows or context buckets "
              "(kept full, no window)."),

@@ -222,7 +222,8 @@ COVERAGE_TRAFFIC_SHARE_RATIO = MetricSpec("attnprof_coverage_traffic_share_ratio
 WINDOW_NEED_MORE_TRAFFIC_TOKENS = MetricSpec("attnprof_window_need_more_traffic_tokens",
     "gauge", "Set when a context bucket holding >= 10% of the KV block-seconds cannot decide "
     "the window (its sampling error straddles the target): the advice windows nothing and "
-    "needs more traffic above this many tokens (absent otherwise).", "tokens", (_M,),
+    "needs more traffic above this many tokens (0 when the advice stands; absent before any "
+    "advice with coverage).", "tokens", (_M,),
     "livemostrecent")
 HEAD_DYNAMIC_KV_HEADS = MetricSpec("attnprof_head_dynamic_kv_heads", "gauge",
     "KV heads whose class changes across time windows or context buckets (dynamic: kept "

@@ -280,9 +280,12 @@ def coverage_samples(model: str, cov: Mapping[str, Any] | None,
             if lay.get("kappa") is not None:
                 out.append(s(cat.HEAD_CLASS_KAPPA, lay["kappa"], model=model,
                              layer=str(lay["layer"])))
-    need = ((adv or {}).get("coverage") or {}).get("need_more_traffic_above")
-    if need is not None and "error" not in (adv or {}):
-        out.append(s(cat.WINDOW_NEED_MORE_TRAFFIC_TOKENS, need, model=model))
+    # 0 once an advice with coverage stands (no bucket short of traffic), not absent: an
+    # alert or panel then tells "advice stands" from "no advice yet" (absent).
+    adv_cov = (adv or {}).get("coverage")
+    if isinstance(adv_cov, Mapping) and "error" not in (adv or {}):
+        need = adv_cov.get("need_more_traffic_above")
+        out.append(s(cat.WINDOW_NEED_MORE_TRAFFIC_TOKENS, need or 0, model=model))
     return out
 
 
