@@ -175,7 +175,7 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         head_stats_from_snapshot,
         strata_from_snapshot,
     )
-    from attnprof.contracts.snapshot import RequestStats
+    from attnprof.contracts.snapshot import ContextBuckets
 
     if args.lengths is not None:
         return read_lengths(args.lengths), None, None
@@ -192,9 +192,12 @@ def _distribution(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                                "the server")
             dist = from_snapshot(snap, source=args.url)
             strata = strata_from_snapshot(snap)
-            req = RequestStats.from_json(snap["requests"]) if snap.get("requests") else None
+            # Only the per-bucket counts: a snapshot from before 1.9 has none, and its
+            # requests section may lack fields that version did not have yet.
+            cb = (snap.get("requests") or {}).get("context_buckets")
+            buckets = ContextBuckets.from_json(cb) if isinstance(cb, dict) else None
             return (check_lengths(dist, source), head_stats_from_snapshot(snap),
-                    None if strata is None else (strata, getattr(req, "context_buckets", None)))
+                    None if strata is None else (strata, buckets))
         from attnprof.tools.prometheus_query import query_prometheus
 
         dist = query_prometheus(args.prometheus, model=args.prometheus_model,
