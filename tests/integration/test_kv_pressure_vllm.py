@@ -79,12 +79,19 @@ class _GaugePoller:
         self.url = base_url + "/metrics"
         self.max = 0.0
         self.polls = 0
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        # A scrape that fails or is slow on a loaded machine is counted, not fatal: a dead
+        # thread would leave a max of nothing and fail the test for the machine's sake.
         while not self._stop.is_set():
-            v = metric_value(get_text(self.url), "vllm:kv_cache_usage_perc")
+            try:
+                v = _gauge(get_text(self.url, timeout=30.0), "vllm:kv_cache_usage_perc")
+            except Exception as e:  # recorded and shown by the assertion
+                self.errors.append(repr(e))
+                v = None
             if v is not None:
                 self.max = max(self.max, v)
                 self.polls += 1
@@ -100,6 +107,18 @@ class _GaugePoller:
         assert not self._thread.is_alive()
 
 
+def _gauge(text: str, name: str) -> float | None:
+    """Sum of an unlabelled-or-labelled gauge's samples, read line by line: the full
+    exposition parser costs ~100x more per scrape, and a poller that spends its time parsing
+    on a 2-core machine under load sees the run only a few times."""
+    total = None
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            rest = line[line.index("}") + 1:] if "{" in line else line[len(name):]
+            total = (total or 0.0) + float(rest.split()[0])  # a timestamp may follow
+    return total
+
+
 def _bucket(u: float) -> int:
     """Index of the usage-histogram bucket that holds ``u``."""
     return next(i for i, b in enumerate(USAGE_BOUNDS) if u <= b + 1e-12)
@@ -109,7 +128,7 @@ def _agrees_with_gauge(peak: float | None, poller: _GaugePoller) -> None:
     """attnprof sees every stats batch, a poller of vLLM's gauge only some: the polled max is
     a lower bound, and the peak is in its histogram bucket or the next one up (a constant
     peak would not be; near full a bucket is about one block of the 63)."""
-    assert poller.polls > 5 and peak is not None
+    assert poller.polls >= 2 and peak is not None, (poller.polls, peak, poller.errors[-3:])
     assert poller.max - 1e-9 <= peak <= 1.0, (peak, poller.max)
     assert _bucket(peak) - _bucket(poller.max) <= 1, (peak, poller.max)
 

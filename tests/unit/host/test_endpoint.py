@@ -667,12 +667,18 @@ def test_only_a_server_whose_ranks_may_span_nodes_polls_for_the_rate_sync(
     monkeypatch.delenv("ATTNPROF_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
+    from vllm.config import ParallelConfig
+
     def polls(mode: str, nnodes: int) -> bool:
         monkeypatch.setenv("ATTNPROF_RANK_SYNC", mode)
+        # The engine client's own parallel config (AsyncLLM.vllm_config), as vLLM builds it.
+        pc = ParallelConfig(nnodes=nnodes, tensor_parallel_size=2,
+                            distributed_executor_backend="mp")
+        client = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=pc))
 
         async def go() -> bool:
             plugin = AttnProfEndpoint()
-            await plugin.init_state(object(), None, SimpleNamespace(api_key=None, nnodes=nnodes))
+            await plugin.init_state(client, None, SimpleNamespace(api_key=None))
             timer = plugin.view._sync_timer
             if timer is not None:
                 timer.cancel()

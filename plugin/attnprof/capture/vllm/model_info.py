@@ -138,13 +138,11 @@ def sync_ranks(cap: Any, instance: Any, parallel_config: Any = None) -> None:
         RpcRate,
         channel_path,
         group_key,
-        multi_node,
+        sync_mode,
     )
 
     cfg = cap.state.config
-    mode = cfg.rank_sync if cfg is not None else "auto"
-    if mode == "auto":
-        mode = "rpc" if multi_node(parallel_config) else "file"
+    mode = sync_mode(cfg.rank_sync if cfg is not None else "auto", parallel_config)
     leader = cap.rank["tp_rank"] == 0
     if mode == "rpc":
         cap.sampler.sync = RpcRate(group_key(cap.rank["dp_rank"], cap.rank["pp_rank"]), leader)

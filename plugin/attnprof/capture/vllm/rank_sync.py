@@ -172,6 +172,16 @@ def multi_node(parallel_config: Any) -> bool:
     return nodes > 1
 
 
+def sync_mode(setting: str, parallel_config: Any) -> str:
+    """The channel tensor-parallel ranks share the budget's scale on: ``ATTNPROF_RANK_SYNC``
+    as set, ``auto`` decided by :func:`multi_node` (``rpc`` across nodes, else ``file``).
+    The one decision the workers (which channel) and the API server (whether to poll for
+    the RPC channel) both read, from the same parallel config."""
+    if setting == "auto":
+        return "rpc" if multi_node(parallel_config) else "file"
+    return setting
+
+
 class RpcRate:
     """``sync`` for :class:`~attnprof.aggregate.sampler.StepSampler` without the file: epoch
     boundaries announce nothing (so no rank changes its scale by itself); the leader's wanted

@@ -43,6 +43,7 @@ from typing import Any
 from fastapi import Request
 
 from attnprof._safety import fault_point
+from attnprof.capture.vllm.rank_sync import sync_mode
 from attnprof.config import Config, api_tokens
 from attnprof.contracts.snapshot import Snapshot
 from attnprof.host.vllm import runtime, start
@@ -384,10 +385,11 @@ class AttnProfEndpoint:
         cfg, otlp = runtime.config_from_env()
         if cfg.enabled:
             start(cfg, otlp)
-            # Only ranks that may span nodes sync over the poll (model_info.sync_ranks): a
-            # one-node server is not polled (a server nobody reads pays nothing).
-            if cfg.rank_sync == "rpc" or (cfg.rank_sync == "auto"
-                                          and int(getattr(args, "nnodes", 1) or 1) > 1):
+            # Polled only where the workers chose the RPC channel (the same decision from
+            # the same parallel config as model_info.sync_ranks): a one-node server is not
+            # polled (a server nobody reads pays nothing).
+            pc = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+            if sync_mode(cfg.rank_sync, pc) == "rpc":
                 self.view.start_rate_sync()
             if cfg.advice_interval_s > 0 and engine_client is not None:
                 self._task = asyncio.get_running_loop().create_task(
