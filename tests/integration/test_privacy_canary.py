@@ -746,6 +746,9 @@ def test_canaries_were_sent_and_exports_are_not_empty(exports: Exports) -> None:
     snap = json.loads(out["/attnprof/snapshot?head_stats=1"])
     assert snap["requests"]["context_tokens"]["count"] >= 3
     assert snap["head_stats"] and snap["workers"][0]["layers"]
+    # The runner report is scanned with the rest: vLLM's class name and flags only.
+    assert snap["workers"][0]["runner"] == {"runner": "v1", "runner_class": "CPUModelRunner",
+                                            "hooked": True, "note": None}
     assert json.loads(out["/attnprof/snapshot"]).get("head_stats") is None
     assert "bearer token" in out["/attnprof/snapshot (no token: 401)"]
     assert json.loads(out["POST /attnprof/sampling"])["workers"]

@@ -13,14 +13,14 @@ Kept: the model label, ``enabled``, processes and roles, per layer the static fa
 cache group too) and the counters ``/metrics`` exports (calls, time, tokens, FLOPs, bytes, KV-
 cache bytes), the kernel map (with each group's KV spec, window, block size and bytes per
 token: model facts), per-phase step totals, sampler (sampled steps by CUDA graph mode too) and
-poll-cost counters, error and drop counts by place, request counts, p50/p90/p99 and mean
-(``/metrics`` has the quantile gauges and the histograms' sums and counts), the context-length
-histogram (the same buckets as ``attnprof_request_context_tokens``), KV-pressure aggregates and
-verdict, probe and roofline, the per-bucket request and KV block-second counts
-(``attnprof_context_bucket_*``) and the head statistics' coverage and head stability
-(``attnprof_coverage_*``, ``attnprof_head_dynamic_*``, ``attnprof_head_class_kappa``): counts
-and shares. Withheld: the per-bucket token sums (traffic's and folded), a lone request's exact
-length.
+poll-cost counters, each worker's model runner (V1/V2, its vLLM class name, whether hooked),
+error and drop counts by place, request counts, p50/p90/p99 and mean (``/metrics`` has the
+quantile gauges and the histograms' sums and counts), the context-length histogram (the same
+buckets as ``attnprof_request_context_tokens``), KV-pressure aggregates and verdict, probe and
+roofline, the per-bucket request and KV block-second counts (``attnprof_context_bucket_*``) and
+the head statistics' coverage and head stability (``attnprof_coverage_*``,
+``attnprof_head_dynamic_*``, ``attnprof_head_class_kappa``): counts and shares. Withheld: the
+per-bucket token sums (traffic's and folded), a lone request's exact length.
 
 Withheld: the exact context lengths (the quantile sketch, which holds every finished
 request's length while fewer than 2048 have finished, and each quantity's ``max``); per-layer
@@ -69,7 +69,7 @@ _KERNEL_GROUP = {**{k: True for k in ("layers", "backend", "kernel", "fused", "v
                  "error": error_kind}
 _WORKER = {
     **{k: True for k in ("pid", "process", "steps", "sampler", "errors", "dropped", "disabled",
-                         "head_stats_cost", "poll_cost", "probe")},
+                         "head_stats_cost", "poll_cost", "probe", "runner")},
     "layers": ({**{k: True for k in _LAYER_FACTS}, "phases": (_PHASE,)},),
     "kernel_map": (_KERNEL_GROUP,),
     "error": error_kind,
@@ -137,6 +137,7 @@ KEPT_WHOLE: dict[str, tuple[str, ...]] = {
         "intensity_flops_per_byte", "achieved_flops_per_second", "achieved_bytes_per_second",
         "kv_bytes_per_second", "bandwidth_utilization", "compute_utilization", "bound", "layer",
         "site"),
+    "RunnerReport": ("runner", "runner_class", "hooked", "note"),
     "SamplerStats": ("seen", "sampled", "sampled_long", "blind", "unsampled", "base_rate",
         "effective_rate", "budget", "self_time_s", "self_time_fraction", "throttles", "step_index",
         "sync", "late_changes", "unsynced", "decisions_digest", "rate_changes", "graph_modes",

@@ -33,6 +33,17 @@ def _tok(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
+def runner_line(r: dict[str, Any] | None) -> str:
+    """Which vLLM model runner a worker runs and whether attnprof hooks its steps (an empty
+    profile then says why); "" for a snapshot without the report."""
+    if not r:
+        return ""
+    head = f"Model runner: {r.get('runner')} ({r.get('runner_class') or '?'})"
+    if not r.get("hooked"):
+        return f"{head}: {r.get('note') or 'not hooked'}: no step is sampled or timed"
+    return f"{head}, hooked" + (f" ({r['note']})" if r.get("note") else "")
+
+
 def render_snapshot(snap: dict[str, Any]) -> str:
     out: list[str] = []
     procs = [p for p in snap.get("processes") or [] if p.get("alive")]
@@ -42,6 +53,9 @@ def render_snapshot(snap: dict[str, Any]) -> str:
                          [[p.get("role"), p.get("pid"), p.get("process")] for p in procs]))
         out.append("")
     for w in snap.get("workers") or []:
+        rl = runner_line(w.get("runner"))
+        if rl:
+            out += [rl, ""]
         layers = w.get("layers") or []
         steps = w.get("steps") or {}
         share = {p: v.get("attention_share") for p, v in steps.items()}

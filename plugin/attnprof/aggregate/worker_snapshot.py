@@ -24,6 +24,7 @@ from attnprof.contracts.snapshot import (
     HeadStatsCost,
     KernelGroup,
     PollCost,
+    RunnerReport,
     SamplerStats,
     WorkerSnapshot,
 )
@@ -112,11 +113,12 @@ def note_poll(pc: PollCost, t0: float, t1: float, t2: float, buffer: Any = None)
 def worker_snapshot(pid: int, process: str, aggs: WorkerAggregates, kernel_map: list[KernelGroup],
                     sampler: SamplerStats, errors: Any, hs_cost: HeadStatsCost,
                     poll_cost: PollCost, head_stats: dict[str, Any] | None,
-                    probe: Any = None) -> WorkerSnapshot:
-    """One worker's :class:`WorkerSnapshot`; ``errors``: its ``ErrorBook`` (copied)."""
+                    probe: Any = None, runner: RunnerReport | None = None) -> WorkerSnapshot:
+    """One worker's :class:`WorkerSnapshot`; ``errors``: its ``ErrorBook`` (copied);
+    ``runner``: the model runner it hooks (capture's report)."""
     layers, steps = aggs.cut()
     return dataclasses.replace(
-        _counters(pid, process, sampler, errors, hs_cost, poll_cost), layers=layers,
+        _counters(pid, process, sampler, errors, hs_cost, poll_cost, runner), layers=layers,
         kernel_map=kernel_map, steps=steps, head_stats=head_stats, probe=probe)
 
 
@@ -150,20 +152,23 @@ def slow_parts(aggs: WorkerAggregates, kernel_map: Callable[[list[LayerInfo]], l
 
 
 def fast_snapshot(pid: int, process: str, sampler: SamplerStats, errors: Any,
-                  hs_cost: HeadStatsCost, poll_cost: PollCost) -> dict[str, Any]:
+                  hs_cost: HeadStatsCost, poll_cost: PollCost,
+                  runner: RunnerReport | None = None) -> dict[str, Any]:
     """A :class:`WorkerSnapshot`'s JSON without its :data:`SLOW_FIELDS` (left empty): the
     counters of every step, microseconds to build."""
-    return _counters(pid, process, sampler, errors, hs_cost, poll_cost).to_json()
+    return _counters(pid, process, sampler, errors, hs_cost, poll_cost, runner).to_json()
 
 
 def _counters(pid: int, process: str, sampler: SamplerStats, errors: Any,
-              hs_cost: HeadStatsCost, poll_cost: PollCost) -> WorkerSnapshot:
+              hs_cost: HeadStatsCost, poll_cost: PollCost,
+              runner: RunnerReport | None = None) -> WorkerSnapshot:
     """The snapshot's per-step counters (both builds start from it: one list of fields)."""
     # One copy under the book's lock: the snapshot thread reads while serving threads record.
     by_place, dropped, tripped = errors.view()
     return WorkerSnapshot(
         pid=pid, process=process, sampler=sampler, errors=by_place, dropped=dropped,
-        disabled="capture" in tripped, head_stats_cost=hs_cost, poll_cost=poll_cost)
+        disabled="capture" in tripped, head_stats_cost=hs_cost, poll_cost=poll_cost,
+        runner=runner)
 
 
 def join(fast: dict[str, Any], slow: Mapping[str, Any]) -> dict[str, Any]:

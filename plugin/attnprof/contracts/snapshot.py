@@ -27,7 +27,9 @@ and ``coverage`` (what the head statistics folded per phase and bucket against t
 and the heads whose class changes across time windows and buckets), and each
 ``KernelGroup``'s vLLM KV-cache group (``kv_group``, ``kv_spec``, ``sliding_window``,
 ``kv_block_size``, ``kv_bytes_per_token``), each layer's ``kv_group``, and the sampled steps
-by CUDA graph mode (``SamplerStats.graph_modes``, ``graph_steered``).
+by CUDA graph mode (``SamplerStats.graph_modes``, ``graph_steered``), and each worker's
+model ``runner`` (vLLM's V1 or V2 model runner, or one attnprof does not know, and whether its
+steps are hooked).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ __all__ = [
     "QuantileSummary",
     "RecordWindow",
     "RequestStats",
+    "RunnerReport",
     "SamplerStats",
     "Snapshot",
     "SnapshotErrors",
@@ -228,6 +231,22 @@ class PollCost(Record):
 
 
 @dataclass
+class RunnerReport(Record):
+    """Which vLLM model runner this worker runs and whether attnprof sees its steps (1.9).
+
+    ``runner``: ``v1`` (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``), ``v2`` (Model
+    Runner V2, ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``: vLLM 0.32's GPU default
+    with Triton) or ``unknown``; ``runner_class``: the runner's class name (a vLLM or platform
+    class, no user data); ``hooked``: its steps reach attnprof's step hook; ``note``: what is
+    unverified or why nothing is hooked."""
+
+    runner: str = "unknown"
+    runner_class: str = ""
+    hooked: bool = False
+    note: str | None = None
+
+
+@dataclass
 class WorkerSnapshot(Record):
     """Everything one worker process captured (``error`` set when it could not answer)."""
 
@@ -250,6 +269,9 @@ class WorkerSnapshot(Record):
     probe: MemoryProbe | None = None
     """This worker's peak bandwidth and matmul FLOP/s (``ATTNPROF_PROBE=1``; null until the
     start-up probe has run)."""
+    runner: RunnerReport | None = None
+    """The model runner and whether its steps are hooked (1.9; null until the worker built
+    its runner, and outside vLLM)."""
 
 
 @dataclass

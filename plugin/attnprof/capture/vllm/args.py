@@ -105,6 +105,19 @@ class VllmArgs:
         """A ``CudagraphDispatcher.dispatch(*args, **kwargs)`` call's arguments by name."""
         return dict(zip(self.dispatch, args, strict=False)) | kwargs
 
+    execute_model: tuple[str, ...] = ("scheduler_output", "intermediate_tensors", "dummy_run")
+    """Model Runner V2 ``GPUModelRunner.execute_model``'s leading parameters."""
+
+    def execute_tokens(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Tokens a V2 ``execute_model(*args, **kwargs)`` call runs the model on: the
+        scheduler's ``total_num_scheduled_tokens``; 0 for a dummy run (profiling, capture,
+        a data-parallel peer's idle step) or an empty step, which run no serving forward."""
+        dummy = args[2] if len(args) > 2 else kwargs.get(self.execute_model[2], False)
+        if dummy:
+            return 0
+        so = args[0] if args else kwargs.get(self.execute_model[0])
+        return int(getattr(so, "total_num_scheduled_tokens", 0) or 0)
+
 
 VLLM_0_32 = VllmArgs(versions=("0.32",))
 _SUPPORTED = (VLLM_0_32,)
@@ -297,12 +310,18 @@ def block_table(md: Any) -> Any:
     return getattr(md, "block_table", None)
 
 
-def prompt_lens(runner: Any, num_reqs: int) -> list[int] | None:
-    """Each scheduled request's prompt length (``input_batch.num_prompt_tokens``, in the
-    batch's request order, which attention metadata follows), or None when unreadable."""
+def prompt_lens(runner: Any, num_reqs: int, batch: Any = None) -> list[int] | None:
+    """Each scheduled request's prompt length, in the batch's request order (which attention
+    metadata follows), or None when unreadable. V1: ``runner.input_batch.num_prompt_tokens``;
+    Model Runner V2 (``batch``: the step's ``InputBatch``, which V2 keeps local to
+    ``execute_model``): ``runner.req_states.prompt_len`` at the batch's ``idx_mapping_np``
+    (batch index -> request-state row)."""
     try:
-        n = runner.input_batch.num_prompt_tokens
-        out = [int(x) for x in n[:num_reqs]]
+        if batch is not None:
+            n = runner.req_states.prompt_len.np[batch.idx_mapping_np[:num_reqs]]
+        else:
+            n = runner.input_batch.num_prompt_tokens[:num_reqs]
+        out = [int(x) for x in n]
     except Exception:
         return None
     return out if len(out) == num_reqs else None

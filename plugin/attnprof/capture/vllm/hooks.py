@@ -60,13 +60,13 @@ class _Fold(NamedTuple):
 
 def _paged_keys(kv_cache: Any, layout: Any, row: Any, q_pos: int, own: Any, n: int) -> Any:
     """Keys of positions [0, n) of a request whose first ``q_pos`` keys are in the paged
-    cache and the next ones are ``own`` (the call's)."""
+    cache and the next ones are ``own`` (the call's), in fp32, copied once into the layout
+    the statistics' product reads (:func:`~attnprof.capture.vllm.paged_kv.read_keys_t`)."""
     import torch
 
-    from attnprof.capture.vllm.paged_kv import read_kv
+    from attnprof.capture.vllm.paged_kv import read_keys_t
 
-    prev = read_kv(kv_cache, layout, row, min(n, q_pos))[0]
-    return prev if n <= q_pos else torch.cat([prev, own[:n - q_pos].to(prev.dtype)])
+    return read_keys_t(kv_cache, layout, row, n, own, q_pos, torch.float32)
 PENDING_STEPS_MAX = 64
 """Sampled GPU steps whose timing events are not read yet; beyond this the oldest is dropped."""
 
@@ -128,6 +128,11 @@ class Capture:
         # (outcome, the sampler's countdown after that step); the step hook takes it.
         self.predecided: tuple[str | None, int] | None = None
         self.graphs = GraphSteer()  # sampled steps by the CUDA graph mode they ran in
+        # Set on a sampled Model Runner V2 step whose graph answer was FULL: V2 replays it
+        # outside any forward context, so the step hook cannot tell it from a dummy run.
+        self.full_replay = False
+        self.v2_batch: Any = None  # a sampled V2 step's InputBatch (prompt lengths)
+        self.runner: Any = None  # RunnerReport: the worker's model runner, once built
         self.clock = clock
         self.args = args  # where this vLLM version keeps the hooked methods' arguments
         self.aggs = WorkerAggregates()
@@ -375,7 +380,7 @@ class Capture:
             return plan
         shape = self._shape(md)
         q_lens, seq_lens = shape.q_lens, shape.seq_lens
-        lens = (vargs.prompt_lens(self._runner, len(seq_lens))
+        lens = (vargs.prompt_lens(self._runner, len(seq_lens), self.v2_batch)
                 if self._runner is not None else None)
         from attnprof.aggregate.head_strata import context_bucket, context_bucket_edges
 
@@ -404,19 +409,26 @@ class Capture:
         return plan
 
     # ----- per step -----
-    def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any) -> Any:
+    def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any,
+                      tokens: int | None = None, around: Any = None) -> Any:
         """The step hook's slow path: the countdown reached zero, or the long-prefill
-        stratum may apply. ``install`` inlines the unsampled fast path before this."""
+        stratum may apply. ``install`` inlines the unsampled fast path before this.
+        ``tokens``: the step's scheduled tokens where the hook knows them (V2); ``around``:
+        a context manager factory ``around(runner)`` a sampled step runs inside (V2: its
+        CUDA-graph steering and batch capture; it must not raise its own errors)."""
         try:
-            outcome = self._decide(args, kwargs)
+            outcome = self._decide(args, kwargs, tokens)
         except Exception as exc:  # never let the decision itself reach vLLM
             self.errors.record("sampler", exc)
             outcome = None
         if outcome is None:
             return orig(runner, *args, **kwargs)
-        return self._sampled_step(orig, runner, args, kwargs, outcome)
+        if around is None:
+            return self._sampled_step(orig, runner, args, kwargs, outcome)
+        with around(runner):
+            return self._sampled_step(orig, runner, args, kwargs, outcome)
 
-    def _decide(self, args: Any, kwargs: Any) -> str | None:
+    def _decide(self, args: Any, kwargs: Any, tokens: int | None = None) -> str | None:
         """None (unsampled), "sampled" or "sampled_long"."""
         s = self.sampler
         pre = self.predecided
@@ -428,7 +440,7 @@ class Capture:
             return None if self.errors.disabled else "sampled"
         if not self.long_on or self.errors.disabled:
             return None
-        n = self.args.step_tokens(args, kwargs)  # scheduled tokens of the step
+        n = self.args.step_tokens(args, kwargs) if tokens is None else tokens
         if n < s.long_tokens or not s.long_prefill(n):
             return None
         return "sampled_long"
@@ -486,7 +498,8 @@ class Capture:
         try:
             # No wrapper fired but attention metadata is set: a full CUDA graph replayed
             # (Python never ran inside). Decided now: the forward context is this step's.
-            blind = not self._calls and vargs.step_has_metadata()
+            # V2 replays outside any forward context: its graph answer says (full_replay).
+            blind = not self._calls and (self.full_replay or vargs.step_has_metadata())
             if ev0 is not None:
                 # GPU: record the end and read both events once they have completed (next
                 # sampled step or snapshot). No synchronize(): the forward's CPU/GPU overlap

@@ -1,6 +1,6 @@
 """Patching vLLM in this process, and undoing it.
 
-:func:`install` (called once per process by the general plugin) patches six places and
+:func:`install` (called once per process by the general plugin) patches these places and
 logs each in a patch book; :func:`uninstall` puts back exactly what was there, in reverse
 order, and is idempotent (OpenTelemetry's instrumentors work the same way):
 
@@ -11,6 +11,11 @@ order, and is idempotent (OpenTelemetry's instrumentors work the same way):
   mode, attention outside the graph (:func:`~.cudagraph.determine_hook`);
 * ``GPUModelRunner.initialize_kv_cache``: each layer's KV-cache group
   (:func:`~.model_info.learn_kv_groups`);
+* ``WorkerWrapperBase.init_device``: once vLLM built the worker's model runner, which one it
+  is and whether its steps are hooked (:func:`~.runner_v2.runner_report`; a warning in the
+  worker's log when not); a Model Runner V2 worker gets V2's ``execute_model`` (the step
+  hook and its CUDA-graph steering, :mod:`.runner_v2`) and ``initialize_kv_cache`` patched
+  then, only where it runs V2;
 * ``WorkerBase.attnprof_*``: the RPC methods the host hands in
   (:func:`attnprof.host.vllm.worker_rpc.worker_methods`).
 
@@ -25,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnprof.capture.vllm import args as vargs
-from attnprof.capture.vllm import cudagraph, model_info
+from attnprof.capture.vllm import cudagraph, model_info, runner_v2
 from attnprof.capture.vllm.hooks import Capture, step_hook
 from attnprof.capture.vllm.host_state import HostState
 
@@ -101,6 +106,35 @@ def _watch_kv_cache(cap: Capture, state: HostState, runner_cls: Any) -> None:
     _patch(runner_cls, "initialize_kv_cache", initialize_kv_cache)
 
 
+def _watch_runner(cap: Capture, state: HostState) -> None:
+    """After vLLM's ``init_device`` (which builds the worker's model runner): hook V2 where the
+    worker runs it, and keep the runner report (``cap.runner``). The call is untouched."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+    except Exception as exc:
+        state.errors.record("install", exc)
+        return
+    orig = WorkerWrapperBase.init_device
+    if getattr(orig, "_attnprof", False):
+        return
+
+    @functools.wraps(orig)
+    def init_device(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        try:
+            # vars(): the wrapper's __getattr__ forwards to a worker it may not have yet.
+            runner = getattr(vars(self).get("worker"), "model_runner", None)
+            cap.runner = runner_v2.on_runner_built(
+                runner, lambda: runner_v2.patch_v2(
+                    cap, _patch, lambda c: _watch_kv_cache(cap, state, c)))
+        except Exception as exc:
+            state.errors.record("install", exc)
+        return out
+
+    init_device._attnprof = True  # type: ignore[attr-defined]
+    _patch(WorkerWrapperBase, "init_device", init_device)
+
+
 WorkerMethods = Callable[[Capture, HostState], dict[str, Callable[..., Any]]]
 """Builds the ``attnprof_*`` methods vLLM's ``WorkerBase`` answers RPCs with (the host's)."""
 
@@ -151,6 +185,7 @@ def install(state: HostState, methods: WorkerMethods | None = None) -> Capture |
         _watch_kv_cache(cap, state, GPUModelRunner)
     except Exception as exc:
         state.errors.record("install", exc)
+    _watch_runner(cap, state)
 
     try:
         from vllm.v1.worker.worker_base import WorkerBase

@@ -136,7 +136,7 @@ def snapshot(cap: WorkerCapture, include_head_stats: bool = True) -> WorkerSnaps
         sampler_stats(cap), cap.errors, ws.head_stats_cost(cap.hs),
         dataclasses.replace(cap.poll_cost),
         cap.hs_buffer.active.to_dict() if cap.hs_buffer is not None and include_head_stats
-        else None, cap.state.probe)
+        else None, cap.state.probe, getattr(cap, "runner", None))
 
 
 def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None = None
@@ -169,7 +169,7 @@ def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None 
         cap.snapshots.start()
     snap = ws.join(ws.fast_snapshot(
         os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
-        ws.head_stats_cost(cap.hs), cap.poll_cost), slow)
+        ws.head_stats_cost(cap.hs), cap.poll_cost, getattr(cap, "runner", None)), slow)
     t1 = time.perf_counter()
     out = _placement(cap)
     if with_head_stats:

@@ -1,0 +1,36 @@
+"""``attnprof snapshot`` says which vLLM model runner each worker runs and whether attnprof
+hooks it: an empty profile from an unhooked runner says why instead of showing nothing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from attnprof.contracts.snapshot import RunnerReport, Snapshot
+from attnprof.exporters.terminal import render_snapshot
+from tests.golden import DEMO
+
+
+def _snap(runner: RunnerReport | None) -> dict[str, Any]:
+    snap: dict[str, Any] = json.loads(DEMO.read_text())["snapshot"]
+    snap["workers"][0]["runner"] = runner.to_json() if runner is not None else None
+    return Snapshot.from_json(snap).to_json()  # as the contract reads it back
+
+
+def test_unhooked_runner_is_said_before_the_empty_tables() -> None:
+    text = render_snapshot(_snap(RunnerReport("unknown", "TPUModelRunner", False,
+                                              "not hooked: TPUModelRunner")))
+    line = "Model runner: unknown (TPUModelRunner): not hooked: TPUModelRunner: no step is " \
+           "sampled or timed"
+    assert line in text.splitlines()
+    assert text.index(line) < text.index("Attention layers in worker")
+
+
+def test_hooked_runners_and_their_caveat() -> None:
+    v2 = render_snapshot(_snap(RunnerReport("v2", "GPUModelRunner", True,
+                                            "hooked by construction, not run on a GPU")))
+    assert ("Model runner: v2 (GPUModelRunner), hooked (hooked by construction, not run on a "
+            "GPU)") in v2.splitlines()
+    v1 = render_snapshot(_snap(RunnerReport("v1", "CPUModelRunner", True)))
+    assert "Model runner: v1 (CPUModelRunner), hooked" in v1.splitlines()
+    assert "Model runner" not in render_snapshot(_snap(None))  # an older snapshot: no line
