@@ -19,7 +19,12 @@ from attnprof.analyze.sparsity.coverage import (
 )
 from attnprof.analyze.sparsity.recommend import export_summary, recommend
 from attnprof.analyze.sparsity.savings import LengthDistribution
-from attnprof.analyze.sparsity.stability import fleiss_kappa, stability
+from attnprof.analyze.sparsity.stability import (
+    MIN_VIEW_REQUESTS,
+    fleiss_kappa,
+    stability,
+    stability_views,
+)
 from attnprof.analyze.sparsity.strata_advice import recommend_strata
 from attnprof.capture import head_rows
 from attnprof.contracts.advice import WindowAdvice
@@ -219,16 +224,17 @@ def test_fleiss_kappa_matches_the_published_example() -> None:
 
 
 SAMPLE = list(range(128, 256, 4))  # 32 queries: decided at every window
+VOTE = MIN_VIEW_REQUESTS  # requests a view needs before it rates a head
 
 
 def test_a_head_that_switches_between_epochs_is_dynamic() -> None:
     # layer 0: head 0 reads a far needle in one epoch and its own block in the next
     # layer 1: two block heads throughout
     a, b = acc_for(2, 2), acc_for(2, 2)
-    fold(a, 0, 256, ["needle", "block"], SAMPLE)
-    fold(b, 0, 256, ["block", "block"], SAMPLE)
+    fold(a, 0, 256, ["needle", "block"], SAMPLE, times=VOTE)
+    fold(b, 0, 256, ["block", "block"], SAMPLE, times=VOTE)
     for e in (a, b):
-        fold(e, 1, 256, ["block", "block"], SAMPLE)
+        fold(e, 1, 256, ["block", "block"], SAMPLE, times=VOTE)
     assert [k.cls for k in classify(a, TH).layers[0].kv_heads] == ["retrieval", "streaming"]
     assert [k.cls for k in classify(b, TH).layers[0].kv_heads] == ["streaming", "streaming"]
     st = stability({"epoch:0": a, "epoch:1": b}, TH)
@@ -248,8 +254,8 @@ def test_sink_streaming_and_local_are_one_role() -> None:
     # a sink head one hour and a block head the next: both served by sinks + a window (how
     # large is the merged statistics' call), so not dynamic
     a, b = acc_for(1, 1), acc_for(1, 1)
-    fold(a, 0, 256, ["sink"], SAMPLE)
-    fold(b, 0, 256, ["block"], SAMPLE)
+    fold(a, 0, 256, ["sink"], SAMPLE, times=VOTE)
+    fold(b, 0, 256, ["block"], SAMPLE, times=VOTE)
     assert classify(a, TH).layers[0].kv_heads[0].cls == "sink"
     st = stability({"epoch:0": a, "epoch:1": b}, TH)
     assert st is not None and not st.dynamic.any()
@@ -261,7 +267,7 @@ def test_a_dynamic_head_gets_no_window_though_the_weighted_merge_would_give_one(
     # far needle in the long ones (1%): the traffic-weighted merge fails for 1% of queries,
     # within the target, so it would window the layer; the bucket views disagree on its role
     strata = {("prefill", 256): fold(acc_for(1, 1), 0, 256, ["block"], SAMPLE, times=10),
-              ("prefill", 1024): fold(acc_for(1, 1), 0, 256, ["needle"], SAMPLE)}
+              ("prefill", 1024): fold(acc_for(1, 1), 0, 256, ["needle"], SAMPLE, times=VOTE)}
     tr = traffic([0, 256, 512, 1024, 2048], [0, 99000, 0, 1000, 0], [0, 95, 0, 5, 0])
     arch = AttentionShape(1, 1, 1, D, "float32")
     dist = LengthDistribution.from_lengths([300] * 99 + [1100])
@@ -280,10 +286,10 @@ def test_a_dynamic_head_gets_no_window_though_the_weighted_merge_would_give_one(
 
 def test_a_thin_epoch_does_not_make_a_head_dynamic() -> None:
     full, thin = acc_for(1, 1), acc_for(1, 1)
-    fold(full, 0, 256, ["block"], SAMPLE)
-    fold(thin, 0, 256, ["block"], SAMPLE[:10])
-    # 10 queries cannot pass any window (Wilson upper bound 1/11 > 0.05), so the thin
-    # epoch alone calls the block head a retrieval head
+    fold(full, 0, 256, ["block"], SAMPLE, times=VOTE)
+    fold(thin, 0, 256, ["block"], SAMPLE[:1], times=VOTE)
+    # enough requests, but 8 queries cannot pass any window (Wilson upper bound 1/9 >
+    # 0.05), so the thin epoch alone calls the block head a retrieval head
     assert classify(thin, TH).layers[0].kv_heads[0].cls == "retrieval"
     st = stability({"epoch:0": full, "epoch:1": thin}, TH)
     assert st is not None and not st.dynamic.any()
@@ -294,8 +300,8 @@ def test_stability_over_context_buckets() -> None:
     # a head local in short prompts and a retrieval head in long ones: roles shift with
     # context, and only the buckets show it (one epoch)
     short, long_ = acc_for(1, 1), acc_for(1, 1)
-    fold(short, 0, 256, ["block"], SAMPLE)
-    fold(long_, 0, 256, ["needle"], SAMPLE)
+    fold(short, 0, 256, ["block"], SAMPLE, times=VOTE)
+    fold(long_, 0, 256, ["needle"], SAMPLE, times=VOTE)
     strata = {("prefill", 256): short, ("prefill", 1024): long_}
     arch = AttentionShape(1, 1, 1, D, "float32")
     out = recommend_strata(LengthDistribution.from_lengths([256, 1100]), arch, strata, None,
@@ -308,3 +314,102 @@ def test_stability_over_context_buckets() -> None:
     assert not cov.corrected and cov.traffic_share is None
     assert "dynamic heads: 1 of 1 KV heads (100.0%), kept full" in \
         export_summary(out.recommendation).summary
+
+
+# ---------------------------------------------------------------- stable heads measure as stable
+MIXED = 0.03
+"""A "mixed" head reads the far needle on 3% of its queries, its own block otherwise: its
+far top-1 rate sits near the retrieval rule (2%), so point estimates flip with the sample."""
+TH_MIX = Thresholds(sinks=4, streaming_max_window=8)  # w* = 16 is local: the far rule decides
+
+
+def request(t: int, kinds: list[str], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request of :func:`build`'s patterns, "mixed" heads drawn query by query."""
+    q, k = build(t, ["block" if kd == "mixed" else kd for kd in kinds])
+    for kv, kd in enumerate(kinds):
+        if kd == "mixed":
+            far = torch.rand(t, generator=g) < MIXED
+            q[far, kv, :] = 0.0
+            q[far, kv, 61] = LOGIT / SCALE
+    return q, k
+
+
+def views_of(kinds_per_view: list[list[str]], seed: int = 0, requests: int = VOTE,
+             t: int = 256) -> dict[str, HeadStatsAccumulator]:
+    """One view per entry, each ``requests`` requests folded by the default sample plan."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, kinds in enumerate(kinds_per_view):
+        acc = acc_for(1, len(kinds))
+        for r in range(requests):
+            acc.seed = seed * 1000 + i * 100 + r  # a fresh draw of positions per request
+            q, k = request(t, kinds, g)
+            head_rows.update(acc, 0, q, k, SCALE)
+        out[f"epoch:{i}"] = acc
+    return out
+
+
+STABLE = ["block", "needle", "mixed", "mixed", "mixed", "mixed"]
+
+
+def test_heads_stable_by_construction_measure_as_stable() -> None:
+    # every view draws the same distribution: any dynamic head would be sampling noise
+    views = views_of([STABLE] * 6)
+    point = [[k.cls for k in classify(a, TH_MIX).layers[0].kv_heads] for a in views.values()]
+    # the noise is real: the views' point classes of the mixed heads disagree
+    assert any(len({p[h] for p in point}) > 1 for h in range(2, 6)), point
+    st = stability(views, TH_MIX)
+    assert st is not None
+    assert st.record.dynamic_kv_heads == 0 and st.record.dynamic_share == 0.0
+    # the clear heads are still rated by every view (so "0 dynamic" is not "nothing rated")
+    assert [st.classes[v][0][:2] for v in views] == [["windowed", "retrieval"]] * 6
+    assert st.record.layers[0].rated_kv_heads >= 2 and st.record.layers[0].kappa == 1.0
+
+
+def test_heads_that_switch_are_found_among_noisy_ones() -> None:
+    # head 0 reads its block in the first three views and the far needle in the last three
+    switching = [["block" if i < 3 else "needle", *STABLE[1:]] for i in range(6)]
+    st = stability(views_of(switching, seed=1), TH_MIX)
+    assert st is not None
+    assert st.dynamic.tolist() == [[True, False, False, False, False, False]]
+    assert st.record.layers[0].dynamic_kv_heads == [0]
+
+
+def test_a_view_of_few_requests_does_not_vote() -> None:
+    # the same switch, but the needle views hold one request each: their classes are clear
+    # (the rows are noiseless) yet they stand on too little traffic to call a head dynamic
+    views = {**views_of([STABLE] * 2, seed=2),
+             **{f"epoch:{i + 2}": a for i, a in enumerate(views_of(
+                 [["needle", *STABLE[1:]]] * 2, seed=3, requests=1).values())}}
+    assert classify(views["epoch:2"], TH_MIX).layers[0].kv_heads[0].cls == "retrieval"
+    st = stability(views, TH_MIX)
+    assert st is not None and not st.dynamic.any()
+    assert st.record.views == ["epoch:0", "epoch:1"]  # the views that vote
+    each = stability(views, TH_MIX, min_requests=1)
+    assert each is not None and each.dynamic[0, 0]  # counted each alone, they would
+
+
+def test_a_window_that_passes_only_because_the_context_is_short_does_not_rate() -> None:
+    # in 72-token prompts a window of 64 covers nearly every key: it passes for a needle
+    # head as for any (the demo's short chats "windowed" heads every long bucket keeps
+    # full), so the short view cannot tell the head's role; the long view can
+    grid = (64, 128)
+    short = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=grid)
+    long_ = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=grid)
+    q, k = build(72, ["needle"])
+    k[10, 0, 61], k[20, 0, 61] = 0.0, 1.0  # the needle inside the last 64 keys
+    for _ in range(VOTE):
+        head_rows.update(short, 0, q, k, SCALE, sample=[69, 70, 71])
+        head_rows.update(long_, 0, *build(256, ["needle"]), SCALE, sample=SAMPLE)
+    assert classify(short, TH).layers[0].kv_heads[0].window == 64  # passes, trivially
+    assert classify(long_, TH).layers[0].kv_heads[0].cls == "retrieval"
+    st = stability({"prefill:0": short, "prefill:256": long_}, TH)
+    assert st is not None and not st.dynamic.any()
+    assert st.classes["prefill:0"] == [[None]] and st.classes["prefill:256"] == [["retrieval"]]
+
+
+def test_a_lone_epoch_is_not_a_view() -> None:
+    a, b = acc_for(1, 1), acc_for(1, 1)
+    strata = {("prefill", 256): a}
+    assert list(stability_views(strata, [b])) == ["prefill:256"]
+    assert list(stability_views(strata, [b, a])) == ["epoch:0", "epoch:1", "prefill:256"]

@@ -45,7 +45,7 @@ from attnprof.analyze.sparsity.confidence import wilson_bounds
 
 __all__ = ["CLASSES", "DECISIONS", "DYNAMIC", "Classification", "KvHeadClass", "LayerClass",
            "Thresholds", "Window", "by_window", "classify", "head_windows", "kv_decisions",
-           "window_decisions"]
+           "q_head_class", "window_decisions"]
 
 DECISIONS = {1: "pass", 0: "undecided", -1: "fail"}
 """Codes of :func:`window_decisions` (NaN: no evidence, fewer than ``min_queries``)."""
@@ -214,6 +214,32 @@ def head_windows(acc: HeadStatsAccumulator, th: Thresholds, sinks: int | None = 
     return np.where(enough.any(-1), w, math.nan)
 
 
+def q_head_class(w: float, *, sink: bool, uniform: bool, far: bool, all_tested: bool,
+                 th: Thresholds) -> tuple[str, float]:
+    """(class, w*) of one query head from its smallest passing window ``w`` (inf: none
+    passes; nan: no evidence) and the rules' outcomes: mean sink mass at or above
+    ``sink_mass`` (and dormant when value norms were seen), mean entropy at or above
+    ``near_uniform_entropy``, far top-1 reads at or above ``retrieval_top1_rate`` (at w*, or
+    at the largest window tested when none passes), every grid window tested. The one
+    definition of the rules' order (module docstring); :mod:`.stability` also calls it with
+    each outcome a test could have within its sampling error."""
+    if math.isnan(w):
+        return "unknown", w
+    if sink:
+        return "sink", w
+    if w <= th.streaming_max_window:
+        return "streaming", w
+    if uniform:
+        return "near_uniform", w
+    if math.isinf(w):
+        # fails at every window the sample could test: retrieval when every grid window was
+        # tested or far top-1 reads are seen, else undetermined
+        return ("retrieval", w) if all_tested or far else ("unknown", math.nan)
+    if far:
+        return "retrieval", math.inf
+    return "local", w
+
+
 def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None,
              dynamic: Any = None) -> Classification:
     """Per layer and KV head: class, window w*, and the statistics behind the decision.
@@ -245,31 +271,16 @@ def classify(acc: HeadStatsAccumulator, th: Thresholds | None = None,
         qclass: list[str] = []
         for h in range(acc.num_q_heads):
             w = wq[layer, h]
-            sink_m = float(means["sink_mass"][layer, h, si])
-            if math.isnan(w):
-                c = "unknown"
-            elif sink_m >= th.sink_mass and (norm_cut is None or norms[h] <= norm_cut):
-                c = "sink"
-            elif w <= th.streaming_max_window:
-                c = "streaming"
-            elif float(means["entropy"][layer, h]) >= th.near_uniform_entropy:
-                c = "near_uniform"
-            elif math.isinf(w):
-                # fails at every window the sample could test: retrieval when every grid
-                # window was tested or far top-1 reads are seen, else undetermined
-                tested = np.flatnonzero(enough[layer, h])
-                far = float(means["top1_outside"][layer, h, si, tested[-1]])
-                if len(tested) == len(grid) or far >= th.retrieval_top1_rate:
-                    c = "retrieval"
-                else:
-                    c = "unknown"
-                    wq[layer, h] = math.nan
-            elif float(means["top1_outside"][layer, h, si, grid.index(int(w))]) \
-                    >= th.retrieval_top1_rate:
-                c = "retrieval"
-                wq[layer, h] = math.inf
-            else:
-                c = "local"
+            tested = np.flatnonzero(enough[layer, h])
+            # far top-1 reads at w*, or at the largest window tested when none passes
+            at = (grid.index(int(w)) if math.isfinite(w) else tested[-1]) if len(tested) \
+                else 0
+            c, wq[layer, h] = q_head_class(
+                w, sink=(float(means["sink_mass"][layer, h, si]) >= th.sink_mass
+                         and (norm_cut is None or norms[h] <= norm_cut)),
+                uniform=float(means["entropy"][layer, h]) >= th.near_uniform_entropy,
+                far=float(means["top1_outside"][layer, h, si, at]) >= th.retrieval_top1_rate,
+                all_tested=len(tested) == len(grid), th=th)
             qclass.append(c)
         kv_heads: list[KvHeadClass] = []
         for kv in range(acc.num_kv_heads):
