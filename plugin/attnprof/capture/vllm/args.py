@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from attnprof.aggregate.layers import UNFUSED_BACKENDS, BatchShape, LayerInfo, layer_index
+from attnprof.aggregate.layers import (
+    UNFUSED_BACKENDS,
+    BatchShape,
+    LayerInfo,
+    Phase,
+    layer_index,
+)
 
 __all__ = ["VLLM_0_32", "ImplCall", "KvGroupFacts", "VllmArgs", "batch_shape", "for_version",
            "kernel_variant", "kv_cache_groups",
@@ -176,9 +182,83 @@ def _ints(x: Any) -> list[int]:
     return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
 
 
+LENGTHS_UNREAD = "flashinfer_lengths_unread"
+"""Drop reason of a sampled step's metadata whose per-request lengths attnprof cannot read
+(native FlashInfer): its calls are timed, their FLOPs and KV reads are not counted."""
+
+
+def is_flashinfer(md: Any) -> bool:
+    """Whether ``md`` is vLLM's ``FlashInferMetadata``: per-request lengths live in its decode
+    and prefill parts (``FlashInferMetadataBuilder.build``), not in ``seq_lens``."""
+    return (not hasattr(md, "seq_lens") and hasattr(md, "num_decodes")
+            and hasattr(md, "prefill") and hasattr(md, "decode"))
+
+
+def _flashinfer_lens(md: Any) -> Any:
+    """A ``FlashInferMetadata``'s batch in the form :func:`batch_shape` reads (``seq_lens``,
+    ``query_start_loc``, ``max_query_len``, ``num_actual_tokens``), requests in its order:
+    the ``num_decodes`` decodes first, then the prefills (vLLM reorders the batch so).
+
+    Read from the TRTLLM parts' documented fields (``FlashInferTrtllmAPIDecode.seq_lens``,
+    ``q_cu_seq_lens`` or a uniform ``num_decode_tokens / num_decodes``;
+    ``TRTLLMPrefill.seq_lens``, ``cum_seq_lens_q``). A native FlashInfer part (``FIDecode``,
+    ``FIPrefill``) keeps its lengths only inside FlashInfer's planned wrapper, library-private
+    state: None then (the caller keeps the counts and leaves the lengths out)."""
+    import torch
+
+    nd, npf = int(md.num_decodes), int(md.num_prefills)
+    nt_dec = int(md.num_decode_tokens)
+    seqs: list[Any] = []
+    starts: list[Any] = []
+    uniform_one = npf == 0
+    if nd:
+        d = md.decode
+        if getattr(d, "seq_lens", None) is None:
+            return None
+        seq = d.seq_lens[:nd]
+        seqs.append(seq)
+        cu = getattr(d, "q_cu_seq_lens", None)
+        if cu is not None:
+            starts.append(cu[:nd + 1].to(seq.device, torch.int64))
+            uniform_one = False
+        else:
+            q = nt_dec // nd
+            uniform_one = uniform_one and q == 1
+            starts.append(torch.arange(nd + 1, device=seq.device, dtype=torch.int64) * q)
+    if npf:
+        p = md.prefill
+        if getattr(p, "seq_lens", None) is None or getattr(p, "cum_seq_lens_q", None) is None:
+            return None
+        seq = p.seq_lens[:npf]
+        seqs.append(seq)
+        cu = p.cum_seq_lens_q[:npf + 1].to(seq.device, torch.int64) + nt_dec
+        starts.append(cu[1:] if nd else cu)
+    if not seqs:
+        return None
+    return SimpleNamespace(
+        num_actual_tokens=int(md.num_actual_tokens),
+        max_query_len=1 if uniform_one else max(2, int(md.num_actual_tokens)),
+        seq_lens=torch.cat(seqs) if len(seqs) > 1 else seqs[0],
+        query_start_loc=torch.cat(starts) if len(starts) > 1 else starts[0])
+
+
+def flashinfer_counts(md: Any) -> BatchShape:
+    """A native FlashInfer batch's shape from its counts alone (decodes and prefills, tokens):
+    phase and tokens right; per-request lengths, so query-key pairs and keys read, unknown
+    (0; ``head_stats`` and FLOPs leave the step out)."""
+    nd, npf = int(md.num_decodes), int(md.num_prefills)
+    phase: Phase = "decode" if npf == 0 else "prefill" if nd == 0 else "mixed"
+    return BatchShape(phase, int(md.num_actual_tokens), 0, 0, nd + npf, 0)
+
+
 def batch_shape(md: Any) -> BatchShape:
     """Batch facts from vLLM attention metadata (``num_actual_tokens``, ``seq_lens``,
-    ``query_start_loc``, ``max_query_len``)."""
+    ``query_start_loc``, ``max_query_len``; FlashInfer's: :func:`_flashinfer_lens`)."""
+    if isinstance(md, BatchShape):  # read already (shape_inputs of a counts-only batch)
+        return md
+    if is_flashinfer(md):
+        lens = _flashinfer_lens(md)
+        return flashinfer_counts(md) if lens is None else batch_shape(lens)
     num_tokens = int(md.num_actual_tokens)
     max_q = int(getattr(md, "max_query_len", 1))
     seq = _ints(md.seq_lens)
@@ -207,6 +287,11 @@ def _to_host(x: Any) -> Any:
 def shape_inputs(md: Any) -> Any:
     """What :func:`batch_shape` reads, captured now (metadata buffers are reused by later
     steps) without waiting for the GPU."""
+    if is_flashinfer(md):
+        lens = _flashinfer_lens(md)
+        if lens is None:  # counts only: read now (plain ints)
+            return flashinfer_counts(md)
+        md = lens
     return SimpleNamespace(num_actual_tokens=int(md.num_actual_tokens),
                            max_query_len=int(getattr(md, "max_query_len", 1)),
                            seq_lens=_to_host(md.seq_lens),
@@ -306,8 +391,24 @@ def cache_layout(info: LayerInfo, layer: Any) -> Any:
 
 def block_table(md: Any) -> Any:
     """The step's block table [num_reqs, max_blocks] (rows in the batch's request order), or
-    None where the metadata class has none (FlashInfer keeps per-phase slices)."""
-    return getattr(md, "block_table", None)
+    None where the metadata has none. FlashInfer's TRTLLM parts keep the decodes' and the
+    prefills' slices of one table (decodes first): joined back where both are as wide; its
+    native parts keep theirs inside FlashInfer's wrappers (None)."""
+    if not is_flashinfer(md):
+        return getattr(md, "block_table", None)
+    got = [getattr(x, "block_tables", None) for n, x in
+           ((md.num_decodes, md.decode), (md.num_prefills, md.prefill)) if n]
+    parts = [t for t in got if t is not None]
+    if not parts or len(parts) < len(got):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    dec, pre = parts
+    if dec.shape[1] != pre.shape[1]:  # an fp8 prefill table is trimmed: unread
+        return None
+    import torch
+
+    return torch.cat([dec, pre])
 
 
 def prompt_lens(runner: Any, num_reqs: int, batch: Any = None) -> list[int] | None:

@@ -567,6 +567,10 @@ class Capture:
             shape = shapes.get(id(md))
             if shape is None:
                 shape = shapes[id(md)] = vargs.batch_shape(md)
+                if shape.num_reqs and not shape.seq_lens:
+                    # native FlashInfer: timed, but its per-request lengths are FlashInfer's
+                    # private plan, so no FLOPs or KV reads for this metadata (counted)
+                    self.errors.drop(vargs.LENGTHS_UNREAD)
             rec.calls.append(LayerCall(info, shape, dt))
         self.aggs.record_step(rec)
         if trace is not None:
