@@ -1,7 +1,7 @@
-"""vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``, vLLM 0.32's GPU default with Triton) and
-which model runner a worker runs.
+"""vLLM's Model Runner V2 hooked (step, CUDA graphs), and which model runner a worker runs.
 
-V2 is its own class tree: no ``_model_forward``, no ``_determine_batch_execution_and_padding``.
+Model Runner V2 (``vllm/v1/worker/gpu/``) is vLLM 0.32's GPU default with Triton. It is its
+own class tree: no ``_model_forward``, no ``_determine_batch_execution_and_padding``.
 One ``execute_model`` call is one step, and it picks the step's CUDA graph itself
 (``dispatch_cg_and_sync_dp`` -> ``CudaGraphManager.dispatch``) before it builds inputs and
 attention metadata and runs the forward. So:
