@@ -11,19 +11,42 @@ accumulator (:mod:`attnprof.aggregate.head_stats`, pure numpy). Imports torch la
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from attnprof.aggregate.head_stats import JS_CHUNK_ELEMENTS, HeadStatsAccumulator
 
-__all__ = ["SCRATCH_ELEMENTS", "fold_plan", "pair_js", "sample_queries", "update", "update_hf",
-           "update_span"]
+__all__ = ["SCRATCH_ELEMENTS", "fold_plan", "pair_js", "sample_queries", "scratch_bytes",
+           "update", "update_hf", "update_span"]
 
 _BLOCK = 32  # keys per block for range sums
-SCRATCH_ELEMENTS = 1 << 24
-"""Most logits (queries x heads x keys) one tile of recomputed rows holds: 64 MiB of fp32,
-with a few same-sized temporaries (exp, mask) alongside; long contexts get smaller tiles."""
+SCRATCH_ELEMENTS = 1 << 22
+"""Most logits (queries x heads x keys) one tile of recomputed rows holds (16 MiB of fp32;
+long contexts get tiles of fewer queries, never less than one). The detail queries' sorts
+and pairwise distances go in pieces of a quarter and an eighth of it:
+:func:`scratch_bytes` is the bound on everything a fold allocates."""
+
+
+def scratch_bytes(num_q_heads: int, num_kv_heads: int, head_size: int, n_keys: int,
+                  tile_elements: int = 0, values: bool = False) -> int:
+    """Upper bound of the bytes one :func:`fold_plan` call holds at once beyond its inputs,
+    for queries that see ``n_keys`` keys (the stated bound; tests measure it):
+
+    * an fp32 copy of the keys (and of the values when output norms are on): n x Hkv x D;
+    * the tile's logits and their softmax, 2 x T fp32 (T = ``tile_elements``, default the
+      most :data:`SCRATCH_ELEMENTS` allows: max(SCRATCH_ELEMENTS, Hq x n), one query at
+      least), plus block sums, the causal mask and indices (< T more);
+    * a detail query's rows, normalised and their entropy terms (2 x Hq x n fp32), then
+      either its sort, in pieces of SCRATCH_ELEMENTS / 4 elements (values, indices, running
+      sums: < 26 B each), or its pairwise distances, in pieces of SCRATCH_ELEMENTS / 8
+      (< 8 fp32 temporaries each): < 2 x 4 B x SCRATCH_ELEMENTS.
+
+    So 4 B x (n Hkv D (x2 with values) + 3 T + 2 Hq n + 2 SCRATCH_ELEMENTS).
+    """
+    t = tile_elements or max(SCRATCH_ELEMENTS, num_q_heads * n_keys)
+    kv = n_keys * num_kv_heads * head_size * (2 if values else 1)
+    return 4 * (kv + 3 * t + 2 * num_q_heads * n_keys + 2 * SCRATCH_ELEMENTS)
 
 
 def sample_queries(acc: HeadStatsAccumulator, num_queries: int, q_start: int) -> Any:
@@ -112,8 +135,8 @@ def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: floa
     """Fold the queries ``idx_np`` (indices into ``q``, sorted; at positions ``q_start +
     idx``) with Horvitz-Thompson weights ``wts``; ``detail`` maps an index into ``idx_np`` to
     its detail weight. Queries go in tiles of at most ``acc.chunk_queries``, fewer when the
-    context is long, so the logits scratch stays under :data:`SCRATCH_ELEMENTS` floats (plus
-    one fp32 copy of the keys: Lk x Hkv x D). ``k`` may be a function of n returning the
+    context is long, so the logits stay under :data:`SCRATCH_ELEMENTS` floats (all scratch:
+    :func:`scratch_bytes`). ``k`` may be a function of n returning the
     first n keys (a paged-cache read): it is called only when a query is folded, for the keys
     up to the last one. Adds ``request_share`` to the layer's requests (also when no query of
     the plan falls here). Returns the number of queries folded."""
@@ -125,7 +148,7 @@ def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: floa
     acc.requests[layer] += request_share
     if len(idx_np) == 0:
         return 0
-    idx = torch.as_tensor(np.asarray(idx_np), dtype=torch.long)
+    idx = np.asarray(idx_np, dtype=np.int64)
     n_keys = int(q_start) + int(idx_np[-1]) + 1
     if callable(k):
         k = k(n_keys)
@@ -157,84 +180,141 @@ def update_hf(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: floa
     return n
 
 
+class _Index(NamedTuple):
+    """Index tensors of one tile, the same at every layer of a step (memoized)."""
+
+    ci: Any  # [c] query indices into q (long, on the device)
+    lo: int  # first key column a causal mask touches (the first query's position + 1)
+    mask: Any  # [rows, n - lo] bool: key after the row's query; None when lo >= n
+    cols: Any  # [rows, W * bs] key column of each window start's block (clamped)
+    ok: Any  # [rows, W, bs] float: the column is inside the window and below n
+    fb1: Any  # [rows, W] the block after each window start's (clamped to nb + 1)
+    sink_idx: Any  # [S] last key of each sink prefix (clamped to n - 1)
+    has: Any  # [S] float64: 0 for the s = 0 entry
+
+
+_INDEX: dict[tuple[Any, ...], _Index] = {}
+_INDEX_BYTES = 1 << 23
+"""Most bytes the memoized index tensors hold (masks dominate: rows x keys after the first
+query); past it the memo starts over."""
+_index_bytes = 0
+
+
+def _index(acc: HeadStatsAccumulator, ci: Any, start: int, n: int, dev: Any) -> _Index:
+    """The tile's index tensors, built in numpy (a few microseconds each instead of a torch
+    op each) and memoized on (positions, grids, device): every layer of a step asks for the
+    same ones. Bounded: cleared past ``_INDEX_BYTES``."""
+    global _index_bytes
+    key = (ci.tobytes(), start, n, acc.group_size, acc.window_grid, acc.sinks_grid, str(dev))
+    got = _INDEX.get(key)
+    if got is not None:
+        return got
+    import torch
+
+    g, bs = acc.group_size, _BLOCK
+    rowpos: Any = np.repeat(ci + start, g)  # row r belongs to query r // g
+    lo = int(rowpos[0]) + 1
+    mask = None
+    if lo < n:  # causal mask; a finite fill keeps 0 * fill == 0 below
+        mask = torch.from_numpy(np.arange(lo, n)[None, :] > rowpos[:, None]).to(dev)
+    wins = np.asarray(acc.window_grid, dtype=np.int64)
+    first = np.maximum(rowpos[:, None] - wins[None, :] + 1, 0)  # [rows, W] window start
+    fb = first // bs
+    cols = fb[..., None] * bs + np.arange(bs)  # [rows, W, bs] the rest of the start's block
+    ok = (cols >= first[..., None]) & (cols < n)
+    nb = n // bs
+    sinks = np.asarray(acc.sinks_grid, dtype=np.int64)
+    got = _Index(
+        torch.from_numpy(np.ascontiguousarray(ci, dtype=np.int64)).to(dev), lo, mask,
+        torch.from_numpy(np.minimum(cols, n - 1).reshape(len(rowpos), -1)).to(dev),
+        torch.from_numpy(ok.astype(np.float32)).to(dev),
+        torch.from_numpy(np.minimum(fb + 1, nb + 1)).to(dev),
+        torch.from_numpy(np.minimum(np.maximum(sinks - 1, 0), n - 1)).to(dev),
+        torch.from_numpy((sinks > 0).astype(np.float64)).to(dev))
+    size = sum(t.numel() * t.element_size() for t in got if not isinstance(t, int | None))
+    if _index_bytes + size > _INDEX_BYTES:
+        _INDEX.clear()
+        _index_bytes = 0
+    if size <= _INDEX_BYTES:
+        _INDEX[key] = got
+        _index_bytes += size
+    return got
+
+
 def _chunk(acc: HeadStatsAccumulator, layer: int, q: Any, kh: Any, v: Any, ci: Any,
            start: int, scale: float, softcap: float | None, sink_logits: Any, det: list[int],
            wts: Any = None, det_w: list[float] | None = None) -> None:
-    """One chunk of sampled queries (``wts``: their weights, default 1; ``det_w``: the
-    weights of the detail queries ``det``). Rows are laid out [hkv, c*g] as bmm produces them,
-    so the [rows, keys] matrix is written once and read a handful of times (mask tail,
-    max, exp, block sums); no sort or cumsum over all keys."""
+    """One tile of sampled queries ``ci`` (numpy indices into ``q``; ``wts``: their weights,
+    default 1; ``det_w``: the weights of the detail queries ``det``). Rows are laid out
+    [hkv, c*g] as bmm produces them. The logits go through one fused softmax (the fastest
+    pass over [rows, keys] here: max, exp, sum and scale in one kernel); the top-1 key is
+    found from 32-key block maxima (argmax over all keys is a slow scalar loop on CPU);
+    window masses come from block sums. No sort or cumsum over all keys."""
     import torch
 
     c = len(ci)
     hkv, g = acc.num_kv_heads, acc.group_size
-    hq = hkv * g
-    pos = ci + start
-    pos_l = pos.tolist()
-    n = pos_l[-1] + 1
+    hq, rows = hkv * g, c * g
+    pos = np.asarray(ci, dtype=np.int64) + start
+    n = int(pos[-1]) + 1
+    dev = kh.device  # CUDA in a GPU worker: index tensors live there, results go to numpy
+    ix = _index(acc, np.asarray(ci, dtype=np.int64), start, n, dev)
     # scale folded into q: one pass over [rows, keys] fewer
-    qh = (q[ci].float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
-        hkv, c * g, -1)
-    x = torch.bmm(qh, kh[:, :, :n])  # [hkv, c*g, n] logits
-    dev = x.device  # CUDA in a GPU worker: keep index tensors there, results to numpy
+    qh = (q[ix.ci].float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
+        hkv, rows, -1)
+    x = torch.bmm(qh, kh[:, :, :n])  # [hkv, rows, n] logits
     if softcap:
         x.div_(softcap).tanh_().mul_(softcap)
-    lo = pos_l[0] + 1
-    rowpos = pos.repeat_interleave(g).to(dev)  # row r belongs to query r // g
-    if lo < n:  # causal mask; a finite fill keeps 0 * fill == 0 below
-        keys = torch.arange(lo, n, device=dev)
-        x[:, :, lo:].masked_fill_(keys[None, None, :] > rowpos[None, :, None], -1e30)
-    m, top1 = x.max(-1)  # [hkv, c*g]
-    x.sub_(m[..., None]).exp_()  # unnormalized weights e, max 1
+    if ix.mask is not None:
+        x[:, :, ix.lo:].masked_fill_(ix.mask, -1e30)
+    bs = _BLOCK
+    nb = n // bs
+    # top-1: the first block holding the row's maximum, then the first maximum inside it
+    bmax = x[..., :nb * bs].view(hkv, rows, nb, bs).amax(-1)
+    if n > nb * bs:
+        bmax = torch.cat([bmax, x[..., nb * bs:].amax(-1, keepdim=True)], -1)
+    b1 = bmax.argmax(-1, keepdim=True) * bs  # [hkv, rows, 1]
+    inb = (b1 + torch.arange(bs, device=dev)).clamp(max=n - 1)
+    top1 = b1[..., 0] + torch.gather(x, 2, inb).argmax(-1)  # [hkv, rows]
+    m = None if sink_logits is None else torch.gather(x, 2, top1[..., None])[..., 0]
+    p = torch.softmax(x, -1)  # normalized weights, [hkv, rows, n]
+    del x
     # Block sums (one pass) and their suffix sums in float64 give the mass of any key
     # range [a, n) as suffix-of-blocks + a partial block: summed directly, never as
     # total - prefix, so small local masses stay precise.
-    bs = _BLOCK
-    nb = n // bs
-    blocks = torch.empty(hkv, c * g, nb + 2, dtype=torch.float64, device=dev)
-    blocks[..., :nb] = x[..., :nb * bs].reshape(hkv, c * g, nb, bs).sum(-1)
-    blocks[..., nb] = x[..., nb * bs:].sum(-1)
-    blocks[..., nb + 1] = 0.0
+    blocks = torch.zeros(hkv, rows, nb + 2, dtype=torch.float64, device=dev)
+    blocks[..., :nb] = p[..., :nb * bs].view(hkv, rows, nb, bs).sum(-1)
+    blocks[..., nb] = p[..., nb * bs:].sum(-1)
     suffix = blocks.flip(-1).cumsum(-1).flip(-1)  # suffix[b] = sum of blocks b..
-    z = suffix[..., 0]
-    wins_t = torch.tensor(acc.window_grid, device=dev)
-    first = (rowpos[:, None] - wins_t[None, :] + 1).clamp(min=0)  # [rows, W] window start
-    fb = first // bs
-    t = torch.arange(bs, device=dev)
-    cols = fb[..., None] * bs + t  # [rows, W, bs] the rest of the start's block
-    ok = (cols >= first[..., None]) & (cols < n)
-    part = torch.gather(x, 2, cols.clamp(max=n - 1).reshape(1, c * g, -1)
-                        .expand(hkv, -1, -1)).reshape(hkv, c * g, len(acc.window_grid), bs)
-    part = (part * ok[None]).sum(-1).double()
-    local = torch.gather(suffix, 2, (fb + 1).clamp(max=nb + 1)[None].expand(hkv, -1, -1))
-    local = local + part  # [hkv, rows, W]
-    smax = max(acc.sinks_grid)
-    pre = x[:, :, :max(1, smax)].double().cumsum(-1)
-    sink_idx = torch.tensor([max(0, s - 1) for s in acc.sinks_grid],
-                            device=dev).clamp(max=n - 1)
-    has = torch.tensor([s > 0 for s in acc.sinks_grid], dtype=torch.float64, device=dev)
-    sink_m = pre[:, :, sink_idx] * has
-    learned = None
-    if sink_logits is not None:
+    z = suffix[..., :1]  # 1 up to rounding: dividing by it keeps the masses' sum exactly 1
+    part = (torch.gather(p, 2, ix.cols.expand(hkv, -1, -1)).view(hkv, rows, -1, bs)
+            * ix.ok).sum(-1)
+    out = torch.empty(hkv, rows, len(acc.sinks_grid) + len(acc.window_grid) + 2,
+                      dtype=torch.float64, device=dev)
+    ns = len(acc.sinks_grid)
+    local = out[..., ns:-2]
+    torch.add(torch.gather(suffix, 2, ix.fb1.expand(hkv, -1, -1)), part, out=local)
+    pre = p[:, :, :max(1, max(acc.sinks_grid))].cumsum(-1, dtype=torch.float64)
+    sink_m = out[..., :ns]
+    torch.mul(pre[:, :, ix.sink_idx], ix.has, out=sink_m)
+    out[..., -2] = top1
+    maxw = out[..., -1]
+    maxw.copy_(p.amax(-1))  # 1 / z before the division below
+    out[..., :-2] /= z
+    maxw /= z[..., 0]
+    zd = z[..., 0]  # the detail rows' normaliser
+    if m is not None:  # learned sinks (gpt-oss): extra mass outside every key
         sl = torch.as_tensor(sink_logits).to(dev).float().view(hkv, 1, g).expand(hkv, c, g)
-        extra = torch.exp(sl.reshape(hkv, c * g) - m).double()
-        z = z + extra
-        learned = extra / z
-    zz = z[..., None]
-    local = local / zz
-    sink_m = sink_m / zz
-    if learned is not None:
-        sink_m = sink_m + learned[..., None] * has
-
-    def rows_to_ch(t: Any) -> Any:  # [hkv, c*g, ...] -> [c, hq, ...] as float64 numpy
-        t = t.reshape(hkv, c, g, *t.shape[2:]).transpose(0, 1).reshape(c, hq, *t.shape[2:])
-        return t.double().cpu().numpy()
-
+        r = torch.exp(sl.reshape(hkv, rows) - m).double() * maxw  # sink / keys' mass
+        out[..., :-2] /= (1 + r)[..., None]
+        sink_m += (r / (1 + r))[..., None] * ix.has
+        maxw /= 1 + r
+        zd = zd * (1 + r)
+    res = out.reshape(hkv, c, g, -1).transpose(0, 1).reshape(c, hq, -1).cpu().numpy()
     w_np = np.ones(c) if wts is None else np.asarray(wts, dtype=np.float64)
-    acc.fold_rows(layer, pos.numpy(), rows_to_ch(sink_m), rows_to_ch(local), rows_to_ch(top1),
-                  rows_to_ch(1.0 / z), w_np)
+    acc.fold_rows(layer, pos, res[..., :ns], res[..., ns:-2], res[..., -2], res[..., -1], w_np)
     if det:
-        _detail(acc, layer, x, z.float(), pos_l, det, v, det_w)
+        _detail(acc, layer, p, zd.float(), pos.tolist(), det, v, det_w)
 
 
 def _detail(acc: HeadStatsAccumulator, layer: int, x: Any, z: Any, pos_l: list[int],
@@ -254,13 +334,50 @@ def _detail(acc: HeadStatsAccumulator, layer: int, x: Any, z: Any, pos_l: list[i
         p = (x[:, rows, :n] / z[:, rows, None]).reshape(hq, n)  # [hq, n] (kv-major)
         ent = -torch.special.xlogy(p, p).sum(-1)
         ent_n = (ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double().cpu().numpy()
-        srt = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
-        tk = ((srt < acc.mass_gamma * srt[:, -1:]).sum(-1) + 1).cpu().numpy()
+        tk = _mass_count(p, acc.mass_gamma)
         norm = None
         if v is not None:
             o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
             norm = o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
-        acc.fold_detail(layer, n, ent_n, tk, pair_js(p), norm, dw)
+        acc.fold_detail(layer, n, ent_n, tk, pair_js(p, SCRATCH_ELEMENTS // 8), norm, dw)
+
+
+_TOPK_FIRST = 64
+
+
+def _mass_count(p: Any, gamma: float) -> Any:
+    """Keys needed, largest first, for ``gamma`` of each row's mass (``p`` [rows, n]) as
+    numpy. A partial top-k (linear time) of 64, then 512 keys settles the peaked rows; only
+    rows still short sort in full (a sort of 9 x 4K keys took 2 ms, a top-64 0.08 ms). The
+    same count as sorting every row: the top-k values come sorted, so their running sum is
+    the sorted row's up to k."""
+    import torch
+
+    rows, n = int(p.shape[0]), int(p.shape[1])
+    need = gamma * p.sum(-1, dtype=torch.float64)
+    out: Any = np.empty(rows, dtype=np.int64)
+    todo = np.arange(rows)
+    k = _TOPK_FIRST
+    while len(todo):
+        k = min(k, n)
+        # rows in pieces: a sort's values, indices and running sums stay under
+        # SCRATCH_ELEMENTS / 4 elements each
+        piece = max(1, SCRATCH_ELEMENTS // (4 * n))
+        left = []
+        for a in range(0, len(todo), piece):
+            rows_ = todo[a:a + piece]
+            at = torch.from_numpy(rows_).to(p.device)
+            sub = p if len(rows_) == rows else p[at]
+            top = (torch.sort(sub, -1, descending=True) if k == n
+                   else torch.topk(sub, k, -1)).values.cumsum(-1, dtype=torch.float64)
+            nd = need if len(rows_) == rows else need[at]
+            cnt = np.minimum((top < nd[:, None]).sum(-1).cpu().numpy() + 1, n)
+            done = (cnt <= k) | (k == n)  # settled within the top k (all keys: always)
+            out[rows_[done]] = cnt[done]
+            left.append(rows_[~done])
+        todo = np.concatenate(left)
+        k *= 8
+    return out
 
 
 def pair_js(p: Any, chunk_elements: int = JS_CHUNK_ELEMENTS) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnprof.capture.vllm.paged_kv import CacheLayout, read_kv
+from attnprof.capture.vllm.paged_kv import CacheLayout, read_keys_t, read_kv
 
 H, D, BS, NB = 2, 64, 32, 8
 
@@ -57,6 +57,34 @@ def test_cpu_attn_cache_written_by_vllms_own_op_reads_back(isa: str,
     assert not torch.equal(read_kv(kv_cache, CacheLayout(other, D), row, n)[0], k)
 
 
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_keys_read_transposed_in_one_copy_equal_the_written_ones(isa: str,
+                                                                 dtype: torch.dtype) -> None:
+    """The statistics' read: the cached head of a prompt plus the call's own keys, as fp32
+    [n, Hkv, D] over one contiguous [Hkv, D, n] tensor (cpu_vec copies block by block, the
+    other packings through read_kv), on a cache written by vLLM's own op."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    kv_cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    key_cache, value_cache = kv_cache.view(NB, H, 2 * BS, D).chunk(2, dim=2)
+    n = 3 * BS + 5
+    k, v = _kv(n, dtype, 3)
+    row = _row()
+    pos = torch.arange(n)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache,
+                                   row[pos // BS].long() * BS + pos % BS, isa)
+    layout = CacheLayout("cpu_amx" if isa == "amx" else "cpu_vec", D)
+    own = torch.randn(2 * BS, H, D).to(dtype)
+    for cached, m in ((n, n), (n, 40), (BS, BS + 7), (BS + 3, 2 * BS), (0, 9), (37, 37)):
+        got = read_keys_t(kv_cache, layout, row, m, own, cached, torch.float32)
+        want = torch.cat([k[:min(m, cached)], own[:max(0, m - cached)]]).float()
+        assert got.dtype == torch.float32 and torch.equal(got, want), (isa, cached, m)
+        assert got.permute(1, 2, 0).is_contiguous()
+
+
 def _logical_cache(layout: object, dtype: torch.dtype) -> torch.Tensor:
     """One layer's logical [B, H, N, 2D] view of a [L=2, B, H, N, 2D] cache allocated in
     ``layout``'s physical stride order."""
@@ -85,6 +113,9 @@ def test_gpu_layouts_read_back_for_every_stride_order() -> None:
         got_k, got_v = read_kv(kv_cache, CacheLayout("logical", D), row, n, values=True)
         assert torch.equal(got_k, k), lay
         assert torch.equal(got_v, v), lay
+        own = torch.randn(BS, H, D)
+        got_t = read_keys_t(kv_cache, CacheLayout("logical", D), row, n, own, n - 5)
+        assert torch.equal(got_t, torch.cat([k[:n - 5], own[:5].half()])), lay
 
 
 def test_short_block_rows_and_unknown_layouts_are_refused() -> None:

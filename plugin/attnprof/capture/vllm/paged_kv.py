@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LAYOUTS", "CacheLayout", "read_kv"]
+__all__ = ["LAYOUTS", "CacheLayout", "read_keys_t", "read_kv"]
 
 LAYOUTS = ("logical", "cpu_vec", "cpu_amx")
 
@@ -83,6 +83,33 @@ def read_kv(kv_cache: Any, layout: CacheLayout, block_row: Any, n: int,
     if v is not None:
         v = v.permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)[:n]
     return k, v
+
+
+def read_keys_t(kv_cache: Any, layout: CacheLayout, block_row: Any, n: int, own: Any,
+                own_start: int, dtype: Any = None) -> Any:
+    """Keys of positions [0, n) as [n, Hkv, D], a view of one contiguous [Hkv, D, n] tensor
+    in ``dtype`` (default the cache's): the transposed layout a ``q @ K^T`` product reads
+    as is. Positions below ``own_start`` come from the paged cache, the rest from ``own``
+    (the call's keys, [>= n - own_start, Hkv, D]). The keys are copied once: CPU_ATTN's
+    ``cpu_vec`` key slab already is K^T per block, copied block by block into place (a
+    stack of the blocks, a transpose and a concatenation were three copies, ~1 ms a layer
+    at 4K keys); other layouts go through :func:`read_kv`."""
+    import torch
+
+    hkv, d = int(kv_cache.shape[1]), layout.head_size
+    out = torch.empty(hkv, d, max(0, n), dtype=dtype or kv_cache.dtype, device=kv_cache.device)
+    m = max(0, min(n, own_start))
+    if m and layout.kind == "cpu_vec" and kv_cache.device.type == "cpu":
+        ids, bs = _blocks(kv_cache, block_row, m)
+        kt = kv_cache.view(kv_cache.shape[0], hkv, 2, d, bs)  # [:, :, 0]: K^T [D, block]
+        for b, i in enumerate(ids.tolist()):
+            a = b * bs
+            out[:, :, a:min(m, a + bs)].copy_(kt[i, :, 0, :, :min(bs, m - a)])
+    elif m:
+        out[:, :, :m].copy_(read_kv(kv_cache, layout, block_row, m)[0].permute(1, 2, 0))
+    if n > m:
+        out[:, :, m:].copy_(own[:n - m].permute(1, 2, 0))
+    return out.permute(2, 0, 1)
 
 
 def _gather(t: Any, ids: Any) -> Any:
