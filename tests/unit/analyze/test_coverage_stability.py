@@ -408,6 +408,32 @@ def test_a_window_that_passes_only_because_the_context_is_short_does_not_rate() 
     assert st.classes["prefill:0"] == [[None]] and st.classes["prefill:256"] == [["retrieval"]]
 
 
+def test_a_head_served_by_one_window_everywhere_is_not_dynamic() -> None:
+    # every query reads the key 40 back: w = 64 serves it in long prompts and in 72-token
+    # ones, where 64 passes only trivially; dropping that pass would leave "fails at 16
+    # with far reads", i.e. retrieval, and a head dynamic across buckets for no reason
+    grid = (16, 64, 128)
+
+    def back40(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        code = torch.nn.functional.normalize(
+            torch.randn(t, D, generator=torch.Generator().manual_seed(t)), dim=-1)
+        q = torch.zeros(t, 1, D)
+        q[40:, 0] = code[:-40] * (LOGIT / SCALE)
+        return q, code[:, None, :]
+
+    short = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=grid)
+    long_ = HeadStatsAccumulator(1, 1, 1, sinks_grid=(0, 4), window_grid=grid)
+    for _ in range(VOTE):
+        head_rows.update(short, 0, *back40(72), SCALE, sample=[69, 70, 71])
+        head_rows.update(long_, 0, *back40(256), SCALE, sample=SAMPLE)
+    for view in (short, long_):
+        assert [classify(view, TH).layers[0].kv_heads[0].decision[w] for w in (16, 64)] == \
+            ["fail", "pass"]
+    st = stability({"prefill:0": short, "prefill:256": long_}, TH)
+    assert st is not None and not st.dynamic.any()
+    assert st.classes["prefill:0"] == [[None]] and st.classes["prefill:256"] == [["windowed"]]
+
+
 def test_a_lone_epoch_is_not_a_view() -> None:
     a, b = acc_for(1, 1), acc_for(1, 1)
     strata = {("prefill", 256): a}

@@ -23,10 +23,12 @@ head is not rated there; a class that sampling error alone could move is not a r
   the detail queries' spread; far top-1: Wilson). Where an outcome is within noise every
   outcome is tried (:func:`.classify.q_head_class`, so undecided windows below the first
   passing one too), and the head is rated only when all give one role;
-* a window counts only where the view also saw queries at the next grid window (its contexts
-  reach at least twice as far): in contexts of 200 tokens a window of 128 passes trivially,
-  which says nothing about the head's role (on the demo, short chats "windowed" heads that
-  every longer bucket keeps full).
+* a window passes for the role only where the view also saw queries at the next grid window
+  (its contexts reach at least twice as far); a pass in shorter contexts is undecided: in
+  contexts of 200 tokens a window of 128 passes for almost any head, which says nothing
+  about its role (on the demo, short chats "windowed" heads that every longer bucket keeps
+  full; and a head served by w=512 in every bucket reads as retrieval in the 512-1023 one
+  if its trivial pass at 512 is dropped instead).
 
 * **dynamic**: a KV head rated with two different roles by two views (windowed in short
   prompts, retrieval in long ones; or a retrieval head only at some hours). Dynamic heads get
@@ -153,10 +155,11 @@ def rated_classes(acc: HeadStatsAccumulator, th: Thresholds, z: float = STABILIT
         raise ValueError(f"sinks={tz.sinks} is not in the statistics' grid {acc.sinks_grid}")
     grid = list(acc.window_grid)
     dec = window_decisions(acc, tz)["decision"]  # [L, Hq, W]
-    # a window counts only where the view saw queries at the next grid window too
+    # a window passes for the role only where the view saw queries at the next grid window
+    # too; a pass in contexts too short for that is undecided (a fail there is a fail)
     seen = acc.cov_n[:, :, si, :] >= tz.min_queries
     beyond = np.concatenate([seen[..., 1:], np.ones_like(seen[..., :1])], axis=-1)
-    dec = np.where(beyond, dec, np.nan)
+    dec = np.where(beyond | (dec != 1), dec, 0.0)
     means = acc.per_head_means()
     neff = acc.n_eff()[:, :, si, :]
     ent_se = _entropy_se(acc)
