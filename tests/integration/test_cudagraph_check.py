@@ -27,7 +27,9 @@ def _module() -> Any:
 
 def _raw(modes: dict[str, int], blind: int, sampled: int = 10) -> dict[str, Any]:
     return {"cudagraph_mode": "FULL_AND_PIECEWISE",
-            "runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "sampler": {
+            "runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+            "attnprof_runner": {"runner": "v1", "runner_class": "GPUModelRunner",
+                                "hooked": True, "note": None}, "sampler": {
         "sampled": sampled, "sampled_long": 0, "blind": blind}, "decode_calls": [sampled - blind],
         "graph_modes": modes, "steered": sum(modes.values()) - modes.get("FULL", 0),
         "dropped": {}, "errors": {}, "decode_tokens": 64,
@@ -44,10 +46,19 @@ def test_gpu_verdicts() -> None:
     bad = sm(_raw({"FULL": 10}, blind=10), dry=False)
     assert not bad["ok"]
     assert not bad["checks"]["no_blind_steps"] and not bad["checks"]["sampled_left_full_graphs"]
-    # vLLM's Model Runner V2, which attnprof does not hook
-    v2 = sm(dict(_raw({"PIECEWISE": 10}, blind=0),
-                 runner="vllm.v1.worker.gpu.model_runner.GPUModelRunner"), dry=False)
-    assert not v2["ok"] and not v2["checks"]["v1_runner"]
+    # vLLM's Model Runner V2 (the GPU default): passes only where attnprof reports it hooked
+    v2_name = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+    v2 = sm(dict(_raw({"PIECEWISE": 10}, blind=0), runner=v2_name, attnprof_runner={
+        "runner": "v2", "runner_class": "GPUModelRunner", "hooked": True,
+        "note": "hooked by construction, not run on a GPU"}), dry=False)
+    assert v2["ok"] and v2["runner_kind"] == "v2"
+    unhooked = sm(dict(_raw({}, blind=0, sampled=0), runner=v2_name, attnprof_runner=None,
+                       decode_calls=[0]), dry=False)  # what a V2 GPU showed before
+    assert not unhooked["ok"] and not unhooked["checks"]["runner_hooked"]
+    assert not unhooked["checks"]["decode_seen"]
+    # a report that names another runner than the one vLLM built does not pass either
+    mixed = sm(dict(_raw({"PIECEWISE": 10}, blind=0), runner=v2_name), dry=False)
+    assert not mixed["checks"]["runner_hooked"]
 
 
 @pytest.mark.vllm
@@ -58,7 +69,12 @@ def test_dry_run_on_vllm_cpu(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "cudagraph_check.json").read_text())
     sm = doc["summary"]
     assert doc["dry_run"] and sm["cudagraph_mode"] == "NONE" and not sm["full_graphs"]
-    assert sm["checks"] == {"v1_runner": True, "decode_seen": True, "no_internal_errors": True}
+    assert sm["checks"] == {"runner_hooked": True, "decode_seen": True,
+                            "no_internal_errors": True}
+    # vLLM-CPU's default runner is V1 (V2 needs Triton's CPU backend); attnprof's report says so
+    assert sm["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    assert sm["attnprof_runner"] == {"runner": "v1", "runner_class": "CPUModelRunner",
+                                     "hooked": True, "note": None}
     assert sm["not_applicable"] == ["no_blind_steps", "sampled_left_full_graphs"]
     assert doc["raw"]["sampler"]["seen"] > 0 and sm["sampled_steps"] > 0
     assert len(doc["raw"]["times"]["sampled"]) == len(doc["raw"]["times"]["unsampled"]) == 1

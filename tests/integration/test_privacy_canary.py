@@ -576,6 +576,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     # the coverage families are on the scanned surfaces (per-bucket traffic counters on
     # /metrics, the coverage section in the snapshot)
     assert "attnprof_context_bucket_requests_total{" in metrics
+    assert 'attnprof_runner_info{' in metrics and 'runner="v1"' in metrics
     assert '"context_buckets": {' in snap_hs and '"coverage": {' in snap_hs
     outputs["/metrics"] = metrics
     outputs["/attnprof/snapshot?head_stats=1"] = snap_hs

@@ -140,6 +140,10 @@ KV_HEAD_BYTES = MetricSpec("attnprof_kv_head_bytes", "gauge",
 LAYER_INFO = MetricSpec("attnprof_layer_info", "gauge",
     "1 per attention layer: backend, implementation class and whether it is fused.",
     "info", (_M, "layer", "backend", "impl", "fused"), "livemax")
+RUNNER_INFO = MetricSpec("attnprof_runner_info", "gauge",
+    "1 per vLLM model runner the workers run: which one (v1, v2, unknown) and whether "
+    "attnprof hooks its steps (hooked=\"false\": nothing is sampled or timed there).",
+    "info", (_M, "runner", "hooked"), "livemax")
 ATTENTION_CALLS_TOTAL = MetricSpec("attnprof_attention_calls_total", "counter",
     "Attention calls captured on sampled steps.", "calls",
     (_M, "layer", "backend", "phase"))
@@ -305,6 +309,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     KV_BYTES_PER_TOKEN,
     KV_HEAD_BYTES,
     LAYER_INFO,
+    RUNNER_INFO,
     ATTENTION_CALLS_TOTAL,
     ATTENTION_TIME_SECONDS_TOTAL,
     ATTENTION_FLOPS_TOTAL,

@@ -73,7 +73,8 @@ def s(metric: MetricSpec, value: float, **labels: str) -> Sample:
 
 
 def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
-                   per_layer: bool = True, per_step: bool | None = None) -> list[MetricSample]:
+                   per_layer: bool = True, per_step: bool | None = None,
+                   runner: Any = None) -> list[MetricSample]:
     """Per-layer attention, step and sampler samples of one worker.
 
     ``aggs`` is an :class:`attnprof.aggregate.layers.WorkerAggregates`, ``sampler`` a
@@ -81,7 +82,8 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
     ranks other than 0, which time the very same layers) leaves out the per-layer series
     and the head-statistics queries; ``per_step=False`` (default: ``per_layer``; also
     pipeline stages after the first, which see every step too) the per-step series, so
-    sums over processes count each layer and step once.
+    sums over processes count each layer and step once. ``runner``: the worker's
+    :class:`~attnprof.contracts.snapshot.RunnerReport` (None until vLLM built its runner).
     """
     per_step = per_layer if per_step is None else per_step
     out: list[MetricSample] = []
@@ -123,6 +125,9 @@ def worker_samples(model: str, aggs: Any, sampler: Any, head_queries: int,
     if per_layer:  # TP ranks fold the same queries (their own heads of them)
         out.append(s(cat.HEAD_STATS_QUERIES_TOTAL, head_queries, model=model))
     out.append(s(cat.SAMPLE_RATE_RATIO, sampler.effective_rate, model=model))
+    if runner is not None:
+        out.append(s(cat.RUNNER_INFO, 1, model=model, runner=runner.runner,
+                     hooked=str(bool(runner.hooked)).lower()))
     for info in infos:
         if per_layer:
             out.append(s(cat.LAYER_INFO, 1, model=model, layer=str(info.index),

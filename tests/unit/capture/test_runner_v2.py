@@ -310,6 +310,9 @@ def test_runner_report_v1_and_unhooked(caplog: pytest.LogCaptureFixture) -> None
         assert not _marked(V2, "execute_model")  # a V1 worker never patches V2
         snap = worker_rpc.snapshot(cap).to_json()
         assert snap["runner"]["note"] == "not hooked: Other"  # the snapshot says so
+        info = [(dict(x.labels)["runner"], dict(x.labels)["hooked"], x.value)  # and /metrics
+                for x in worker_rpc.samples(cap) if x.name == "attnprof_runner_info"]
+        assert info == [("unknown", "false", 1)]
     finally:
         install.uninstall()
 

@@ -118,7 +118,8 @@ def samples(cap: WorkerCapture) -> list[Any]:
     first_tp = cap.rank["tp_rank"] == 0
     return worker_samples(cap.state.model_label, cap.aggs, sampler_stats(cap),
                           cap.hs.queries, per_layer=first_tp,
-                          per_step=first_tp and cap.rank["pp_rank"] == 0)
+                          per_step=first_tp and cap.rank["pp_rank"] == 0,
+                          runner=getattr(cap, "runner", None))
 
 
 def kernel_map(cap: WorkerCapture) -> list[KernelGroup]:
