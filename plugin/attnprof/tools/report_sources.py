@@ -26,7 +26,7 @@ from attnprof.contracts.report import ContextDistribution, ReportSource, Traffic
 from attnprof.contracts.snapshot import Snapshot
 
 __all__ = ["Gathered", "ReportInputError", "checkpoint_architecture", "flag_checks",
-           "from_files", "from_live", "from_snapshot"]
+           "from_files", "from_live", "from_snapshot", "runner_warnings"]
 
 
 class ReportInputError(ValueError):
@@ -119,6 +119,7 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
     if snap.window is None and dur is not None:
         warnings.append(f"rates are averaged since the server started ({dur:,.0f} s ago), "
                         "idle time included; use attnprof record for a busy window")
+    warnings += runner_warnings(snap)
     inp = CostInputs(
         model=_model_name(snap.model), traffic=traffic,
         time=cost_inputs.time_breakdown(snap, profile), kv=cost_inputs.kv_memory(snap),
@@ -128,6 +129,24 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
         gpus_per_replica=gpus_per_replica or float(max(1, len(snap.workers))),
         backends=backends, warnings=warnings)
     return inp, snap
+
+
+def runner_warnings(snap: Snapshot) -> list[str]:
+    """What the workers' model runner reports say the report's times stand on: a runner
+    attnprof does not hook measured nothing; Model Runner V2 is hooked by construction only."""
+    out: dict[str, None] = {}
+    for w in snap.workers:
+        r = w.runner
+        if r is None:
+            continue
+        if not r.hooked:
+            why = r.note or r.runner_class
+            out[f"a worker runs a vLLM model runner attnprof does not hook ({why}): no step "
+                "of it is sampled or timed"] = None
+        elif r.runner == "v2":
+            out[f"the workers run vLLM's Model Runner V2 ({r.note or 'hooked'}); a sampled "
+                "step's time includes its input preparation"] = None
+    return list(out)
 
 
 def _model_name(model: str) -> str:

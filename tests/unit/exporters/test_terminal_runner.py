@@ -1,5 +1,6 @@
 """``attnprof snapshot`` says which vLLM model runner each worker runs and whether attnprof
-hooks it: an empty profile from an unhooked runner says why instead of showing nothing."""
+hooks it, and ``attnprof report`` warns about it: an empty profile from an unhooked runner says
+why instead of showing nothing."""
 
 from __future__ import annotations
 
@@ -34,3 +35,21 @@ def test_hooked_runners_and_their_caveat() -> None:
     v1 = render_snapshot(_snap(RunnerReport("v1", "CPUModelRunner", True)))
     assert "Model runner: v1 (CPUModelRunner), hooked" in v1.splitlines()
     assert "Model runner" not in render_snapshot(_snap(None))  # an older snapshot: no line
+
+
+def test_the_cost_report_warns_what_its_times_stand_on() -> None:
+    from attnprof.tools.report_sources import from_snapshot
+
+    unhooked = _snap(RunnerReport("unknown", "TPUModelRunner", False,
+                                  "not hooked: TPUModelRunner"))
+    inp, _ = from_snapshot(unhooked, "snap.json")
+    assert ("a worker runs a vLLM model runner attnprof does not hook (not hooked: "
+            "TPUModelRunner): no step of it is sampled or timed") in inp.warnings
+    v2, _ = from_snapshot(_snap(RunnerReport("v2", "GPUModelRunner", True,
+                                             "hooked by construction, not run on a GPU")),
+                          "snap.json")
+    assert [w for w in v2.warnings if "Model Runner V2" in w] == [
+        "the workers run vLLM's Model Runner V2 (hooked by construction, not run on a GPU); "
+        "a sampled step's time includes its input preparation"]
+    v1, _ = from_snapshot(_snap(RunnerReport("v1", "CPUModelRunner", True)), "snap.json")
+    assert not [w for w in v1.warnings if "runner" in w.lower()]
