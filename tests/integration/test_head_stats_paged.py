@@ -180,7 +180,8 @@ def test_decode_steps_fold_each_sequences_last_position(served: dict[str, Any]) 
     keys = [k for k, _ in _strata(run).items()]
     assert keys == [("prefill", 256), ("decode", 256)]
     acc = _strata(run).get("decode", 256)
-    assert acc.queries[:, 0].tolist() == [3.0, 3.0] and acc.requests.tolist() == [0.0, 0.0]
+    # one sequence: counted once as a request of its decode stratum over its three folds
+    assert acc.queries[:, 0].tolist() == [3.0, 3.0] and acc.requests.tolist() == [1.0, 1.0]
     # each decode query against its whole context (the paged cache's keys plus its own) folds
     # what the same position folds when those tokens are served as a prompt
     ref = _rows(served["decode_ref"])

@@ -88,7 +88,7 @@ def update(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float, 
 
 def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float, *,
                 prompt_len: int, q_start: int, v: Any = None, softcap: float | None = None,
-                sink_logits: Any = None) -> int:
+                sink_logits: Any = None, weight: float = 1.0) -> int:
     """Fold one piece of a prompt (a chunk, or the uncached tail after a prefix-cache hit):
     ``q`` [Lq, Hq, D] the queries at prompt positions ``q_start`` .. ``q_start + Lq - 1``,
     ``k`` [>= q_start + Lq, Hkv, D] the prompt's keys from position 0 (earlier ones read from
@@ -97,12 +97,14 @@ def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: fl
     subset), restricted to this piece's positions, so the pieces of a prompt served in chunks
     fold exactly the queries, weights and detail queries the prompt served whole would. The
     request counts ``Lq / prompt_len``: once over all its pieces, partly when positions were
-    never computed (a prefix-cache hit's cached head)."""
+    never computed (a prefix-cache hit's cached head). ``weight`` multiplies every query's
+    weight: the sampling stages before this one (the step's own inclusion probability)."""
     lq = int(q.shape[0])
     idx, wts, detail = _whole_plan(acc, int(prompt_len))
     keep = np.flatnonzero((idx >= q_start) & (idx < q_start + lq))
-    local = {int(j): detail[int(i)] for j, i in enumerate(keep) if int(i) in detail}
-    return fold_plan(acc, layer, q, k, scale, q_start, idx[keep] - q_start, wts[keep], local,
+    local = {int(j): detail[int(i)] * weight for j, i in enumerate(keep) if int(i) in detail}
+    return fold_plan(acc, layer, q, k, scale, q_start, idx[keep] - q_start,
+                     wts[keep] * weight if weight != 1.0 else wts[keep], local,
                      v=v, softcap=softcap, sink_logits=sink_logits,
                      request_share=lq / max(1, prompt_len))
 

@@ -426,3 +426,16 @@ def prompt_lens(runner: Any, num_reqs: int, batch: Any = None) -> list[int] | No
     except Exception:
         return None
     return out if len(out) == num_reqs else None
+
+
+def req_keys(runner: Any, num_reqs: int, batch: Any = None) -> list[int] | None:
+    """A key per scheduled request, in the batch's request order, or None when unreadable:
+    the hash of vLLM's request id (V1 ``runner.input_batch.req_ids``; V2 the step's
+    ``InputBatch.req_ids``), so a sequence can be told apart from the next step's without
+    keeping its id. Held in the worker only, never exported."""
+    try:
+        ids = (batch if batch is not None else runner.input_batch).req_ids[:num_reqs]
+        out = [hash(x) for x in ids]
+    except Exception:
+        return None
+    return out if len(out) == num_reqs else None

@@ -21,7 +21,7 @@ import functools
 import sys
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, NamedTuple
 
 from attnprof._safety import fault_point
@@ -42,6 +42,9 @@ HEAD_STATS_MAX_TOKENS = 32768
 """Longest context folded: bounds the fp32 copy of one request's keys (Lk x Hkv x D)."""
 DECODE_SEQS_PER_STEP = 4
 """Decode sequences folded per sampled step at most (Horvitz-Thompson weighted)."""
+DECODE_SEQS_SEEN = 4096
+"""Decode sequences remembered (a hash of the request id and the context bucket) so each
+counts once as a folded request of its decode stratum; the oldest is forgotten first."""
 _ZERO = (0,)  # the one query of a decode fold, as an index into its queries
 
 
@@ -55,7 +58,8 @@ class _Fold(NamedTuple):
     q_pos: int  # position of its first query = keys computed before this step
     prompt_len: int  # prefill: the prompt's total length; decode: the context length
     row: int  # its row in the block table
-    weight: float  # decode: running sequences per folded one
+    weight: float  # inverse inclusion probability of the step (decode: x running / folded)
+    seq_share: float = 0.0  # decode: 1 on a sequence's first fold in this bucket
 
 
 def _paged_keys(kv_cache: Any, layout: Any, row: Any, q_pos: int, own: Any, n: int) -> Any:
@@ -166,6 +170,10 @@ class Capture:
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
         self._hs_plans: dict[int, list[_Fold]] = {}
+        self._hs_weight = 1.0  # the sampled step's inverse inclusion probability (relative)
+        self._step_tokens: int | None = None  # the step's scheduled tokens where known
+        self._decode_seen: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._decode_step: dict[tuple[int, int], float] = {}  # this step's first folds
         self._runner: Any = None  # the sampled step's model runner (prompt lengths)
         self._shapes: dict[int, BatchShape] = {}
         self._shape_inputs: dict[int, Any] = {}
@@ -333,11 +341,12 @@ class Capture:
                 acc = strata.get(f.phase, f.bucket)
                 if f.phase == "prefill":
                     got = head_rows.update_span(acc, info.index, qs, ks, scale,
-                                                prompt_len=f.prompt_len, q_start=f.q_pos)
+                                                prompt_len=f.prompt_len, q_start=f.q_pos,
+                                                weight=f.weight)
                 else:  # one query, the sequence's last position, standing for w sequences
                     got = head_rows.fold_plan(acc, info.index, qs, ks, scale, f.q_pos,
                                               _ZERO, [f.weight], {0: f.weight},
-                                              request_share=0.0)
+                                              request_share=f.seq_share)
                 self.hs.queries += got
             if id(md) not in self._hs_seen:
                 self._hs_seen.add(id(md))
@@ -371,7 +380,12 @@ class Capture:
           prompt's total length; prompts longer than ``HEAD_STATS_MAX_TOKENS`` are left out;
         * decode queries (one per running sequence past its prompt): at most
           ``DECODE_SEQS_PER_STEP`` sequences, drawn by a generator seeded by the step index
-          (the same on every layer, KV-cache group and rank), each weighted running / drawn.
+          (the same on every layer, KV-cache group and rank), each weighted running / drawn;
+          a sequence counts as a request of its decode stratum on its first fold there.
+
+        Every fold also carries the step's inverse inclusion probability
+        (:meth:`_step_weight`), so steps the long-prefill stratum or a throttled rate chose
+        weigh what they stand for.
 
         Without the prompts' lengths (runner unreadable) only prompts computed from position 0
         in this step fold, as whole prompts (a first chunk would then pass for one)."""
@@ -392,7 +406,7 @@ class Capture:
             if p is not None and sl <= p:
                 if p <= HEAD_STATS_MAX_TOKENS and ql > 0:
                     plan.append(_Fold("prefill", context_bucket(p, edges), start, ql, done, p,
-                                      i, 1.0))
+                                      i, self._hs_weight))
             elif p is not None and ql == 1 and sl <= HEAD_STATS_MAX_TOKENS:
                 decodes.append((start, sl, i))
             start += ql
@@ -401,12 +415,46 @@ class Capture:
 
             n = min(len(decodes), DECODE_SEQS_PER_STEP)
             rng = np.random.default_rng([self.seen, len(decodes)])
-            w = len(decodes) / n
+            w = len(decodes) / n * self._hs_weight
+            keys = (vargs.req_keys(self._runner, len(seq_lens), self.v2_batch)
+                    if self._runner is not None else None)
             for j in sorted(rng.choice(len(decodes), n, replace=False).tolist()):
                 a, sl, i = decodes[j]
-                plan.append(_Fold("decode", context_bucket(sl, edges), a, 1, sl - 1, sl, i, w))
+                b = context_bucket(sl, edges)
+                plan.append(_Fold("decode", b, a, 1, sl - 1, sl, i, w,
+                                  0.0 if keys is None else self._first_decode_fold(keys[i], b)))
         self._hs_plans[id(md)] = plan
         return plan
+
+    def _first_decode_fold(self, key: int, bucket: int) -> float:
+        """1.0 when this step is the first to fold the sequence ``key`` in decode stratum
+        ``bucket`` (every KV-cache group's plan of the step gets the same answer), else 0."""
+        k = (key, bucket)
+        got = self._decode_step.get(k)
+        if got is None:
+            got = self._decode_step[k] = 0.0 if k in self._decode_seen else 1.0
+            self._decode_seen[k] = None
+            self._decode_seen.move_to_end(k)
+            if len(self._decode_seen) > DECODE_SEQS_SEEN:
+                self._decode_seen.popitem(last=False)
+        return got
+
+    def _step_weight(self, args: Any, kwargs: Any) -> float:
+        """The sampled step's inverse inclusion probability, relative to an ordinary step at
+        the configured rate (so weights stay query counts where nothing else varies): the
+        base coin passes with p = rate x scale; a step of at least ``long_tokens`` tokens
+        with the long-prefill stratum on also has the long coin, p = 1 - (1 - p)(1 - long
+        rate x scale). The head-statistics coin is the same for every step and cancels."""
+        s = self.sampler
+        p, ref = s.rate, s.base_rate
+        if self.long_on:
+            n = (self.args.step_tokens(args, kwargs) if self._step_tokens is None
+                 else self._step_tokens)
+            if n >= s.long_tokens:
+                p = 1.0 - (1.0 - p) * (1.0 - min(1.0, s.long_rate * s.scale))
+            if ref <= 0.0:
+                ref = s.long_rate
+        return ref / p if p > 0.0 and ref > 0.0 else 1.0
 
     # ----- per step -----
     def model_forward(self, orig: Any, runner: Any, args: Any, kwargs: Any,
@@ -418,6 +466,7 @@ class Capture:
         CUDA-graph steering and batch capture; it must not raise its own errors)."""
         try:
             outcome = self._decide(args, kwargs, tokens)
+            self._step_tokens = tokens
         except Exception as exc:  # never let the decision itself reach vLLM
             self.errors.record("sampler", exc)
             outcome = None
@@ -469,6 +518,8 @@ class Capture:
             # A coin of its own at this step index: every rank folds the same prompts.
             self._hs_step = (self.hs_rate > 0
                              and self.sampler.coin(STREAM_HEAD_STATS) < self.hs_rate)
+            self._decode_step.clear()
+            self._hs_weight = self._step_weight(args, kwargs) if self._hs_step else 1.0
             self._cuda = vargs.on_cuda(runner)
             capturing = False
             if self._cuda:
