@@ -9,7 +9,11 @@ paged KV cache. Two measures, on runs alternating statistics on and off:
 
 * ``fraction_of_prefill``: the worker's own accounting (``head_stats_cost``): seconds spent in
   statistics over the sampled steps' model time without them, over the "on" runs;
-* ``wall_ratio``: the prompt's wall time with statistics over without (medians), minus 1.
+* ``wall_ratio``: the prompt's wall time with statistics over without (medians), minus 1;
+* ``cpu``: the same two in CPU time (the engine thread's ``thread_time`` inside the
+  statistics; the process's ``process_time`` per prompt, statistics on and off). On a
+  shared, oversubscribed machine wall time mostly measures the wait for a core; with
+  ``OMP_NUM_THREADS=1`` (no OpenMP spin-waits) CPU time is the work done, and holds.
 
 Writes benchmarks/results/head_stats_chunked.json. Run:
 ``.venv/bin/python benchmarks/head_stats_chunked.py [--tokens 4096] [--chunk 512]
@@ -31,6 +35,26 @@ from typing import Any
 OUT = Path(__file__).parent / "results" / "head_stats_chunked.json"
 
 
+_CPU = [0.0]  # engine-thread CPU seconds inside the head statistics
+
+
+def _count_cpu() -> None:
+    """Add each layer call's statistics CPU time to ``_CPU`` (class level, before the
+    engine is built; nothing in attnprof changes)."""
+    from attnprof.capture.vllm import hooks
+
+    orig = hooks.Capture._head_stats
+
+    def head_stats(self: Any, *a: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return orig(self, *a)
+        finally:
+            _CPU[0] += time.thread_time() - t0
+
+    setattr(hooks.Capture, "_head_stats", head_stats)  # noqa: B010
+
+
 def _cost(llm: Any) -> dict[str, float]:
     (ans,) = llm.collective_rpc("attnprof_poll", args=(False,))
     return dict(ans["snapshot"]["head_stats_cost"])
@@ -47,9 +71,11 @@ def main() -> None:
                        "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                        "VLLM_NO_USAGE_STATS": "1"})
+    _count_cpu()
     import torch
     from vllm import LLM, SamplingParams
 
+    import attnprof
     from attnprof.tools import models
     from attnprof.tools.replay import default_prompts
 
@@ -62,9 +88,13 @@ def main() -> None:
     ids = tok(default_prompts(tok, (args.tokens + 64,))[0])["input_ids"][:args.tokens]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def serve() -> float:
-        t0 = time.perf_counter()
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
+
+    def serve(arm: str = "") -> float:
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        if arm:
+            cpu[arm].append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     serve()  # warm-up (allocator, oneDNN primitives, the first sampled prompt's set-up)
@@ -74,11 +104,13 @@ def main() -> None:
     spent = {"time_s": 0.0, "prefill_time_s": 0.0, "steps": 0.0, "queries": 0.0}
     for _ in range(args.repeats):
         llm.collective_rpc("attnprof_set_sampling", args=(None, 0.0))
-        off.append(serve())
+        off.append(serve("off"))
         llm.collective_rpc("attnprof_set_sampling", args=(None, 1.0))
         before = _cost(llm)
-        on.append(serve())
+        stats_cpu0 = _CPU[0]
+        on.append(serve("on"))
         after = _cost(llm)
+        cpu.setdefault("stats", []).append(_CPU[0] - stats_cpu0)
         for k in spent:
             spent[k] += float(after[k]) - float(before[k])
     results = {
@@ -100,6 +132,17 @@ def main() -> None:
         "wall_s": {"statistics_on": [round(x, 4) for x in on],
                    "statistics_off": [round(x, 4) for x in off]},
         "wall_ratio": round(statistics.median(on) / statistics.median(off) - 1.0, 4),
+        "cpu": {
+            "statistics_s": [round(x, 4) for x in cpu["stats"]],
+            "prompt_s": {"statistics_on": [round(x, 4) for x in cpu["on"]],
+                         "statistics_off": [round(x, 4) for x in cpu["off"]]},
+            # the statistics' CPU time over the prompt's CPU time without them (medians)
+            "fraction_of_prefill": round(statistics.median(cpu["stats"])
+                                         / statistics.median(cpu["off"]), 4),
+            "ratio": round(statistics.median(cpu["on"]) / statistics.median(cpu["off"]) - 1, 4),
+        },
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "code": str(Path(attnprof.__file__).parent),
         "goal": "statistics <= 5% of the sampled prefill (4K prompt, 512-token chunks)",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
