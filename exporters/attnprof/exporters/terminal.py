@@ -160,11 +160,11 @@ def render_coverage(snap: dict[str, Any]) -> str:
                       "weight"], rows))
     for ph in cov.get("phases") or []:
         share = ph.get("traffic_query_share")
-        # decode folds are steps of running sequences, not requests: count their queries
+        # decode folds are steps of running sequences: the sequences, and their queries
         n_dec = sum(r.get("sampled_queries") or 0 for r in cov.get("buckets") or []
                     if r["phase"] == "decode")
         what = (f"{ph['folded_requests']} requests" if ph["phase"] == "prefill"
-                else f"{n_dec} sampled decode queries")
+                else f"{ph['folded_requests']} sequences ({n_dec} sampled decode queries)")
         out.append(f"  {ph['phase']}: statistics of {what} stand on "
                    + ("an unknown share of the traffic (no per-bucket counts)" if share is None
                       else f"{share:.0%} of the traffic's query tokens"))
@@ -172,9 +172,13 @@ def render_coverage(snap: dict[str, Any]) -> str:
     if st:
         kappas = [(x["kappa"], x["layer"]) for x in st.get("layers") or []
                   if x.get("kappa") is not None]
-        line = (f"Head stability over {len(st['views'])} views ({', '.join(st['views'][:6])}"
-                f"{', ...' if len(st['views']) > 6 else ''}): {st['dynamic_kv_heads']} of "
-                f"{st['kv_heads']} KV heads dynamic ({st['dynamic_share']:.1%}), kept full")
+        rated = sum(x.get("rated_kv_heads") or 0 for x in st.get("layers") or [])
+        views = st["views"]
+        line = (f"Head stability over {len(views)} view{'s' if len(views) != 1 else ''} "
+                f"with enough traffic ({', '.join(views[:6]) or 'none'}"
+                f"{', ...' if len(views) > 6 else ''}): {st['dynamic_kv_heads']} of "
+                f"{st['kv_heads']} KV heads dynamic ({st['dynamic_share']:.1%}; {rated} "
+                f"rated by two or more views), kept full")
         if kappas:
             k, layer = min(kappas)
             line += f"; lowest kappa {k:.2f} (layer {layer})"

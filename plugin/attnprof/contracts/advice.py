@@ -170,6 +170,12 @@ class AdviceCoverage(Record):
     """KV heads whose class changes across time windows or context buckets: kept full."""
     kv_heads: int | None = None
     dynamic_share: float | None = None
+    kv_share: float | None = None
+    """Share of the traffic's KV block-seconds in context buckets that have statistics
+    (null: no per-bucket counts or times)."""
+    rated_kv_heads: int | None = None
+    """KV heads whose role two or more views decided (the evidence behind the dynamic
+    count: 0 dynamic of 0 rated means too little traffic per view to tell)."""
 
 
 @dataclass

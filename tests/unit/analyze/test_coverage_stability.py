@@ -200,8 +200,15 @@ def test_advice_turns_into_need_more_traffic_and_says_what_it_stands_on() -> Non
     assert rec.coverage.need_more_traffic_above == 1024
     adv = export_summary(rec)
     assert "need more traffic at > 1024 tokens" in adv.summary
-    assert "stands on 3 of 20 requests (100% of prompt tokens, traffic-weighted)" \
-        in adv.summary
+    assert ("stands on 3 of 20 requests (100% of prompt tokens, 100% of KV block-seconds, "
+            "traffic-weighted)") in adv.summary
+    # a bucket without statistics holding half the KV block-seconds: the advice says so
+    tr2 = traffic(edges, [0, 3000, 0, 12000, 15000], [0, 50, 0, 50, 100],
+                  requests=[0, 10, 0, 10, 10])
+    half = recommend_strata(dist, arch, sink_strata(25), tr2, thresholds=TH).recommendation
+    assert half.coverage is not None and half.coverage.kv_share == 0.5
+    assert "(50% of prompt tokens, 50% of KV block-seconds, traffic-weighted)" in \
+        export_summary(half).summary
     back = WindowAdvice.from_json(adv.to_json())
     assert back.coverage is not None and back.coverage.need_more_traffic_above == 1024
     enough = recommend_strata(dist, arch, sink_strata(25), tr, thresholds=TH).recommendation
@@ -312,7 +319,7 @@ def test_stability_over_context_buckets() -> None:
     cov = out.recommendation.coverage
     assert cov is not None and (cov.dynamic_kv_heads, cov.dynamic_share) == (1, 1.0)
     assert not cov.corrected and cov.traffic_share is None
-    assert "dynamic heads: 1 of 1 KV heads (100.0%), kept full" in \
+    assert "dynamic heads: 1 of 1 KV heads (100.0%; 1 rated by two or more views), kept full" in \
         export_summary(out.recommendation).summary
 
 

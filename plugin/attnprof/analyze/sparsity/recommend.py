@@ -462,8 +462,9 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
 
 
 def _stands_on(cov: Mapping[str, Any]) -> list[str]:
-    """'stands on 4 of 20 requests (85% of prompt tokens, traffic-weighted)', 'dynamic
-    heads: 2 of 48 KV heads (4.2%), kept full' (empty without coverage)."""
+    """'stands on 4 of 20 requests (85% of prompt tokens, 90% of KV block-seconds,
+    traffic-weighted)', 'dynamic heads: 2 of 48 KV heads (4.2%; 30 rated by two or more
+    views), kept full' (empty without coverage)."""
     if not cov:
         return []
     n, total, share = (cov.get("folded_requests"), cov.get("traffic_requests"),
@@ -471,11 +472,16 @@ def _stands_on(cov: Mapping[str, Any]) -> list[str]:
     out = [f"stands on {n} of {total} requests" if total is not None
            else f"stands on {n} folded requests"]
     if share is not None:
-        out[0] += (f" ({share:.0%} of prompt tokens, "
-                   + ("traffic-weighted)" if cov.get("corrected") else "as sampled)"))
+        kv = cov.get("kv_share")
+        out[0] += (f" ({share:.0%} of prompt tokens"
+                   + (f", {kv:.0%} of KV block-seconds" if kv is not None else "")
+                   + (", traffic-weighted)" if cov.get("corrected") else ", as sampled)"))
     if cov.get("dynamic_kv_heads") is not None:
+        rated = cov.get("rated_kv_heads")
         out.append(f"dynamic heads: {cov['dynamic_kv_heads']} of {cov['kv_heads']} KV heads "
-                   f"({cov['dynamic_share']:.1%}), kept full")
+                   f"({cov['dynamic_share']:.1%}" + (f"; {rated} rated by two or more views"
+                                                      if rated is not None else "")
+                   + "), kept full")
     return out
 
 

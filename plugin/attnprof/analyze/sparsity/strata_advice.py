@@ -84,6 +84,10 @@ def recommend_strata(lengths: Any, shape: AttentionShape,
     if cov is not None:
         cov.stability = rec_stab
     folded = sum(folded_requests(a) for (ph, _), a in strata.items() if ph == "prefill")
+    kv_total = float(sum(buckets.kv_block_seconds)) if buckets is not None else 0.0
+    kv_covered = (sum(float(x) for lo, x in zip(buckets.edges, buckets.kv_block_seconds,
+                                               strict=False) if lo in corr.weights)
+                  if buckets is not None else 0.0)
     rec = replace(rec, coverage=AdviceCoverage(
         folded_requests=folded,
         traffic_requests=None if buckets is None else int(sum(buckets.requests)),
@@ -93,5 +97,8 @@ def recommend_strata(lengths: Any, shape: AttentionShape,
         under_covered=list(under) or None,
         dynamic_kv_heads=None if rec_stab is None else rec_stab.dynamic_kv_heads,
         kv_heads=None if rec_stab is None else rec_stab.kv_heads,
-        dynamic_share=None if rec_stab is None else rec_stab.dynamic_share))
+        dynamic_share=None if rec_stab is None else rec_stab.dynamic_share,
+        kv_share=round(kv_covered / kv_total, 4) if corr.corrected and kv_total > 0 else None,
+        rated_kv_heads=None if rec_stab is None
+        else sum(x.rated_kv_heads for x in rec_stab.layers)))
     return StrataAdvice(rec, cov, stab, corr)
