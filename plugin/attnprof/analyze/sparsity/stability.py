@@ -116,14 +116,14 @@ def _outcomes(value: float, se: float, threshold: float, z: float) -> tuple[bool
     return (False, True)
 
 
-def _share_outcomes(k: float, n: float, threshold: float, z: float) -> tuple[bool, ...]:
-    """Outcomes of ``share >= threshold`` for a share k / n by its Wilson bounds at z."""
-    if not n > 0:
+def _bound_outcomes(low: float, high: float, threshold: float) -> tuple[bool, ...]:
+    """Outcomes of ``share >= threshold`` for a share with Wilson bounds (low, high)
+    (NaN: no evidence, only False, as classify)."""
+    if not math.isfinite(low) or not math.isfinite(high):
         return (False,)
-    low, high = wilson_bounds(k, n, z)
-    if float(low) >= threshold:
+    if low >= threshold:
         return (True,)
-    if float(high) < threshold:
+    if high < threshold:
         return (False,)
     return (False, True)
 
@@ -163,6 +163,9 @@ def rated_classes(acc: HeadStatsAccumulator, th: Thresholds, z: float = STABILIT
     means = acc.per_head_means()
     neff = acc.n_eff()[:, :, si, :]
     ent_se = _entropy_se(acc)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = acc.top1_out[:, :, si, :] / np.maximum(acc.cov_w[:, :, si, :], 1e-300)
+    far = wilson_bounds(share * neff, neff, z)  # far top-1 share's bounds [L, Hq, W]
     out: list[list[str | None]] = []
     for layer in range(L):
         norms = means["output_norm"][layer]
@@ -172,8 +175,8 @@ def rated_classes(acc: HeadStatsAccumulator, th: Thresholds, z: float = STABILIT
         for kv in range(kvh):
             combos: set[tuple[str, str]] = {("sink", "finite")}  # the identity of the fold
             for h in range(kv * g, (kv + 1) * g):
-                mine = _q_outcomes(acc, tz, layer, h, dec[layer, h], grid, means, neff, ent_se,
-                                   si, norm_cut, z)
+                mine = _q_outcomes(tz, layer, h, dec[layer, h], grid, means, neff, ent_se,
+                                   far, si, norm_cut, z)
                 combos = {_fold(a, b) for a in combos for b in mine}
             roles = {_role(c, w) for c, w in combos}
             row.append(roles.pop() if len(roles) == 1 else None)
@@ -181,8 +184,8 @@ def rated_classes(acc: HeadStatsAccumulator, th: Thresholds, z: float = STABILIT
     return out
 
 
-def _q_outcomes(acc: HeadStatsAccumulator, th: Thresholds, layer: int, h: int, dec: Any,
-                grid: list[int], means: dict[str, Any], neff: Any, ent_se: Any, si: int,
+def _q_outcomes(th: Thresholds, layer: int, h: int, dec: Any, grid: list[int],
+                means: dict[str, Any], neff: Any, ent_se: Any, far: tuple[Any, Any], si: int,
                 norm_cut: float | None, z: float) -> set[tuple[str, str]]:
     """Every (class, window kind) one query head can have within its sampling error."""
     tested = np.flatnonzero(~np.isnan(dec))
@@ -204,9 +207,8 @@ def _q_outcomes(acc: HeadStatsAccumulator, th: Thresholds, layer: int, h: int, d
     for i in cand:
         w = float(grid[i]) if i < len(grid) else math.inf
         at = i if i < len(grid) else int(tested[-1])
-        k = float(acc.top1_out[layer, h, si, at] / max(acc.cov_w[layer, h, si, at], 1e-300))
-        fars = _share_outcomes(k * float(neff[layer, h, at]), float(neff[layer, h, at]),
-                               th.retrieval_top1_rate, z)
+        fars = _bound_outcomes(float(far[0][layer, h, at]), float(far[1][layer, h, at]),
+                               th.retrieval_top1_rate)
         for s_ in sinks:
             for u in uniform:
                 for f in fars:
