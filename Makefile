@@ -76,6 +76,7 @@ bench: model
 	$(PY) benchmarks/head_stats.py
 	$(PY) benchmarks/head_stats_chunked.py
 	$(PY) benchmarks/head_stats_chunked.py --chunk 4096 --out benchmarks/results/head_stats_unchunked.json
+	$(PY) benchmarks/engine_stall.py
 	$(PY) benchmarks/overhead.py
 	@# overhead.py rewrites docs/overhead.md; the soak section comes back from its results
 	@# (the soaks themselves: benchmarks/soak.py --mode synthetic|live, ~10 min each).
