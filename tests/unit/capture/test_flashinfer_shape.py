@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,50 @@ def test_native_parts_keep_counts_and_say_lengths_are_unread() -> None:
                      False)
     assert cap.errors.dropped == {vargs.LENGTHS_UNREAD: 1} and cap.errors.by_place == {}
     assert cap.aggs.outcomes.get("sampled") == 1
+
+
+def _v1_runner(fa: Any, extra: int = 2) -> Any:
+    """A V1 runner's step buffers as ``_prepare_inputs`` fills them for this batch (longer than
+    the batch: the rest is padding or an earlier step's)."""
+    n = len(fa.seq_lens)
+    qsl = np.concatenate([fa.query_start_loc.numpy(), np.full(extra, 999)]).astype(np.int32)
+    seq = torch.cat([fa.seq_lens, torch.zeros(extra, dtype=torch.int32)])
+    assert len(seq) == n + extra
+    return SimpleNamespace(query_start_loc=SimpleNamespace(np=qsl), optimistic_seq_lens_cpu=seq)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_parts_read_the_runners_step(case: str) -> None:
+    """Native FlashInfer plans from the common metadata's CPU query starts and sequence
+    lengths: attnprof reads the same from the runner (V1's buffers, V2's InputBatch)."""
+    q, s, nd, _ = CASES[case]
+    fa = _batch(q, s)
+    md = _flashinfer(fa, nd, native=True)
+    want = vargs.batch_shape(fa)
+    v1 = (_v1_runner(fa), None)
+    assert vargs.batch_shape(md, v1) == want
+    assert vargs.batch_shape(vargs.shape_inputs(md, v1)) == want
+    batch = SimpleNamespace(query_start_loc_np=fa.query_start_loc.numpy().astype(np.int32),
+                            seq_lens_cpu_upper_bound=fa.seq_lens.clone())
+    assert vargs.batch_shape(md, (object(), batch)) == want  # V2: the step's InputBatch
+
+
+def test_runner_buffers_of_another_batch_are_not_read() -> None:
+    fa = _batch([1, 1, 16], [90, 33, 16])
+    md = _flashinfer(fa, 2, native=True)
+    other = _v1_runner(_batch([1, 1, 15], [90, 33, 15]))  # its last start is not md's tokens
+    assert vargs.batch_shape(md, (other, None)).seq_lens == ()
+    assert vargs.batch_shape(md, (SimpleNamespace(), None)).seq_lens == ()  # nothing to read
+    assert vargs.batch_shape(md, (None, None)).seq_lens == ()
+
+
+def test_the_runner_fields_read_are_where_vllm_builds_metadata_from() -> None:
+    root = _source().parents[3]
+    v1 = (root / "v1" / "worker" / "gpu_model_runner.py").read_text()
+    assert "query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs_padded + 1]" in v1
+    assert "seq_lens_cpu_upper_bound = self.optimistic_seq_lens_cpu[:num_reqs_padded]" in v1
+    v2 = (root / "v1" / "worker" / "gpu" / "model_states" / "default.py").read_text()
+    assert "input_batch.query_start_loc_np[: num_reqs + 1]" in v2
+    assert "seq_lens_cpu_upper_bound = input_batch.seq_lens_cpu_upper_bound" in v2
+    fi = _source().read_text()  # FlashInfer's native plan reads the same upper bound
+    assert "seq_lens_cpu = common_attn_metadata.seq_lens_cpu_upper_bound" in fi

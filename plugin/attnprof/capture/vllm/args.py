@@ -203,7 +203,7 @@ def _flashinfer_lens(md: Any) -> Any:
     ``q_cu_seq_lens`` or a uniform ``num_decode_tokens / num_decodes``;
     ``TRTLLMPrefill.seq_lens``, ``cum_seq_lens_q``). A native FlashInfer part (``FIDecode``,
     ``FIPrefill``) keeps its lengths only inside FlashInfer's planned wrapper, library-private
-    state: None then (the caller keeps the counts and leaves the lengths out)."""
+    state: None then (:func:`step_lens` may read them from the runner)."""
     import torch
 
     nd, npf = int(md.num_decodes), int(md.num_prefills)
@@ -242,6 +242,41 @@ def _flashinfer_lens(md: Any) -> Any:
         query_start_loc=torch.cat(starts) if len(starts) > 1 else starts[0])
 
 
+def step_lens(md: Any, step: Any) -> Any:
+    """The step's query starts and sequence lengths of the first ``num_decodes +
+    num_prefills`` requests, read from the model runner (``step``: (runner, V2 ``InputBatch``
+    or None)) where FlashInfer's metadata keeps none: what vLLM builds the attention metadata
+    from (``CommonAttentionMetadata.query_start_loc_cpu`` and ``seq_lens_cpu_upper_bound``,
+    which FlashInfer's native plan reads too): V1 ``runner.query_start_loc`` and
+    ``runner.optimistic_seq_lens_cpu``, V2 the batch's ``query_start_loc_np`` and
+    ``seq_lens_cpu_upper_bound``. Copies (the buffers are the next step's soon); None where
+    unreadable or not this metadata's batch (its last start must be its token count). With
+    speculative decoding a sequence length is an upper bound (drafts assumed accepted)."""
+    import numpy as np
+    import torch
+
+    if step is None or step[0] is None:
+        return None
+    runner, batch = step
+    n = int(md.num_decodes) + int(md.num_prefills)
+    try:
+        if batch is not None:
+            qsl = np.array(batch.query_start_loc_np[:n + 1], dtype=np.int64)
+            seq = np.array(batch.seq_lens_cpu_upper_bound[:n], dtype=np.int64)
+        else:
+            qsl = np.array(runner.query_start_loc.np[:n + 1], dtype=np.int64)
+            seq = np.array(runner.optimistic_seq_lens_cpu[:n], dtype=np.int64)
+    except Exception:
+        return None
+    if len(qsl) != n + 1 or len(seq) != n or qsl[0] != 0 or qsl[n] != int(md.num_actual_tokens):
+        return None
+    q = np.diff(qsl)
+    return SimpleNamespace(num_actual_tokens=int(md.num_actual_tokens),
+                           max_query_len=int(q.max()) if n else 0,
+                           seq_lens=torch.from_numpy(seq),
+                           query_start_loc=torch.from_numpy(qsl))
+
+
 def flashinfer_counts(md: Any) -> BatchShape:
     """A native FlashInfer batch's shape from its counts alone (decodes and prefills, tokens):
     phase and tokens right; per-request lengths, so query-key pairs and keys read, unknown
@@ -251,13 +286,16 @@ def flashinfer_counts(md: Any) -> BatchShape:
     return BatchShape(phase, int(md.num_actual_tokens), 0, 0, nd + npf, 0)
 
 
-def batch_shape(md: Any) -> BatchShape:
+def batch_shape(md: Any, step: Any = None) -> BatchShape:
     """Batch facts from vLLM attention metadata (``num_actual_tokens``, ``seq_lens``,
-    ``query_start_loc``, ``max_query_len``; FlashInfer's: :func:`_flashinfer_lens`)."""
+    ``query_start_loc``, ``max_query_len``; FlashInfer's: :func:`_flashinfer_lens`, else the
+    runner's, ``step``: :func:`step_lens`)."""
     if isinstance(md, BatchShape):  # read already (shape_inputs of a counts-only batch)
         return md
     if is_flashinfer(md):
         lens = _flashinfer_lens(md)
+        if lens is None:
+            lens = step_lens(md, step)
         return flashinfer_counts(md) if lens is None else batch_shape(lens)
     num_tokens = int(md.num_actual_tokens)
     max_q = int(getattr(md, "max_query_len", 1))
@@ -284,11 +322,13 @@ def _to_host(x: Any) -> Any:
     return x
 
 
-def shape_inputs(md: Any) -> Any:
+def shape_inputs(md: Any, step: Any = None) -> Any:
     """What :func:`batch_shape` reads, captured now (metadata buffers are reused by later
     steps) without waiting for the GPU."""
     if is_flashinfer(md):
         lens = _flashinfer_lens(md)
+        if lens is None:
+            lens = step_lens(md, step)  # host copies already
         if lens is None:  # counts only: read now (plain ints)
             return flashinfer_counts(md)
         md = lens

@@ -272,7 +272,7 @@ class Capture:
             # The batch's shape is read once its copies have landed, not now (no sync).
             inputs = self._shape_inputs.get(id(md))
             if inputs is None:
-                inputs = self._shape_inputs[id(md)] = vargs.shape_inputs(md)
+                inputs = self._shape_inputs[id(md)] = vargs.shape_inputs(md, self._step())
             self._calls.append((info, inputs, start, e1))
         else:
             # Start and end clock readings: the duration, and the offset a trace places it at.
@@ -291,10 +291,15 @@ class Capture:
                 self.hs_rate = 0.0
                 self._hs_step = False
 
+    def _step(self) -> tuple[Any, Any]:
+        """The sampled step's runner and V2 batch: where FlashInfer metadata's lengths are
+        read when its own parts keep none (:func:`~.args.step_lens`)."""
+        return (self._runner, self.v2_batch)
+
     def _shape(self, md: Any) -> BatchShape:
         shape = self._shapes.get(id(md))
         if shape is None:
-            shape = self._shapes[id(md)] = vargs.batch_shape(md)
+            shape = self._shapes[id(md)] = vargs.batch_shape(md, self._step())
         return shape
 
     def _head_stats(self, info: LayerInfo, call: vargs.ImplCall) -> None:
@@ -617,10 +622,11 @@ class Capture:
             dt = a.elapsed_time(b) / 1e3 if hasattr(a, "elapsed_time") else b - a
             shape = shapes.get(id(md))
             if shape is None:
-                shape = shapes[id(md)] = vargs.batch_shape(md)
+                # (GPU steps' md are host copies already, read when the step was)
+                shape = shapes[id(md)] = vargs.batch_shape(md, self._step())
                 if shape.num_reqs and not shape.seq_lens:
-                    # native FlashInfer: timed, but its per-request lengths are FlashInfer's
-                    # private plan, so no FLOPs or KV reads for this metadata (counted)
+                    # native FlashInfer whose lengths the runner did not give: timed, no
+                    # FLOPs or KV reads for this metadata (counted)
                     self.errors.drop(vargs.LENGTHS_UNREAD)
             rec.calls.append(LayerCall(info, shape, dt))
         self.aggs.record_step(rec)
