@@ -90,9 +90,12 @@ def render(out: dict[str, Any]) -> str:
                          + (f", n_eff >= {u['min_n_eff']:g}" if u.get("min_n_eff") is not None
                             else ""))
         if cov.get("dynamic_kv_heads") is not None:
+            rated = cov.get("rated_kv_heads")
             lines.append(f"  dynamic KV heads (class changes across epochs and buckets, kept "
                          f"full): {cov['dynamic_kv_heads']} of {cov['kv_heads']} "
-                         f"({cov['dynamic_share']:.1%})")
+                         f"({cov['dynamic_share']:.1%}"
+                         + (f"; {rated} rated by two or more views" if rated is not None
+                            else "") + ")")
     for a in out.get("advice") or []:
         lines.append(f"advice: {a}")
     nw = out.get("native_windows")
