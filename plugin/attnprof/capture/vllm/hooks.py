@@ -3,7 +3,9 @@
 Hook points (docs/vllm.md says why these and not module hooks):
 - ``GPUModelRunner._model_forward`` (``CPUModelRunner`` inherits it) marks step boundaries
   and decides sampling. An unsampled step costs one countdown decrement, one compare and
-  (with the long-prefill stratum on) one read of the step's token count.
+  (with the long-prefill stratum on) one read of the step's token count. Model Runner V2 has
+  no ``_model_forward``: its ``execute_model`` is the step hook there (:mod:`.runner_v2`,
+  which hands :meth:`Capture.model_forward` the step's tokens and its sampled-step context).
 - Each layer's ``impl.forward`` gets an instance-level wrapper **only while a sampled step
   runs**: the custom op ``unified_attention_with_output`` looks ``impl.forward`` up on
   every call, so on unsampled steps layers run vLLM's own method and attnprof does no work
