@@ -48,7 +48,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_TOKENS = 6
 BLOCK = 128  # vLLM-CPU's default block size (the fixture does not set one)
 KV_BYTES = 8 << 20  # 4,096 tokens of the tiny model (2 layers x 1 KiB): 32 blocks
-TRACE_STEPS = 24
+TRACE_STEPS = 16
+"""Of the traffic's ~28 steps: the trace completes even if it arms a few steps late."""
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def served(prod_server: VllmServer) -> Served:
 
     tracer = threading.Thread(target=take_trace, daemon=True)
     tracer.start()
-    time.sleep(0.5)  # the trace armed before the traffic starts (it waits for its steps)
+    time.sleep(1.0)  # the trace armed before the traffic starts (it waits for its steps)
     with _GaugePoller(base) as poller:
         answers = serve_production_traffic(base, traffic, MAX_TOKENS)
     tracer.join(180)
@@ -295,6 +296,7 @@ def test_live_trace_records_the_chunked_steps(served: Served) -> None:
 
     doc = served.trace
     assert check_trace(doc) == []
+    assert "request_id" not in json.dumps(doc) and "prompt" not in json.dumps(doc)
     info = doc["otherData"]["attnprof"]
     assert info["complete"] and not info["timed_out"], info
     steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
@@ -303,6 +305,7 @@ def test_live_trace_records_the_chunked_steps(served: Served) -> None:
     tokens = [st["args"]["tokens"] for st in steps]
     assert max(tokens) == PRODUCTION_BUDGET, tokens  # a chunk filling the step's budget
     assert any(st["args"]["max_seq_len"] > PRODUCTION_BUDGET for st in steps)
+    assert any(st["args"]["phase"] == "mixed" for st in steps), [st["args"] for st in steps]
     for st in steps:
         inside = [e for e in layers if st["ts"] <= e["ts"]
                   and e["ts"] + e["dur"] <= st["ts"] + st["dur"] and e["tid"] == st["tid"]]
@@ -339,7 +342,9 @@ def test_report_and_snapshot_view_print_coverage(served: Served, tmp_path: Path)
     assert view.returncode == 0, view.stderr
     rows = {tuple(ln.split()[:3]) for ln in view.stdout.splitlines()}
     adv = snap["window_advice"]
+    folded = {(r["phase"], r["bucket"]): r["folded_requests"]
+              for r in snap["coverage"]["buckets"]}
     assert ("prefill", "256-511", f"{adv['head_stats_requests']}/{n}") in rows, view.stdout
-    assert ("decode", "256-511", f"0/{n}") in rows, view.stdout
+    assert ("decode", "256-511", f"{folded[('decode', 256)]}/{n}") in rows, view.stdout
     assert f"prefill: statistics of {adv['head_stats_requests']} requests stand on 100% " \
         "of the traffic's query tokens" in view.stdout, view.stdout
