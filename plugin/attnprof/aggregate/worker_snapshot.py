@@ -30,10 +30,17 @@ from attnprof.contracts.snapshot import (
 )
 
 __all__ = ["SLOW_FIELDS", "fast_snapshot", "head_stats_cost", "join", "kernel_groups",
-           "note_poll", "sampler_stats", "slow_parts", "slow_version", "worker_snapshot"]
+           "not_built", "note_poll", "sampler_stats", "slow_parts", "slow_version",
+           "worker_snapshot"]
 
 SLOW_FIELDS = ("layers", "kernel_map", "steps", "probe")
 """The :class:`WorkerSnapshot` fields :func:`slow_parts` builds."""
+
+
+def not_built() -> dict[str, Any]:
+    """The :data:`SLOW_FIELDS` empty: what a pull joins before the snapshot thread's first
+    build (fresh objects: the answer is the caller's to change)."""
+    return {"layers": [], "kernel_map": [], "steps": {}, "probe": None}
 
 
 def sampler_stats(sampler: StepSampler, outcomes: Mapping[str, int], seen: int,

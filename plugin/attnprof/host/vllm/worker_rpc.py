@@ -132,6 +132,8 @@ def snapshot(cap: WorkerCapture, include_head_stats: bool = True) -> WorkerSnaps
     export flush: it runs between model steps, and an export may hold the hub's lock for
     seconds (the export thread flushes every second)."""
     cap.resolve_pending()
+    if cap.hs_buffer is not None and include_head_stats:
+        cap.hs_buffer.settle()  # folds the statistics' worker still holds (capture/head_worker)
     return ws.worker_snapshot(
         os.getpid(), multiprocessing.current_process().name, cap.aggs, kernel_map(cap),
         sampler_stats(cap), cap.errors, ws.head_stats_cost(cap.hs),
@@ -149,10 +151,11 @@ def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None 
     engine's path). ``api_host``: the API server's :func:`host_id`; on this machine the
     deltas travel as files, not in the answer.
 
-    The engine's thread builds nothing here that grows with the model: the snapshot's
-    layers come from the snapshot thread's latest build (``cap.snapshots``); when sampled
-    steps were folded since, the answer carries ``snapshot_stale`` (the build's age) and the
-    thread rebuilds for the next pull."""
+    The engine's thread builds nothing here that grows with the model, not even once: the
+    snapshot's layers come from the snapshot thread's latest build (``cap.snapshots``); when
+    sampled steps were folded since, the answer carries ``snapshot_stale`` (the build's age)
+    and the thread rebuilds for the next pull. Before its first build (the first pull starts
+    the thread) the answer has no layers and ``snapshot_stale`` with ``built`` null."""
     fault_point("capture")
     t0 = time.perf_counter()
     # No export flush here: the export thread flushes every second, and a flush (file
@@ -162,12 +165,13 @@ def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None 
     # on 80 layers, in pieces that leave the engine the GIL); only the counters every step
     # changes are read here. A build behind the aggregates is served as it is, and says so.
     slow, fresh, age, built = cap.snapshots.get()
-    if slow is None:
-        # The first pull (or every build so far failed): built here, once, without the
-        # pauses a background build takes; the thread rebuilds from now on.
-        slow, fresh, age = slow_parts(cap, pieces=False), True, 0.0
-        cap.snapshots.keep(slow, slow_version(cap))
-        cap.snapshots.start()
+    ready = slow is not None
+    if not ready:
+        # The first pull (or every build so far failed): the layers are built on the
+        # snapshot thread, started below, never here (milliseconds on a large model, over
+        # the 1 ms an engine-thread pause may take). This answer has the counters and no
+        # layers yet, and says so; the API server asks again (LiveView._catch_up).
+        slow = ws.not_built()
     snap = ws.join(ws.fast_snapshot(
         os.getpid(), multiprocessing.current_process().name, sampler_stats(cap), cap.errors,
         ws.head_stats_cost(cap.hs), cap.poll_cost, getattr(cap, "runner", None)), slow)
@@ -175,12 +179,19 @@ def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None 
     out = _placement(cap)
     if with_head_stats:
         out["head_stats"] = _take_deltas(cap, api_host, swap=True)
+    if not ready:  # after this pull's own work (the build would compete with it), timed
+        cap.snapshots.start()  # with it: a thread start is ~0.1-0.5 ms, once
+        cap.snapshots.wake()  # a thread already running (builds so far failed) tries again
     t2 = time.perf_counter()
     # This pull's own cost, all but the pickling vLLM does with the answer.
     ws.note_poll(cap.poll_cost, t0, t1, t2, cap.hs_buffer)
     snap["poll_cost"] = cap.poll_cost.to_json()
     out["snapshot"] = snap
-    if not fresh:
+    if not ready:
+        out["snapshot_stale"] = {"age_s": None, "built": None, "now": list(slow_version(cap)),
+                                 "reason": "not built yet: the snapshot thread builds the "
+                                           "layers; the next pull has them"}
+    elif not fresh:
         # Sampled steps were folded since the build: they are in the counters (read now, at
         # the same step on every rank), not yet in the layers. Said so; the API server asks
         # again once the build it woke is done (LiveView._catch_up).
@@ -197,7 +208,7 @@ def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None 
 def slow_parts(cap: WorkerCapture, pieces: bool = True) -> dict[str, Any]:
     """The snapshot's parts that only sampled steps change (:func:`ws.slow_parts`); in
     pieces (:func:`~attnprof.aggregate.background.yield_gil`) as the snapshot thread builds
-    them, or in one go (``pieces=False``: on the engine's thread, sleeping would only add)."""
+    them, or in one go (``pieces=False``: where nothing waits for the GIL, e.g. tests)."""
     from attnprof.aggregate.background import yield_gil
 
     return ws.slow_parts(cap.aggs, cap.reports.kernel_map, cap.state.probe,
