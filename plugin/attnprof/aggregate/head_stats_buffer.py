@@ -23,13 +23,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from attnprof.aggregate.background import yield_gil
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.aggregate.head_strata import HeadStatsStrata
 
-__all__ = ["HeadStatsDoubleBuffer"]
+__all__ = ["FoldQueue", "HeadStatsDoubleBuffer"]
+
+
+class FoldQueue(Protocol):
+    """Folds on their way into the active half from another thread."""
+
+    @property
+    def pending(self) -> int:
+        """Folds handed over and not done."""
+
+    def barrier(self) -> Callable[[float], bool]:
+        """A wait (timeout in seconds; False when it ran out) for the folds handed over
+        until now."""
 
 
 class HeadStatsDoubleBuffer:
@@ -45,7 +57,11 @@ class HeadStatsDoubleBuffer:
         self._ready: list[Any] = []
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[HeadStatsAccumulator | HeadStatsStrata,
-                                            Callable[[list[Any]], Any]]] = queue.SimpleQueue()
+                                            Callable[[list[Any]], Any],
+                                            Callable[[float], bool] | None]] = queue.SimpleQueue()
+        self.folds: FoldQueue | None = None
+        """Where folds reach ``active`` from another thread (capture/head_worker.py): a swap
+        takes its barrier, which the drain waits on before serializing the half."""
         self.swaps = 0
         self.skipped = 0
         """Pulls that found the previous drain still running (nothing swapped)."""
@@ -75,12 +91,18 @@ class HeadStatsDoubleBuffer:
             if spare is None:
                 self.skipped += 1
                 return False
-            if not _has_data(self.active):
+            if not _has_data(self.active) and not (self.folds is not None
+                                                   and self.folds.pending):
                 return False
             old, self.active, self._spare = self.active, spare, None
         self.swaps += 1
-        self._jobs.put((old, finish))
+        self._jobs.put((old, finish, self.folds.barrier() if self.folds is not None else None))
         return True
+
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Until the folds handed over so far are in ``active`` (the offline snapshot reads
+        it whole); False on timeout."""
+        return self.folds is None or self.folds.barrier()(timeout)
 
     def take_ready(self) -> list[Any]:
         """Every finished drain's result since the last call (O(1))."""
@@ -97,10 +119,12 @@ class HeadStatsDoubleBuffer:
 
     def _run(self) -> None:
         while True:
-            old, finish = self._jobs.get()
+            old, finish, folded = self._jobs.get()
             t0 = time.perf_counter()
             result: Any = None
             try:
+                if folded is not None and not folded(10.0):
+                    raise TimeoutError("head-statistics folds still pending at a drain")
                 # zeroes ``old`` too (it is the next spare), in pieces
                 data = old.take_chunks(self.pause)
                 self.delta_bytes = sum(memoryview(c).nbytes for c in data)

@@ -17,8 +17,9 @@ import numpy as np
 
 from attnprof.aggregate.head_stats import JS_CHUNK_ELEMENTS, HeadStatsAccumulator
 
-__all__ = ["SCRATCH_ELEMENTS", "fold_plan", "pair_js", "sample_queries", "scratch_bytes",
-           "update", "update_hf", "update_span"]
+__all__ = ["SCRATCH_ELEMENTS", "Folds", "Prepared", "fold_plan", "pair_js", "prepare", "run",
+           "sample_queries", "scratch_bytes", "span_plan", "update", "update_hf",
+           "update_span"]
 
 _BLOCK = 32  # keys per block for range sums
 SCRATCH_ELEMENTS = 1 << 22
@@ -99,14 +100,21 @@ def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: fl
     request counts ``Lq / prompt_len``: once over all its pieces, partly when positions were
     never computed (a prefix-cache hit's cached head). ``weight`` multiplies every query's
     weight: the sampling stages before this one (the step's own inclusion probability)."""
-    lq = int(q.shape[0])
+    idx, wts, local, share = span_plan(acc, int(q.shape[0]), prompt_len, q_start, weight)
+    return fold_plan(acc, layer, q, k, scale, q_start, idx, wts, local, v=v, softcap=softcap,
+                     sink_logits=sink_logits, request_share=share)
+
+
+def span_plan(acc: HeadStatsAccumulator, q_len: int, prompt_len: int, q_start: int,
+              weight: float = 1.0) -> tuple[Any, Any, dict[int, float], float]:
+    """:func:`update_span`'s share of the whole prompt's plan for the piece of ``q_len``
+    queries at ``q_start``: (indices into the piece, weights, detail, request share), the
+    arguments :func:`fold_plan` and :func:`prepare` take."""
     idx, wts, detail = _whole_plan(acc, int(prompt_len))
-    keep = np.flatnonzero((idx >= q_start) & (idx < q_start + lq))
+    keep = np.flatnonzero((idx >= q_start) & (idx < q_start + q_len))
     local = {int(j): detail[int(i)] * weight for j, i in enumerate(keep) if int(i) in detail}
-    return fold_plan(acc, layer, q, k, scale, q_start, idx[keep] - q_start,
-                     wts[keep] * weight if weight != 1.0 else wts[keep], local,
-                     v=v, softcap=softcap, sink_logits=sink_logits,
-                     request_share=lq / max(1, prompt_len))
+    return (idx[keep] - q_start, wts[keep] * weight if weight != 1.0 else wts[keep], local,
+            q_len / max(1, prompt_len))
 
 
 _PLANS: dict[tuple[Any, ...], tuple[Any, Any, dict[int, float]]] = {}
@@ -141,34 +149,216 @@ def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: floa
     :func:`scratch_bytes`). ``k`` may be a function of n returning the
     first n keys (a paged-cache read): it is called only when a query is folded, for the keys
     up to the last one. Adds ``request_share`` to the layer's requests (also when no query of
-    the plan falls here). Returns the number of queries folded."""
+    the plan falls here). Returns the number of queries folded.
+
+    :func:`prepare` then :func:`run` (what the engine's thread and the statistics' worker do
+    when the work is deferred: :mod:`attnprof.capture.head_worker`); on a device tensor the
+    numbers reach ``acc`` only once :meth:`Folds.apply` ran (here, at once: it waits)."""
+    job = prepare(acc, layer, q, k, scale, q_start, idx_np, wts, detail, v=v,
+                  softcap=softcap, sink_logits=sink_logits, request_share=request_share)
+    run(acc, job).apply()
+    return job.queries
+
+
+class Prepared(NamedTuple):
+    """One layer call's statistics work, its inputs read (:func:`prepare`)."""
+
+    layer: int
+    q: Any  # [m, Hq, D] the sampled queries only, in plan order
+    kt: Any  # [Hkv, D, n] keys of positions [0, n) (n: the last sampled query's + 1)
+    v: Any  # [>= n, Hkv, Dv] or None
+    scale: float
+    q_start: int
+    idx: Any  # numpy int64 [m], indices into the piece's queries (positions q_start + idx)
+    wts: Any
+    detail: dict[int, float]
+    softcap: float | None
+    sink_logits: Any
+    request_share: float
+
+    @property
+    def queries(self) -> int:
+        return len(self.idx)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors it holds (what a deferred fold keeps alive until it runs)."""
+        return sum(int(t.numel()) * int(t.element_size()) for t in (self.q, self.kt, self.v)
+                   if t is not None)
+
+
+def prepare(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
+            q_start: int, idx_np: Any, wts: Any, detail: dict[int, float], *, v: Any = None,
+            softcap: float | None = None, sink_logits: Any = None, request_share: float = 1.0,
+            copy: bool = False) -> Prepared:
+    """The reads :func:`fold_plan` needs (arguments as there): the sampled queries and the
+    keys up to the last of them, as ``[Hkv, D, n]`` fp32. ``copy``: own every tensor (the
+    engine may overwrite its buffers and the paged cache as soon as the call returns: a fold
+    run later on another thread needs copies). Raises ``ValueError`` on a head-count
+    mismatch, as :func:`fold_plan`."""
     import torch
 
     hq = q.shape[1]
     if hq != acc.num_q_heads:
         raise ValueError(f"expected {acc.num_q_heads} q heads, got {hq}")
-    acc.requests[layer] += request_share
-    if len(idx_np) == 0:
-        return 0
     idx = np.asarray(idx_np, dtype=np.int64)
-    n_keys = int(q_start) + int(idx_np[-1]) + 1
+    if len(idx) == 0:
+        return Prepared(layer, None, None, None, scale, int(q_start), idx, wts, {}, softcap,
+                        sink_logits, request_share)
+    n_keys = int(q_start) + int(idx[-1]) + 1
     if callable(k):
-        k = k(n_keys)
+        k = k(n_keys)  # a paged read: a new tensor already
+        fresh = True
+    else:
+        fresh = False
     if k.shape[1] != acc.num_kv_heads:
         raise ValueError(f"expected {acc.num_kv_heads} kv heads, got {k.shape[1]}")
     if n_keys > k.shape[0]:
         raise ValueError(f"query at position {n_keys - 1} needs {n_keys} keys, "
                          f"got {k.shape[0]}")
-    tile = max(1, min(acc.chunk_queries, SCRATCH_ELEMENTS // max(1, hq * n_keys)))
     with torch.no_grad():
-        kh = k[:n_keys].float().permute(1, 2, 0)  # [hkv, d, Lk]
-        for c0 in range(0, len(idx_np), tile):
+        kt = k[:n_keys].permute(1, 2, 0)
+        if fresh:  # [Hkv, D, n] fp32 and contiguous already (read_keys_t)
+            kt = kt.float()
+        else:  # one copy (a conversion from 16 bits needed one anyway): owned, contiguous
+            kt = torch.empty(kt.shape, dtype=torch.float32, device=kt.device).copy_(kt)
+        # only the sampled rows (a compact copy: index_select never aliases)
+        qs = q.index_select(0, _to_dev(idx, q.device))
+        if v is not None and copy:
+            v = v[:n_keys].clone()
+        sl = sink_logits
+        if sl is not None and copy and hasattr(sl, "clone"):
+            sl = sl.clone()
+    return Prepared(layer, qs, kt, v, scale, int(q_start), idx, wts, detail, softcap, sl,
+                    request_share)
+
+
+def run(acc: HeadStatsAccumulator, job: Prepared) -> Folds:
+    """The statistics of a call :func:`prepare` read. On the CPU their numbers are folded into
+    ``acc`` here (the returned :class:`Folds` is empty); on a device the work is only
+    enqueued and the numbers copied to the host without waiting: :meth:`Folds.apply`, called
+    later (off the serving path), waits for them and folds. Nothing here reads a device
+    value on the host (no synchronisation; tests/unit/capture/test_head_rows_nosync.py)."""
+    import torch
+
+    out = Folds(acc, job.kt.device if job.kt is not None else None)
+    out.add("requests", job.layer, job.request_share)
+    if job.queries == 0:
+        return out.close()
+    idx, detail = job.idx, job.detail
+    tile = max(1, min(acc.chunk_queries,
+                      SCRATCH_ELEMENTS // max(1, acc.num_q_heads * int(job.kt.shape[2]))))
+    with torch.no_grad():
+        for c0 in range(0, len(idx), tile):
             ci = idx[c0:c0 + tile]
             det = [i - c0 for i in range(c0, c0 + len(ci)) if i in detail]
             det_w = [detail[i + c0] for i in det]
-            _chunk(acc, layer, q, kh, v, ci, int(q_start), scale, softcap, sink_logits, det,
-                   wts[c0:c0 + len(ci)], det_w)
-    return len(idx_np)
+            _chunk(acc, out, job.layer, job.q[c0:c0 + len(ci)], job.kt, job.v, ci,
+                   job.q_start, job.scale, job.softcap, job.sink_logits, det,
+                   job.wts[c0:c0 + len(ci)], det_w)
+    return out.close()
+
+
+def _on_device(dev: Any) -> bool:
+    """Whether numbers on ``dev`` must reach the host without a wait (every device but the
+    CPU; a test forces the device path on CPU tensors to prove it reads nothing back)."""
+    return bool(dev.type != "cpu")
+
+
+def _to_dev(a: Any, dev: Any) -> Any:
+    """A numpy array as a tensor on ``dev``: through pinned memory and a non-blocking copy
+    on a CUDA device (a pageable copy would wait for the device's queue)."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dev.type == "cpu":
+        return t
+    if dev.type == "cuda":
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)
+
+
+class Folds:
+    """A layer call's per-query numbers on their way into the accumulator: folded at once
+    from CPU tensors; from device tensors copied to the host by non-blocking copies, then
+    folded by :meth:`apply` once the event recorded after the copies has completed."""
+
+    def __init__(self, acc: HeadStatsAccumulator, dev: Any) -> None:
+        self.acc = acc
+        self.dev = dev
+        self.device = dev is not None and _on_device(dev)
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.event: Any = None
+
+    def host(self, t: Any) -> Any:
+        """``t`` on its way to the host (device: a non-blocking copy into pinned memory)."""
+        return t.to("cpu", non_blocking=True) if self.device else t
+
+    def add(self, name: str, *args: Any) -> None:
+        if self.device:
+            self.calls.append((name, args))
+        else:
+            _fold_call(self.acc, name, args)
+
+    def close(self) -> Folds:
+        if self.device and self.calls:
+            self.event = _record_event(self.dev)
+        return self
+
+    @property
+    def ready(self) -> bool:
+        """The copies have landed (:meth:`apply` will not wait)."""
+        return self.event is None or bool(self.event.query())
+
+    def apply(self) -> None:
+        """Fold what is held (waits for the copies on a device: call it off the serving
+        path, or once :attr:`ready`)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        calls, self.calls = self.calls, []
+        for name, args in calls:
+            _fold_call(self.acc, name, args)
+
+
+class _DoneEvent:
+    """Stands for a CUDA event where there is none (a device path forced on CPU tensors)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _record_event(dev: Any) -> Any:
+    """An event after the copies just enqueued on ``dev``'s current stream."""
+    if dev.type != "cuda":
+        return _DoneEvent()
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _np(a: Any) -> Any:
+    return a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray) else a
+
+
+def _fold_call(acc: HeadStatsAccumulator, name: str, args: tuple[Any, ...]) -> None:
+    if name == "requests":
+        layer, share = args
+        acc.requests[layer] += share
+    elif name == "rows":
+        layer, pos, res, w_np, ns = args
+        res = _np(res)
+        acc.fold_rows(layer, pos, res[..., :ns], res[..., ns:-2], res[..., -2], res[..., -1],
+                      w_np)
+    else:  # detail
+        layer, n, ent_n, tk, js, norm, dw = args
+        acc.fold_detail(layer, n, _np(ent_n), _np(tk), None if js is None else _np(js),
+                        None if norm is None else _np(norm), dw)
 
 
 def update_hf(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float, *,
@@ -211,14 +401,12 @@ def _index(acc: HeadStatsAccumulator, ci: Any, start: int, n: int, dev: Any) -> 
     got = _INDEX.get(key)
     if got is not None:
         return got
-    import torch
-
     g, bs = acc.group_size, _BLOCK
     rowpos: Any = np.repeat(ci + start, g)  # row r belongs to query r // g
     lo = int(rowpos[0]) + 1
     mask = None
     if lo < n:  # causal mask; a finite fill keeps 0 * fill == 0 below
-        mask = torch.from_numpy(np.arange(lo, n)[None, :] > rowpos[:, None]).to(dev)
+        mask = _to_dev(np.arange(lo, n)[None, :] > rowpos[:, None], dev)
     wins = np.asarray(acc.window_grid, dtype=np.int64)
     first = np.maximum(rowpos[:, None] - wins[None, :] + 1, 0)  # [rows, W] window start
     fb = first // bs
@@ -227,12 +415,12 @@ def _index(acc: HeadStatsAccumulator, ci: Any, start: int, n: int, dev: Any) -> 
     nb = n // bs
     sinks = np.asarray(acc.sinks_grid, dtype=np.int64)
     got = _Index(
-        torch.from_numpy(np.ascontiguousarray(ci, dtype=np.int64)).to(dev), lo, mask,
-        torch.from_numpy(np.minimum(cols, n - 1).reshape(len(rowpos), -1)).to(dev),
-        torch.from_numpy(ok.astype(np.float32)).to(dev),
-        torch.from_numpy(np.minimum(fb + 1, nb + 1)).to(dev),
-        torch.from_numpy(np.minimum(np.maximum(sinks - 1, 0), n - 1)).to(dev),
-        torch.from_numpy((sinks > 0).astype(np.float64)).to(dev))
+        _to_dev(np.asarray(ci, dtype=np.int64), dev), lo, mask,
+        _to_dev(np.minimum(cols, n - 1).reshape(len(rowpos), -1), dev),
+        _to_dev(ok.astype(np.float32), dev),
+        _to_dev(np.minimum(fb + 1, nb + 1), dev),
+        _to_dev(np.minimum(np.maximum(sinks - 1, 0), n - 1), dev),
+        _to_dev((sinks > 0).astype(np.float64), dev))
     size = sum(t.numel() * t.element_size() for t in got if not isinstance(t, int | None))
     if _index_bytes + size > _INDEX_BYTES:
         _INDEX.clear()
@@ -243,10 +431,11 @@ def _index(acc: HeadStatsAccumulator, ci: Any, start: int, n: int, dev: Any) -> 
     return got
 
 
-def _chunk(acc: HeadStatsAccumulator, layer: int, q: Any, kh: Any, v: Any, ci: Any,
-           start: int, scale: float, softcap: float | None, sink_logits: Any, det: list[int],
-           wts: Any = None, det_w: list[float] | None = None) -> None:
-    """One tile of sampled queries ``ci`` (numpy indices into ``q``; ``wts``: their weights,
+def _chunk(acc: HeadStatsAccumulator, folds: Folds, layer: int, q: Any, kh: Any, v: Any,
+           ci: Any, start: int, scale: float, softcap: float | None, sink_logits: Any,
+           det: list[int], wts: Any = None, det_w: list[float] | None = None) -> None:
+    """One tile of sampled queries ``ci`` (numpy indices at positions ``start + ci``, their
+    rows ``q`` [c, Hq, D], into ``folds``; ``wts``: their weights,
     default 1; ``det_w``: the weights of the detail queries ``det``). Rows are laid out
     [hkv, c*g] as bmm produces them. The logits go through one fused softmax (the fastest
     pass over [rows, keys] here: max, exp, sum and scale in one kernel); the top-1 key is
@@ -262,7 +451,7 @@ def _chunk(acc: HeadStatsAccumulator, layer: int, q: Any, kh: Any, v: Any, ci: A
     dev = kh.device  # CUDA in a GPU worker: index tensors live there, results go to numpy
     ix = _index(acc, np.asarray(ci, dtype=np.int64), start, n, dev)
     # scale folded into q: one pass over [rows, keys] fewer
-    qh = (q[ix.ci].float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
+    qh = (q.float() * scale).view(c, hkv, g, -1).permute(1, 0, 2, 3).reshape(
         hkv, rows, -1)
     x = torch.bmm(qh, kh[:, :, :n])  # [hkv, rows, n] logits
     if softcap:
@@ -306,21 +495,24 @@ def _chunk(acc: HeadStatsAccumulator, layer: int, q: Any, kh: Any, v: Any, ci: A
     maxw /= z[..., 0]
     zd = z[..., 0]  # the detail rows' normaliser
     if m is not None:  # learned sinks (gpt-oss): extra mass outside every key
-        sl = torch.as_tensor(sink_logits).to(dev).float().view(hkv, 1, g).expand(hkv, c, g)
+        sl = torch.as_tensor(sink_logits)
+        sl = (sl if sl.device == dev else sl.to(dev, non_blocking=True)).float()
+        sl = sl.view(hkv, 1, g).expand(hkv, c, g)
         r = torch.exp(sl.reshape(hkv, rows) - m).double() * maxw  # sink / keys' mass
         out[..., :-2] /= (1 + r)[..., None]
         sink_m += (r / (1 + r))[..., None] * ix.has
         maxw /= 1 + r
         zd = zd * (1 + r)
-    res = out.reshape(hkv, c, g, -1).transpose(0, 1).reshape(c, hq, -1).cpu().numpy()
+    res = out.reshape(hkv, c, g, -1).transpose(0, 1).reshape(c, hq, -1)
     w_np = np.ones(c) if wts is None else np.asarray(wts, dtype=np.float64)
-    acc.fold_rows(layer, pos, res[..., :ns], res[..., ns:-2], res[..., -2], res[..., -1], w_np)
+    folds.add("rows", layer, pos, folds.host(res), w_np, ns)
     if det:
-        _detail(acc, layer, p, zd.float(), pos.tolist(), det, v, det_w)
+        _detail(acc, folds, layer, p, zd.float(), pos.tolist(), det, v, det_w)
 
 
-def _detail(acc: HeadStatsAccumulator, layer: int, x: Any, z: Any, pos_l: list[int],
-            det: list[int], v: Any, det_w: list[float] | None = None) -> None:
+def _detail(acc: HeadStatsAccumulator, folds: Folds, layer: int, x: Any, z: Any,
+            pos_l: list[int], det: list[int], v: Any, det_w: list[float] | None = None
+            ) -> None:
     """Entropy, top-k for ``mass_gamma`` and output norm on a few queries (sorting whole
     rows is the costliest part, so it runs on ``n_detail`` queries per request), each
     weighted by ``det_w`` (default 1)."""
@@ -335,16 +527,36 @@ def _detail(acc: HeadStatsAccumulator, layer: int, x: Any, z: Any, pos_l: list[i
         rows = slice(qi * g, (qi + 1) * g)
         p = (x[:, rows, :n] / z[:, rows, None]).reshape(hq, n)  # [hq, n] (kv-major)
         ent = -torch.special.xlogy(p, p).sum(-1)
-        ent_n = (ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double().cpu().numpy()
-        tk = _mass_count(p, acc.mass_gamma)
+        ent_n = folds.host((ent / math.log(n) if n > 1 else torch.zeros_like(ent)).double())
+        tk = (folds.host(_mass_count_dev(p, acc.mass_gamma)) if folds.device
+              else _mass_count(p, acc.mass_gamma))
         norm = None
         if v is not None:
             o = torch.einsum("hgn,nhd->hgd", p.view(hkv, g, n), v[:n].float())
-            norm = o.reshape(hq, -1).norm(dim=-1).double().cpu().numpy()
-        acc.fold_detail(layer, n, ent_n, tk, pair_js(p, SCRATCH_ELEMENTS // 8), norm, dw)
+            norm = folds.host(o.reshape(hq, -1).norm(dim=-1).double())
+        js = pair_js(p, SCRATCH_ELEMENTS // 8, host=not folds.device)
+        folds.add("detail", layer, n, ent_n, tk, None if js is None else folds.host(js), norm,
+                  dw)
 
 
 _TOPK_FIRST = 64
+
+
+def _mass_count_dev(p: Any, gamma: float) -> Any:
+    """:func:`_mass_count` without reading anything back (a device's path): every row
+    sorted in full, in the same pieces, the counts left where ``p`` lives (int64 [rows]).
+    The same counts (the partial top-k only settles rows early)."""
+    import torch
+
+    rows, n = int(p.shape[0]), int(p.shape[1])
+    need = gamma * p.sum(-1, dtype=torch.float64)
+    piece = max(1, SCRATCH_ELEMENTS // (4 * n))
+    parts = []
+    for a in range(0, rows, piece):
+        top = torch.sort(p[a:a + piece], -1, descending=True).values.cumsum(
+            -1, dtype=torch.float64)
+        parts.append(((top < need[a:a + piece, None]).sum(-1) + 1).clamp(max=n))
+    return torch.cat(parts)
 
 
 def _mass_count(p: Any, gamma: float) -> Any:
@@ -382,13 +594,14 @@ def _mass_count(p: Any, gamma: float) -> Any:
     return out
 
 
-def pair_js(p: Any, chunk_elements: int = JS_CHUNK_ELEMENTS) -> Any:
+def pair_js(p: Any, chunk_elements: int = JS_CHUNK_ELEMENTS, host: bool = True) -> Any:
     """Jensen-Shannon distance (base 2, in [0, 1]) between every pair of query heads' rows
     ``p`` [hq, n] of one detail query, as a float64 numpy array over the upper triangle
     (row-major, as ``np.triu_indices``); None below two heads. Summed term by term
     (p log 2p/(p+q)) so identical rows give exactly 0; cost O(hq^2 n). All pairs are
     computed where ``p`` lives, ``chunk_elements`` (pairs x keys) at a time so scratch
-    stays bounded, and read back once: no device sync per head."""
+    stays bounded, and read back once (``host``; else left where ``p`` lives, float64): no
+    device sync per head."""
     import torch
 
     hq, n = p.shape[0], p.shape[1]
@@ -403,4 +616,5 @@ def pair_js(p: Any, chunk_elements: int = JS_CHUNK_ELEMENTS) -> Any:
         parts.append(0.5 * (torch.xlogy(pa, 2 * pa / m) + torch.xlogy(pb, 2 * pb / m))
                      .sum(-1))
     js = torch.cat(parts)
-    return (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt().double().cpu().numpy()
+    out = (js.clamp(min=0) / math.log(2)).clamp(max=1).sqrt().double()
+    return out.cpu().numpy() if host else out

@@ -109,6 +109,7 @@ def _fold_step(sliding: int | None) -> tuple[Capture, Any]:
     q = torch.randn(301, 4 * 64, generator=g)
     k = torch.randn(301, 2 * 64, generator=g)
     cap._head_stats(info, ImplCall(SimpleNamespace(isa="vec"), q, k, k, kv_cache, md))
+    assert cap.settle_head_stats()  # the statistics' worker folded them
     return cap, (q, k, past)
 
 

@@ -62,6 +62,14 @@ class _Fold(NamedTuple):
     row: int  # its row in the block table
     weight: float  # inverse inclusion probability of the step (decode: x running / folded)
     seq_share: float = 0.0  # decode: 1 on a sequence's first fold in this bucket
+    detail: float = 0.0  # decode: the detail query's weight (0: no detail query)
+
+
+def _run_job(acc: Any, job: Any) -> None:
+    """A prepared CPU fold, run on the statistics' worker."""
+    from attnprof.capture import head_rows
+
+    head_rows.run(acc, job).apply()
 
 
 def _paged_keys(kv_cache: Any, layout: Any, row: Any, q_pos: int, own: Any, n: int) -> Any:
@@ -162,6 +170,8 @@ class Capture:
         self.hs_rate = cfg.head_stats_rate
         self.hs_min_tokens = cfg.head_stats_min_tokens
         self.hs_buffer: Any = None  # HeadStatsDoubleBuffer, made at the first sampled prompt
+        self.hs_worker: Any = None  # HeadStatsWorker: folds off the engine's thread (same time)
+        self.hs_inline = False  # True: fold on the engine's thread (tests, benchmark baseline)
         self.deltas: Any = None  # DeltaFiles: how deltas reach the API server
         self.hs = HeadStatsCost()
         self.poll_cost = PollCost()
@@ -322,6 +332,9 @@ class Capture:
             from attnprof.capture import head_rows  # numpy and torch: only once sampled
 
             strata = self.hs_buffer.active
+            # CPU: the statistics' worker computes (the engine's thread copies the queries
+            # and keys it reads); a device: enqueued here, folded there once copied back
+            device = call.query.device.type != "cpu"
             q, k = call.query, call.key
             hq, hkv, d = info.num_heads, info.num_kv_heads, info.head_size
             scale = info.scale or d ** -0.5
@@ -347,20 +360,47 @@ class Capture:
                                            f.q_pos, ks)
                 acc = strata.get(f.phase, f.bucket)
                 if f.phase == "prefill":
-                    got = head_rows.update_span(acc, info.index, qs, ks, scale,
-                                                prompt_len=f.prompt_len, q_start=f.q_pos,
-                                                weight=f.weight)
+                    idx, wts, det, share = head_rows.span_plan(acc, f.q_len, f.prompt_len,
+                                                               f.q_pos, f.weight)
                 else:  # one query, the sequence's last position, standing for w sequences
-                    got = head_rows.fold_plan(acc, info.index, qs, ks, scale, f.q_pos,
-                                              _ZERO, [f.weight], {0: f.weight},
-                                              request_share=f.seq_share)
-                self.hs.queries += got
+                    idx, wts, share = _ZERO, [f.weight], f.seq_share
+                    det = {0: f.detail} if f.detail else {}
+                job = head_rows.prepare(acc, info.index, qs, ks, scale, f.q_pos, idx, wts, det,
+                                        request_share=share, copy=not device)
+                self._hs_submit(acc, job, device)
+                self.hs.queries += job.queries
             if id(md) not in self._hs_seen:
                 self._hs_seen.add(id(md))
                 self.hs.requests += sum(1 for f in plan if f.phase == "prefill"
                                         and f.q_pos + f.q_len == f.prompt_len)
         finally:
             self._hs_time += self.clock() - t0
+
+    def _hs_submit(self, acc: Any, job: Any, device: bool) -> None:
+        """Hand one prepared fold to the statistics' worker; dropped (counted) when its
+        queue is full. ``hs_inline``: run here instead (tests, the benchmark's baseline)."""
+        from attnprof.capture import head_rows
+
+        if self.hs_inline:
+            head_rows.run(acc, job).apply()
+            return
+        if device:  # the device work is enqueued now; the worker folds its numbers back
+            folds = head_rows.run(acc, job)
+            ok = self.hs_worker.submit(folds.apply, 0)
+        else:
+            ok = self.hs_worker.submit(functools.partial(_run_job, acc, job), job.nbytes)
+        if not ok:
+            self.errors.drop("head_stats_queue_full")
+
+    def _hs_error(self, exc: BaseException) -> None:
+        """A fold failed on the worker: counted, and statistics switched off as inline."""
+        self.errors.record("head_stats", exc)
+        self.hs_rate = 0.0
+
+    def settle_head_stats(self, timeout: float = 10.0) -> bool:
+        """Until every fold handed to the worker so far is in the accumulator (tests, the
+        offline snapshot); False on timeout."""
+        return self.hs_buffer is None or self.hs_buffer.settle(timeout)
 
     def _hs_start(self, info: LayerInfo) -> None:
         """Both halves, the drain thread and the delta files' place now (charged to this
@@ -372,11 +412,16 @@ class Capture:
 
         cfg = self.state.config
         self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
+        from attnprof.capture.head_worker import HeadStatsWorker
+
+        self.hs_worker = HeadStatsWorker(self._hs_error)
         self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(
             num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
             num_kv_heads=info.num_kv_heads,
             group_size=max(1, info.num_heads // max(1, info.num_kv_heads)),
             seed=0)))
+        # a swap's drain (and a settle) waits for the folds handed over before it
+        self.hs_buffer.folds = self.hs_worker
 
     def _hs_plan(self, md: Any) -> list[_Fold]:
         """What the step's statistics fold, decided once per metadata object (so every layer
@@ -425,11 +470,16 @@ class Capture:
             w = len(decodes) / n * self._hs_weight
             keys = (vargs.req_keys(self._runner, len(seq_lens), self.v2_batch)
                     if self._runner is not None else None)
-            for j in sorted(rng.choice(len(decodes), n, replace=False).tolist()):
+            # one of the n folded sequences gets the detail query (entropy, top-k, pairwise
+            # distances: the costly part), weighted n x theirs (unbiased)
+            chosen = sorted(rng.choice(len(decodes), n, replace=False).tolist())
+            dj = int(rng.integers(n))
+            for jj, j in enumerate(chosen):
                 a, sl, i = decodes[j]
                 b = context_bucket(sl, edges)
                 plan.append(_Fold("decode", b, a, 1, sl - 1, sl, i, w,
-                                  0.0 if keys is None else self._first_decode_fold(keys[i], b)))
+                                  0.0 if keys is None else self._first_decode_fold(keys[i], b),
+                                  w * n if jj == dj else 0.0))
         self._hs_plans[id(md)] = plan
         return plan
 
@@ -576,13 +626,16 @@ class Capture:
                                   (wall, t0, t1) if wall else None)
         except Exception as exc:
             self.errors.record("step_end", exc)
+        # the worker's folds since the last sampled step: attnprof's CPU time too
+        bg = self.hs_worker.take_busy() if self.hs_worker is not None else 0.0
+        self.hs.time_s += bg
         if self._hs_time:
             self.hs.steps += 1
             self.hs.time_s += self._hs_time
             # Attention-free estimate of the prefill's own cost: the step minus our stats.
             self.hs.prefill_time_s += max(0.0, t1 - t0 - self._hs_time)
         try:
-            self.sampler.charge(overhead + self._hs_time + (self.clock() - t1))
+            self.sampler.charge(overhead + self._hs_time + bg + (self.clock() - t1))
         except Exception as exc:
             self.errors.record("sampler", exc)
         return out

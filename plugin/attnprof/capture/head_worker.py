@@ -1,0 +1,127 @@
+"""The head statistics' worker: one thread that folds sampled layer calls off the engine's.
+
+A sampled layer call's statistics are milliseconds of work (recomputing softmax rows against
+every earlier key). On the engine's thread that is a stall of the serving loop; so the
+engine's thread only reads what the work needs (:func:`attnprof.capture.head_rows.prepare`:
+a copy of the sampled queries and of the keys up to the last of them, since the engine
+overwrites its buffers and the paged cache once the call returns) and hands it here. On a
+GPU the work itself is enqueued on the device by the engine's thread (no copy, no wait) and
+only the host-side fold comes here, after its event completes.
+
+Bounded: at most ``max_jobs`` jobs and ``max_bytes`` bytes of copies wait at once; a job
+that does not fit is dropped (the caller counts it), never waited for. One thread, jobs in
+submission order, so the accumulator sees the same folds in the same order as inline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MAX_BYTES", "MAX_JOBS", "HeadStatsWorker"]
+
+MAX_JOBS = 256
+"""Jobs (layer calls) waiting at most: a few sampled steps of a deep model."""
+MAX_BYTES = 64 << 20
+"""Bytes of copied queries and keys waiting at most (beyond them a job is dropped)."""
+
+
+class HeadStatsWorker:
+    """``submit`` runs on the engine's thread and never waits; jobs run on one daemon
+    thread. ``on_error(exc)`` is called there when a job raises (the job is lost, the
+    thread goes on)."""
+
+    def __init__(self, on_error: Callable[[BaseException], None],
+                 max_jobs: int = MAX_JOBS, max_bytes: int = MAX_BYTES) -> None:
+        self.on_error = on_error
+        self.max_jobs = max_jobs
+        self.max_bytes = max_bytes
+        self._jobs: deque[tuple[Callable[[], Any], int]] = deque()
+        self._cv = threading.Condition()
+        self.bytes = 0
+        """Bytes of the jobs waiting or running."""
+        self.peak_bytes = 0
+        self.submitted = 0
+        self.done = 0
+        self.dropped = 0
+        self.busy_s = 0.0
+        """Seconds the thread spent in jobs (CPU work the engine's thread did not do)."""
+        self._taken_busy = 0.0
+        self._thread = threading.Thread(target=self._run, name="attnprof-head-fold",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished."""
+        return self.submitted - self.done
+
+    def submit(self, job: Callable[[], Any], nbytes: int) -> bool:
+        """Queue ``job`` holding ``nbytes``; False (nothing queued) when it does not fit."""
+        with self._cv:
+            if (self.submitted - self.done >= self.max_jobs
+                    or self.bytes + nbytes > self.max_bytes):
+                self.dropped += 1
+                return False
+            self._jobs.append((job, nbytes))
+            self.submitted += 1
+            self.bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+            self._cv.notify()
+        return True
+
+    def barrier(self) -> Callable[[float], bool]:
+        """A wait for every job submitted until now (to be called later, off the engine's
+        thread): True once they are done, False on timeout."""
+        mark = self.submitted
+
+        def wait(timeout: float = 10.0) -> bool:
+            return self.wait_done(mark, timeout)
+
+        return wait
+
+    def wait_done(self, mark: int, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.done < mark:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Until every job submitted so far is done (tests, the offline snapshot)."""
+        return self.wait_done(self.submitted, timeout)
+
+    def take_busy(self) -> float:
+        """The thread's job time since the last call (charged to attnprof's budget)."""
+        busy = self.busy_s
+        out, self._taken_busy = busy - self._taken_busy, busy
+        return out
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                job, nbytes = self._jobs.popleft()
+            t0 = time.perf_counter()
+            try:
+                job()
+            except Exception as exc:
+                try:
+                    self.on_error(exc)
+                except Exception:
+                    pass
+            finally:
+                del job  # its copies go now, before the count says so
+                dt = time.perf_counter() - t0
+                with self._cv:
+                    self.busy_s += dt
+                    self.bytes -= nbytes
+                    self.done += 1
+                    self._cv.notify_all()

@@ -1,0 +1,201 @@
+"""Head statistics folded off the engine's thread (capture/head_worker.py): the engine's
+thread only copies what a fold reads; the worker's folds equal the inline ones exactly; a
+full queue drops (counted), never waits, and its copies stay under the stated bound; a
+failing fold is counted and switches statistics off; a pull's delta and the offline
+snapshot hold every fold handed over before them; decode detail queries are one per step,
+weighted to stay unbiased."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
+from attnprof.aggregate.head_strata import HeadStatsStrata
+from attnprof.capture import head_rows
+from attnprof.capture.head_worker import HeadStatsWorker
+from attnprof.capture.vllm.hooks import DECODE_SEQS_PER_STEP, Capture
+
+from .test_hs_plan import _cap, _md
+
+
+def _arrays(acc: HeadStatsAccumulator) -> dict[str, Any]:
+    return {k: x for k, x in vars(acc).items() if isinstance(x, np.ndarray)}
+
+
+def _step(inline: bool, seed: int = 0) -> tuple[Capture, Any]:
+    """Two layers' calls of a batch with a whole 300-token prompt, a 200-token chunk of a
+    600-token prompt (its first 256 keys in a CPU_ATTN cache, written by vLLM's own op) and
+    a decode sequence; the call's q/k buffers are overwritten right after each call, as the
+    engine's next layer does."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from vllm.platforms import current_platform
+
+    from attnprof.aggregate.layers import LayerInfo
+    from attnprof.capture.vllm.args import ImplCall
+
+    current_platform.import_kernels()
+    cap = _cap([300, 600, 300])
+    cap.hs_inline = inline
+    g = torch.Generator().manual_seed(seed)
+    kv_cache = torch.zeros(16, 2, 128, 128)
+    key_cache, value_cache = kv_cache.view(16, 2, 256, 64).chunk(2, dim=2)
+    past = torch.randn(256, 2, 64, generator=g)
+    ops.cpu_attn_reshape_and_cache(past, past, key_cache, value_cache,
+                                   torch.arange(4 * 128, 4 * 128 + 256), "vec")
+    dec = torch.randn(300, 2, 64, generator=g)
+    ops.cpu_attn_reshape_and_cache(dec, dec, key_cache, value_cache,
+                                   torch.arange(8 * 128, 8 * 128 + 300), "vec")
+    md = _md([300, 200, 1], [300, 456, 301])
+    md.block_table[1, :2] = torch.tensor([4, 5], dtype=torch.int32)
+    md.block_table[2, :3] = torch.tensor([8, 9, 10], dtype=torch.int32)
+    q = torch.empty(501, 4 * 64)
+    k = torch.empty(501, 2 * 64)
+    for layer in range(2):
+        info = LayerInfo(name=f"model.layers.{layer}.self_attn.attn", index=layer,
+                         backend="CPU_ATTN", impl="CPUAttentionBackendImpl", num_heads=4,
+                         num_kv_heads=2, head_size=64, head_size_v=64, sliding_window=None,
+                         dtype="float32", kv_cache_dtype="auto", fused=True, scale=0.125)
+        cap.aggs.add_layer(info)
+    for layer in range(2):
+        info = cap.aggs.layers[f"model.layers.{layer}.self_attn.attn"]
+        q.copy_(torch.randn(q.shape, generator=g))
+        k.copy_(torch.randn(k.shape, generator=g))
+        cap._head_stats(info, ImplCall(SimpleNamespace(isa="vec"), q, k, k, kv_cache, md))
+        q.fill_(float("nan"))  # the engine reuses its buffers
+        k.fill_(float("nan"))
+        kv_cache[4:6].fill_(float("nan"))  # and its blocks
+    return cap, md
+
+
+def test_the_workers_folds_equal_the_inline_ones_exactly() -> None:
+    inline, _ = _step(True)
+    assert inline.hs_worker is not None and inline.hs_worker.submitted == 0
+    cap, _ = _step(False)
+    assert cap.settle_head_stats()
+    assert cap.hs_worker.submitted == 6 and cap.hs_worker.done == 6  # 3 folds x 2 layers
+    a, b = inline.hs_buffer.active, cap.hs_buffer.active
+    assert [key for key, _ in a.items()] == [key for key, _ in b.items()] and len(a.items()) == 3
+    for key, acc in a.items():
+        want, got = _arrays(acc), _arrays(b.get(*key))
+        assert want["queries"].any()
+        for name, x in want.items():
+            np.testing.assert_array_equal(got[name], x, err_msg=f"{key} {name}")
+    assert not cap.errors.dropped and not cap.errors.by_place
+
+
+def test_a_full_queue_drops_and_counts_never_waits_and_stays_bounded() -> None:
+    gate = threading.Event()
+    errors: list[BaseException] = []
+    w = HeadStatsWorker(errors.append, max_jobs=3, max_bytes=1000)
+    done: list[int] = []
+    def first() -> None:
+        gate.wait(30)
+        done.append(0)
+
+    assert w.submit(first, 400)  # holds the thread
+    assert w.submit(lambda: done.append(1), 400)
+    assert not w.submit(lambda: done.append(2), 400)  # 1200 bytes > 1000: dropped at once
+    assert w.submit(lambda: done.append(3), 200)
+    assert not w.submit(lambda: done.append(4), 1)  # 3 jobs pending: dropped
+    assert w.dropped == 2 and w.peak_bytes <= 1000 and w.pending == 3
+    gate.set()
+    assert w.wait_idle(30)
+    assert done == [0, 1, 3] and w.bytes == 0 and not errors
+
+
+def test_a_full_queue_is_a_drop_reason_of_the_capture() -> None:
+    cap = _cap([300])
+    cap.hs_worker = HeadStatsWorker(cap._hs_error, max_jobs=1, max_bytes=1 << 30)
+    gate = threading.Event()
+    assert cap.hs_worker.submit(lambda: gate.wait(30), 0)
+    acc = HeadStatsAccumulator(1, 2, 2)
+    job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
+                            (7,), [1.0], {}, copy=True)
+    cap._hs_submit(acc, job, False)
+    gate.set()
+    assert cap.hs_worker.wait_idle(30)
+    assert cap.errors.dropped == {"head_stats_queue_full": 1} and not acc.queries.any()
+
+
+def test_the_copies_are_owned_and_their_bytes_stated() -> None:
+    acc = HeadStatsAccumulator(1, 2, 2)
+    q, k = torch.randn(64, 4, 16), torch.randn(64, 2, 16)
+    job = head_rows.prepare(acc, 0, q, k, 0.25, 0, np.array([3, 40]), [1.0, 1.0], {}, copy=True)
+    # only the sampled queries, and the keys up to the last of them, in fp32
+    assert job.q.shape == (2, 4, 16) and job.kt.shape == (2, 16, 41)
+    assert job.nbytes == 4 * (2 * 4 * 16 + 41 * 2 * 16)
+    assert job.q.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    assert job.kt.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+
+
+def test_a_failing_fold_is_counted_and_switches_statistics_off() -> None:
+    cap = _cap([300])
+    cap.hs_worker = HeadStatsWorker(cap._hs_error)
+    acc = HeadStatsAccumulator(1, 2, 2)
+    job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
+                            (7,), [1.0], {}, copy=True)
+    job = job._replace(layer=5)  # no such layer: the fold raises on the worker
+    cap._hs_submit(acc, job, False)
+    assert cap.hs_worker.wait_idle(30)
+    assert cap.errors.by_place == {"head_stats": 1} and cap.hs_rate == 0.0
+
+
+def test_a_pulls_delta_holds_every_fold_handed_over_before_it() -> None:
+    """The drain waits for the folds submitted before the swap: none lands in the next
+    half, none is zeroed away mid-fold."""
+    gate = threading.Event()
+    w = HeadStatsWorker(lambda exc: None)
+    strata = HeadStatsStrata(HeadStatsAccumulator(1, 2, 2))
+    buf = HeadStatsDoubleBuffer(strata)
+    buf.folds = w
+    acc = strata.get("prefill", 0)
+    assert w.submit(lambda: gate.wait(30), 0)  # the worker is busy: the fold is pending
+    job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
+                            (3, 7), [1.0, 2.0], {}, copy=True)
+    assert w.submit(lambda: head_rows.run(acc, job).apply(), job.nbytes)
+    got: list[bytes] = []
+
+    def finish(chunks: list[Any]) -> bytes:
+        got.append(b"".join(chunks))
+        return b"x"
+
+    # nothing has landed in the active half yet: the pending fold is data to swap
+    assert not strata.has_data() and buf.swap(finish)
+    assert buf.draining  # waiting for the fold
+    gate.set()
+    assert buf.wait(30) and got
+    delta = HeadStatsStrata.from_bytes(got[0]).get("prefill", 0)
+    want = HeadStatsAccumulator(1, 2, 2)
+    head_rows.run(want, job._replace()).apply()
+    assert want.queries.sum() == 2 * 4  # two queries, four heads
+    for name, x in _arrays(want).items():
+        np.testing.assert_array_equal(_arrays(delta)[name], x, err_msg=name)
+    active = buf.active
+    assert isinstance(active, HeadStatsStrata) and not active.has_data()
+
+
+def test_decode_detail_is_one_sequence_a_step_weighted_to_stay_unbiased() -> None:
+    n = 3 * DECODE_SEQS_PER_STEP
+    cap = _cap([300] * n)
+    ctx = [301 + i for i in range(n)]
+    chosen: dict[int, float] = {}
+    for step in range(400):
+        cap.seen = step
+        cap._hs_plans.clear()
+        plan = cap._hs_plan(_md([1] * n, ctx))
+        det = [f for f in plan if f.detail]
+        assert len(plan) == DECODE_SEQS_PER_STEP and len(det) == 1
+        # the detail query stands for the folded sequences: its weight is theirs summed
+        assert det[0].detail == pytest.approx(sum(f.weight for f in plan)) == pytest.approx(n)
+        chosen[det[0].row] = chosen.get(det[0].row, 0.0) + det[0].detail
+    # every sequence gets detail queries, each about its share of the total weight (n / n)
+    assert set(chosen) == set(range(n))
+    share = np.array([chosen[r] for r in range(n)]) / (400 * n)
+    assert np.all(np.abs(share - 1 / n) < 0.05)
