@@ -75,8 +75,8 @@ if __name__ == "__main__":
         ROWS.clear()
         (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0,
                               max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-        return {"rows": list(ROWS), "strata": take(),
-                "gen": list(out.outputs[0].token_ids)}
+        strata = take()  # first: the statistics' worker folds the rows until the pull
+        return {"rows": list(ROWS), "strata": strata, "gen": list(out.outputs[0].token_ids)}
 
     res = {}
     if budget >= 512:
