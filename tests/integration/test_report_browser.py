@@ -78,3 +78,20 @@ def test_detector_catches_errors_and_requests(chromium: str, tmp_path: Path) -> 
     assert any("attnprof.invalid" in r for r in res.failed_requests), res.failed_requests
     assert sorted(res.requests) == sorted([(tmp_path / "missing.png").as_uri(),
                                            "https://attnprof.invalid/x.png"])
+
+
+def test_the_advice_basis_section_renders_clean(chromium: str, tmp_path: Path) -> None:
+    """The section on what the window advice stands on (coverage per context bucket, the
+    need-more-traffic verdict, dynamic heads), in a report from a snapshot that has it."""
+    from attnprof.contracts.report import Report, ReportSource
+    from tests.unit.analyze.test_advice_basis import _model
+
+    rep = Report(generated_at=0.0, source=ReportSource(kind="files", where=["demo.json"]),
+                 models=[_model()], formulas={}, versions={})
+    page = tmp_path / "report.html"
+    page.write_text(render_html(rep), encoding="utf-8")
+    res = load_page(page)
+    assert res.console_errors == [] and res.failed_requests == [] and res.requests == []
+    assert res.png is not None
+    (w, h), colours = _png_size_and_colours(res.png)
+    assert w == WIDTH and h == res.height and colours > 20

@@ -140,7 +140,7 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert r.returncode == 0, r.stderr
     print(f"report from Prometheus: {elapsed:.1f} s")
     doc = json.loads((out / "report.json").read_text())
-    assert doc["schema_version"] == "attnprof.report/2.0" and doc["source"]["kind"] == "prometheus"
+    assert doc["schema_version"] == "attnprof.report/2.1" and doc["source"]["kind"] == "prometheus"
     (m,) = doc["models"]
     assert m["model"] == label
     assert m["traffic"]["requests"] == want["attnprof_request_context_tokens_count"]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.report import (
+    BasisBucket,
     ContextDistribution,
     KvMemory,
     ModelReport,
@@ -28,6 +29,10 @@ __all__ = [
     "alternatives_text",
     "backend_table",
     "badges",
+    "basis_facts",
+    "basis_label",
+    "basis_sentence",
+    "basis_table",
     "context_labels",
     "context_table",
     "evidence_text",
@@ -330,6 +335,88 @@ def kv_facts(kv: KvMemory, scope: Scope = "fleet") -> Facts:
         basis = f" ({kv.peak_concurrency_basis})" if kv.peak_concurrency_basis else ""
         out.append(("Peak concurrent sequences", fmt_count(kv.peak_concurrency) + basis))
     return out
+
+
+def basis_label(b: BasisBucket, min_tokens: int | None) -> str:
+    """A coverage bucket: ``short (under 256)``, ``256-512`` (en dash), ``≥8K``."""
+    if b.bucket == 0:
+        return f"short (under {short_tokens(min_tokens)})" if min_tokens else "short"
+    if b.hi is None:
+        return f"≥{short_tokens(b.bucket)}"
+    return f"{short_tokens(b.bucket)}{_DASH}{short_tokens(b.hi)}"
+
+
+def _of(folded: float | None, traffic: float | None, share: float | None = None) -> str:
+    """``folded / traffic (share)``."""
+    out = f"{fmt_count(folded)} / {fmt_count(traffic)}"
+    return out + (f" ({fmt_pct(share)})" if share is not None and _ok(share) else "")
+
+
+def basis_table(m: ModelReport) -> Table:
+    """Per context bucket, prefill and decode side by side: the traffic's requests, KV
+    block-seconds and query tokens against what the head statistics folded."""
+    b = m.advice_basis
+    if b is None or not b.available:
+        return [], []
+    rows = []
+    for x in b.buckets:
+        pre, dec = x.prefill, x.decode
+        if not (x.traffic_requests or x.kv_block_seconds or any(
+                p is not None and (p.folded_requests or p.traffic_queries)
+                for p in (pre, dec))):
+            continue  # a bucket neither the traffic nor the statistics reached
+        rows.append([
+            basis_label(x, b.min_tokens),
+            _of(pre.folded_requests if pre is not None else None, x.traffic_requests),
+            MISSING if x.kv_block_seconds is None else
+            f"{fmt_count(x.kv_block_seconds)} ({fmt_pct(x.kv_share)})",
+            MISSING if pre is None else _of(pre.folded_queries, pre.traffic_queries,
+                                            pre.query_share),
+            MISSING if dec is None else fmt_count(dec.folded_requests),
+            MISSING if dec is None else _of(dec.folded_queries, dec.traffic_queries,
+                                            dec.query_share)])
+    return ["Context (tokens)", "Requests folded / all", "KV block-s (share)",
+            "Prompt tokens folded / all", "Decode seqs",
+            "Decode queries folded / all"], rows
+
+
+def basis_facts(m: ModelReport) -> Facts:
+    """What the window advice stands on: the sentence, the need-more-traffic verdict, the
+    dynamic heads, the shares of the traffic the statistics cover (empty without coverage:
+    :func:`basis_sentence` says so)."""
+    b = m.advice_basis
+    if b is None or not b.available:
+        return []
+    out: Facts = []
+    if b.need_more_traffic:
+        out.append(("Need more traffic", b.need_more_traffic))
+    if b.dynamic_kv_heads is not None:
+        views = f" of {b.stability_views} views" if b.stability_views is not None else " views"
+        rated = (f"; {b.rated_kv_heads} rated by two or more{views}"
+                 if b.rated_kv_heads is not None else "")
+        out.append(("Dynamic KV heads (kept full)",
+                    f"{b.dynamic_kv_heads} of {fmt_count(b.kv_heads)} "
+                    f"({fmt_pct(b.dynamic_share)}){rated}"))
+    else:
+        out.append(("Dynamic KV heads (kept full)", "not rated yet (no stability views)"))
+    out += [("Prompt tokens in buckets with statistics", fmt_pct(b.prefill_query_share)),
+            ("KV block-seconds in buckets with statistics", fmt_pct(b.kv_share))]
+    if b.decode_query_share is not None:
+        out.append(("Decode queries in buckets with statistics",
+                    fmt_pct(b.decode_query_share)))
+    if b.corrected is not None:
+        out.append(("Statistics weighted to the traffic",
+                    "yes (post-stratified per context bucket)" if b.corrected
+                    else "no (the sample's own mix: no per-bucket traffic counts)"))
+    return out
+
+
+def basis_sentence(m: ModelReport) -> str:
+    """The one sentence: what share of the traffic the window advice stands on, or that
+    the source has no coverage data."""
+    from attnprof.analyze.advice_basis import NO_COVERAGE
+
+    return m.advice_basis.stands_on if m.advice_basis is not None else NO_COVERAGE
 
 
 def kv_source_sentence(kv: KvMemory) -> str:

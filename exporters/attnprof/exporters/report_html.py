@@ -290,6 +290,13 @@ def _model(rep: Report, i: int, m: ModelReport) -> str:
     else:
         out.append("<p>No what-ifs apply to this model.</p>")
 
+    out.append(f'<h3 id="{_anchor(i)}-basis">What the window advice stands on</h3>')
+    b = m.advice_basis
+    box = "warn-box" if b is None or not b.available or b.need_more_traffic else "sub"
+    out.append(f'<section class="box"><p class="{box}">{_e(md.basis_sentence(m))}</p>'
+               + (_facts(md.basis_facts(m)) if md.basis_facts(m) else "") + "</section>")
+    out.append(_table(md.basis_table(m)))
+
     out.append("<h3>Money</h3>")
     out.append(f'<section class="box">{_facts(md.money_facts(m))}')
     np = md.no_price_sentence(m)

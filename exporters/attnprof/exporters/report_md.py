@@ -12,6 +12,9 @@ from attnprof.exporters.report_format import (
     alternatives_text,
     backend_table,
     badges,
+    basis_facts,
+    basis_sentence,
+    basis_table,
     context_table,
     evidence_text,
     fallback_table,
@@ -134,6 +137,10 @@ def _model_md(rep: Report, m: ModelReport) -> list[str]:
         out.append(f"- **Apply:** {flags} (checked against {_esc(w.apply.checked_against)})")
         out += [f"- {_esc(n)}" for n in w.notes]
         out.append("")
+
+    out += ["### What the window advice stands on", "", _esc(basis_sentence(m)), ""]
+    out += _facts(basis_facts(m)) if basis_facts(m) else []
+    out += _table(basis_table(m))
 
     out += ["### Money", "", *_facts(money_facts(m))]
     np = no_price_sentence(m)

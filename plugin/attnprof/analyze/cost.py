@@ -22,8 +22,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from attnprof.analyze.advice_basis import advice_basis
 from attnprof.contracts.advice import HeadLevelSplit, ReplayEvidence
 from attnprof.contracts.report import (
+    AdviceBasis,
     Apply,
     Evidence,
     FleetSaving,
@@ -148,6 +150,8 @@ class CostInputs:
     warnings: list[str] = field(default_factory=list)
     measured: dict[str, Measured] = field(default_factory=dict)
     """What-if id -> its measurement; the what-if's money then comes from it."""
+    basis: AdviceBasis | None = None
+    """What the window advice stands on (None: the source has no coverage)."""
 
 
 @dataclass
@@ -606,4 +610,5 @@ def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -
     return ModelReport(model=inp.model, traffic=inp.traffic, time=inp.time, kv=inp.kv,
                        what_ifs=ws, money=_money(inp, fleet), savings=savings,
                        warnings=warnings,
+                       advice_basis=inp.basis or advice_basis(None, None, None),
                        ranked_by="autoscaled" if settings.autoscaled else "fixed_fleet")

@@ -18,8 +18,11 @@ from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.whatif import Validation
 
 __all__ = [
+    "AdviceBasis",
     "Apply",
     "BackendTime",
+    "BasisBucket",
+    "BasisPhase",
     "ContextDistribution",
     "Drift",
     "Evidence",
@@ -292,6 +295,87 @@ class Money(Record):
 
 
 @dataclass
+class BasisPhase(Record):
+    """One phase of one context bucket: the traffic's queries against what the head
+    statistics folded there."""
+
+    traffic_queries: int | None
+    """Query tokens the traffic had: prompt tokens (prefill) or decode queries (null:
+    withheld, a server read without its key)."""
+    folded_requests: int
+    """Requests (decode: sequences) the statistics folded here."""
+    folded_queries: float | None
+    """Query tokens the folded requests stand for (the sample's sum of weights)."""
+    query_share: float | None
+    """folded / traffic query tokens, at most 1 (null: no traffic here)."""
+    weight: float | None
+    """The post-stratification factor the advice's statistics applied here (null: not part
+    of the corrected statistics)."""
+
+
+@dataclass
+class BasisBucket(Record):
+    """One context bucket of the traffic, prefill and decode side by side."""
+
+    bucket: int
+    """Lower edge in tokens (0: the short prompts under the statistics' minimum)."""
+    hi: int | None
+    """Upper edge (exclusive; null: open)."""
+    traffic_requests: int
+    """Finished requests whose prompt falls here."""
+    kv_block_seconds: float | None
+    """The traffic's KV block-seconds here (null: not known)."""
+    kv_share: float | None
+    """Share of all the traffic's KV block-seconds."""
+    prefill: BasisPhase | None
+    decode: BasisPhase | None
+    """Null where the source has no decode coverage."""
+
+
+@dataclass
+class AdviceBasis(Record):
+    """What the window advice stands on: the head statistics' coverage per context bucket
+    against the traffic, the need-more-traffic verdict, and the dynamic heads kept full
+    (issue 31, points 3 and 4). From a snapshot's ``coverage`` and the advice's own
+    ``coverage``; counts and shares only."""
+
+    available: bool
+    """False: the source has no coverage (a snapshot from before 1.9, Prometheus, or no
+    statistics and no per-bucket counts yet); ``stands_on`` then says so."""
+    stands_on: str
+    """One sentence: what share of the traffic the window advice stands on (or why it is
+    not known)."""
+    min_tokens: int | None = None
+    """The statistics' minimum prompt length: bucket 0 holds the prompts below it."""
+    buckets: list[BasisBucket] = field(default_factory=list)
+    folded_requests: int | None = None
+    """Requests whose prompts the statistics folded (all buckets)."""
+    traffic_requests: int | None = None
+    prefill_query_share: float | None = None
+    """Share of the traffic's prompt tokens in buckets that have statistics."""
+    decode_query_share: float | None = None
+    """The same for decode queries (null: no decode statistics)."""
+    kv_share: float | None = None
+    """Share of the traffic's KV block-seconds in buckets that have statistics."""
+    corrected: bool | None = None
+    """The statistics were weighted to the traffic's buckets (post-stratified)."""
+    need_more_traffic_above: int | None = None
+    """Set when a bucket with >= 10% of the KV block-seconds is too little covered: the
+    advice windows nothing and asks for more traffic above this many tokens."""
+    need_more_traffic: str | None = None
+    """The verdict in words, naming the bucket and its KV share."""
+    dynamic_kv_heads: int | None = None
+    """KV heads whose class changes across time windows or context buckets (kept full)."""
+    kv_heads: int | None = None
+    dynamic_share: float | None = None
+    rated_kv_heads: int | None = None
+    """KV heads two or more views decided (0 dynamic of 0 rated: too little traffic per
+    view to tell, not stability)."""
+    stability_views: int | None = None
+    """Views (time windows, context buckets) the head classes were compared over."""
+
+
+@dataclass
 class ModelReport(Record):
     model: str
     traffic: Traffic
@@ -305,14 +389,17 @@ class ModelReport(Record):
     warnings: list[str] = field(default_factory=list)
     ranked_by: RankedBy = "fixed_fleet"
     """Which figure ranks ``savings``: the fixed fleet's, or the autoscaled one."""
+    advice_basis: AdviceBasis | None = None
+    """What the window advice stands on (2.1; null: a report from before it)."""
 
 
 @dataclass
 class Report(Document):
     KIND = "attnprof.report"
-    VERSION = (2, 0)
+    VERSION = (2, 1)
     # 2.0: WhatIf.evidence is a kind (measured/replay/estimated; its text moved to
     # evidence_detail) and the top-level money fields are a fixed fleet's (whole replicas).
+    # 2.1: ModelReport.advice_basis (coverage per context bucket, dynamic heads).
 
     generated_at: float
     source: ReportSource

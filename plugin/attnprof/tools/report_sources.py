@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.analyze import cost_inputs
+from attnprof.analyze.advice_basis import advice_basis
 from attnprof.analyze.cost import CostInputs, FlagChecks
 from attnprof.contracts.advice import WindowAdvice
 from attnprof.contracts.base import ContractError
@@ -120,6 +121,10 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
         warnings.append(f"rates are averaged since the server started ({dur:,.0f} s ago), "
                         "idle time included; use attnprof record for a busy window")
     warnings += runner_warnings(snap)
+    basis = advice_basis(snap.coverage, req.context_buckets if req is not None else None,
+                         advice.coverage if advice is not None else None,
+                         advice.window if advice is not None else None,
+                         has_advice=advice is not None)
     inp = CostInputs(
         model=_model_name(snap.model), traffic=traffic,
         time=cost_inputs.time_breakdown(snap, profile), kv=cost_inputs.kv_memory(snap),
@@ -127,7 +132,7 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
         num_layers=layers_n, replicas=replicas or 1,
         replicas_basis="--replicas" if replicas else "one server",
         gpus_per_replica=gpus_per_replica or float(max(1, len(snap.workers))),
-        backends=backends, warnings=warnings)
+        backends=backends, warnings=warnings, basis=basis)
     return inp, snap
 
 

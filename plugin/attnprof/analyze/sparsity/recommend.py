@@ -65,6 +65,7 @@ __all__ = [
     "format_summary",
     "kv_coverage",
     "recommend",
+    "stands_on_phrases",
 ]
 
 DYNAMIC_SPARSE_MIN_TOKENS = 32768
@@ -420,7 +421,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         under = [UnderCoveredBucket.from_json(u) for u in cov.get("under_covered") or []]
         parts.append("suggestion: none yet, " + (need_more_traffic_phrase(under, rec["window"])
                                                  if under else "need more traffic"))
-        return "; ".join(parts + _stands_on(cov))
+        return "; ".join(parts + stands_on_phrases(cov))
     if not layers:
         native = rec["model"].get("layer_windows") or []
         if native and all(w is not None for w in native):
@@ -432,7 +433,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         phrase = _undecided_phrase(rec.get("undecided"))
         if phrase:
             parts.append(phrase.split(" (", 1)[0])
-        return "; ".join(parts + _stands_on(cov))
+        return "; ".join(parts + stands_on_phrases(cov))
     parts += [f"suggestion: {rec['sinks']} sinks + {rec['window']} window on layers "
               f"{ranges_text(layers) or 'no layers'} ({len(layers)} of {n_layers})",
               f"saves {rec['attention_flop_saving']:.1%} attention FLOPs and "
@@ -450,7 +451,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
         n = und[w_show]
         parts.append(f"{n} KV head{'s' if n != 1 else ''} undecided at w={w_show}: need more "
                      "traffic")
-    parts += _stands_on(cov)
+    parts += stands_on_phrases(cov)
     if replay is None:
         parts.append("replay: not run (not validated)")
     else:
@@ -461,7 +462,7 @@ def format_summary(rec: Mapping[str, Any], replay: Mapping[str, Any] | None = No
     return "; ".join(parts)
 
 
-def _stands_on(cov: Mapping[str, Any]) -> list[str]:
+def stands_on_phrases(cov: Mapping[str, Any]) -> list[str]:
     """'stands on 4 of 20 requests (85% of prompt tokens, 90% of KV block-seconds,
     traffic-weighted)', 'dynamic heads: 2 of 48 KV heads (4.2%; 30 rated by two or more
     views), kept full' (empty without coverage)."""
