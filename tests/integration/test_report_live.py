@@ -75,6 +75,33 @@ def test_live_report_reads_the_servers_own_numbers(tiny_server: Any, tmp_path: P
         "requests"]["requests"]
     assert fdoc["models"][0]["money"]["replicas"] == 3
 
+    # What the window advice stands on: the saved snapshot's coverage, bucket by bucket,
+    # prefill and decode side by side, with the traffic's KV block-seconds per bucket.
+    snap_saved = json.loads(saved.read_text())
+    cov, basis = snap_saved["coverage"], fdoc["models"][0]["advice_basis"]
+    assert cov is not None and basis["available"], basis
+    print("what the advice stands on:", basis["stands_on"])
+    rows = {(r["phase"], r["bucket"]): r for r in cov["buckets"]}
+    assert [b["bucket"] for b in basis["buckets"]] == sorted({lo for _, lo in rows})
+    assert any(b["prefill"] and b["prefill"]["folded_requests"] for b in basis["buckets"])
+    cb = snap_saved["requests"]["context_buckets"]
+    for b in basis["buckets"]:
+        for phase in ("prefill", "decode"):
+            r, got = rows.get((phase, b["bucket"])), b[phase]
+            assert (got is None) == (r is None), (phase, b)
+            if r is not None:
+                assert (got["folded_requests"], got["traffic_queries"], got["query_share"],
+                        b["traffic_requests"]) == (r["folded_requests"], r["traffic_queries"],
+                                                   r["query_share"], r["traffic_requests"])
+        assert b["kv_block_seconds"] == cb["kv_block_seconds"][cb["edges"].index(b["bucket"])]
+    adv = snap_saved["window_advice"]
+    if "error" not in adv and adv.get("coverage"):
+        c = adv["coverage"]
+        assert f"stands on {c['folded_requests']} of {c['traffic_requests']} requests" in \
+            basis["stands_on"], basis["stands_on"]
+    md = (tmp_path / "files" / "report.md").read_text()
+    assert "### What the window advice stands on" in md and basis["stands_on"] in md
+
 
 def test_live_report_refuses_a_wrong_key_and_writes_nothing(tiny_server: Any,
                                                             tmp_path: Path) -> None:
