@@ -216,10 +216,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--nice", type=int, default=None,
+                    help="the worker thread's nice (default hooks.HS_WORKER_NICE)")
     ap.add_argument("--inline", action="store_true",
                     help="head statistics on the engine's thread (the baseline)")
     args = ap.parse_args()
     INLINE[0] = args.inline
+    if args.nice is not None:
+        from attnprof.capture.vllm import hooks
+
+        hooks.HS_WORKER_NICE = args.nice
     if args.out is None:
         args.out = OUT.with_name("engine_stall_inline.json") if args.inline else OUT
     os.environ.update({"ATTNPROF_ENABLED": "1", "ATTNPROF_SAMPLE_RATE": "0.25",
@@ -272,7 +278,7 @@ def main() -> None:
                  "peak_bytes": w.peak_bytes,
                  "bytes_per_call_p50": int(np.percentile(SUBMITTED, 50)) if SUBMITTED else 0,
                  "bytes_per_call_max": max(SUBMITTED, default=0)},
-             "drops": dict(cap.errors.dropped)}
+             "drops": dict(cap.errors.dropped), "errors": dict(cap.errors.by_place)}
     pieces = {k: _summary(v, per[k]) for k, v in sorted(TIMES.items())}
     for k, v in CPU.items():  # engine-thread CPU time of the same pieces
         a = np.asarray(v)

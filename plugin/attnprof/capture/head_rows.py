@@ -314,7 +314,13 @@ class Folds:
         """Fold what is held (waits for the copies on a device: call it off the serving
         path, or once :attr:`ready`)."""
         if self.event is not None:
-            self.event.synchronize()
+            if isinstance(self.event, _DoneEvent):
+                self.event.synchronize()
+            else:  # on the worker's thread: the event's device made current first
+                import torch
+
+                with torch.cuda.device(self.dev):
+                    self.event.synchronize()
             self.event = None
         calls, self.calls = self.calls, []
         for name, args in calls:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_BYTES", "MAX_JOBS", "HeadStatsWorker"]
+__all__ = ["MAX_BYTES", "MAX_JOBS", "HeadStatsWorker", "quiet_thread"]
 
 MAX_JOBS = 256
 """Jobs (layer calls) waiting at most: a few sampled steps of a deep model."""
@@ -35,8 +35,13 @@ class HeadStatsWorker:
     thread goes on)."""
 
     def __init__(self, on_error: Callable[[BaseException], None],
-                 max_jobs: int = MAX_JOBS, max_bytes: int = MAX_BYTES) -> None:
+                 max_jobs: int = MAX_JOBS, max_bytes: int = MAX_BYTES,
+                 setup: Callable[[], None] | None = None,
+                 on_setup_error: Callable[[BaseException], None] | None = None) -> None:
         self.on_error = on_error
+        self.on_setup_error = on_setup_error or on_error
+        self.setup = setup
+        """Run first on the thread (``quiet_thread``: yield the cores to the engine)."""
         self.max_jobs = max_jobs
         self.max_bytes = max_bytes
         self._jobs: deque[tuple[Callable[[], Any], int]] = deque()
@@ -58,6 +63,13 @@ class HeadStatsWorker:
     def pending(self) -> int:
         """Jobs submitted and not finished."""
         return self.submitted - self.done
+
+    @property
+    def lagging(self) -> bool:
+        """Half the bound or more is still waiting: a new sampled step's statistics would
+        likely not fit whole (the caller then leaves the step out)."""
+        return (self.submitted - self.done >= self.max_jobs // 2
+                or self.bytes >= self.max_bytes // 2)
 
     def submit(self, job: Callable[[], Any], nbytes: int) -> bool:
         """Queue ``job`` holding ``nbytes``; False (nothing queued) when it does not fit."""
@@ -104,6 +116,11 @@ class HeadStatsWorker:
         return out
 
     def _run(self) -> None:
+        if self.setup is not None:
+            try:
+                self.setup()
+            except Exception as exc:  # the folds still run, at the engine's priority
+                self.on_setup_error(exc)
         while True:
             with self._cv:
                 while not self._jobs:
@@ -125,3 +142,23 @@ class HeadStatsWorker:
                     self.bytes -= nbytes
                     self.done += 1
                     self._cv.notify_all()
+
+
+def quiet_thread(nice: int = 19) -> None:
+    """Make the calling thread (the worker) give way to the engine: one intra-op thread for
+    its torch ops (the engine's OpenMP team keeps the cores; vLLM-CPU replaces
+    ``torch.set_num_threads`` with a no-op after binding its threads, so torch's own setter
+    is called: it sets this thread's OpenMP team size, and the default of threads that have
+    not run a parallel op yet) and, on Linux, the lowest CPU priority for this thread alone
+    (``nice`` per thread id)."""
+    import os
+
+    import torch
+
+    torch.get_num_threads()  # this thread's own OpenMP setup first, then one thread
+    torch._C.set_num_threads(1)
+    if nice and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass

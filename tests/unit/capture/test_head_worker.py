@@ -104,10 +104,10 @@ def test_a_full_queue_drops_and_counts_never_waits_and_stays_bounded() -> None:
     assert not w.submit(lambda: done.append(2), 400)  # 1200 bytes > 1000: dropped at once
     assert w.submit(lambda: done.append(3), 200)
     assert not w.submit(lambda: done.append(4), 1)  # 3 jobs pending: dropped
-    assert w.dropped == 2 and w.peak_bytes <= 1000 and w.pending == 3
+    assert w.dropped == 2 and w.peak_bytes <= 1000 and w.pending == 3 and w.lagging
     gate.set()
     assert w.wait_idle(30)
-    assert done == [0, 1, 3] and w.bytes == 0 and not errors
+    assert done == [0, 1, 3] and w.bytes == 0 and not errors and not w.lagging
 
 
 def test_a_full_queue_is_a_drop_reason_of_the_capture() -> None:
@@ -199,3 +199,49 @@ def test_decode_detail_is_one_sequence_a_step_weighted_to_stay_unbiased() -> Non
     assert set(chosen) == set(range(n))
     share = np.array([chosen[r] for r in range(n)]) / (400 * n)
     assert np.all(np.abs(share - 1 / n) < 0.05)
+
+
+def test_the_worker_gives_way_to_the_engine() -> None:
+    """Its torch ops run on one intra-op thread and the thread has the lowest priority (the
+    engine's OpenMP team keeps the cores); the calling thread's torch threads are as they
+    were."""
+    import os
+
+    from attnprof.capture.head_worker import quiet_thread
+
+    before = torch.get_num_threads()
+    prio = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[tuple[int, int]] = []
+    w = HeadStatsWorker(lambda exc: None, setup=quiet_thread)
+    assert w.submit(lambda: seen.append((torch.get_num_threads(), os.getpriority(
+        os.PRIO_PROCESS, threading.get_native_id()))), 0)
+    assert w.wait_idle(30)
+    assert seen == [(1, 19)]
+    assert torch.get_num_threads() == before
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == prio
+
+
+def test_a_step_beginning_while_the_worker_lags_is_left_out_whole() -> None:
+    """Every layer of a step folds the same requests: a step that begins with the worker at
+    half its bound folds nothing at any layer (counted), the next one once it caught up."""
+    gate = threading.Event()
+    cap, _ = _step(False)  # makes the worker; its folds are done below
+    assert cap.settle_head_stats()
+    w = cap.hs_worker
+    before = {key: _arrays(acc)["queries"].copy() for key, acc in cap.hs_buffer.active.items()}
+    assert w.submit(lambda: gate.wait(30), w.max_bytes // 2)  # half the bound held
+    calls: list[int] = []
+
+    def orig(*a: Any, **kw: Any) -> None:
+        calls.append(int(cap._hs_step))
+
+    cap.hs_rate = 1.0
+    cap.install_layers = cap.remove_layers = lambda: None  # type: ignore[method-assign]
+    cap._run_sampled(orig, None, (), {}, "sampled")
+    assert calls == [0] and cap.errors.dropped == {"head_stats_worker_busy": 1}
+    gate.set()
+    assert w.wait_idle(30) and not w.lagging
+    cap._run_sampled(orig, None, (), {}, "sampled")
+    assert calls == [0, 1]
+    after = {key: _arrays(acc)["queries"] for key, acc in cap.hs_buffer.active.items()}
+    assert all(np.array_equal(before[key], after[key]) for key in before)

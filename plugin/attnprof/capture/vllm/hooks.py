@@ -42,6 +42,8 @@ __all__ = ["Capture", "step_hook"]
 
 HEAD_STATS_MAX_TOKENS = 32768
 """Longest context folded: bounds the fp32 copy of one request's keys (Lk x Hkv x D)."""
+HS_WORKER_NICE = 19
+"""CPU priority of the head statistics' worker thread (Linux nice; 0: the engine's)."""
 DECODE_SEQS_PER_STEP = 4
 """Decode sequences folded per sampled step at most (Horvitz-Thompson weighted)."""
 DECODE_SEQS_SEEN = 4096
@@ -412,9 +414,11 @@ class Capture:
 
         cfg = self.state.config
         self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
-        from attnprof.capture.head_worker import HeadStatsWorker
+        from attnprof.capture.head_worker import HeadStatsWorker, quiet_thread
 
-        self.hs_worker = HeadStatsWorker(self._hs_error)
+        self.hs_worker = HeadStatsWorker(
+            self._hs_error, setup=functools.partial(quiet_thread, HS_WORKER_NICE),
+            on_setup_error=functools.partial(self.errors.record, "head_stats"))
         self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(
             num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
             num_kv_heads=info.num_kv_heads,
@@ -575,6 +579,11 @@ class Capture:
             # A coin of its own at this step index: every rank folds the same prompts.
             self._hs_step = (self.hs_rate > 0
                              and self.sampler.coin(STREAM_HEAD_STATS) < self.hs_rate)
+            if self._hs_step and self.hs_worker is not None and self.hs_worker.lagging:
+                # the worker still holds half its bound: this step's statistics are left
+                # out whole (every layer alike, counted), not cut off after some layers
+                self._hs_step = False
+                self.errors.drop("head_stats_worker_busy")
             self._decode_step.clear()
             self._hs_weight = self._step_weight(args, kwargs) if self._hs_step else 1.0
             self._cuda = vargs.on_cuda(runner)
