@@ -143,12 +143,17 @@ def _instrument() -> None:
 
     @functools.wraps(orig_exec)
     def execute_model(self: Any, *a: Any, **kw: Any) -> Any:
+        w = CAPTURES[-1].hs_worker if CAPTURES else None
+        busy = w is not None and w.pending > 0  # the worker folds beside this step
         n0, t0 = SAMPLED[0], time.perf_counter()
         try:
             return orig_exec(self, *a, **kw)
         finally:
             kind = "sampled" if SAMPLED[0] != n0 else "unsampled"
-            TIMES["model_step_" + kind].append(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            TIMES["model_step_" + kind].append(dt)
+            if kind == "unsampled" and not INLINE[0]:
+                TIMES["model_step_unsampled_worker_" + ("busy" if busy else "idle")].append(dt)
 
     setattr(GPUModelRunner, "execute_model", execute_model)  # noqa: B010
 

@@ -53,7 +53,8 @@ class HeadStatsWorker:
         self.done = 0
         self.dropped = 0
         self.busy_s = 0.0
-        """Seconds the thread spent in jobs (CPU work the engine's thread did not do)."""
+        """CPU seconds of the thread's jobs (work the engine's thread did not do; CPU time,
+        not wall: at nice 19 on a busy machine the thread waits, and waiting costs nothing)."""
         self._taken_busy = 0.0
         self._thread = threading.Thread(target=self._run, name="attnprof-head-fold",
                                         daemon=True)
@@ -126,7 +127,7 @@ class HeadStatsWorker:
                 while not self._jobs:
                     self._cv.wait()
                 job, nbytes = self._jobs.popleft()
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 job()
             except Exception as exc:
@@ -136,7 +137,7 @@ class HeadStatsWorker:
                     pass
             finally:
                 del job  # its copies go now, before the count says so
-                dt = time.perf_counter() - t0
+                dt = time.thread_time() - t0
                 with self._cv:
                     self.busy_s += dt
                     self.bytes -= nbytes
