@@ -245,3 +245,27 @@ def test_a_step_beginning_while_the_worker_lags_is_left_out_whole() -> None:
     assert calls == [0, 1]
     after = {key: _arrays(acc)["queries"] for key, acc in cap.hs_buffer.active.items()}
     assert all(np.array_equal(before[key], after[key]) for key in before)
+
+
+def test_the_worker_does_not_keep_its_capture_alive() -> None:
+    import gc
+    import weakref
+
+    from attnprof.aggregate.layers import LayerInfo
+
+    cap = _cap([300])
+    info = LayerInfo(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
+                     impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2, head_size=16,
+                     head_size_v=16, sliding_window=None, dtype="float32",
+                     kv_cache_dtype="auto", fused=True, scale=0.25)
+    cap.aggs.add_layer(info)
+    cap._hs_start(info)
+    w, ref = cap.hs_worker, weakref.ref(cap)
+    acc = cap.hs_buffer.active.get("prefill", 0)
+    job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
+                            (7,), [1.0], {}, copy=True)
+    cap._hs_submit(acc, job, False)
+    assert w.wait_idle(30)
+    del cap
+    gc.collect()
+    assert ref() is None and w.done == 1 and acc.queries.any()

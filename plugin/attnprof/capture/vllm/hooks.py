@@ -416,8 +416,15 @@ class Capture:
         self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
         from attnprof.capture.head_worker import HeadStatsWorker, quiet_thread
 
+        ref = weakref.WeakMethod(self._hs_error)  # the thread must not keep the capture alive
+
+        def on_error(exc: BaseException) -> None:
+            m = ref()
+            if m is not None:
+                m(exc)
+
         self.hs_worker = HeadStatsWorker(
-            self._hs_error, setup=functools.partial(quiet_thread, HS_WORKER_NICE),
+            on_error, setup=functools.partial(quiet_thread, HS_WORKER_NICE),
             on_setup_error=functools.partial(self.errors.record, "head_stats"))
         self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(
             num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
