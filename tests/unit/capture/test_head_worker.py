@@ -269,3 +269,38 @@ def test_the_worker_does_not_keep_its_capture_alive() -> None:
     del cap
     gc.collect()
     assert ref() is None and w.done == 1 and acc.queries.any()
+
+
+def test_the_offline_snapshot_holds_the_folds_handed_over_before_it() -> None:
+    """``attnprof.snapshot(llm)`` (worker_rpc.snapshot) settles the worker first: a fold still
+    queued when it is asked for is in its head statistics."""
+    from attnprof.aggregate.layers import LayerInfo
+    from attnprof.host.vllm import worker_rpc
+
+    cap = _cap([300])
+    info = LayerInfo(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
+                     impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2, head_size=16,
+                     head_size_v=16, sliding_window=None, dtype="float32",
+                     kv_cache_dtype="auto", fused=True, scale=0.25)
+    cap.aggs.add_layer(info)
+    cap._hs_start(info)
+    gate = threading.Event()
+    assert cap.hs_worker.submit(lambda: gate.wait(30), 0)  # the fold below waits behind it
+    acc = cap.hs_buffer.active.get("prefill", 0)
+    job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
+                            (3, 7), [1.0, 1.0], {}, copy=True)
+    cap._hs_submit(acc, job, False)
+    w = cap.hs_worker
+    orig = w.barrier
+
+    def barrier() -> Any:  # the snapshot asks for the folds so far: the worker may go on
+        wait = orig()
+        gate.set()
+        return wait
+
+    w.barrier = barrier  # type: ignore[method-assign]
+    snap = worker_rpc.snapshot(cap)
+    gate.set()
+    assert snap.head_stats is not None
+    strata = HeadStatsStrata.load(snap.head_stats)
+    assert strata.get("prefill", 0).queries.sum() == 2 * 4  # two queries, four heads
