@@ -14,6 +14,7 @@ reference.
 
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -60,15 +61,45 @@ class LatestBuild:
         self._latest: tuple[Any, Hashable, float] | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._starting = False  # start_soon's helper is starting the thread
         self.builds = 0
         self.errors = 0
 
     def start(self) -> None:
-        """Start the thread (once: by the first pull, a thread start takes ~0.1-0.5 ms)."""
+        """Start the thread (once: by the first pull, a thread start takes ~0.1-0.5 ms), or
+        wake it where it runs; either way it checks its source right away."""
+        self._wake.set()
         if self._thread is None or not self._thread.is_alive():
-            self._wake.set()  # a first check right away (builds unless a pull kept one)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
+
+    def start_soon(self) -> None:
+        """:meth:`start`, from a helper OS thread: ``Thread.start`` waits until the new
+        thread runs, which on a loaded machine is the scheduler's delay (6 ms measured on
+        vLLM-CPU's engine thread at load 9); creating the helper does not wait. O(1): a
+        thread already running, or being started, is only woken."""
+        self._wake.set()
+        if self._starting or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._starting = True
+        try:
+            _thread.start_new_thread(self._start_off_caller, ())
+        except Exception:
+            self._starting = False
+            raise
+
+    def _start_off_caller(self) -> None:
+        try:
+            self.start()
+        except Exception as exc:  # a helper thread: nobody would see it raise
+            self.errors += 1
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:
+                    pass
+        finally:
+            self._starting = False
 
     def get(self) -> tuple[Any, bool, float, Hashable]:
         """(the latest build or None, whether it is current, its age in seconds, the
@@ -123,6 +154,10 @@ class LatestBuild:
                     continue
                 latest = self._latest
                 if latest is None or latest[1] != version:
+                    # The thread that woke or started this one (a pull, on the engine's
+                    # thread) gets the GIL back first: the build's first piece would hold it
+                    # up to the switch interval (5 ms), while Thread.start() waits for it.
+                    yield_gil()
                     self.build_now()
             except Exception as exc:  # kept: the previous build stays served
                 self.errors += 1

@@ -37,7 +37,7 @@ from attnprof.contracts.snapshot import (
 
 __all__ = ["WorkerCapture", "head_stats_take", "kernel_map", "poll", "sampler_stats", "samples",
            "slow_parts", "slow_version", "snapshot", "start_spans", "trace_arm", "trace_count",
-           "trace_take", "worker_methods"]
+           "trace_take", "warm_encoders", "worker_methods"]
 
 
 class WorkerCapture(Protocol):
@@ -179,9 +179,10 @@ def poll(cap: WorkerCapture, with_head_stats: bool = True, api_host: str | None 
     out = _placement(cap)
     if with_head_stats:
         out["head_stats"] = _take_deltas(cap, api_host, swap=True)
-    if not ready:  # after this pull's own work (the build would compete with it), timed
-        cap.snapshots.start()  # with it: a thread start is ~0.1-0.5 ms, once
-        cap.snapshots.wake()  # a thread already running (builds so far failed) tries again
+    if not ready:  # after this pull's own work (the build would compete with it): start
+        # the thread without waiting for it to run (start_soon); one already running
+        # (builds so far failed) is woken to try again
+        cap.snapshots.start_soon()
     t2 = time.perf_counter()
     # This pull's own cost, all but the pickling vLLM does with the answer.
     ws.note_poll(cap.poll_cost, t0, t1, t2, cap.hs_buffer)
@@ -366,6 +367,19 @@ def worker_methods(cap: WorkerCapture, state: Any
             return fn(self, *args, **kwargs)
         return call
 
+    warm_encoders(cap, state)
     return {fn.__name__: delayed(fn) for fn in (
         attnprof_snapshot, attnprof_trace, attnprof_poll, attnprof_head_stats,
         attnprof_set_sampling)}
+
+
+def warm_encoders(cap: WorkerCapture, state: Any) -> None:
+    """Encode a pull's counters once, at install (process start-up), off any pull: the
+    first encoding fills Python's ABC caches (the encoder's isinstance checks against
+    ``Mapping`` and friends, ~0.6 ms once), which the first pull on the engine's thread
+    would otherwise pay. Errors are counted, never raised."""
+    try:
+        ws.fast_snapshot(os.getpid(), "", sampler_stats(cap), cap.errors,
+                         ws.head_stats_cost(cap.hs), PollCost(), getattr(cap, "runner", None))
+    except Exception as exc:
+        state.errors.record("snapshot", exc)
