@@ -177,3 +177,20 @@ def _source() -> Any:
     from attnprof.contracts.report import ReportSource
 
     return ReportSource(kind="files", where=["demo.json"])
+
+
+def test_a_record_window_has_the_advices_coverage_and_says_the_table_is_left_out() -> None:
+    """``attnprof record`` drops the snapshot's coverage table (analyze/window.py) and keeps
+    the end snapshot's advice: the sentence stands, the table is said to be missing."""
+    from attnprof.analyze.window import window_between
+    from attnprof.contracts.snapshot import Snapshot
+
+    raw, wa = _demo()
+    end = Snapshot.from_json(raw)
+    rec = window_between(end, end)
+    assert rec.coverage is None
+    inp, _ = from_snapshot(rec.to_json(), "rec.json", advice=wa)
+    b = build_model_report(inp, Settings(), FLAGS).advice_basis
+    assert b is not None and b.available and b.buckets == []
+    assert b.stands_on.startswith("The window advice stands on 19 of 20 requests")
+    assert "no per-bucket table" in b.stands_on
