@@ -92,12 +92,7 @@ class LatestBuild:
         try:
             self.start()
         except Exception as exc:  # a helper thread: nobody would see it raise
-            self.errors += 1
-            if self.on_error is not None:
-                try:
-                    self.on_error(exc)
-                except Exception:
-                    pass
+            self._note(exc)
         finally:
             self._starting = False
 
@@ -154,15 +149,19 @@ class LatestBuild:
                     continue
                 latest = self._latest
                 if latest is None or latest[1] != version:
-                    # The thread that woke or started this one (a pull, on the engine's
-                    # thread) gets the GIL back first: the build's first piece would hold it
-                    # up to the switch interval (5 ms), while Thread.start() waits for it.
+                    # The thread that woke this one (a pull, on the engine's thread) gets
+                    # the GIL back first: the build's first piece would hold it up to the
+                    # switch interval (5 ms) before its first pause.
                     yield_gil()
                     self.build_now()
             except Exception as exc:  # kept: the previous build stays served
-                self.errors += 1
-                if self.on_error is not None:
-                    try:
-                        self.on_error(exc)
-                    except Exception:
-                        pass
+                self._note(exc)
+
+    def _note(self, exc: BaseException) -> None:
+        """Count a failure and hand it to ``on_error`` (which must not raise either)."""
+        self.errors += 1
+        if self.on_error is not None:
+            try:
+                self.on_error(exc)
+            except Exception:
+                pass
