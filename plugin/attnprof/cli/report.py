@@ -96,18 +96,22 @@ def write_report(rep: Any, out: Path) -> None:
 def print_savings(rep: Any, out: Path, n: int = 3) -> None:
     """The report's path and its ``n`` biggest savings (over every model), each with both
     money figures and the basis that ranked them; alternatives say so in their line and are
-    never added up."""
+    never added up. Then, per model with coverage, what the window advice stands on."""
     print(f"Cost report: {out / 'report.html'} (also report.md, report.json)")
     lines = [(m.model, s) for m in rep.models for s in m.savings]
     if not lines:
         print("  no what-if saves anything on this traffic")
-        return
-    bases = {m.ranked_by for m in rep.models if m.savings}
-    print("  ranked by " + ("what an autoscaled fleet saves" if bases == {"autoscaled"}
-                            else "what a fixed fleet saves (whole replicas removed)")
-          + "; the savings are not additive")
-    for i, (model, line) in enumerate(lines[:n], 1):
-        print(f"  {i}. [{model}] {line}")
+    else:
+        bases = {m.ranked_by for m in rep.models if m.savings}
+        print("  ranked by " + ("what an autoscaled fleet saves" if bases == {"autoscaled"}
+                                else "what a fixed fleet saves (whole replicas removed)")
+              + "; the savings are not additive")
+        for i, (model, line) in enumerate(lines[:n], 1):
+            print(f"  {i}. [{model}] {line}")
+    # what the window advice (and its money) stands on, beside the savings
+    for m in rep.models:
+        if m.advice_basis is not None and m.advice_basis.available:
+            print(f"  [{m.model}] {m.advice_basis.stands_on}")
 
 
 def gather(args: argparse.Namespace) -> Any:

@@ -7,6 +7,9 @@ clear line. Inputs: tests/unit/analyze/test_advice_basis.py's snapshot."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import pytest
 
 from attnprof.analyze.advice_basis import NO_COVERAGE
 from attnprof.contracts.report import ModelReport, Report, ReportSource
@@ -71,3 +74,31 @@ def test_without_coverage_both_renderings_say_so_in_one_line() -> None:
     m.advice_basis = None  # a document from before 2.1
     assert NO_COVERAGE in render_markdown(_report(m))
     assert "No coverage data" in render_html(_report(m))
+
+
+def test_attnprof_report_prints_what_the_advice_stands_on_beside_the_savings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command on a saved demo.json whose snapshot has coverage: the sentence is printed
+    after the savings, and report.json/md carry the section."""
+    import json
+
+    from attnprof.cli import main
+    from tests.golden import DEMO
+    from tests.unit.analyze.test_advice_basis import _demo
+
+    raw, wa = _demo()
+    demo = {**json.loads(DEMO.read_text()), "snapshot": raw, "window_advice": wa.to_json()}
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(demo))
+    out = tmp_path / "out"
+    assert main(["report", str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "report.json").read_text())
+    basis = doc["models"][0]["advice_basis"]
+    assert basis["available"] and len(basis["buckets"]) == 4
+    line = [ln for ln in printed.splitlines() if "stands on" in ln]
+    assert line == [f"  [{doc['models'][0]['model']}] {basis['stands_on']}"], printed
+    assert "### What the window advice stands on" in (out / "report.md").read_text()
+    # without coverage (the golden demo: a snapshot from before 1.9) nothing is printed
+    assert main(["report", str(DEMO), "--out", str(tmp_path / "old")]) == 0
+    assert "stands on" not in capsys.readouterr().out
