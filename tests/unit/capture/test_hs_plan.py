@@ -136,3 +136,39 @@ def test_sliding_layers_read_nothing_behind_their_window() -> None:
     assert [key for key, _ in cap.hs_buffer.active.items()] == [("prefill", 256),
                                                                 ("decode", 256)]
     assert not cap.errors.dropped
+
+
+def test_on_a_gpu_the_plan_reads_the_runners_host_lengths_not_the_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step's plan comes from the runner's host copies of the lengths (V1
+    ``query_start_loc.np``, ``optimistic_seq_lens_cpu``), never the metadata's device tensors:
+    the same plan as reading the metadata, with no tensor read back; without them the step's
+    statistics are left out (counted), not waited for."""
+    q_lens, seq_lens = [512, 188, 1, 1], [2048, 700, 301, 302]
+    want = _cap([3000, 700, 300, 300])._hs_plan(_md(q_lens, seq_lens))
+    cap = _cap([3000, 700, 300, 300])
+    cap._cuda = True
+    cap._runner.query_start_loc = SimpleNamespace(np=np.array([0, *np.cumsum(q_lens), 999, 999],
+                                                              dtype=np.int32))
+    cap._runner.optimistic_seq_lens_cpu = np.array([*seq_lens, 0], dtype=np.int32)
+    md = _md(q_lens, seq_lens)
+    # the metadata's tensors stand for device ones: none of them may be read on the host
+    device = {t.untyped_storage().data_ptr() for t in (md.seq_lens, md.query_start_loc,
+                                                        md.block_table, md.slot_mapping)}
+    reads: list[str] = []
+    for name in ("tolist", "item", "numpy", "__int__", "__index__", "cpu"):
+        orig = getattr(torch.Tensor, name)
+
+        def rec(self: Any, *a: Any, _n: str = name, _o: Any = orig, **kw: Any) -> Any:
+            if self.untyped_storage().data_ptr() in device:
+                reads.append(_n)
+            return _o(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, rec)
+    got = cap._hs_plan(md)
+    monkeypatch.undo()
+    assert reads == [] and got == want and len(got) == 4
+    cap = _cap([300])
+    cap._cuda = True  # a runner without the buffers
+    assert cap._hs_plan(_md([300], [300])) == []
+    assert cap.errors.dropped == {"head_stats_lengths_unread": 1}

@@ -277,6 +277,20 @@ def step_lens(md: Any, step: Any) -> Any:
                            query_start_loc=torch.from_numpy(qsl))
 
 
+def host_lens(md: Any, step: Any) -> Any:
+    """:func:`step_lens` for any metadata: on a GPU the head statistics' plan reads the
+    step's lengths from the runner's host copies, never the metadata's device tensors (their
+    ``tolist()`` would wait for the device). The request count is the metadata's (FlashInfer's
+    counts, else the length of ``seq_lens``: a shape, no device read). None where unreadable."""
+    if not hasattr(md, "num_decodes"):
+        seq = getattr(md, "seq_lens", None)
+        if seq is None:
+            return None
+        md = SimpleNamespace(num_decodes=int(seq.shape[0]), num_prefills=0,
+                             num_actual_tokens=int(md.num_actual_tokens))
+    return step_lens(md, step)
+
+
 def flashinfer_counts(md: Any) -> BatchShape:
     """A native FlashInfer batch's shape from its counts alone (decodes and prefills, tokens):
     phase and tokens right; per-request lengths, so query-key pairs and keys read, unknown

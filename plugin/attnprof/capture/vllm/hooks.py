@@ -455,7 +455,15 @@ class Capture:
         plan = self._hs_plans.get(id(md))
         if plan is not None:
             return plan
-        shape = self._shape(md)
+        if self._cuda:  # the runner's host copies: the metadata's lengths are on the device
+            lens = vargs.host_lens(md, self._step())
+            if lens is None:  # left out, counted: never a wait for the device
+                self.errors.drop("head_stats_lengths_unread")
+                self._hs_plans[id(md)] = []
+                return []
+            shape = vargs.batch_shape(lens)
+        else:
+            shape = self._shape(md)
         q_lens, seq_lens = shape.q_lens, shape.seq_lens
         lens = (vargs.prompt_lens(self._runner, len(seq_lens), self.v2_batch)
                 if self._runner is not None else None)
