@@ -200,10 +200,17 @@ def test_the_first_refresh_serves_the_layers_the_thread_built(
     view = LiveView(engine)
     asyncio.run(view.refresh(10.0, advice=False, head_stats=False))
     (w,) = view.workers
-    assert w.sampler.sampled == 2 and len(w.layers) == 3
-    assert all(sum(p.calls for p in lay.phases.values()) == 2 for lay in w.layers)
+    assert w.sampler.sampled == 2  # the counters, whatever the build's progress
     polls = [args for m, args in engine.calls if m == "attnprof_poll"]
     assert len(polls) >= 2 and all(a[0] is False for a in polls[1:])  # catch-up pulls
+    if not w.layers:
+        # a box so loaded that the first build took longer than the catch-up's bounded
+        # pulls (~0.65 s): the route answered the counters, and the next refresh has it
+        assert cap.snapshots.wait_current()
+        asyncio.run(view.refresh(10.0, advice=False, head_stats=False))
+        (w,) = view.workers
+    assert len(w.layers) == 3
+    assert all(sum(p.calls for p in lay.phases.values()) == 2 for lay in w.layers)
     cap.state.hub.stop(final_flush=False)
 
 
