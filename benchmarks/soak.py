@@ -406,10 +406,19 @@ def synthetic_soak(requests: int = 1_000_000, steps: int = 1_000_000, *,
         # One engine step: CPU timing and fake CUDA events alternate in blocks of 1000.
         md = pool[rng.randrange(len(pool))]
         runner = gpu_runner if (i // 1000) % 2 else cpu_runner
+        if runner is gpu_runner:  # vLLM's V1 runner keeps the step's lengths on the host too
+            gpu_runner.query_start_loc = SimpleNamespace(np=md.query_start_loc)
+            gpu_runner.optimistic_seq_lens_cpu = md.seq_lens
         t0 = clock()
         hook(runner, input_ids=ids_pool[md.num_actual_tokens], md=md)
         t1 = clock()
         step_time += t1 - t0
+        folds = None if cap.hs_buffer is None else cap.hs_buffer.folds
+        if folds is not None and folds.pending:
+            # A fake step takes microseconds, a real one milliseconds: let the statistics'
+            # worker finish as it would between real steps, so the run measures what is kept,
+            # not a queue no real server fills (its bound is tested in test_head_worker).
+            cap.settle_head_stats()
         # The requests that finished with this step: a jittered share of the total.
         target = (i + 1) * req_total // total
         n_fin = target - done_req

@@ -286,7 +286,7 @@ def host_lens(md: Any, step: Any) -> Any:
         seq = getattr(md, "seq_lens", None)
         if seq is None:
             return None
-        md = SimpleNamespace(num_decodes=int(seq.shape[0]), num_prefills=0,
+        md = SimpleNamespace(num_decodes=len(seq), num_prefills=0,  # a shape, no device read
                              num_actual_tokens=int(md.num_actual_tokens))
     return step_lens(md, step)
 
