@@ -90,11 +90,15 @@ def run_py(code: str, env: dict[str, str] | None = None, timeout: float = 600
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:
-    """Sum of samples of ``name`` whose labels include ``labels`` in an exposition text."""
+    """Sum of samples of ``name`` whose labels include ``labels`` in an exposition text.
+    Only the lines that can hold such a sample (they start with ``name``) are parsed: a
+    sample line names its metric first, so nothing is lost, and a poller scraping vLLM's
+    whole /metrics on a loaded machine does not spend its turns in the parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    lines = [ln for ln in text.splitlines() if ln.startswith(name)]
     total = None
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total = (total or 0.0) + s.value

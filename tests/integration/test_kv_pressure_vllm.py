@@ -88,7 +88,7 @@ class _GaugePoller:
         # thread would leave a max of nothing and fail the test for the machine's sake.
         while not self._stop.is_set():
             try:
-                v = _gauge(get_text(self.url, timeout=30.0), "vllm:kv_cache_usage_perc")
+                v = metric_value(get_text(self.url, timeout=30.0), "vllm:kv_cache_usage_perc")
             except Exception as e:  # recorded and shown by the assertion
                 self.errors.append(repr(e))
                 v = None
@@ -105,18 +105,6 @@ class _GaugePoller:
         self._stop.set()
         self._thread.join(60)  # a hang bound; max and polls are read only once it ended
         assert not self._thread.is_alive()
-
-
-def _gauge(text: str, name: str) -> float | None:
-    """Sum of an unlabelled-or-labelled gauge's samples, read line by line: the full
-    exposition parser costs ~100x more per scrape, and a poller that spends its time parsing
-    on a 2-core machine under load sees the run only a few times."""
-    total = None
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            rest = line[line.index("}") + 1:] if "{" in line else line[len(name):]
-            total = (total or 0.0) + float(rest.split()[0])  # a timestamp may follow
-    return total
 
 
 def _bucket(u: float) -> int:
