@@ -106,25 +106,8 @@ def from_snapshot(snap: Mapping[str, Any], source: str = "") -> LengthDistributi
 def head_stats_from_snapshot(snap: Mapping[str, Any]) -> Any:
     """Merged head statistics of the prompts (the strata's ``total("prefill")``) from a
     snapshot (top level or per worker), or None."""
-    from attnprof.aggregate.head_strata import HeadStatsStrata
-
-    found: list[Mapping[str, Any]] = []
-    if isinstance(snap.get("head_stats"), Mapping):
-        found.append(snap["head_stats"])
-    for w in snap.get("workers") or []:
-        if isinstance(w, Mapping) and isinstance(w.get("head_stats"), Mapping):
-            found.append(w["head_stats"])
-    acc = None
-    for d in found:
-        try:
-            one = HeadStatsStrata.load(d).total("prefill")
-        except (KeyError, TypeError, ValueError):
-            continue
-        if acc is None:
-            acc = one
-        else:
-            acc.merge(one)
-    return acc
+    strata = strata_from_snapshot(snap)
+    return None if strata is None else strata.total("prefill")
 
 
 def strata_from_snapshot(snap: Mapping[str, Any]) -> Any:
