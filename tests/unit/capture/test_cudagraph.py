@@ -12,15 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from attnprof.aggregate.sampler import StepSampler
 from attnprof.capture.vllm import args as vargs
 from attnprof.capture.vllm.cudagraph import FULL_ONLY, GraphSteer, determine_hook
 from attnprof.capture.vllm.hooks import Capture, step_hook
 from attnprof.config import Config
-from attnprof.exporters.hub import ExportHub
-from attnprof.exporters.prometheus import PrometheusSink
 from attnprof.host.vllm import worker_rpc
 from attnprof.host.vllm.runtime import State
 
@@ -35,10 +32,12 @@ SIZES = [1, 2, 4, 8]
 ORIG = gmr.GPUModelRunner._determine_batch_execution_and_padding
 
 
-def _runner(mode: Any) -> Any:
-    """A runner whose dispatcher is vLLM's, keyed for ``mode`` as the GPU runner keys it."""
+def gpu_vllm_config(mode: Any) -> Any:
+    """A ``VllmConfig`` whose CUDA graphs are set as on a GPU for ``mode`` (the CPU platform
+    turned them off): compiled, attention split out, captured at ``SIZES``. Test_runner_v2
+    keys V2's manager on it."""
     vc = vcfg.VllmConfig()
-    cc = vc.compilation_config  # the CPU platform turned graphs off: set them as on a GPU
+    cc = vc.compilation_config
     cc.mode = vcfg.CompilationMode.VLLM_COMPILE
     cc.cudagraph_mode = mode
     cc.cudagraph_capture_sizes = list(SIZES)
@@ -46,6 +45,13 @@ def _runner(mode: Any) -> Any:
     cc.splitting_ops = None
     cc.set_splitting_ops_for_v1("naive")
     cc.post_init_cudagraph_sizes()
+    return vc
+
+
+def _runner(mode: Any) -> Any:
+    """A runner whose dispatcher is vLLM's, keyed for ``mode`` as the GPU runner keys it."""
+    vc = gpu_vllm_config(mode)
+    cc = vc.compilation_config
     disp = CudagraphDispatcher(vc)
     support = AttentionCGSupport.ALWAYS if mode == M.FULL else AttentionCGSupport.UNIFORM_BATCH
     resolved = cc.resolve_cudagraph_mode_and_sizes(
@@ -60,15 +66,12 @@ def _runner(mode: Any) -> Any:
         device=SimpleNamespace(type="cpu"))
 
 
-def _capture(rate: float, long_rate: float = 0.0, long_tokens: int = 1024) -> Capture:
-    # Budget 1.0: the rate stays put, so a sampler alone gives the reference decisions.
-    state = State(config=Config(enabled=True, sample_rate=rate, seed=3, model_label="m",
-                                long_prefill_rate=long_rate, long_prefill_tokens=long_tokens,
-                                overhead_budget=1.0, head_stats_rate=0.0))
-    hub = ExportHub(on_error=state.errors.record)
-    hub.add_sink(PrometheusSink(registry=CollectorRegistry()))
-    state.hub = hub
-    return Capture(state)
+def steer_capture(rate: float, long_rate: float = 0.0, long_tokens: int = 1024) -> Capture:
+    """A capture sampling at ``rate`` (seed 3) with head statistics off. Budget 1.0: the rate
+    stays put, so a sampler alone gives the reference decisions."""
+    return Capture(State(config=Config(
+        enabled=True, sample_rate=rate, seed=3, model_label="m", long_prefill_rate=long_rate,
+        long_prefill_tokens=long_tokens, overhead_budget=1.0, head_stats_rate=0.0)))
 
 
 def _step_kw(n: int, decode: bool = True) -> dict[str, Any]:
@@ -118,7 +121,7 @@ SIZES_RUN = [1, 3, 8, 2, 4, 5, 1, 8, 7, 6] * 20
 def test_sampled_steps_leave_full_graphs_unsampled_keep_vllms_answer(mode: Any,
                                                                      sampled_mode: Any) -> None:
     runner = _runner(mode)
-    cap = _capture(0.3)
+    cap = steer_capture(0.3)
     steps = _serve(cap, runner, SIZES_RUN)
     assert [s for _, s, _ in steps] == _reference(0.3, SIZES_RUN)  # the same steps sampled
     assert 20 < sum(s for _, s, _ in steps) < 100
@@ -143,7 +146,7 @@ def test_sampled_steps_leave_full_graphs_unsampled_keep_vllms_answer(mode: Any,
 def test_piecewise_mode_is_vllms_alone() -> None:
     """No full graph to leave: the hook decides nothing at dispatch, the step hook does."""
     runner = _runner(M.PIECEWISE)
-    cap = _capture(0.3)
+    cap = steer_capture(0.3)
     steps = _serve(cap, runner, SIZES_RUN[:50])
     assert [s for _, s, _ in steps] == _reference(0.3, SIZES_RUN[:50])
     assert all(got == own and got[0] == M.PIECEWISE for got, _, own in steps)
@@ -154,7 +157,7 @@ def test_long_prefill_stratum_is_decided_at_dispatch_too() -> None:
     """The long-prefill stratum reads the step's token count (here a capture size reaches
     it): its coin is drawn at dispatch, and the step hook takes the same decision."""
     runner = _runner(M.FULL_AND_PIECEWISE)
-    cap = _capture(0.05, long_rate=0.5, long_tokens=4)
+    cap = steer_capture(0.05, long_rate=0.5, long_tokens=4)
     sizes = [4, 8, 1, 2, 8, 4] * 30
     steps = _serve(cap, runner, sizes)
     ref = _reference(0.05, sizes, long_rate=0.5, long_tokens=4)
@@ -167,7 +170,7 @@ def test_dummy_and_capture_runs_are_untouched() -> None:
     """``_dummy_run`` (warm-up, graph capture) passes ``force_uniform_decode``: vLLM asserts
     its capture mode equals the dispatch, so such calls are never steered nor decided."""
     runner = _runner(M.FULL_AND_PIECEWISE)
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     det = determine_hook(cap, ORIG, cap.graphs, cap.args)
     before = cap.sampler.countdown
     kw = dict(_step_kw(4), force_uniform_decode=True, force_has_lora=False,
@@ -179,7 +182,7 @@ def test_dummy_and_capture_runs_are_untouched() -> None:
 
 def test_asked_twice_before_the_step_decides_once() -> None:
     runner = _runner(M.FULL_AND_PIECEWISE)
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     det = determine_hook(cap, ORIG, cap.graphs, cap.args)
     a = det(runner, **_step_kw(4))
     b = det(runner, **_step_kw(4))
@@ -194,7 +197,7 @@ def test_full_only_when_vllm_allows_nothing_else() -> None:
 
     runner = _runner(M.FULL_AND_PIECEWISE)
     disp = runner.cudagraph_dispatcher
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     steered = _Steered(type(disp).dispatch.__get__(disp), cap.args, cap.errors)
     valid = {M.FULL}
     got = steered(4, uniform_decode=True, valid_modes=valid)
@@ -216,7 +219,7 @@ class _BrokenArgs(vargs.VllmArgs):
 
 def test_errors_in_attnprof_fall_back_to_vllms_answer() -> None:
     runner = _runner(M.FULL_AND_PIECEWISE)
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     broken = _BrokenArgs(versions=("0.32",))
     det = determine_hook(cap, ORIG, cap.graphs, broken)
     assert det(runner, **_step_kw(4)) == ORIG(runner, **_step_kw(4))

@@ -35,8 +35,8 @@ from vllm.v1.worker.gpu import dp_utils  # noqa: E402
 from vllm.v1.worker.gpu import model_runner as v2  # noqa: E402
 from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: E402
 
-M = vcfg.CUDAGraphMode
-SIZES = [1, 2, 4, 8]
+from tests.unit.capture.test_cudagraph import M, gpu_vllm_config, steer_capture  # noqa: E402
+
 V1: Any = v1.GPUModelRunner
 V2: Any = v2.GPUModelRunner
 V2C: Any = v2cpu.CPUModelRunner
@@ -46,15 +46,8 @@ def _manager(mode: Any) -> Any:
     """V2's real ``CudaGraphManager`` keyed for ``mode`` as on a GPU (its ``__init__`` asks the
     pipeline group, which CPU tests have not set up: its attributes are set as ``__init__``
     sets them, then its own ``_init_candidates`` runs)."""
-    vc = vcfg.VllmConfig()
-    cc = vc.compilation_config  # the CPU platform turned graphs off: set them as on a GPU
-    cc.mode = vcfg.CompilationMode.VLLM_COMPILE
-    cc.cudagraph_mode = mode
-    cc.cudagraph_capture_sizes = list(SIZES)
-    cc.max_cudagraph_capture_size = SIZES[-1]
-    cc.splitting_ops = None
-    cc.set_splitting_ops_for_v1("naive")
-    cc.post_init_cudagraph_sizes()
+    vc = gpu_vllm_config(mode)
+    cc = vc.compilation_config
     m = object.__new__(cgu.CudaGraphManager)
     m.__dict__.update(
         vllm_config=vc, compilation_config=cc, max_num_reqs=vc.scheduler_config.max_num_seqs,
@@ -118,13 +111,6 @@ def _execute(seen: list[Any]) -> Any:
     return execute_model
 
 
-def _capture(rate: float, long_rate: float = 0.0, long_tokens: int = 1024) -> Capture:
-    state = State(config=Config(enabled=True, sample_rate=rate, seed=3, model_label="m",
-                                long_prefill_rate=long_rate, long_prefill_tokens=long_tokens,
-                                overhead_budget=1.0, head_stats_rate=0.0))
-    return Capture(state)
-
-
 def _serve(cap: Capture, runner: Any, batches: list[list[int]]) -> list[Any]:
     seen: list[Any] = []
     orig = _execute(seen)
@@ -140,7 +126,7 @@ DECODES = [[1] * 4, [1] * 3, [5, 1], [1] * 8, [1, 1], [1] * 16, [9]] * 20
 
 def test_sampled_steps_leave_full_graphs_unsampled_keep_vllms_answer() -> None:
     mgr = _manager(M.FULL_AND_PIECEWISE)
-    cap = _capture(0.3)
+    cap = steer_capture(0.3)
     seen = _serve(cap, _Runner(mgr), DECODES)
     ref = StepSampler(0.3, 1.0, 1024, 0.0, seed=3)
     assert [s for _, _, s in seen] == [ref.tick() for _ in DECODES]  # the sampler's steps
@@ -182,7 +168,7 @@ def test_steered_descriptor_is_vllms_piecewise_answer() -> None:
 
 def test_full_only_mode_runs_sampled_steps_eager() -> None:
     mgr = _manager(M.FULL)
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     seen = _serve(cap, _Runner(mgr), [[1] * 4])
     assert seen[0][0] == M.NONE and mgr.dispatch(4, 4, 1, 0, max_query_len=1).cg_mode == M.FULL
     assert cap.graphs == GraphSteer(modes={"NONE": 1}, steered=1)
@@ -192,7 +178,7 @@ def test_data_parallel_step_is_observed_not_steered_and_counted_blind() -> None:
     """Ranks agree only on eager; a steered rank would run another graph than its peers: the
     step stays FULL, vLLM's answer untouched (both dispatches), blind and counted."""
     mgr = _manager(M.FULL_AND_PIECEWISE)
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     seen = _serve(cap, _Runner(mgr, dp_size=2), [[1] * 4])
     assert seen[0][0] == M.FULL
     assert cap.graphs == GraphSteer(modes={"FULL": 1}, steered=0)
@@ -203,7 +189,7 @@ def test_data_parallel_step_is_observed_not_steered_and_counted_blind() -> None:
 
 def test_dummy_runs_and_empty_steps_pass_through_uncounted() -> None:
     mgr = _manager(M.FULL_AND_PIECEWISE)
-    cap = _capture(1.0)
+    cap = steer_capture(1.0)
     seen: list[Any] = []
     orig = _execute(seen)
     orig.cap_of.append(cap)
@@ -221,7 +207,7 @@ def test_dummy_runs_and_empty_steps_pass_through_uncounted() -> None:
 
 def test_long_prefill_stratum_reads_the_scheduled_tokens() -> None:
     mgr = _manager(M.FULL_AND_PIECEWISE)
-    cap = _capture(0.0, long_rate=1.0, long_tokens=8)
+    cap = steer_capture(0.0, long_rate=1.0, long_tokens=8)
     seen = _serve(cap, _Runner(mgr), [[1] * 4, [9], [1] * 8, [3]])
     assert [s for _, _, s in seen] == [False, True, True, False]
     assert seen[2][0] == M.PIECEWISE  # 8 decodes sampled as long: left their full graph
