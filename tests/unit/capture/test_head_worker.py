@@ -29,6 +29,19 @@ def _arrays(acc: HeadStatsAccumulator) -> dict[str, Any]:
     return {k: x for k, x in vars(acc).items() if isinstance(x, np.ndarray)}
 
 
+def _start_layer(cap: Capture) -> None:
+    """One CPU_ATTN layer (4 query heads on 2 KV heads of 16) known to ``cap``, its head
+    statistics started (the worker running)."""
+    from attnprof.aggregate.layers import LayerInfo
+
+    info = LayerInfo(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
+                     impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2, head_size=16,
+                     head_size_v=16, sliding_window=None, dtype="float32",
+                     kv_cache_dtype="auto", fused=True, scale=0.25)
+    cap.aggs.add_layer(info)
+    cap._hs_start(info)
+
+
 def _step(inline: bool, seed: int = 0) -> tuple[Capture, Any]:
     """Two layers' calls of a batch with a whole 300-token prompt, a 200-token chunk of a
     600-token prompt (its first 256 keys in a CPU_ATTN cache, written by vLLM's own op) and
@@ -251,15 +264,8 @@ def test_the_worker_does_not_keep_its_capture_alive() -> None:
     import gc
     import weakref
 
-    from attnprof.aggregate.layers import LayerInfo
-
     cap = _cap([300])
-    info = LayerInfo(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
-                     impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2, head_size=16,
-                     head_size_v=16, sliding_window=None, dtype="float32",
-                     kv_cache_dtype="auto", fused=True, scale=0.25)
-    cap.aggs.add_layer(info)
-    cap._hs_start(info)
+    _start_layer(cap)
     w, ref = cap.hs_worker, weakref.ref(cap)
     acc = cap.hs_buffer.active.get("prefill", 0)
     job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
@@ -274,16 +280,10 @@ def test_the_worker_does_not_keep_its_capture_alive() -> None:
 def test_the_offline_snapshot_holds_the_folds_handed_over_before_it() -> None:
     """``attnprof.snapshot(llm)`` (worker_rpc.snapshot) settles the worker first: a fold still
     queued when it is asked for is in its head statistics."""
-    from attnprof.aggregate.layers import LayerInfo
     from attnprof.host.vllm import worker_rpc
 
     cap = _cap([300])
-    info = LayerInfo(name="model.layers.0.self_attn.attn", index=0, backend="CPU_ATTN",
-                     impl="CPUAttentionBackendImpl", num_heads=4, num_kv_heads=2, head_size=16,
-                     head_size_v=16, sliding_window=None, dtype="float32",
-                     kv_cache_dtype="auto", fused=True, scale=0.25)
-    cap.aggs.add_layer(info)
-    cap._hs_start(info)
+    _start_layer(cap)
     gate = threading.Event()
     assert cap.hs_worker.submit(lambda: gate.wait(30), 0)  # the fold below waits behind it
     acc = cap.hs_buffer.active.get("prefill", 0)
