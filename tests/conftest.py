@@ -150,21 +150,26 @@ def counted_snapshot(base_url: str, n: int, key: str | None = TINY_API_KEY,
     return snap
 
 
+TINY_SERVER_ENV = {
+    "ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
+    "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
+    "ATTNPROF_OVERHEAD_BUDGET": "1.0",
+    # Tests read the effect of a request right after it: no cache ...
+    "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0",
+    # ... and fresh window advice on every snapshot (no loop).
+    "ATTNPROF_ADVICE_INTERVAL_S": "0",
+    "ATTNPROF_API_KEY": TINY_API_KEY}
+"""attnprof's settings on the integration tests' tiny servers (:func:`tiny_server`, the
+production-config module's own): every step sampled with a fixed seed, head statistics on
+every prompt of 32 tokens or more, no budget cut, fresh snapshots, bearer token required."""
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real multi-process vLLM server (API server, EngineCore, worker) on the tiny model,
     on the production configuration (chunked prefill at :data:`PRODUCTION_BUDGET`, prefix
     caching on), attnprof at sample rate 1.0 with a fixed seed."""
-    with running_tiny_server(tiny_model, tmp_path_factory, "tiny-vllm.log",
-                             {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
-                              "ATTNPROF_HEAD_STATS_RATE": "1.0",
-                              "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
-                              "ATTNPROF_OVERHEAD_BUDGET": "1.0",
-                              # Tests read the effect of a request right after it: no cache.
-                              "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0",
-                              # ... and fresh window advice on every snapshot (no loop).
-                              "ATTNPROF_ADVICE_INTERVAL_S": "0",
-                              "ATTNPROF_API_KEY": TINY_API_KEY},
+    with running_tiny_server(tiny_model, tmp_path_factory, "tiny-vllm.log", TINY_SERVER_ENV,
                              max_model_len=512, kv_bytes=64 << 20) as srv:
         yield srv
 

@@ -32,6 +32,7 @@ from attnprof.tools.server import VllmServer
 from tests.conftest import (
     PRODUCTION_BUDGET,
     TINY_API_KEY,
+    TINY_SERVER_ENV,
     ProductionTraffic,
     dump,
     get_snapshot,
@@ -55,14 +56,7 @@ TRACE_STEPS = 16
 @pytest.fixture(scope="module")
 def prod_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[VllmServer]:
-    with running_tiny_server(tiny_model, tmp_path_factory, "production.log",
-                             {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0",
-                              "ATTNPROF_HEAD_STATS_RATE": "1.0",
-                              "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32",
-                              "ATTNPROF_OVERHEAD_BUDGET": "1.0",
-                              "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0",
-                              "ATTNPROF_ADVICE_INTERVAL_S": "0",
-                              "ATTNPROF_API_KEY": TINY_API_KEY},
+    with running_tiny_server(tiny_model, tmp_path_factory, "production.log", TINY_SERVER_ENV,
                              max_model_len=512, kv_bytes=KV_BYTES) as srv:
         yield srv
 
