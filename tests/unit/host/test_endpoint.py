@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -59,13 +58,19 @@ def _answer(pid: int = 11, delta: bytes | None = None, rank: dict[str, int] | No
             **extra}
 
 
-@pytest.fixture()
-def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
-    st = runtime.State(config=Config(enabled=True, snapshot_max_age_s=60.0, rpc_timeout_s=1.0,
-                                     advice_interval_s=0.0))
+def serving_state(monkeypatch: pytest.MonkeyPatch, **config: Any) -> runtime.State:
+    """An enabled API server's state (model "tiny", the window advice computed on every
+    snapshot, ``config`` on top) in place of ``runtime.STATE`` for the test: the host
+    route tests' one set-up."""
+    st = runtime.State(config=Config(enabled=True, advice_interval_s=0.0, **config))
     st.model_label = "tiny"
     monkeypatch.setattr(runtime, "STATE", st)
-    yield st
+    return st
+
+
+@pytest.fixture()
+def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
+    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=1.0)
 
 
 def _app(engine: Any, tokens: list[str]) -> Any:

@@ -3,7 +3,6 @@ strata deltas over successive refreshes (epochs), in the snapshot and on /metric
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,25 +11,21 @@ from attnprof.aggregate.head_epochs import EpochRing
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.aggregate.head_strata import HeadStatsStrata
 from attnprof.aggregate.requests import RequestAggregates
-from attnprof.config import Config
 from attnprof.exporters import catalog as cat
 from attnprof.exporters.samples import HistogramSample
 from attnprof.host.vllm import runtime
 from attnprof.host.vllm.stat_logger import request_samples
 from tests.unit.analyze.test_coverage_stability import SAMPLE, VOTE, fold
-from tests.unit.host.test_endpoint import KEY, FakeEngine, _answer, _app, _get
+from tests.unit.host.test_endpoint import KEY, FakeEngine, _answer, _app, _get, serving_state
 
 
 @pytest.fixture()
-def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
-    st = runtime.State(config=Config(enabled=True, snapshot_max_age_s=0.0, rpc_timeout_s=1.0,
-                                     advice_interval_s=0.0))
-    st.model_label = "tiny"
+def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
+    st = serving_state(monkeypatch, snapshot_max_age_s=0.0, rpc_timeout_s=1.0)
     st.requests = RequestAggregates(4096, min_tokens=256)
     for _ in range(4 * VOTE):
         st.requests.observe(256, 8, 0.1, 0.2)
-    monkeypatch.setattr(runtime, "STATE", st)
-    yield st
+    return st
 
 
 def delta(kinds: list[str]) -> bytes:

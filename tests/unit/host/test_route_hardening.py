@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,19 +20,15 @@ from attnprof.config import Config
 from attnprof.exporters.chrome_trace import check_trace
 from attnprof.host.vllm import endpoint, live_trace, runtime
 from attnprof.host.vllm.endpoint import SAMPLING_MAX_BODY, sampling_body
-from tests.unit.host.test_endpoint import FakeEngine, _app
+from tests.unit.host.test_endpoint import FakeEngine, _app, serving_state
 
 KEY = "hardening-key"
 
 
 @pytest.fixture()
-def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
-    st_ = runtime.State(config=Config(enabled=True, snapshot_max_age_s=60.0, rpc_timeout_s=0.5,
-                                      advice_interval_s=0.0))
-    st_.model_label = "tiny"
-    monkeypatch.setattr(runtime, "STATE", st_)
+def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
     monkeypatch.setattr(live_trace, "TRACE_POLL_S", 0.01)
-    yield st_
+    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=0.5)
 
 
 async def _requests(app: Any, *reqs: tuple[str, str, Any], key: str | None = KEY,

@@ -9,7 +9,6 @@ import asyncio
 import json
 import math
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +20,7 @@ from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_st
 from attnprof.host.vllm import runtime, worker_rpc
 from attnprof.host.vllm.live_trace import LiveTrace
 from tests.unit.aggregate.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
-from tests.unit.host.test_endpoint import _app
+from tests.unit.host.test_endpoint import _app, serving_state
 
 KEY = "trace-key"
 
@@ -204,13 +203,11 @@ class TraceEngine:
 
 
 @pytest.fixture()
-def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.State]:
-    st = runtime.State(config=Config(enabled=True, rpc_timeout_s=1.0, advice_interval_s=0.0))
-    st.model_label = "tiny"
+def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
+    st = serving_state(monkeypatch, rpc_timeout_s=1.0)
     st.requests = SimpleNamespace(kv_cache_usage=0.125)
-    monkeypatch.setattr(runtime, "STATE", st)
     monkeypatch.setattr("attnprof.host.vllm.live_trace.TRACE_POLL_S", 0.01)
-    yield st
+    return st
 
 
 async def _gets(app: Any, *paths: str, key: str | None = KEY) -> list[Any]:
