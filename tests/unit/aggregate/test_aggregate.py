@@ -143,6 +143,14 @@ def _capture(rate: float, **kw: Any) -> Capture:
     return Capture(state)
 
 
+def _wrapped_layers(cap: Capture, n: int) -> list[_Layer]:
+    """``n`` fake attention layers (0 .. n-1), each wrapped by ``cap`` as install does."""
+    layers = [_Layer(i) for i in range(n)]
+    for lay in layers:
+        cap.wrap_layer(lay)
+    return layers
+
+
 def _run_steps(cap: Capture, layers: list[_Layer], n: int) -> list[bool]:
     """n fake steps through the installed step hook; True where layer 0 ran our wrapper."""
     md = SimpleNamespace(num_actual_tokens=2, max_query_len=1, seq_lens=[5, 6])
@@ -162,9 +170,7 @@ def _run_steps(cap: Capture, layers: list[_Layer], n: int) -> list[bool]:
 @pytest.mark.slow
 def test_layers_do_no_attnprof_work_on_unsampled_steps() -> None:
     cap = _capture(0.0)
-    layers = [_Layer(i) for i in range(3)]
-    for lay in layers:
-        cap.wrap_layer(lay)
+    layers = _wrapped_layers(cap, 3)
     seen = _run_steps(cap, layers, 20)
     assert not any(seen)  # vLLM's own forward every time
     assert all("forward" not in vars(lay.impl) for lay in layers)
@@ -174,9 +180,7 @@ def test_layers_do_no_attnprof_work_on_unsampled_steps() -> None:
 
 def test_sampled_steps_time_every_layer_and_restore_vllms_forward() -> None:
     cap = _capture(1.0)
-    layers = [_Layer(i) for i in range(3)]
-    for lay in layers:
-        cap.wrap_layer(lay)
+    layers = _wrapped_layers(cap, 3)
     seen = _run_steps(cap, layers, 4)
     assert all(seen)
     assert all("forward" not in vars(lay.impl) for lay in layers)  # removed after each step
@@ -191,8 +195,7 @@ def test_fault_in_capture_is_counted_and_output_unchanged() -> None:
     from attnprof._safety import set_faults
 
     cap = _capture(1.0, fault_inject=("capture",))
-    layers = [_Layer(0)]
-    cap.wrap_layer(layers[0])
+    layers = _wrapped_layers(cap, 1)
     before = _Impl.calls
     set_faults(("capture",))
     try:
@@ -256,9 +259,7 @@ def gpu_rig(cap: Any) -> tuple[_FakeGpu, Any, Any]:
     gpu = _FakeGpu()
     cap.event_factory = gpu.event
     cap.capturing_graph = lambda: False
-    layers = [_Layer(i) for i in range(2)]
-    for lay in layers:
-        cap.wrap_layer(lay)
+    layers = _wrapped_layers(cap, 2)
     md = SimpleNamespace(num_actual_tokens=2, max_query_len=1, seq_lens=[5, 6])
 
     def model_forward(runner: Any, input_ids: Any = None) -> None:
@@ -293,8 +294,7 @@ def test_sampling_switch_and_poll_deltas() -> None:
     from attnprof.aggregate.head_stats import HeadStatsAccumulator
 
     cap = _capture(0.0)
-    layers = [_Layer(0)]
-    cap.wrap_layer(layers[0])
+    layers = _wrapped_layers(cap, 1)
     assert not any(_run_steps(cap, layers, 10))
     out = cap.set_sampling(rate=1.0, head_stats_rate=0.5)
     assert out["old"]["sample_rate"] == 0.0 and out["new"] == {"sample_rate": 1.0,
@@ -325,8 +325,7 @@ def test_tp_ranks_other_than_zero_leave_per_layer_series_to_rank_zero() -> None:
     for rank in (0, 1):
         cap = _capture(1.0)
         cap.rank["tp_rank"] = rank
-        layers = [_Layer(0)]
-        cap.wrap_layer(layers[0])
+        layers = _wrapped_layers(cap, 1)
         _run_steps(cap, layers, 3)
         names[rank] = {smp.name for smp in worker_rpc.samples(cap)}
         cap.state.hub.stop(final_flush=False)

@@ -17,13 +17,12 @@ from attnprof.aggregate.background import LatestBuild
 from attnprof.aggregate.layers import LayerCall, StepRecord, WorkerAggregates
 from attnprof.capture.vllm.hooks import Capture
 from attnprof.host.vllm import worker_rpc
-from tests.unit.aggregate.test_aggregate import _capture, _Layer, _shape
+from tests.unit.aggregate.test_aggregate import _capture, _shape, _wrapped_layers
 
 
 def _rig(layers: int = 6) -> Capture:
     cap = _capture(1.0)
-    for i in range(layers):
-        cap.wrap_layer(_Layer(i))
+    _wrapped_layers(cap, layers)
     return cap
 
 

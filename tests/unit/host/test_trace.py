@@ -19,7 +19,7 @@ from attnprof.config import Config, ConfigError
 from attnprof.exporters.chrome_trace import TraceProcess, check_trace, render_steps
 from attnprof.host.vllm import runtime, worker_rpc
 from attnprof.host.vllm.live_trace import LiveTrace
-from tests.unit.aggregate.test_aggregate import _capture, _Layer, _run_steps, gpu_rig
+from tests.unit.aggregate.test_aggregate import _capture, _run_steps, _wrapped_layers, gpu_rig
 from tests.unit.host.test_endpoint import _app, serving_state
 
 KEY = "trace-key"
@@ -89,9 +89,7 @@ def test_checker_catches_what_breaks_the_rules() -> None:
 # ----- capture: arm, take, nothing unarmed -----
 def test_nothing_is_recorded_unarmed() -> None:
     cap = _capture(1.0)
-    layers = [_Layer(i) for i in range(2)]
-    for lay in layers:
-        cap.wrap_layer(lay)
+    layers = _wrapped_layers(cap, 2)
     calls: list[Any] = []
     cap.trace.add = lambda s: calls.append(s)  # type: ignore[method-assign]
     _run_steps(cap, layers, 10)
@@ -103,9 +101,7 @@ def test_nothing_is_recorded_unarmed() -> None:
 
 def test_armed_capture_records_the_next_n_sampled_steps_then_stops() -> None:
     cap = _capture(1.0)
-    layers = [_Layer(i) for i in range(3)]
-    for lay in layers:
-        cap.wrap_layer(lay)
+    layers = _wrapped_layers(cap, 3)
     _run_steps(cap, layers, 2)  # before arming: not recorded
     got = worker_rpc.trace_arm(cap, 4, timeout_s=60, trace_id="t1")
     assert got["armed"] and got["rank"]["tp_rank"] == 0
