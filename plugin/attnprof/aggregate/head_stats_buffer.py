@@ -29,7 +29,10 @@ from attnprof.aggregate.background import yield_gil
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
 from attnprof.aggregate.head_strata import HeadStatsStrata
 
-__all__ = ["FoldQueue", "HeadStatsDoubleBuffer"]
+__all__ = ["DRAIN_WAIT_S", "FoldQueue", "HeadStatsDoubleBuffer"]
+
+DRAIN_WAIT_S = 10.0
+"""A drain checks every this many seconds that the worker it waits for is still alive."""
 
 
 class FoldQueue(Protocol):
@@ -38,6 +41,10 @@ class FoldQueue(Protocol):
     @property
     def pending(self) -> int:
         """Folds handed over and not done."""
+
+    @property
+    def alive(self) -> bool:
+        """Folds handed over will still land (the folding thread runs)."""
 
     def barrier(self) -> Callable[[float], bool]:
         """A wait (timeout in seconds; False when it ran out) for the folds handed over
@@ -69,6 +76,8 @@ class HeadStatsDoubleBuffer:
         """Seconds the last drain took (off the engine's path)."""
         self.delta_bytes = 0
         """Size of the last delta."""
+        self.slow_drains = 0
+        """Times a drain waited another ``DRAIN_WAIT_S`` for the worker's pending folds."""
         self.errors: list[str] = []
         # Started now (the engine's first sampled prompt, charged to attnprof's budget), not
         # at the first pull: starting a thread takes ~0.1-0.5 ms.
@@ -123,8 +132,19 @@ class HeadStatsDoubleBuffer:
             t0 = time.perf_counter()
             result: Any = None
             try:
-                if folded is not None and not folded(10.0):
-                    raise TimeoutError("head-statistics folds still pending at a drain")
+                # Off the engine's path, the drain waits as long as the folds take: a loaded
+                # machine can starve the nice-19 worker for minutes, and giving up would throw
+                # the whole half away and count a breaker error for load. Meanwhile pulls swap
+                # nothing (``skipped``) and the engine folds into the active half: nothing is
+                # lost. Only a worker that is gone ends the wait (its folds never land): what
+                # did land is serialized, and that counts.
+                while folded is not None and not folded(DRAIN_WAIT_S):
+                    self.slow_drains += 1
+                    if self.folds is not None and not self.folds.alive:
+                        self.errors.append("RuntimeError: the head-statistics worker is gone "
+                                           "with folds pending at a drain")
+                        del self.errors[:-8]
+                        break
                 # zeroes ``old`` too (it is the next spare), in pieces
                 data = old.take_chunks(self.pause)
                 self.delta_bytes = sum(memoryview(c).nbytes for c in data)

@@ -66,6 +66,11 @@ class HeadStatsWorker:
         return self.submitted - self.done
 
     @property
+    def alive(self) -> bool:
+        """The thread runs: folds handed over will still land (a drain may wait for them)."""
+        return self._thread.is_alive()
+
+    @property
     def lagging(self) -> bool:
         """Half the bound or more is still waiting: a new sampled step's statistics would
         likely not fit whole (the caller then leaves the step out)."""
