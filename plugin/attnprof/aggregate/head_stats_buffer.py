@@ -52,8 +52,10 @@ class FoldQueue(Protocol):
 
 
 class HeadStatsDoubleBuffer:
-    """``active`` is written by the engine thread only; ``swap`` and ``take_ready`` run on
-    that thread too (between steps); the drain runs on one daemon thread of its own."""
+    """``active`` is written by the engine thread, or by the one thread ``folds`` names
+    (the statistics' worker, in submission order); ``swap`` and ``take_ready`` run on the
+    engine thread (between steps); the drain runs on one daemon thread of its own and
+    serializes a half only once the folds handed over before its swap have landed."""
 
     def __init__(self, active: HeadStatsAccumulator | HeadStatsStrata,
                  pause: Callable[[], None] = yield_gil) -> None:
