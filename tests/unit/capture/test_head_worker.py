@@ -278,8 +278,10 @@ def test_the_worker_does_not_keep_its_capture_alive() -> None:
 
 
 def test_the_offline_snapshot_holds_the_folds_handed_over_before_it() -> None:
-    """``attnprof.snapshot(llm)`` (worker_rpc.snapshot) settles the worker first: a fold still
-    queued when it is asked for is in its head statistics."""
+    """The worker's snapshot with head statistics (``worker_rpc.snapshot``, the
+    ``attnprof_snapshot`` RPC an offline ``LLM`` can make; ``attnprof.snapshot(llm)`` asks
+    without them) settles the worker first: a fold still queued when it is asked for is in
+    its head statistics."""
     from attnprof.host.vllm import worker_rpc
 
     cap = _cap([300])

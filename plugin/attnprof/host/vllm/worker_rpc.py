@@ -294,8 +294,10 @@ def worker_methods(cap: WorkerCapture, state: Any
     the next step's output: :mod:`attnprof.host.vllm.rpc`), so each is bounded by what it
     does: no export flush (its lock may be held by an exporter sending over the network), no
     waiting on another thread beyond a lock held for a few copies, no loop over more than
-    what one pull or one page holds. ``ATTNPROF_FAULT_DELAY_S`` (tests only) slows each down
-    on purpose."""
+    what one pull or one page holds. One exception, never made by the API server:
+    ``attnprof_snapshot`` with head statistics (an offline ``LLM``'s own call) first waits,
+    up to 10 s, for the folds the statistics' worker still holds.
+    ``ATTNPROF_FAULT_DELAY_S`` (tests only) slows each down on purpose."""
     from attnprof.capture.vllm.rank_sync import leader_answer, take_carried
 
     def attnprof_snapshot(self: Any, include_head_stats: bool = True) -> dict[str, Any]:
