@@ -42,6 +42,15 @@ def _start_layer(cap: Capture) -> None:
     cap._hs_start(info)
 
 
+def drained_buffer(w: HeadStatsWorker) -> tuple[HeadStatsDoubleBuffer, HeadStatsAccumulator]:
+    """A double buffer over one layer's strata (4 query heads on 2 KV heads; ``.active``)
+    whose drain waits for ``w``'s folds, and the prompts' accumulator the folds land in."""
+    strata = HeadStatsStrata(HeadStatsAccumulator(1, 2, 2))
+    buf = HeadStatsDoubleBuffer(strata)
+    buf.folds = w
+    return buf, strata.get("prefill", 0)
+
+
 def _step(inline: bool, seed: int = 0) -> tuple[Capture, Any]:
     """Two layers' calls of a batch with a whole 300-token prompt, a 200-token chunk of a
     600-token prompt (its first 256 keys in a CPU_ATTN cache, written by vLLM's own op) and
@@ -165,10 +174,7 @@ def test_a_pulls_delta_holds_every_fold_handed_over_before_it() -> None:
     half, none is zeroed away mid-fold."""
     gate = threading.Event()
     w = HeadStatsWorker(lambda exc: None)
-    strata = HeadStatsStrata(HeadStatsAccumulator(1, 2, 2))
-    buf = HeadStatsDoubleBuffer(strata)
-    buf.folds = w
-    acc = strata.get("prefill", 0)
+    buf, acc = drained_buffer(w)
     assert w.submit(lambda: gate.wait(30), 0)  # the worker is busy: the fold is pending
     job = head_rows.prepare(acc, 0, torch.randn(8, 4, 16), torch.randn(8, 2, 16), 0.25, 0,
                             (3, 7), [1.0, 2.0], {}, copy=True)
@@ -179,8 +185,9 @@ def test_a_pulls_delta_holds_every_fold_handed_over_before_it() -> None:
         got.append(b"".join(chunks))
         return b"x"
 
-    # nothing has landed in the active half yet: the pending fold is data to swap
-    assert not strata.has_data() and buf.swap(finish)
+    # nothing has landed in the active half (its one stratum) yet: the pending fold is
+    # data to swap
+    assert not acc.queries.any() and buf.swap(finish)
     assert buf.draining  # waiting for the fold
     gate.set()
     assert buf.wait(30) and got
@@ -232,6 +239,30 @@ def test_the_worker_gives_way_to_the_engine() -> None:
     assert seen == [(1, 19)]
     assert torch.get_num_threads() == before
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == prio
+
+
+def _fresh_thread_team() -> int:
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_the_quiet_worker_leaves_later_host_threads_their_team() -> None:
+    """A thread the host starts after the worker (a ``generate`` in a thread of its own)
+    still gets the process's torch threads, not the worker's one."""
+    from attnprof.capture.head_worker import quiet_thread
+
+    default = _fresh_thread_team()
+    if default == 1:
+        pytest.skip("one torch thread by default here: nothing to tell apart")
+    w = HeadStatsWorker(lambda exc: None, setup=quiet_thread)
+    seen: list[int] = []
+    assert w.submit(lambda: seen.append(torch.get_num_threads()), 0)
+    assert w.wait_idle(30)
+    assert seen == [1]
+    assert _fresh_thread_team() == default
 
 
 def test_a_step_beginning_while_the_worker_lags_is_left_out_whole() -> None:

@@ -19,6 +19,7 @@ from attnprof.aggregate.head_stats_buffer import HeadStatsDoubleBuffer
 from attnprof.aggregate.head_strata import HeadStatsStrata
 from attnprof.capture import head_rows
 from attnprof.capture.head_worker import HeadStatsWorker
+from tests.unit.capture.test_head_worker import drained_buffer
 
 
 def _job(acc: HeadStatsAccumulator, positions: tuple[int, ...]) -> head_rows.Prepared:
@@ -52,10 +53,7 @@ def test_a_drain_outwaits_a_starved_worker_and_loses_nothing(
     monkeypatch.setattr(head_stats_buffer, "DRAIN_WAIT_S", 0.001)  # many checks, no wait
     gate = threading.Event()
     w = HeadStatsWorker(lambda exc: None)
-    strata = HeadStatsStrata(HeadStatsAccumulator(1, 2, 2))
-    buf = HeadStatsDoubleBuffer(strata)
-    buf.folds = w
-    acc = strata.get("prefill", 0)
+    buf, acc = drained_buffer(w)
     head_rows.run(acc, _job(acc, (1, 2))).apply()  # landed before the swap
     assert w.submit(lambda: gate.wait(60), 0)  # the worker is starved: the fold waits
     late = _job(acc, (3, 7))
@@ -80,10 +78,7 @@ def test_a_drain_whose_worker_is_gone_delivers_what_landed(
         raise SystemExit  # not an Exception: the worker's thread ends
 
     assert w.submit(die, 0) and _until(lambda: not w.alive)
-    strata = HeadStatsStrata(HeadStatsAccumulator(1, 2, 2))
-    buf = HeadStatsDoubleBuffer(strata)
-    buf.folds = w
-    acc = strata.get("prefill", 0)
+    buf, acc = drained_buffer(w)
     head_rows.run(acc, _job(acc, (1, 2))).apply()
     lost = _job(acc, (5,))
     assert w.submit(lambda: head_rows.run(acc, lost).apply(), lost.nbytes)  # never runs
