@@ -241,6 +241,8 @@ def test_head_statistics_fold_chunked_cached_and_decode(served: Served) -> None:
     tails = [(len(c) - tr.system) / len(c) for c in tr.chats[1:]]
     tails.append((len(tr.repeat) % BLOCK) / len(tr.repeat))
     np.testing.assert_allclose(acc.requests, [len(whole) + sum(tails)] * 2, rtol=1e-6)
+    # ... and every one of them is seen once whole (on the step holding its last position)
+    np.testing.assert_array_equal(acc.requests_seen, [len(served.lengths)] * 2)
     # every generated token but the first (made by the prefill) is a decode query; a
     # sampled step folds at most 4 of its sequences, so up to that many, per layer
     dec = strata.get("decode", 256)
@@ -255,17 +257,18 @@ def test_window_advice_says_what_it_stands_on(served: Served) -> None:
     assert "error" not in adv, adv
     n = len(served.lengths)
     assert adv["traffic"]["requests"] == n
-    tr = served.traffic
-    folded = 1 + len(tr.documents) + sum((len(c) - tr.system) / len(c) for c in tr.chats[1:]) \
-        + (len(tr.repeat) % BLOCK) / len(tr.repeat)
-    assert adv["head_stats_requests"] == int(folded)
+    # every prompt folded, each counted once whole: chunked documents on their last chunk,
+    # chats after the first and the repeat on their uncached tails (a share of their positions:
+    # counted by shares they would sum to fewer, 1 + documents + the chats' tails)
+    folded = n
+    assert adv["head_stats_requests"] == folded
     cov = adv["coverage"]
     assert cov is not None and cov["corrected"] and cov["traffic_requests"] == n
     assert cov["traffic_share"] == pytest.approx(1.0)  # every prompt in the covered bucket
     # the snapshot's coverage table: the traffic's bucket, prefill and decode rows
     rows = {(r["phase"], r["bucket"]): r for r in served.snap["coverage"]["buckets"]}
     pre, dec = rows[("prefill", 256)], rows[("decode", 256)]
-    assert pre["traffic_requests"] == n and pre["folded_requests"] == int(folded)
+    assert pre["traffic_requests"] == n and pre["folded_requests"] == folded
     assert pre["query_share"] is not None and 0 < pre["query_share"] <= 1
     assert dec["traffic_queries"] == len(served.lengths) * (MAX_TOKENS - 1)
     assert 0 < dec["sampled_queries"] <= dec["traffic_queries"]
@@ -282,7 +285,7 @@ def test_window_advice_says_what_it_stands_on(served: Served) -> None:
     assert metric_value(m, "attnprof_window_need_more_traffic_tokens", model="tiny") == 0
     assert metric_value(m, "attnprof_head_dynamic_ratio", model="tiny") == \
         pytest.approx(cov["dynamic_share"])
-    assert f"stands on {int(folded)} of {n} requests" in adv["summary"], adv["summary"]
+    assert f"stands on {folded} of {n} requests" in adv["summary"], adv["summary"]
 
 
 def test_live_trace_records_the_chunked_steps(served: Served) -> None:

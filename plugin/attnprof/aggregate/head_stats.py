@@ -172,7 +172,10 @@ class HeadStatsAccumulator:
         self.detail_n = np.zeros(lh)  # detail queries (raw count)
         self.weight_sum = np.zeros(lh)  # sum of weights: estimated queries in the population
         self.detail_w = np.zeros(lh)
-        self.requests = np.zeros(num_layers)
+        self.requests = np.zeros(num_layers)  # request shares: a piece of a prompt counts part
+        # requests counted whole, once each: a prompt on the piece holding its last position,
+        # a decode sequence on its first fold of the stratum (what "N requests folded" says)
+        self.requests_seen = np.zeros(num_layers)
         self.sink_sum = np.zeros((*lh, len(self.sinks_grid)))
         self.entropy_sum = np.zeros(lh)
         self.entropy_hist = np.zeros((*lh, _ENTROPY_BINS))
@@ -309,6 +312,7 @@ class HeadStatsAccumulator:
     def count_request(self, layer: int) -> None:
         """One more request folded at ``layer``."""
         self.requests[layer] += 1
+        self.requests_seen[layer] += 1
 
     def _fold(self, layer: int, pos: Any, sink_m: Any, local: Any, top1: Any, maxw: Any,
               wts: Any = None) -> None:
@@ -499,12 +503,13 @@ class HeadStatsAccumulator:
         if not same:
             raise ValueError("cannot merge head statistics with different shapes or grids")
 
-    _SUM_FIELDS = ("queries", "detail_n", "requests", "sink_sum", "entropy_sum", "entropy_hist",
-                   "maxw_sum", "topk_frac_sum", "topk_hist", "cov_n", "cov_sum", "cov_hist",
-                   "top1_out", "out_norm_sum", "out_norm_n", "sink_hist", "sink_n", "js_sum",
-                   "js_n", "js_far", "js_k", "weight_sum", "detail_w", "cov_w", "cov_w2", "cov_sq")
+    _SUM_FIELDS = ("queries", "detail_n", "requests", "requests_seen", "sink_sum", "entropy_sum",
+                   "entropy_hist", "maxw_sum", "topk_frac_sum", "topk_hist", "cov_n", "cov_sum",
+                   "cov_hist", "top1_out", "out_norm_sum", "out_norm_n", "sink_hist", "sink_n",
+                   "js_sum", "js_n", "js_far", "js_k", "weight_sum", "detail_w", "cov_w", "cov_w2",
+                   "cov_sq")
     _PAIR_FIELDS = ("js_sum", "js_n", "js_far", "js_k")  # [layer, q head, q head]
-    _RAW_FIELDS = ("queries", "detail_n", "requests", "cov_n", "sink_n", "js_k")
+    _RAW_FIELDS = ("queries", "detail_n", "requests", "requests_seen", "cov_n", "sink_n", "js_k")
     """Raw counts of sampled queries and requests: evidence, never reweighted."""
     _SQUARED_FIELDS = ("cov_w2",)
     """Sums of squared weights: scale by factor^2."""
@@ -710,6 +715,8 @@ class HeadStatsAccumulator:
                 meta = json.loads(bytes(z["meta"]).decode())
                 acc = cls.from_dict({**meta, "arrays": {}})
                 for f in (*cls._SUM_FIELDS, "cov_min"):
+                    if f + ".i" not in z.files:  # a field this delta's writer did not have
+                        continue
                     flat = getattr(acc, f).reshape(-1)
                     flat[z[f + ".i"].astype(np.int64)] = z[f + ".v"]
                 if "exact.i" in z.files:  # absent in deltas of earlier versions
@@ -733,9 +740,9 @@ class HeadStatsAccumulator:
                              f"{self.num_q_heads}")
         lay, heads = slice(0, other.num_layers), slice(q_offset, q_offset + hq)
         for f in self._SUM_FIELDS:
-            if f == "requests":
+            if f in ("requests", "requests_seen"):
                 if count_requests:
-                    self.requests[lay] += other.requests
+                    getattr(self, f)[lay] += getattr(other, f)
                 continue
             if f in self._PAIR_FIELDS:  # pairs across ranks stay unmeasured (count 0)
                 getattr(self, f)[lay, heads, heads] += getattr(other, f)

@@ -63,10 +63,11 @@ def recommend_from_snapshot(snap: dict[str, Any], model_path: str | Path
 def summarize(rec: Recommendation, acc: Any, replay: dict[str, Any] | None = None
               ) -> WindowAdvice:
     """The bounded window advice (snapshot, demo report) with the head-statistics sample."""
+    from attnprof.analyze.sparsity.coverage import folded_requests
     from attnprof.analyze.sparsity.recommend import export_summary
 
     out = export_summary(rec, replay)
-    out.head_stats_requests = None if acc is None else int(acc.requests.max())
+    out.head_stats_requests = None if acc is None else folded_requests(acc)
     return out
 
 
@@ -113,6 +114,7 @@ def advise_strata(requests: Any, strata: Any, model_path: str | None,
     request statistics' context buckets, dynamic heads kept full, "need more traffic" when
     a heavy bucket cannot decide) and the snapshot's coverage section. ``strata``: the
     merged ``HeadStatsStrata`` (or None), ``epochs``: the epoch ring's accumulators."""
+    from attnprof.analyze.sparsity.coverage import folded_requests
     from attnprof.analyze.sparsity.inputs import InputError, from_sketch
     from attnprof.analyze.sparsity.strata_advice import recommend_strata
 
@@ -129,7 +131,7 @@ def advise_strata(requests: Any, strata: Any, model_path: str | None,
         return AdviceUnavailable(str(err)), coverage_for(requests, strata, epochs)
     acc = out.corrected.acc
     adv = summarize(out.recommendation, acc)
-    adv.head_stats_requests = sum(int(a.requests.max(initial=0)) for (ph, _), a in items.items()
+    adv.head_stats_requests = sum(folded_requests(a) for (ph, _), a in items.items()
                                   if ph == "prefill")
     return adv, out.coverage
 

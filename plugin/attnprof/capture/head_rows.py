@@ -98,11 +98,13 @@ def update_span(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: fl
     subset), restricted to this piece's positions, so the pieces of a prompt served in chunks
     fold exactly the queries, weights and detail queries the prompt served whole would. The
     request counts ``Lq / prompt_len``: once over all its pieces, partly when positions were
-    never computed (a prefix-cache hit's cached head). ``weight`` multiplies every query's
+    never computed (a prefix-cache hit's cached head); it is seen whole on the piece holding
+    its last position. ``weight`` multiplies every query's
     weight: the sampling stages before this one (the step's own inclusion probability)."""
     idx, wts, local, share = span_plan(acc, int(q.shape[0]), prompt_len, q_start, weight)
     return fold_plan(acc, layer, q, k, scale, q_start, idx, wts, local, v=v, softcap=softcap,
-                     sink_logits=sink_logits, request_share=share)
+                     sink_logits=sink_logits, request_share=share,
+                     whole=q_start + int(q.shape[0]) >= prompt_len)
 
 
 def span_plan(acc: HeadStatsAccumulator, q_len: int, prompt_len: int, q_start: int,
@@ -141,7 +143,7 @@ def _whole_plan(acc: HeadStatsAccumulator, prompt_len: int
 def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
               q_start: int, idx_np: Any, wts: Any, detail: dict[int, float], *, v: Any = None,
               softcap: float | None = None, sink_logits: Any = None,
-              request_share: float = 1.0) -> int:
+              request_share: float = 1.0, whole: bool | None = None) -> int:
     """Fold the queries ``idx_np`` (indices into ``q``, sorted; at positions ``q_start +
     idx``) with Horvitz-Thompson weights ``wts``; ``detail`` maps an index into ``idx_np`` to
     its detail weight. Queries go in tiles of at most ``acc.chunk_queries``, fewer when the
@@ -149,13 +151,15 @@ def fold_plan(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: floa
     :func:`scratch_bytes`). ``k`` may be a function of n returning the
     first n keys (a paged-cache read): it is called only when a query is folded, for the keys
     up to the last one. Adds ``request_share`` to the layer's requests (also when no query of
-    the plan falls here). Returns the number of queries folded.
+    the plan falls here), and one to its requests seen when ``whole`` (default: a share of
+    1). Returns the number of queries folded.
 
     :func:`prepare` then :func:`run` (what the engine's thread and the statistics' worker do
     when the work is deferred: :mod:`attnprof.capture.head_worker`); on a device tensor the
     numbers reach ``acc`` only once :meth:`Folds.apply` ran (here, at once: it waits)."""
     job = prepare(acc, layer, q, k, scale, q_start, idx_np, wts, detail, v=v,
-                  softcap=softcap, sink_logits=sink_logits, request_share=request_share)
+                  softcap=softcap, sink_logits=sink_logits, request_share=request_share,
+                  whole=whole)
     run(acc, job).apply()
     return job.queries
 
@@ -175,6 +179,7 @@ class Prepared(NamedTuple):
     softcap: float | None
     sink_logits: Any
     request_share: float
+    whole: bool = False  # counts one request seen (see HeadStatsAccumulator.requests_seen)
 
     @property
     def queries(self) -> int:
@@ -190,7 +195,7 @@ class Prepared(NamedTuple):
 def prepare(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
             q_start: int, idx_np: Any, wts: Any, detail: dict[int, float], *, v: Any = None,
             softcap: float | None = None, sink_logits: Any = None, request_share: float = 1.0,
-            copy: bool = False) -> Prepared:
+            copy: bool = False, whole: bool | None = None) -> Prepared:
     """The reads :func:`fold_plan` needs (arguments as there): the sampled queries and the
     keys up to the last of them, as ``[Hkv, D, n]`` fp32. ``copy``: own every tensor (the
     engine may overwrite its buffers and the paged cache as soon as the call returns: a fold
@@ -202,9 +207,10 @@ def prepare(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
     if hq != acc.num_q_heads:
         raise ValueError(f"expected {acc.num_q_heads} q heads, got {hq}")
     idx = np.asarray(idx_np, dtype=np.int64)
+    seen = request_share >= 1.0 if whole is None else bool(whole)
     if len(idx) == 0:
         return Prepared(layer, None, None, None, scale, int(q_start), idx, wts, {}, softcap,
-                        sink_logits, request_share)
+                        sink_logits, request_share, seen)
     n_keys = int(q_start) + int(idx[-1]) + 1
     if callable(k):
         k = k(n_keys)  # a paged read: a new tensor already
@@ -230,7 +236,7 @@ def prepare(acc: HeadStatsAccumulator, layer: int, q: Any, k: Any, scale: float,
         if sl is not None and copy and hasattr(sl, "clone"):
             sl = sl.clone()
     return Prepared(layer, qs, kt, v, scale, int(q_start), idx, wts, detail, softcap, sl,
-                    request_share)
+                    request_share, seen)
 
 
 def run(acc: HeadStatsAccumulator, job: Prepared) -> Folds:
@@ -242,7 +248,7 @@ def run(acc: HeadStatsAccumulator, job: Prepared) -> Folds:
     import torch
 
     out = Folds(acc, job.kt.device if job.kt is not None else None)
-    out.add("requests", job.layer, job.request_share)
+    out.add("requests", job.layer, job.request_share, job.whole)
     if job.queries == 0:
         return out.close()
     idx, detail = job.idx, job.detail
@@ -354,8 +360,10 @@ def _np(a: Any) -> Any:
 
 def _fold_call(acc: HeadStatsAccumulator, name: str, args: tuple[Any, ...]) -> None:
     if name == "requests":
-        layer, share = args
+        layer, share, whole = args
         acc.requests[layer] += share
+        if whole:
+            acc.requests_seen[layer] += 1
     elif name == "rows":
         layer, pos, res, w_np, ns = args
         res = _np(res)

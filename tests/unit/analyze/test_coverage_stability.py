@@ -86,7 +86,7 @@ def test_scaled_multiplies_weights_keeps_counts_and_estimates() -> None:
     s = acc.scaled(2.5)
     for f in acc._SUM_FIELDS:
         a, b = getattr(acc, f), getattr(s, f)
-        if f in ("queries", "detail_n", "requests", "cov_n", "sink_n", "js_k"):
+        if f in ("queries", "detail_n", "requests", "requests_seen", "cov_n", "sink_n", "js_k"):
             np.testing.assert_array_equal(b, a, err_msg=f)
         elif f == "cov_w2":
             np.testing.assert_allclose(b, a * 6.25, err_msg=f)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.analyze.sparsity.coverage import folded_requests
 from attnprof.capture import head_rows
 
 HKV, G, D, L = 2, 2, 16, 300
@@ -48,6 +49,7 @@ def test_chunks_fold_what_the_whole_prompt_folds() -> None:
     assert n == n_whole > 0
     _assert_same(chunked, whole)
     assert chunked.requests[0] == pytest.approx(1.0)  # once, not once per chunk
+    assert chunked.requests_seen[0] == whole.requests_seen[0] == 1  # on the last chunk only
     assert chunked.detail_n[0, 0] == whole.detail_n[0, 0] == 3
 
 
@@ -59,6 +61,7 @@ def test_a_first_chunk_is_not_a_whole_prompt() -> None:
     head_rows.update(short, 0, q[:64], k[:64], D ** -0.5, q_start=0)
     idx, wts = _acc().sample_plan(L, 0)
     assert first.requests[0] == pytest.approx(64 / L) and short.requests[0] == 1
+    assert first.requests_seen[0] == 0  # its last position is still to come
     # the whole prompt's strata restricted to the chunk, not a 64-token prompt's plan
     assert first.queries[0, 0] == np.sum(idx < 64) != short.queries[0, 0]
     assert first.weight_sum[0, 0] == pytest.approx(wts[idx < 64].sum())
@@ -73,6 +76,9 @@ def test_prefix_cached_tail_folds_only_computed_positions() -> None:
     assert tail.queries[0, 0] == np.sum(idx >= cached)
     assert tail.weight_sum[0, 0] == pytest.approx(wts[idx >= cached].sum())
     assert tail.requests[0] == pytest.approx((L - cached) / L)  # partial coverage
+    # ... yet one request seen: "N requests folded" never rounds a cached prompt down to 0
+    assert tail.requests_seen[0] == 1
+    assert folded_requests(tail) == 1
 
 
 def test_scratch_tiles_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -81,8 +81,11 @@ def traffic_queries(buckets: ContextBuckets, phase: str, lo: int) -> int:
 
 
 def folded_requests(acc: HeadStatsAccumulator) -> int:
-    """Requests folded (the layer that saw the most: pipeline stages may lag)."""
-    return int(acc.requests.max(initial=0))
+    """Requests folded, each counted once whole (a prompt whose cached head or earlier chunks
+    were not computed here still counts one; the layer that saw the most: pipeline stages may
+    lag). Statistics written before requests were counted whole: their shares, rounded."""
+    seen = int(acc.requests_seen.max(initial=0))
+    return seen if seen else round(float(acc.requests.max(initial=0)))
 
 
 def folded_queries(acc: HeadStatsAccumulator) -> float:

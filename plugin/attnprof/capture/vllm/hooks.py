@@ -367,8 +367,11 @@ class Capture:
                 else:  # one query, the sequence's last position, standing for w sequences
                     idx, wts, share = _ZERO, [f.weight], f.seq_share
                     det = {0: f.detail} if f.detail else {}
+                # seen whole: a prompt on its last piece, a sequence on its first decode fold
+                whole = (f.q_pos + f.q_len >= f.prompt_len if f.phase == "prefill"
+                         else f.seq_share >= 1.0)
                 job = head_rows.prepare(acc, info.index, qs, ks, scale, f.q_pos, idx, wts, det,
-                                        request_share=share, copy=not device)
+                                        request_share=share, copy=not device, whole=whole)
                 self._hs_submit(acc, job, device)
                 self.hs.queries += job.queries
             if id(md) not in self._hs_seen:
