@@ -156,13 +156,20 @@ def quiet_thread(nice: int = 19) -> None:
     ``torch.set_num_threads`` with a no-op after binding its threads, so torch's own setter
     is called: it sets this thread's OpenMP team size, and the default of threads that have
     not run a parallel op yet) and, on Linux, the lowest CPU priority for this thread alone
-    (``nice`` per thread id)."""
+    (``nice`` per thread id). Torch's setter also stores the default every thread started
+    later takes (a host thread running ``generate`` would get one thread): a short helper
+    thread puts the process's default back, which leaves this thread's own team at one."""
     import os
 
     import torch
 
-    torch.get_num_threads()  # this thread's own OpenMP setup first, then one thread
+    prev = torch.get_num_threads()  # this thread's own OpenMP setup first (the default)
     torch._C.set_num_threads(1)
+    if prev != 1:
+        helper = threading.Thread(target=torch._C.set_num_threads, args=(prev,),
+                                  name="attnprof-thread-default", daemon=True)
+        helper.start()
+        helper.join()
     if nice and hasattr(os, "setpriority"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
