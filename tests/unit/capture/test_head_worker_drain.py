@@ -55,7 +55,7 @@ def test_a_drain_outwaits_a_starved_worker_and_loses_nothing(
     w = HeadStatsWorker(lambda exc: None)
     buf, acc = drained_buffer(w)
     head_rows.run(acc, _job(acc, (1, 2))).apply()  # landed before the swap
-    assert w.submit(lambda: gate.wait(60), 0)  # the worker is starved: the fold waits
+    assert w.submit(lambda: gate.wait(300), 0)  # the worker is starved: the fold waits
     late = _job(acc, (3, 7))
     assert w.submit(lambda: head_rows.run(acc, late).apply(), late.nbytes)
     got = _collect(buf)
