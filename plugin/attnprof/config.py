@@ -198,6 +198,8 @@ class Config:
     """Share of sampled steps that also compute per-head statistics."""
     head_stats_min_tokens: int = 256
     """Shortest prompt used for head statistics."""
+    head_stats_queue_mb: int = 64
+    """MiB of copied queries and keys the statistics' worker may hold (CPU)."""
     advice_interval_s: float = 60.0
     """Seconds between window-advice refreshes in the API server (0: only on snapshots)."""
     seed: int | None = None
@@ -257,6 +259,8 @@ class Config:
             head_stats_rate=flt(env, "ATTNPROF_HEAD_STATS_RATE", d.head_stats_rate, 0.0, 1.0),
             head_stats_min_tokens=num(env, "ATTNPROF_HEAD_STATS_MIN_TOKENS",
                                       d.head_stats_min_tokens, 1, MAX_TOKENS),
+            head_stats_queue_mb=num(env, "ATTNPROF_HEAD_STATS_QUEUE_MB", d.head_stats_queue_mb,
+                                    8, 16384),
             advice_interval_s=flt(env, "ATTNPROF_ADVICE_INTERVAL_S", d.advice_interval_s,
                                   MIN_INTERVAL_S, 86400.0, zero_off=True),
             seed=num(env, "ATTNPROF_SEED", None, 0, MAX_SEED),

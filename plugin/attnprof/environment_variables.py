@@ -57,6 +57,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "into their own bucket 0 (\"short\"; no window could bind there).",
     ),
     EnvVar(
+        "ATTNPROF_HEAD_STATS_QUEUE_MB", "int in [8, 16384]", "64",
+        "MiB of copied queries and keys (fp32) the head statistics' worker thread may hold on "
+        "a CPU server; a sampled step that finds half of it taken leaves its statistics out "
+        "(counted, reason head_stats_worker_busy). One sampled step of a long prompt copies "
+        "layers x its keys x KV heads x head size x 4 B: raise it to fold long prompts.",
+    ),
+    EnvVar(
         "ATTNPROF_ADVICE_INTERVAL_S", "0 or float in [0.5, 86400]", "60",
         "Seconds between refreshes of the window-advice metrics in the API server (head "
         "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots. "

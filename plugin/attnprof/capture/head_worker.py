@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["MAX_BYTES", "MAX_JOBS", "HeadStatsWorker", "quiet_thread"]
 
-MAX_JOBS = 256
+MAX_JOBS = 4096
 """Jobs (layer calls) waiting at most: a few sampled steps of a deep model."""
 MAX_BYTES = 64 << 20
 """Bytes of copied queries and keys waiting at most (beyond them a job is dropped)."""

@@ -133,13 +133,16 @@ def _run(args: argparse.Namespace) -> int:
     reqs = build_mix(tok, seed=args.seed, chats=args.chats, doc_lengths=doc_lengths)
     log = args.out.parent / "demo-vllm.log"
     # A one-minute demo has few steps: sample them all, compute head statistics on every
-    # whole-prompt prefill and lift the overhead budget (production defaults: 0.05, 0.1, 1%).
+    # sampled step and lift the overhead budget (production defaults: 0.05, 0.1, 1%).
     # A server with no key answers only what /metrics shows: the demo reads everything
     # (exact lengths, head statistics), so its server gets a monitoring key of its own,
     # random per run, known to this process only (environment, never argv).
     key = secrets.token_urlsafe(24)
     env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed),
            "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0",
+           # every sampled step's statistics kept: a 3K-token document's step copies ~70 MB
+           # of keys for the worker (30 layers), more than the production default holds
+           "ATTNPROF_HEAD_STATS_QUEUE_MB": "1024",
            "ATTNPROF_PROBE": "1",  # peak bandwidth and matmul, for the roofline line
            "ATTNPROF_API_KEY": key}
     srv = VllmServer(model_dir, port=args.port, served_name=served, eager=True, log=log,

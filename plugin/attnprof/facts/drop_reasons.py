@@ -28,6 +28,7 @@ DROP_REASONS: dict[str, str] = {
     "head_stats_worker_busy": "a sampled step that began while the statistics' worker held "
                               "half its bound: its statistics left out whole",
     "head_stats_queue_full": "a layer call whose copies did not fit the statistics' worker "
-                             "queue (256 calls or 64 MiB): dropped, never waited for",
+                             "queue (4096 calls or ATTNPROF_HEAD_STATS_QUEUE_MB, 64 MiB by "
+                             "default): dropped, never waited for",
 }
 """Every drop reason, in the order a reader meets them (capture, graphs, statistics)."""

@@ -337,3 +337,19 @@ def test_the_offline_snapshot_holds_the_folds_handed_over_before_it() -> None:
     assert snap.head_stats is not None
     strata = HeadStatsStrata.load(snap.head_stats)
     assert strata.get("prefill", 0).queries.sum() == 2 * 4  # two queries, four heads
+
+
+def test_the_queue_bound_is_the_servers_setting() -> None:
+    """``ATTNPROF_HEAD_STATS_QUEUE_MB`` sizes the worker's byte bound (a long prompt's step
+    copies more keys than the default holds); the default is head_worker.MAX_BYTES."""
+    from attnprof.capture.head_worker import MAX_BYTES
+    from attnprof.config import Config
+    from attnprof.host.vllm.runtime import State
+
+    sized = Capture(State(config=Config.from_env({"ATTNPROF_ENABLED": "1",
+                                                  "ATTNPROF_HEAD_STATS_QUEUE_MB": "512"})))
+    _start_layer(sized)
+    default = Capture(State(config=Config(enabled=True)))
+    _start_layer(default)
+    assert sized.hs_worker.max_bytes == 512 << 20
+    assert default.hs_worker.max_bytes == MAX_BYTES == Config().head_stats_queue_mb << 20

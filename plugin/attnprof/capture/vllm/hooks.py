@@ -427,7 +427,8 @@ class Capture:
                 m(exc)
 
         self.hs_worker = HeadStatsWorker(
-            on_error, setup=functools.partial(quiet_thread, HS_WORKER_NICE),
+            on_error, max_bytes=(cfg.head_stats_queue_mb if cfg is not None else 64) << 20,
+            setup=functools.partial(quiet_thread, HS_WORKER_NICE),
             on_setup_error=functools.partial(self.errors.record, "head_stats"))
         self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(
             num_layers=max(i.index for i in self.aggs.layers.values()) + 1,
