@@ -77,6 +77,12 @@ class HeadStatsWorker:
         return (self.submitted - self.done >= self.max_jobs // 2
                 or self.bytes >= self.max_bytes // 2)
 
+    def fits(self, nbytes: int) -> bool:
+        """``nbytes`` more would fit now (a read without the lock: the engine's thread sizes
+        its copies before making them; :meth:`submit` decides under the lock)."""
+        return (self.submitted - self.done < self.max_jobs
+                and self.bytes + nbytes <= self.max_bytes)
+
     def submit(self, job: Callable[[], Any], nbytes: int) -> bool:
         """Queue ``job`` holding ``nbytes``; False (nothing queued) when it does not fit."""
         with self._cv:

@@ -27,6 +27,10 @@ DROP_REASONS: dict[str, str] = {
                                  "device",
     "head_stats_worker_busy": "a sampled step that began while the statistics' worker held "
                               "half its bound: its statistics left out whole",
+    "head_stats_step_too_large": "a sampled step whose copies for every layer would not fit "
+                                 "the statistics' worker's free bound (long contexts; "
+                                 "ATTNPROF_HEAD_STATS_QUEUE_MB): left out whole, nothing "
+                                 "copied",
     "head_stats_queue_full": "a layer call whose copies did not fit the statistics' worker "
                              "queue (4096 calls or ATTNPROF_HEAD_STATS_QUEUE_MB, 64 MiB by "
                              "default): dropped, never waited for",

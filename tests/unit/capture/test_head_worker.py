@@ -51,7 +51,7 @@ def drained_buffer(w: HeadStatsWorker) -> tuple[HeadStatsDoubleBuffer, HeadStats
     return buf, strata.get("prefill", 0)
 
 
-def _step(inline: bool, seed: int = 0) -> tuple[Capture, Any]:
+def _step(inline: bool, seed: int = 0, max_bytes: int | None = None) -> tuple[Capture, Any]:
     """Two layers' calls of a batch with a whole 300-token prompt, a 200-token chunk of a
     600-token prompt (its first 256 keys in a CPU_ATTN cache, written by vLLM's own op) and
     a decode sequence; the call's q/k buffers are overwritten right after each call, as the
@@ -85,6 +85,9 @@ def _step(inline: bool, seed: int = 0) -> tuple[Capture, Any]:
                          num_kv_heads=2, head_size=64, head_size_v=64, sliding_window=None,
                          dtype="float32", kv_cache_dtype="auto", fused=True, scale=0.125)
         cap.aggs.add_layer(info)
+    if max_bytes is not None:  # the worker's byte bound, set before the step begins
+        cap._hs_start(info)
+        cap.hs_worker.max_bytes = max_bytes
     for layer in range(2):
         info = cap.aggs.layers[f"model.layers.{layer}.self_attn.attn"]
         q.copy_(torch.randn(q.shape, generator=g))
@@ -353,3 +356,34 @@ def test_the_queue_bound_is_the_servers_setting() -> None:
     _start_layer(default)
     assert sized.hs_worker.max_bytes == 512 << 20
     assert default.hs_worker.max_bytes == MAX_BYTES == Config().head_stats_queue_mb << 20
+
+
+def test_a_step_whose_copies_cannot_fit_is_sized_before_anything_is_copied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's thread sizes the step's copies (every layer's folds) against the
+    worker's free bound before reading any key: a step that cannot fit is left out whole,
+    counted, with no copy made; one that just fits is folded whole."""
+    made: list[int] = []
+    prepare = head_rows.prepare
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        job = prepare(*a, **kw)
+        made.append(job.nbytes)
+        return job
+
+    monkeypatch.setattr(head_rows, "prepare", counted)
+    cap, _ = _step(False)
+    assert cap.settle_head_stats() and len(made) == 6
+    need = sum(made)  # 3 folds x 2 layers: what the step copies
+    made.clear()
+    cap, _ = _step(False, max_bytes=need)
+    assert cap.settle_head_stats() and len(made) == 6 and cap.hs_worker.submitted == 6
+    assert not cap.errors.dropped
+    made.clear()
+    cap, _ = _step(False, max_bytes=need - 1)
+    assert made == [] and cap.hs_worker.submitted == 0
+    # the step is off for its later layers (the layer hook calls no statistics then; this
+    # test calls each layer's directly, so each counts)
+    assert set(cap.errors.dropped) == {"head_stats_step_too_large"} and not cap._hs_step
+    assert not any(acc.queries.any() for _, acc in cap.hs_buffer.active.items())
+    assert cap.hs.queries == 0  # nothing folded, nothing counted as folded

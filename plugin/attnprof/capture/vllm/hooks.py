@@ -67,6 +67,14 @@ class _Fold(NamedTuple):
     detail: float = 0.0  # decode: the detail query's weight (0: no detail query)
 
 
+def _fold_bytes(f: _Fold, idx: Any, q: Any, hq: int, hkv: int, d: int) -> int:
+    """Bytes :func:`attnprof.capture.head_rows.prepare` copies for one fold: the keys up to
+    its last sampled query in fp32, and the sampled queries."""
+    if len(idx) == 0:
+        return 0
+    return 4 * hkv * d * (f.q_pos + int(idx[-1]) + 1) + len(idx) * hq * d * int(q.element_size())
+
+
 def _run_job(acc: Any, job: Any) -> None:
     """A prepared CPU fold, run on the statistics' worker."""
     from attnprof.capture import head_rows
@@ -183,6 +191,7 @@ class Capture:
         self._hs_step = False
         self._hs_time = 0.0
         self._hs_seen: set[int] = set()
+        self._hs_admitted = False  # the step's copies were sized against the worker's bound
         self._hs_plans: dict[int, list[_Fold]] = {}
         self._hs_weight = 1.0  # the sampled step's inverse inclusion probability (relative)
         self._step_tokens: int | None = None  # the step's scheduled tokens where known
@@ -341,7 +350,20 @@ class Capture:
             hq, hkv, d = info.num_heads, info.num_kv_heads, info.head_size
             scale = info.scale or d ** -0.5
             layout: Any = False  # read once per call, only when a fold needs the cache
-            for f in plan:
+            deferred = not device and not self.hs_inline and self.hs_worker is not None
+            folds = [(f, *self._fold_plan(head_rows, strata, f)) for f in plan]
+            if deferred and not self._hs_admitted:
+                # Sized before anything is copied: a step whose copies for every layer would
+                # not fit the worker's free bound (long contexts) is left out whole, its keys
+                # never read, rather than copied on the engine's thread and then dropped.
+                need = len(self.aggs.layers) * sum(
+                    _fold_bytes(f, idx, q, hq, hkv, d) for f, idx, *_ in folds)
+                if not self.hs_worker.fits(need):
+                    self._hs_step = False
+                    self.errors.drop("head_stats_step_too_large")
+                    return
+                self._hs_admitted = True
+            for f, idx, wts, det, share in folds:
                 qs = q[f.start:f.start + f.q_len].view(f.q_len, hq, d)
                 ks: Any = k[f.start:f.start + f.q_len].view(f.q_len, hkv, d)
                 if f.q_pos > 0:  # earlier keys live only in the paged cache
@@ -360,20 +382,17 @@ class Capture:
                     # when no sampled position falls in this piece)
                     ks = functools.partial(_paged_keys, call.kv_cache, layout, table[f.row],
                                            f.q_pos, ks)
+                if deferred and not self.hs_worker.fits(_fold_bytes(f, idx, q, hq, hkv, d)):
+                    self.errors.drop("head_stats_queue_full")  # before copying, not after
+                    continue
                 acc = strata.get(f.phase, f.bucket)
-                if f.phase == "prefill":
-                    idx, wts, det, share = head_rows.span_plan(acc, f.q_len, f.prompt_len,
-                                                               f.q_pos, f.weight)
-                else:  # one query, the sequence's last position, standing for w sequences
-                    idx, wts, share = _ZERO, [f.weight], f.seq_share
-                    det = {0: f.detail} if f.detail else {}
                 # seen whole: a prompt on its last piece, a sequence on its first decode fold
                 whole = (f.q_pos + f.q_len >= f.prompt_len if f.phase == "prefill"
                          else f.seq_share >= 1.0)
                 job = head_rows.prepare(acc, info.index, qs, ks, scale, f.q_pos, idx, wts, det,
                                         request_share=share, copy=not device, whole=whole)
-                self._hs_submit(acc, job, device)
-                self.hs.queries += job.queries
+                if self._hs_submit(acc, job, device):
+                    self.hs.queries += job.queries
             if id(md) not in self._hs_seen:
                 self._hs_seen.add(id(md))
                 self.hs.requests += sum(1 for f in plan if f.phase == "prefill"
@@ -381,14 +400,25 @@ class Capture:
         finally:
             self._hs_time += self.clock() - t0
 
-    def _hs_submit(self, acc: Any, job: Any, device: bool) -> None:
-        """Hand one prepared fold to the statistics' worker; dropped (counted) when its
-        queue is full. ``hs_inline``: run here instead (tests, the benchmark's baseline)."""
+    @staticmethod
+    def _fold_plan(head_rows: Any, strata: Any, f: _Fold) -> tuple[Any, Any, Any, float]:
+        """A fold's sampled query indices, weights, detail queries and request share."""
+        if f.phase == "prefill":
+            out: tuple[Any, Any, Any, float] = head_rows.span_plan(
+                strata.get(f.phase, f.bucket), f.q_len, f.prompt_len, f.q_pos, f.weight)
+            return out
+        # one query, the sequence's last position, standing for w sequences
+        return _ZERO, [f.weight], ({0: f.detail} if f.detail else {}), f.seq_share
+
+    def _hs_submit(self, acc: Any, job: Any, device: bool) -> bool:
+        """Hand one prepared fold to the statistics' worker; dropped (counted, False) when
+        its queue is full. ``hs_inline``: run here instead (tests, the benchmark's
+        baseline)."""
         from attnprof.capture import head_rows
 
         if self.hs_inline:
             head_rows.run(acc, job).apply()
-            return
+            return True
         if device:  # the device work is enqueued now; the worker folds its numbers back
             folds = head_rows.run(acc, job)
             ok = self.hs_worker.submit(folds.apply, 0)
@@ -396,6 +426,7 @@ class Capture:
             ok = self.hs_worker.submit(functools.partial(_run_job, acc, job), job.nbytes)
         if not ok:
             self.errors.drop("head_stats_queue_full")
+        return bool(ok)
 
     def _hs_error(self, exc: BaseException) -> None:
         """A fold failed on the worker: counted, and statistics switched off as inline."""
@@ -592,6 +623,7 @@ class Capture:
             self._shapes.clear()
             self._shape_inputs.clear()
             self._hs_seen.clear()
+            self._hs_admitted = False
             self._hs_plans.clear()
             self._runner = runner
             self._hs_time = 0.0
