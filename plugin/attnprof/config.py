@@ -200,6 +200,8 @@ class Config:
     """Shortest prompt used for head statistics."""
     head_stats_queue_mb: int = 64
     """MiB of copied queries and keys the statistics' worker may hold (CPU)."""
+    head_stats_inline: bool = False
+    """Fold head statistics on the engine's thread (offline runs, the demo)."""
     advice_interval_s: float = 60.0
     """Seconds between window-advice refreshes in the API server (0: only on snapshots)."""
     seed: int | None = None
@@ -261,6 +263,7 @@ class Config:
                                       d.head_stats_min_tokens, 1, MAX_TOKENS),
             head_stats_queue_mb=num(env, "ATTNPROF_HEAD_STATS_QUEUE_MB", d.head_stats_queue_mb,
                                     8, 16384),
+            head_stats_inline=_bool(env, "ATTNPROF_HEAD_STATS_INLINE", d.head_stats_inline),
             advice_interval_s=flt(env, "ATTNPROF_ADVICE_INTERVAL_S", d.advice_interval_s,
                                   MIN_INTERVAL_S, 86400.0, zero_off=True),
             seed=num(env, "ATTNPROF_SEED", None, 0, MAX_SEED),

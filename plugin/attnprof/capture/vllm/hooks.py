@@ -181,7 +181,9 @@ class Capture:
         self.hs_min_tokens = cfg.head_stats_min_tokens
         self.hs_buffer: Any = None  # HeadStatsDoubleBuffer, made at the first sampled prompt
         self.hs_worker: Any = None  # HeadStatsWorker: folds off the engine's thread (same time)
-        self.hs_inline = False  # True: fold on the engine's thread (tests, benchmark baseline)
+        # True: fold on the engine's thread (ATTNPROF_HEAD_STATS_INLINE: offline runs and the
+        # demo, where every sampled step's statistics matter more than the step's latency)
+        self.hs_inline = cfg.head_stats_inline
         self.deltas: Any = None  # DeltaFiles: how deltas reach the API server
         self.hs = HeadStatsCost()
         self.poll_cost = PollCost()
