@@ -334,8 +334,7 @@ def _touch_strata(cap: Any) -> None:
     buf = cap.hs_buffer
     if buf is None:
         return
-    from attnprof.aggregate.head_strata import PHASES, context_bucket_edges
-    from attnprof.capture.vllm.hooks import HEAD_STATS_MAX_TOKENS
+    from attnprof.aggregate.head_strata import HEAD_STATS_MAX_TOKENS, PHASES, context_bucket_edges
 
     buf.wait()
     for half in (buf.active, buf._spare):

@@ -25,7 +25,12 @@ from typing import Any
 
 from attnprof.aggregate.head_stats import TAKE_PIECE_ELEMENTS, HeadStatsAccumulator
 
-__all__ = ["PHASES", "SCHEMA", "HeadStatsStrata", "context_bucket", "context_bucket_edges"]
+__all__ = ["HEAD_STATS_MAX_TOKENS", "PHASES", "SCHEMA", "HeadStatsStrata", "context_bucket",
+           "context_bucket_edges"]
+
+HEAD_STATS_MAX_TOKENS = 32768
+"""Longest context folded: bounds the fp32 copy of one request's keys (Lk x Hkv x D). No
+traffic above it can ever be sampled, so the advice never asks for more of it."""
 
 SCHEMA = "attnprof.head_strata/1"
 PHASES = ("prefill", "decode")

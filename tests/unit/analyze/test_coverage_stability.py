@@ -189,6 +189,25 @@ def test_need_more_traffic_from_the_buckets_own_sampling_error() -> None:
     assert under_covered(gone, heavy, [], 4, 16, TH) == []  # no layer windowed
 
 
+def test_contexts_no_sample_can_reach_are_never_asked_more_traffic_for() -> None:
+    """Past HEAD_STATS_MAX_TOKENS no context is folded: asking for more traffic there would
+    never be answered, so the advice says they are never sampled instead."""
+    from attnprof.aggregate.head_strata import HEAD_STATS_MAX_TOKENS
+    from attnprof.analyze.sparsity.coverage import need_more_traffic_phrase
+
+    top = HEAD_STATS_MAX_TOKENS
+    edges = [0, 256, 512, 1024, 2048, top, 2 * top]
+    heavy = traffic(edges, [0, 1, 0, 1, 0, 1, 0], [0, 30, 0, 30, 0, 40, 0])
+    u = under_covered(sink_strata(20), heavy, [0], 4, 16, TH)
+    assert [x.bucket for x in u] == [top]
+    phrase = need_more_traffic_phrase(u, 16)
+    assert phrase.startswith(f"contexts over {top} tokens are never sampled"), phrase
+    assert "40%" in phrase and "need more traffic" not in phrase
+    # below the limit the ask stands
+    assert need_more_traffic_phrase(under_covered(sink_strata(10), heavy, [0], 4, 16, TH),
+                                    16).startswith("need more traffic at > 1024 tokens")
+
+
 def test_advice_turns_into_need_more_traffic_and_says_what_it_stands_on() -> None:
     arch = AttentionShape(1, 1, 1, D, "float32")
     dist = LengthDistribution.from_lengths([300] * 10 + [1200] * 10)

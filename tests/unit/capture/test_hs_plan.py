@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnprof.capture.vllm import hooks
+from attnprof.aggregate.head_strata import HEAD_STATS_MAX_TOKENS
 from attnprof.capture.vllm.hooks import DECODE_SEQS_PER_STEP, Capture
 from attnprof.config import Config
 from attnprof.host.vllm.runtime import State
@@ -69,7 +69,7 @@ def test_decode_is_bounded_weighted_and_the_same_for_every_group_of_a_step() -> 
 
 
 def test_long_contexts_and_unknown_prompts() -> None:
-    cap = _cap([hooks.HEAD_STATS_MAX_TOKENS + 1, 10])
+    cap = _cap([HEAD_STATS_MAX_TOKENS + 1, 10])
     # too long a prompt is left out; a few decode sequences are all taken, weight 1
     plan = cap._hs_plan(_md([512, 1], [512, 11]))
     assert [(f.phase, f.row, f.weight) for f in plan] == [("decode", 1, 1.0)]

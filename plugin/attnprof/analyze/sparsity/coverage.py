@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnprof.aggregate.head_stats import HeadStatsAccumulator
+from attnprof.aggregate.head_strata import HEAD_STATS_MAX_TOKENS
 from attnprof.analyze.sparsity.classify import Thresholds, kv_decisions, window_decisions
 from attnprof.contracts.advice import UnderCoveredBucket
 from attnprof.contracts.snapshot import (
@@ -260,6 +261,10 @@ def need_more_traffic_phrase(under: Sequence[UnderCoveredBucket], window: int) -
     block-seconds; its sample cannot decide w=512 for 3 KV heads)'."""
     u = min(under, key=lambda b: b.bucket)
     span = f"{u.bucket}+" if u.hi is None else f"{u.bucket}-{u.hi}"
+    if u.bucket >= HEAD_STATS_MAX_TOKENS:  # more traffic there would never be sampled
+        return (f"contexts over {HEAD_STATS_MAX_TOKENS} tokens are never sampled for head "
+                f"statistics (the {span} bucket holds {u.kv_share:.0%} of the KV "
+                f"block-seconds): no window can be shown safe for them")
     heads = u.undecided_kv_heads + u.unmeasured_kv_heads
     more = f" and {len(under) - 1} more bucket{'s' if len(under) > 2 else ''}" \
         if len(under) > 1 else ""

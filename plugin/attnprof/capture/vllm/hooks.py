@@ -40,8 +40,6 @@ from attnprof.contracts.snapshot import HeadStatsCost, PollCost
 
 __all__ = ["Capture", "step_hook"]
 
-HEAD_STATS_MAX_TOKENS = 32768
-"""Longest context folded: bounds the fp32 copy of one request's keys (Lk x Hkv x D)."""
 HS_WORKER_NICE = 19
 """CPU priority of the head statistics' worker thread (Linux nice; 0: the engine's)."""
 DECODE_SEQS_PER_STEP = 4
@@ -504,7 +502,11 @@ class Capture:
         q_lens, seq_lens = shape.q_lens, shape.seq_lens
         lens = (vargs.prompt_lens(self._runner, len(seq_lens), self.v2_batch)
                 if self._runner is not None else None)
-        from attnprof.aggregate.head_strata import context_bucket, context_bucket_edges
+        from attnprof.aggregate.head_strata import (
+            HEAD_STATS_MAX_TOKENS,
+            context_bucket,
+            context_bucket_edges,
+        )
 
         edges = context_bucket_edges(self.hs_min_tokens, HEAD_STATS_MAX_TOKENS)
         plan, decodes, start = [], [], 0
