@@ -289,7 +289,11 @@ def _start_owner(ignore_term: bool) -> tuple[subprocess.Popen[str], int, int, Pa
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, _TREE, "1" if ignore_term else "0"],
                              stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
-    api, watchdog, tmp = owner.stdout.readline().split()
+    # the stand-in's child shares the owner's stdout: its "child up" may come first
+    line = owner.stdout.readline().split()
+    while line == ["child", "up"]:
+        line = owner.stdout.readline().split()
+    api, watchdog, tmp = line
     deadline = time.monotonic() + 30
     while len(_running(_tree(owner.pid))) < 3:  # API stand-in, its child, the watchdog
         assert time.monotonic() < deadline, _tree(owner.pid)
