@@ -21,10 +21,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_BYTES", "MAX_JOBS", "HeadStatsWorker", "quiet_thread"]
+__all__ = ["LAG_JOBS", "MAX_BYTES", "MAX_JOBS", "HeadStatsWorker", "quiet_thread"]
 
 MAX_JOBS = 4096
-"""Jobs (layer calls) waiting at most: a few sampled steps of a deep model."""
+"""Jobs (layer folds) waiting at most: a step admitted while the worker keeps up is never
+cut short by the count (80 layers x a prefill and 4 decode folds is 400)."""
+LAG_JOBS = 128
+"""Jobs waiting from which the worker is behind (:attr:`HeadStatsWorker.lagging`): a new
+sampled step's statistics are then left out, so the backlog, which a pull's delta waits for,
+stays about one step's work."""
 MAX_BYTES = 64 << 20
 """Bytes of copied queries and keys waiting at most (beyond them a job is dropped)."""
 
@@ -35,7 +40,7 @@ class HeadStatsWorker:
     thread goes on)."""
 
     def __init__(self, on_error: Callable[[BaseException], None],
-                 max_jobs: int = MAX_JOBS, max_bytes: int = MAX_BYTES,
+                 max_jobs: int = MAX_JOBS, max_bytes: int = MAX_BYTES, lag_jobs: int = LAG_JOBS,
                  setup: Callable[[], None] | None = None,
                  on_setup_error: Callable[[BaseException], None] | None = None) -> None:
         self.on_error = on_error
@@ -44,6 +49,7 @@ class HeadStatsWorker:
         """Run first on the thread (``quiet_thread``: yield the cores to the engine)."""
         self.max_jobs = max_jobs
         self.max_bytes = max_bytes
+        self.lag_jobs = max(1, min(lag_jobs, max_jobs // 2))
         self._jobs: deque[tuple[Callable[[], Any], int]] = deque()
         self._cv = threading.Condition()
         self.bytes = 0
@@ -72,9 +78,10 @@ class HeadStatsWorker:
 
     @property
     def lagging(self) -> bool:
-        """Half the bound or more is still waiting: a new sampled step's statistics would
-        likely not fit whole (the caller then leaves the step out)."""
-        return (self.submitted - self.done >= self.max_jobs // 2
+        """``lag_jobs`` jobs or half the byte bound or more still waiting: a new sampled
+        step's statistics would make the backlog (and the next pull's wait) grow, or likely
+        not fit whole (the caller then leaves the step out)."""
+        return (self.submitted - self.done >= self.lag_jobs
                 or self.bytes >= self.max_bytes // 2)
 
     def fits(self, nbytes: int) -> bool:

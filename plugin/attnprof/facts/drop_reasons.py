@@ -26,7 +26,7 @@ DROP_REASONS: dict[str, str] = {
                                  "are not on the host: left out rather than wait for the "
                                  "device",
     "head_stats_worker_busy": "a sampled step that began while the statistics' worker held "
-                              "half its bound: its statistics left out whole",
+                              "half its bytes or 128 folds: its statistics left out whole",
     "head_stats_step_too_large": "a sampled step whose copies for every layer would not fit "
                                  "the statistics' worker's free bound (long contexts; "
                                  "ATTNPROF_HEAD_STATS_QUEUE_MB): left out whole, nothing "
