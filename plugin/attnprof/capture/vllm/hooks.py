@@ -64,6 +64,14 @@ class _Fold(NamedTuple):
     seq_share: float = 0.0  # decode: 1 on a sequence's first fold in this bucket
     detail: float = 0.0  # decode: the detail query's weight (0: no detail query)
 
+    @property
+    def whole(self) -> bool:
+        """The request is seen whole here: a prompt on the piece holding its last position,
+        a decode sequence on its first fold of the stratum."""
+        if self.phase == "prefill":
+            return self.q_pos + self.q_len >= self.prompt_len
+        return self.seq_share >= 1.0
+
 
 def _fold_bytes(f: _Fold, idx: Any, q: Any, hq: int, hkv: int, d: int) -> int:
     """Bytes :func:`attnprof.capture.head_rows.prepare` copies for one fold: the keys up to
@@ -193,6 +201,8 @@ class Capture:
         self._hs_seen: set[int] = set()
         self._hs_admitted = False  # the step's copies were sized against the worker's bound
         self._hs_plans: dict[int, list[_Fold]] = {}
+        # each plan's sampled positions and weights (the same for every layer of the step)
+        self._hs_folds: dict[int, tuple[list[_Fold], list[tuple[Any, ...]]]] = {}
         self._hs_weight = 1.0  # the sampled step's inverse inclusion probability (relative)
         self._step_tokens: int | None = None  # the step's scheduled tokens where known
         self._decode_seen: OrderedDict[tuple[int, int], None] = OrderedDict()
@@ -351,7 +361,11 @@ class Capture:
             scale = info.scale or d ** -0.5
             layout: Any = False  # read once per call, only when a fold needs the cache
             deferred = not device and not self.hs_inline and self.hs_worker is not None
-            folds = [(f, *self._fold_plan(head_rows, strata, f)) for f in plan]
+            cached = self._hs_folds.get(id(md))
+            if cached is None or cached[0] is not plan:  # once per step, not per layer
+                cached = (plan, [(f, *self._fold_plan(head_rows, strata, f)) for f in plan])
+                self._hs_folds[id(md)] = cached
+            folds = cached[1]
             if deferred and not self._hs_admitted:
                 # Sized before anything is copied: a step whose copies for every layer would
                 # not fit the worker's free bound (long contexts) is left out whole, its keys
@@ -386,17 +400,13 @@ class Capture:
                     self.errors.drop("head_stats_queue_full")  # before copying, not after
                     continue
                 acc = strata.get(f.phase, f.bucket)
-                # seen whole: a prompt on its last piece, a sequence on its first decode fold
-                whole = (f.q_pos + f.q_len >= f.prompt_len if f.phase == "prefill"
-                         else f.seq_share >= 1.0)
                 job = head_rows.prepare(acc, info.index, qs, ks, scale, f.q_pos, idx, wts, det,
-                                        request_share=share, copy=not device, whole=whole)
+                                        request_share=share, copy=not device, whole=f.whole)
                 if self._hs_submit(acc, job, device):
                     self.hs.queries += job.queries
             if id(md) not in self._hs_seen:
                 self._hs_seen.add(id(md))
-                self.hs.requests += sum(1 for f in plan if f.phase == "prefill"
-                                        and f.q_pos + f.q_len == f.prompt_len)
+                self.hs.requests += sum(1 for f in plan if f.phase == "prefill" and f.whole)
         finally:
             self._hs_time += self.clock() - t0
 
@@ -448,7 +458,7 @@ class Capture:
 
         cfg = self.state.config
         self.deltas = DeltaFiles(cfg.run_dir if cfg is not None else None)
-        from attnprof.capture.head_worker import HeadStatsWorker, quiet_thread
+        from attnprof.capture.head_worker import MAX_BYTES, HeadStatsWorker, quiet_thread
 
         ref = weakref.WeakMethod(self._hs_error)  # the thread must not keep the capture alive
 
@@ -458,7 +468,8 @@ class Capture:
                 m(exc)
 
         self.hs_worker = HeadStatsWorker(
-            on_error, max_bytes=(cfg.head_stats_queue_mb if cfg is not None else 64) << 20,
+            on_error,
+            max_bytes=cfg.head_stats_queue_mb << 20 if cfg is not None else MAX_BYTES,
             setup=functools.partial(quiet_thread, HS_WORKER_NICE),
             on_setup_error=functools.partial(self.errors.record, "head_stats"))
         self.hs_buffer = HeadStatsDoubleBuffer(HeadStatsStrata(HeadStatsAccumulator(
@@ -629,14 +640,15 @@ class Capture:
             self._hs_seen.clear()
             self._hs_admitted = False
             self._hs_plans.clear()
+            self._hs_folds.clear()
             self._runner = runner
             self._hs_time = 0.0
             # A coin of its own at this step index: every rank folds the same prompts.
             self._hs_step = (self.hs_rate > 0
                              and self.sampler.coin(STREAM_HEAD_STATS) < self.hs_rate)
             if self._hs_step and self.hs_worker is not None and self.hs_worker.lagging:
-                # the worker still holds half its bound: this step's statistics are left
-                # out whole (every layer alike, counted), not cut off after some layers
+                # the worker is behind (head_worker.LAG_JOBS): this step's statistics are
+                # left out whole (every layer alike, counted), not cut off after some layers
                 self._hs_step = False
                 self.errors.drop("head_stats_worker_busy")
             self._decode_step.clear()
