@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.facts.drop_reasons import DROP_REASONS
+from tests.conftest import TINY_SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "live-capture.md"
@@ -33,11 +34,10 @@ TABLE_HEADER = ("| phase | context bucket | traffic requests | traffic query tok
                 "| folded requests | folded query tokens | query share | sampled queries |")
 REASON_HEADER = "| drop reason | count | what was not seen, and why |"
 
-ENV = {"ATTNPROF_SAMPLE_RATE": "1.0", "ATTNPROF_SEED": "0", "ATTNPROF_HEAD_STATS_RATE": "1.0",
-       "ATTNPROF_HEAD_STATS_MIN_TOKENS": "32", "ATTNPROF_OVERHEAD_BUDGET": "1.0",
-       "ATTNPROF_SNAPSHOT_MAX_AGE_S": "0", "ATTNPROF_ADVICE_INTERVAL_S": "0"}
-"""attnprof's settings for the run: every step sampled, statistics on every sampled step (a
-tiny traffic at production rates would fold next to nothing)."""
+ENV = {k: v for k, v in TINY_SERVER_ENV.items() if k != "ATTNPROF_API_KEY"}
+"""attnprof's settings for the run, the integration servers' own (every step sampled,
+statistics on every sampled step: a tiny traffic at production rates would fold next to
+nothing), printed in the doc without the monitoring key."""
 MAX_MODEL_LEN = 512
 KV_BYTES = 8 << 20
 MAX_TOKENS = 6
@@ -132,7 +132,6 @@ def serve() -> dict[str, Any]:
 
     from attnprof.tools.server import VllmServer
     from tests.conftest import (
-        TINY_API_KEY,
         build_tiny_model,
         counted_snapshot,
         free_port,
@@ -148,7 +147,7 @@ def serve() -> dict[str, Any]:
         model = build_tiny_model(Path(tmp) / "tiny")
         srv = VllmServer(model, port=free_port(), served_name="tiny", eager=True,
                          log=Path(tmp) / "vllm.log",
-                         env={**ENV, "ATTNPROF_API_KEY": TINY_API_KEY}, extra_args=extra)
+                         env=TINY_SERVER_ENV, extra_args=extra)
         cmd = srv.command()  # the flags it ran with, after the model, host and port
         flags = cmd[cmd.index("--port") + 2:]
         srv.start()
