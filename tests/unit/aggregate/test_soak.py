@@ -143,3 +143,22 @@ def test_real_stat_logger_100k_in_a_fresh_process(tmp_path: Path) -> None:
     assert _violations(res) == [], json.dumps(res["checkpoints"])
     assert res["requests_consistent"] and -64 <= res["steps_total_excess"] <= 0
     assert res["errors"] == {"worker": {}, "api_server": {}}
+
+
+def test_the_rss_trend_flags_a_steady_leak_through_noise_but_not_noise_alone() -> None:
+    """The RSS gate reads the trend less two standard errors: the noise a run that holds
+    nothing showed (the CI-like run's checkpoints, +4.9 MB last minus first) passes; the
+    same noise over a leak of 100 bytes a request (10 MB over 100k) fails."""
+    its = [0, 10_000, 20_000, 30_000, 40_000, 50_000, 60_000, 70_000, 80_000, 90_000,
+           100_000, 100_000]
+    noise = [466685952, 469504000, 464441344, 466112512, 470118400, 464769024, 465666048,
+             468426752, 470855680, 468893696, 471580672, 471572480]
+    bound = (3 << 20) + 5 * 100_000
+
+    def marks(per_step: float) -> list[dict[str, Any]]:
+        return [{"iteration": x, "rss": y + per_step * x} for x, y in zip(its, noise,
+                                                                          strict=True)]
+
+    assert noise[-1] - noise[0] > bound  # what the old gate (last minus first) failed on
+    assert _rss_growth_low(marks(0.0)) <= bound
+    assert _rss_growth_low(marks(100.0)) > bound
