@@ -412,10 +412,12 @@ class Capture:
 
     @staticmethod
     def _fold_plan(head_rows: Any, strata: Any, f: _Fold) -> tuple[Any, Any, Any, float]:
-        """A fold's sampled query indices, weights, detail queries and request share."""
+        """A fold's sampled query indices, weights, detail queries and request share. The
+        plan needs only the sampling settings (the strata's template): a stratum is made
+        only for a fold that is folded."""
         if f.phase == "prefill":
             out: tuple[Any, Any, Any, float] = head_rows.span_plan(
-                strata.get(f.phase, f.bucket), f.q_len, f.prompt_len, f.q_pos, f.weight)
+                strata.template, f.q_len, f.prompt_len, f.q_pos, f.weight)
             return out
         # one query, the sequence's last position, standing for w sequences
         return _ZERO, [f.weight], ({0: f.detail} if f.detail else {}), f.seq_share
