@@ -109,9 +109,9 @@ def advice_basis(coverage: Coverage | None, counts: ContextBuckets | None,
     if facts.get("dynamic_kv_heads") is None:
         sentence += "; dynamic heads: not rated yet (no stability views)"
     if coverage is None:
-        sentence += ("; no per-bucket table: the source has the advice's coverage only (a "
-                     "record window leaves the table out: the statistics' folds are not "
-                     "windowed)")
+        sentence += ("; no per-bucket table: the source has the advice's coverage only (an "
+                     "older snapshot, or a record window, which leaves the table out: the "
+                     "statistics' folds are not windowed)")
     return AdviceBasis(
         available=True, stands_on=sentence + ".",
         min_tokens=coverage.min_tokens if coverage is not None else None, buckets=buckets,
