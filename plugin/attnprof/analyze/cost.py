@@ -125,10 +125,27 @@ class Measured:
     then computed from, in place of the estimate."""
 
     time_saving: float
-    """1 - baseline tokens/s / variant tokens/s (negative: the variant is slower)."""
+    """1 - baseline tokens/s / variant tokens/s (negative: the variant is slower): the
+    point estimate."""
     kv_saving: float | None
-    """1 - baseline KV capacity / variant KV capacity, vLLM's own figures."""
+    """1 - baseline KV capacity / variant KV capacity, vLLM's own figures; None when a
+    capacity line is missing (the KV figure then stays an estimate, never "measured")."""
     detail: str
+    time_saving_low: float | None = None
+    """95% interval of the time saving (None: no interval, e.g. one round): money banks the
+    lower bound, and 0 when the interval holds 0."""
+    time_saving_high: float | None = None
+    verdict: str = "inconclusive"
+    """``confirmed``, ``off`` or ``inconclusive`` (analyze/measure_stats.verdict)."""
+    status: str = "measured"
+    """``measured``, or ``could_not_start`` / ``failed``: such a variant is never ranked."""
+    agreement_ok: bool | None = None
+    """False: measured agreement below the replay target: not ranked as a saving."""
+    comparable: bool = True
+    """False: the measurement's hardware, dtype or scheduler budget differ from the
+    source's: shown beside the estimate, never adopted as its money."""
+    mismatch: str = ""
+    """What differs, in words (when not ``comparable``)."""
 
 
 @dataclass
