@@ -41,8 +41,8 @@ from attnprof.contracts.whatif import (
 from attnprof.tools import http
 from attnprof.tools.vllm_log import kv_capacity_tokens, startup_failure
 
-__all__ = ["RunConfig", "Variant", "WhatifError", "run_whatifs", "shown_flags",
-           "variant_args"]
+__all__ = ["Corpus", "Request", "RoundResult", "RunConfig", "Variant", "WhatifError",
+           "draw_requests", "run_round", "run_whatifs", "shown_flags", "variant_args"]
 
 SERVED = "whatif"
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
@@ -133,8 +133,10 @@ def _pct(xs: list[float], q: float) -> float | None:
     return nearest_rank(sorted(xs), range(1, len(xs) + 1), q) if xs else None
 
 
-class _Corpus:
-    """Prompt text of a given token length: slices of one tokenized stream of prose."""
+class Corpus:
+    """Prompt text of a given token length: slices of one tokenized stream of prose (the
+    same ``tokenizer``, ``tokens`` and ``seed`` give the same stream, so two runners build
+    identical requests)."""
 
     def __init__(self, tokenizer: Any, tokens: int, seed: int) -> None:
         from pydoc_data.topics import topics
@@ -201,9 +203,37 @@ class _Server:
 
 
 @dataclass
-class _Req:
+class Request:
+    """One completion request of a round: greedy, ``max_tokens`` generated (EOS ignored)."""
+
     prompt: str
     max_tokens: int
+
+
+def draw_requests(corpus: Corpus, shape: TrafficShape, seed: int, n: int) -> list[Request]:
+    """``n`` requests of ``shape`` (prompt lengths stratified over its quantiles), the same
+    for the same ``seed``: every arm of a pair replays this list in this order."""
+    rng = random.Random(seed)
+    return [Request(corpus.text(rng, x), shape.output_tokens)
+            for x in draw_lengths(shape, n, seed)]
+
+
+@dataclass
+class RoundResult:
+    """One round of requests on one server, per request in the order they were given."""
+
+    tokens_per_s: float | None
+    """Prompt + generated tokens of the answered requests per second of wall time (None:
+    every request was refused)."""
+    requests: int
+    refused: int
+    """Requests the server refused (HTTP 400: longer than its max_model_len)."""
+    ttft_s: list[float | None]
+    """Time to first token of each request (None: refused or failed)."""
+    itl_s: list[float | None]
+    """Each request's mean gap between streamed tokens (None: refused, failed or one token)."""
+    error: str | None = None
+    """The first failure other than a refusal (the round does not count), one line."""
 
 
 @dataclass
@@ -217,7 +247,7 @@ class _Done:
     error: str = ""
 
 
-def _stream(url: str, r: _Req, key: str | None) -> _Done:
+def _stream(url: str, r: Request, key: str | None) -> _Done:
     body = {"model": SERVED, "prompt": r.prompt, "max_tokens": r.max_tokens,
             "temperature": 0.0, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
@@ -246,27 +276,38 @@ def _stream(url: str, r: _Req, key: str | None) -> _Done:
     return out
 
 
-def _run_arm(server: _Server, reqs: list[_Req], concurrency: int, arm: _Arm) -> str | None:
-    """One arm's round; None, or the one-line error that failed it."""
-    url = server.srv.base_url
-    before = server.preemptions()
+def run_round(url: str, requests: Sequence[Request], concurrency: int,
+              api_key: str | None = None) -> RoundResult:
+    """Send ``requests`` to the vLLM server at ``url`` (served as ``whatif``), ``concurrency``
+    in flight (closed loop), streamed; what each request measured, in request order."""
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as ex:
-        done = list(ex.map(lambda r: _stream(url, r, server.srv.api_key), reqs))
+        done = list(ex.map(lambda r: _stream(url, r, api_key), requests))
     failed = [d for d in done if not d.ok and not d.refused]
-    if failed:
-        return failed[0].error
     ok = [d for d in done if d.ok]
-    end = max((d.end for d in ok), default=time.monotonic())
-    arm.requests += len(done)
-    arm.refused += sum(d.refused for d in done)
-    arm.tokens_per_s.append(sum(d.tokens for d in ok) / max(1e-9, end - t0))
-    ttft = [d.ttft for d in ok if math.isfinite(d.ttft)]
-    gaps = [g for d in ok for g in d.gaps]
+    end = max((d.end for d in ok), default=t0)
+    return RoundResult(
+        tokens_per_s=sum(d.tokens for d in ok) / max(1e-9, end - t0) if ok else None,
+        requests=len(done), refused=sum(d.refused for d in done),
+        ttft_s=[d.ttft if d.ok and math.isfinite(d.ttft) else None for d in done],
+        itl_s=[statistics.fmean(d.gaps) if d.ok and d.gaps else None for d in done],
+        error=failed[0].error if failed else None)
+
+
+def _run_arm(server: _Server, reqs: list[Request], concurrency: int, arm: _Arm) -> str | None:
+    """One arm's round; None, or the one-line error that failed it."""
+    before = server.preemptions()
+    rr = run_round(server.srv.base_url, reqs, concurrency, server.srv.api_key)
+    if rr.error is not None:
+        return rr.error
+    arm.requests += rr.requests
+    arm.refused += rr.refused
+    arm.tokens_per_s.append(rr.tokens_per_s)
+    ttft = [x for x in rr.ttft_s if x is not None]
     arm.ttft_p50.append(_pct(ttft, 0.5))
     arm.ttft_p99.append(_pct(ttft, 0.99))
-    arm.itl_p50.append(_pct(gaps, 0.5))
-    arm.itl_p99.append(_pct(gaps, 0.99))
+    arm.itl_p50.append(_pct([x for x in rr.itl_s if x is not None], 0.5))
+    arm.itl_p99.append(_pct([x for x in rr.itl_s if x is not None], 0.99))
     after = server.preemptions()
     if before is None or after is None or arm.preemptions is None:
         arm.preemptions = None
@@ -351,15 +392,13 @@ def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant]
     when the baseline cannot start or a stop is asked."""
     t_run = time.monotonic()
     tick = progress or (lambda _msg: None)
-    corpus = _Corpus(tokenizer, max(8192, shape.max_prompt_tokens * 4), cfg.seed)
+    corpus = Corpus(tokenizer, max(8192, shape.max_prompt_tokens * 4), cfg.seed)
 
-    def requests(seed: int, n: int) -> list[_Req]:
-        rng = random.Random(seed)
-        return [_Req(corpus.text(rng, x), shape.output_tokens)
-                for x in draw_lengths(shape, n, seed)]
+    def requests(seed: int, n: int) -> list[Request]:
+        return draw_requests(corpus, shape, seed, n)
 
     warm = requests(cfg.seed + 10_000, max(2, shape.concurrency * 2))
-    held_out = [_Req(corpus.text(random.Random(cfg.seed + 20_000 + i), x), 0)
+    held_out = [Request(corpus.text(random.Random(cfg.seed + 20_000 + i), x), 0)
                 for i, x in enumerate(sorted(draw_lengths(shape, cfg.agreement_samples,
                                                           cfg.seed + 20_000)))]
     base = _Server(cfg, list(cfg.baseline_args), "baseline")
@@ -405,12 +444,12 @@ class _Context:
     shape: TrafficShape
     base: _Server
     base_kv: int | None
-    warm: list[_Req]
+    warm: list[Request]
     n: int
     """Requests per arm per round."""
-    requests: Callable[[int, int], list[_Req]]
+    requests: Callable[[int, int], list[Request]]
     """(seed, count) -> the requests of a round."""
-    held_out: list[_Req]
+    held_out: list[Request]
     stop: Callable[[], bool] | None
 
 
