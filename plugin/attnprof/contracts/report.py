@@ -396,10 +396,12 @@ class ModelReport(Record):
 @dataclass
 class Report(Document):
     KIND = "attnprof.report"
-    VERSION = (2, 1)
+    VERSION = (2, 2)
     # 2.0: WhatIf.evidence is a kind (measured/replay/estimated; its text moved to
     # evidence_detail) and the top-level money fields are a fixed fleet's (whole replicas).
     # 2.1: ModelReport.advice_basis (coverage per context bucket, dynamic heads).
+    # 2.2: WhatIf.validation carries three-state verdicts (Check/Validation.verdict:
+    # confirmed/off/inconclusive), the band's basis and the run's MDE.
 
     generated_at: float
     source: ReportSource

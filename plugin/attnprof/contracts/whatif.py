@@ -4,7 +4,10 @@ against it, as the cost report carries it.
 A run starts a baseline vLLM server and, one at a time, a variant server with a what-if's flag
 beside it, replays one traffic shape on both in alternating paired rounds and records what each
 arm measured. Every change is relative to the baseline and carries a 95% interval over the
-paired rounds. No prompt or completion text, token ids or request ids: counts, rates,
+paired rounds. 1.1 adds what the statistics of :mod:`attnprof.analyze.measure_stats` need
+(per-request latencies paired by round and index, the instance that served each round, the
+first-divergence position per agreement prompt), an A/A control arm, and the run's own
+hardware and provenance. No prompt or completion text, token ids or request ids: counts, rates,
 latencies and agreement shares only.
 """
 
@@ -20,7 +23,9 @@ __all__ = [
     "Agreement",
     "ArmStats",
     "Check",
+    "CheckVerdict",
     "Interval",
+    "RunHardware",
     "TrafficShape",
     "Validation",
     "VariantResult",
@@ -29,6 +34,9 @@ __all__ = [
 ]
 
 VariantStatus = Literal["measured", "could_not_start", "failed"]
+CheckVerdict = Literal["confirmed", "off", "inconclusive"]
+"""confirmed: the 95% interval lies inside the prediction's band; off: wholly outside it;
+inconclusive: anything else (it straddles an edge, there is no interval, one round)."""
 
 
 @dataclass
@@ -75,6 +83,14 @@ class ArmStats(Record):
     itl_p99_s: list[float | None]
     preemptions: float | None
     """vLLM's ``vllm:num_preemptions_total`` increase over the rounds (None: not exported)."""
+    ttft_per_request_s: list[list[float | None]] = field(default_factory=list)
+    """Per round, each request's time to first token in the round's request order (None:
+    refused or failed). Both arms of a pair replay the same requests in the same order, so
+    (round, index) pairs a request across arms (1.1; empty in older files)."""
+    itl_per_request_s: list[list[float | None]] = field(default_factory=list)
+    """Per round, each request's mean inter-token gap, paired like ``ttft_per_request_s``."""
+    instances: list[int] = field(default_factory=list)
+    """Per round, which server instance of this arm served it (0-based; empty: one)."""
 
 
 @dataclass
@@ -90,6 +106,11 @@ class Agreement(Record):
     """Mean KL(baseline || variant) over the compared positions, on the top-k log-probs
     vLLM returns (the rest of each distribution lumped into one bucket): a lower bound."""
     top_k: int
+    diverged_at: list[int | None] = field(default_factory=list)
+    """Per prompt, the index of the first generated token that differs (None: none within
+    ``compared_tokens``); 1.1, empty in older files."""
+    compared_tokens: int = 0
+    """Generated tokens compared per prompt."""
 
 
 @dataclass
@@ -112,12 +133,35 @@ class VariantResult(Record):
     ``itl_p50``, ``itl_p99``."""
     agreement: Agreement | None = None
     seconds: float = 0.0
+    control: bool = False
+    """True for the A/A arm (``what_if`` ``aa``, no flags): a second baseline instance
+    measured exactly like a variant. Every prediction for it is 0: its interval is the run's
+    noise floor."""
+    instances: int = 1
+    """Instance pairs this variant's rounds ran on (a fresh pair per instance)."""
+
+
+@dataclass
+class RunHardware(Record):
+    """What the run itself measured on (not the record's machine)."""
+
+    device: str
+    """``cpu`` or ``cuda``."""
+    name: str | None = None
+    """The CPU model or the GPU's name."""
+    count: int = 1
+    dtype: str | None = None
+    """The dtype the servers served in."""
+    vllm: str | None = None
+    """The vLLM version the servers ran."""
 
 
 @dataclass
 class WhatifRun(Document):
     KIND = "attnprof.whatif"
-    VERSION = (1, 0)
+    VERSION = (1, 1)
+    # 1.1: per-request latencies, instances, the A/A arm (VariantResult.control), agreement
+    # divergence positions, the run's own hardware/provenance beside the record's.
 
     time: float
     model: str
@@ -128,6 +172,7 @@ class WhatifRun(Document):
     """Seconds of traffic per arm per round."""
     variants: list[VariantResult]
     provenance: Provenance | None = None
+    """The run's own provenance (1.0 files: the record's)."""
     seconds: float = 0.0
     max_model_len: int | None = None
     """Both servers' max_model_len (the variant's own when it sets one)."""
@@ -136,6 +181,19 @@ class WhatifRun(Document):
     installed vLLM's default): a windowed layer reserves it on top of the window."""
     block_size: int | None = None
     """vLLM's KV block size for both servers (the flag when given, else its default)."""
+    hardware: RunHardware | None = None
+    """What the run measured on (1.1)."""
+    source_provenance: Provenance | None = None
+    """The recorded server's provenance (what the baseline's flags came from)."""
+    baseline_basis: str = ""
+    """Where the baseline's flags came from (the record's provenance, or defaults)."""
+    mde: float | None = None
+    """The minimum detectable throughput change asked for (``--mde``), as a share."""
+    instances: int = 1
+    """Instance pairs per arm (a fresh baseline beside each variant instance)."""
+    device_plan: str = "side_by_side"
+    """``side_by_side`` (both servers up at once: CPU) or ``turns`` (one server on the device
+    at a time: a GPU)."""
 
 
 @dataclass
@@ -148,15 +206,23 @@ class Check(Record):
     predicted: float | None
     """None: measured only (nothing predicts FP8's greedy agreement)."""
     band: float
-    """The prediction's stated tolerance (absolute, in the metric's unit: a share of change
-    or a share of requests), from its confidence."""
+    """The prediction's tolerance (absolute, in the metric's unit: a share of change or a
+    share of requests): how accurate this kind of prediction has proven
+    (``analyze/data/prediction_accuracy.json``; 1.0 files: from the what-if's confidence)."""
     measured: float | None
     low: float | None
     high: float | None
     """The measurement's 95% interval (equal to it for exact figures such as vLLM's KV
     capacity)."""
     off: bool
-    """True when the interval lies wholly outside predicted +/- band."""
+    """True when the interval lies wholly outside predicted +/- band (``verdict == "off"``)."""
+    verdict: CheckVerdict = "inconclusive"
+    """confirmed (the interval inside predicted +/- band), off (wholly outside), else
+    inconclusive (and always with one round or no interval)."""
+    note: str = ""
+    """Why there is no interval or verdict, in words (``too few requests for p99``)."""
+    band_basis: str = ""
+    """Where the band came from, in words."""
 
 
 @dataclass
@@ -168,7 +234,15 @@ class Validation(Record):
     reason: str | None
     checks: list[Check]
     off: bool
-    """True when any check is off by more than its stated confidence."""
+    """True when any check is off (``verdict == "off"``)."""
     rounds: int
     source: str
     """The whatif.json it came from, or ``this run``."""
+    verdict: CheckVerdict = "inconclusive"
+    """The what-if's own: off when any check is off; confirmed when every money metric it
+    predicts (throughput, KV capacity) is confirmed and none is off; else inconclusive."""
+    mde: float | None = None
+    """The smallest throughput change this run could detect (alpha 0.05, power 0.8), as a
+    share: "could detect changes of +/-X% or larger"."""
+    control: bool = False
+    """The A/A arm's check (every prediction 0)."""
