@@ -15,7 +15,7 @@ from typing import Literal
 
 from attnprof.contracts.base import Document, Fraction, Record
 from attnprof.contracts.provenance import Provenance
-from attnprof.contracts.whatif import Validation
+from attnprof.contracts.whatif import CheckVerdict, Validation
 
 __all__ = [
     "AdviceBasis",
@@ -30,6 +30,7 @@ __all__ = [
     "FleetSaving",
     "KvMemory",
     "LayerTime",
+    "MeasuredBeside",
     "ModelReport",
     "Money",
     "RankedBy",
@@ -218,14 +219,36 @@ class FleetSaving(Record):
     replica counts (what a fixed replica count can bank is on :class:`WhatIf` itself)."""
 
     share: Fraction
-    """Share of GPU-hours saved: the KV saving s on a KV-bound fleet, else the time saving t."""
-    monthly_gpu_hours_saved: float
+    """Share of GPU-hours saved: the KV saving s on a KV-bound fleet, else the time saving t
+    (a measured one's lower bound; a KV saving capped by compute headroom)."""
+    monthly_gpu_hours_saved: float | None
+    """share x the fleet's MEAN replicas x GPUs per replica x hours; None when the mean
+    replicas are not known (neither Prometheus nor ``--mean-replicas``): an autoscaled fleet
+    is billed for the replicas it runs on average, never the counted fleet's size."""
     monthly_saving: float | None
     """Money per month (with ``--gpu-hour-price``), else None."""
     gpu_hours_per_mtok_after: float | None
     cost_per_mtok_after: float | None
     assumes: str
     """One sentence: what this figure assumes (which saving sizes the fleet, and why)."""
+    gpu_hours_saved_per_replica_month: float | None = None
+    """share x GPUs per replica x hours: the saving per replica running all month (what
+    is known when the mean replicas are not)."""
+
+
+@dataclass
+class MeasuredBeside(Record):
+    """A measurement that cannot be adopted as the what-if's money (another device, dtype
+    or scheduler budget than the source's), shown beside the estimate."""
+
+    time_saving: float
+    time_saving_low: float | None
+    time_saving_high: float | None
+    kv_saving: float | None
+    verdict: CheckVerdict | None
+    detail: str
+    mismatch: str
+    """What differs from the source (e.g. ``cpu float32 vs cuda bfloat16``)."""
 
 
 @dataclass
@@ -276,6 +299,23 @@ class WhatIf(Record):
     validation: Validation | None = None
     """The what-if measured on a real server (``attnprof whatif`` / ``report --validate``):
     predictions beside measurements, and whether any is off by more than its confidence."""
+    time_saving_low: float | None = None
+    """95% interval of a measured time saving (None: an estimate, or no interval)."""
+    time_saving_high: float | None = None
+    banked_time_saving: float | None = None
+    """The time saving the money figures use: the estimate's, or a measured one's lower
+    bound (0 when its interval holds 0 or it has none)."""
+    verdict: CheckVerdict | None = None
+    """The measurement's verdict (None: not measured)."""
+    ranked: bool = True
+    """False: never ranked as a saving (``not_ranked`` says why: the variant could not
+    start, its measured agreement is below the replay target, a quality check fails)."""
+    not_ranked: str = ""
+    compute_floor: int | None = None
+    """Replicas the fleet's tokens/s needs (ceil(fleet tokens/s / one replica's maximum, or
+    its observed rate)): a KV saving never takes the fleet below it."""
+    measured_beside: MeasuredBeside | None = None
+    """A measurement not comparable with the source, shown beside the estimate."""
 
 
 @dataclass
@@ -292,6 +332,13 @@ class Money(Record):
     monthly_cost: float | None
     hours_per_month: float = 730.0
     note: str = ""
+    mean_replicas: float | None = None
+    """The fleet's mean replicas over the range (Prometheus) or ``--mean-replicas``: the
+    autoscaled figures' base (None: not known, the autoscaled money is not computable)."""
+    mean_replicas_basis: str = ""
+    replica_max_tokens_per_s: float | None = None
+    """One replica's tokens/s at saturation when known (else the observed per-replica rate
+    caps KV savings: measure at saturation)."""
 
 
 @dataclass
@@ -385,12 +432,16 @@ class ModelReport(Record):
     money: Money
     savings: list[str] = field(default_factory=list)
     """The what-ifs with a saving, biggest first by ``ranked_by``: one sentence each, with
-    both the fixed-fleet and the autoscaled figure (what the demo prints)."""
+    both the fixed-fleet and the autoscaled figure (what the demo prints), rendered from the
+    what-ifs by exporters/money.py (``ranking`` holds their ids)."""
     warnings: list[str] = field(default_factory=list)
     ranked_by: RankedBy = "fixed_fleet"
     """Which figure ranks ``savings``: the fixed fleet's, or the autoscaled one."""
     advice_basis: AdviceBasis | None = None
     """What the window advice stands on (2.1; null: a report from before it)."""
+    ranking: list[str] = field(default_factory=list)
+    """Ids of the what-ifs with a saving, biggest first (2.2): the typed order ``savings``
+    is rendered in."""
 
 
 @dataclass
@@ -401,7 +452,10 @@ class Report(Document):
     # evidence_detail) and the top-level money fields are a fixed fleet's (whole replicas).
     # 2.1: ModelReport.advice_basis (coverage per context bucket, dynamic heads).
     # 2.2: WhatIf.validation carries three-state verdicts (Check/Validation.verdict:
-    # confirmed/off/inconclusive), the band's basis and the run's MDE.
+    # confirmed/off/inconclusive), the band's basis and the run's MDE; money with its
+    # interval (WhatIf.time_saving_low/high, banked_time_saving, verdict, ranked,
+    # compute_floor, measured_beside; Money.mean_replicas; an autoscaled figure without
+    # the mean replicas is null; ModelReport.ranking).
 
     generated_at: float
     source: ReportSource
