@@ -22,6 +22,8 @@ __all__ = ["add_parser"]
 
 
 def add_parser(sub: Any) -> None:
+    from attnprof.tools.replay import TARGET_AGREEMENT
+
     p = sub.add_parser(
         "validate-window",
         help="replay prompts through the transformers model with sinks + window applied",
@@ -39,8 +41,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="truncate prompts (4096)")
     p.add_argument("--generate", type=int, default=0,
                    help="extend each prompt by N greedy tokens first (decode positions)")
-    p.add_argument("--target-agreement", type=float, default=0.95,
-                   help="greedy agreement needed for 'safe' (default 0.95)")
+    p.add_argument("--target-agreement", type=float, default=TARGET_AGREEMENT,
+                   help=f"greedy agreement needed for 'safe' (default {TARGET_AGREEMENT})")
     p.add_argument("--max-kl", type=float, default=0.05,
                    help="mean KL (nats) allowed for 'safe' (default 0.05)")
     p.add_argument("--min-positions", type=int, default=64,

@@ -31,6 +31,7 @@ from attnprof.capture import head_rows
 from attnprof.tools.masked_attention import ReplayError, masked_attention
 
 __all__ = [
+    "TARGET_AGREEMENT",
     "ReplayError",
     "collect_head_stats",
     "default_prompts",
@@ -41,6 +42,9 @@ __all__ = [
 ]
 
 _IMPL = "attnprof_window_replay"
+TARGET_AGREEMENT = 0.95
+"""Greedy agreement a window's replay must reach to be called safe (``validate-window``'s
+default); a measured what-if below it is not ranked as a saving."""
 
 
 def load_model(spec: str | Path) -> tuple[Any, Any, Path]:
@@ -222,7 +226,8 @@ def _register(state: _WindowState) -> None:
 
 def replay(model: Any, tokenizer: Any, prompts: Sequence[str], window: int, sinks: int, *,
            layers: Iterable[int] | None = None, max_tokens: int = 4096, generate: int = 0,
-           target_agreement: float = 0.95, max_kl: float = 0.05, min_positions: int = 64,
+           target_agreement: float = TARGET_AGREEMENT, max_kl: float = 0.05,
+           min_positions: int = 64,
            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Greedy agreement and mean KL between full attention and sinks + window.
 
