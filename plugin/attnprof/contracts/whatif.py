@@ -224,6 +224,11 @@ class Check(Record):
     band_basis: str = ""
     """Where the band came from, in words."""
 
+    def __post_init__(self) -> None:
+        # A file from before verdicts (report 2.1) carries only ``off``: it reads as off.
+        if self.off:
+            self.verdict = "off"
+
 
 @dataclass
 class Validation(Record):
@@ -246,3 +251,7 @@ class Validation(Record):
     share: "could detect changes of +/-X% or larger"."""
     control: bool = False
     """The A/A arm's check (every prediction 0)."""
+
+    def __post_init__(self) -> None:
+        if self.off:
+            self.verdict = "off"
