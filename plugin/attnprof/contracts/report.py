@@ -442,6 +442,9 @@ class ModelReport(Record):
     ranking: list[str] = field(default_factory=list)
     """Ids of the what-ifs with a saving, biggest first (2.2): the typed order ``savings``
     is rendered in."""
+    noise_floor: Validation | None = None
+    """The measured run's A/A arm (2.2): a second baseline instance checked like a variant
+    against a change of 0, its throughput interval the floor under every measured change."""
 
 
 @dataclass
@@ -455,7 +458,7 @@ class Report(Document):
     # confirmed/off/inconclusive), the band's basis and the run's MDE; money with its
     # interval (WhatIf.time_saving_low/high, banked_time_saving, verdict, ranked,
     # compute_floor, measured_beside; Money.mean_replicas; an autoscaled figure without
-    # the mean replicas is null; ModelReport.ranking).
+    # the mean replicas is null; ModelReport.ranking); ModelReport.noise_floor (the A/A).
 
     generated_at: float
     source: ReportSource
