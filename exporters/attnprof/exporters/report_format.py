@@ -452,14 +452,11 @@ def badges(w: WhatIf) -> list[tuple[str, str]]:
         out.append(("not supported by the installed vLLM", "bad"))
     if w.apply.needs_change:
         out.append(("needs a model or kernel change", "warn"))
-    v = w.validation
-    if v is not None and v.status != "measured":
-        out.append(("could not start" if v.status == "could_not_start"
-                    else "measurement failed", "bad"))
-    elif v is not None and v.off:
-        out.append(("prediction off: outside its confidence", "bad"))
-    elif v is not None:
-        out.append(("predictions within their confidence", "good"))
+    if w.validation is not None:
+        # report_validation renders on this module's helpers: imported here, not above.
+        from attnprof.exporters.report_validation import validation_badge
+
+        out.append(validation_badge(w.validation))
     return out
 
 

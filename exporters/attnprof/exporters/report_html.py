@@ -14,7 +14,11 @@ from html import escape
 
 from attnprof.contracts.report import ModelReport, Report, WhatIf
 from attnprof.exporters import report_format as md
-from attnprof.exporters.report_validation import status_sentence, validation_table
+from attnprof.exporters.report_validation import (
+    checks_table,
+    status_sentence,
+    validation_table,
+)
 from attnprof.exporters.svg_plot import Marker, RefLine, bar_chart, line_chart
 
 __all__ = ["render_html"]
@@ -214,7 +218,8 @@ def _whatif_card(i: int, w: WhatIf, titles: dict[str, str]) -> str:
     nums = md.whatif_numbers(w)
     out.append(_facts(nums) if nums else "<p>No saving this report can put a number on.</p>")
     if w.validation is not None:
-        box = "bad-box" if w.validation.off or w.validation.status != "measured" else "sub"
+        box = ("bad-box" if w.validation.verdict == "off" or w.validation.status != "measured"
+               else "sub")
         out.append(f'<p class="{box}"><strong>Measured on real vLLM servers:</strong> '
                    f"{_e(status_sentence(w.validation))}</p>")
         vt = validation_table(w)
@@ -283,6 +288,13 @@ def _model(rep: Report, i: int, m: ModelReport) -> str:
     out.append(_plot(_usage_plot(m)))
 
     out.append("<h3>What-ifs</h3>")
+    if m.noise_floor is not None:
+        floor = m.noise_floor
+        box = "bad-box" if floor.verdict == "off" or floor.status != "measured" else "sub"
+        out.append(f'<p class="{box}"><strong>Noise floor (A/A arm):</strong> '
+                   f"{_e(status_sentence(floor))}</p>")
+        if checks_table(floor)[1]:
+            out.append(_table(checks_table(floor)))
     if m.what_ifs:
         titles = {w.id: w.title for w in m.what_ifs}
         out.append('<div class="cards">'

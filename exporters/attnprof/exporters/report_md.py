@@ -38,7 +38,11 @@ from attnprof.exporters.report_format import (
     whatif_numbers,
     window_text,
 )
-from attnprof.exporters.report_validation import status_sentence, validation_table
+from attnprof.exporters.report_validation import (
+    checks_table,
+    status_sentence,
+    validation_table,
+)
 
 __all__ = ["render_markdown"]
 
@@ -105,6 +109,9 @@ def _model_md(rep: Report, m: ModelReport) -> list[str]:
                 "report.json).", ""]
 
     out += ["### What-ifs", ""]
+    if m.noise_floor is not None:
+        out += [f"**Noise floor (A/A arm):** {_esc(status_sentence(m.noise_floor))}", ""]
+        out += _table(checks_table(m.noise_floor)) if checks_table(m.noise_floor)[1] else []
     if not m.what_ifs:
         out += ["No what-ifs apply to this model.", ""]
     titles = {w.id: w.title for w in m.what_ifs}
