@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from attnprof.analyze.advice_basis import advice_basis
@@ -30,12 +29,14 @@ from attnprof.contracts.report import (
     Evidence,
     FleetSaving,
     KvMemory,
+    MeasuredBeside,
     ModelReport,
     Money,
     TimeBreakdown,
     Traffic,
     WhatIf,
 )
+from attnprof.contracts.whatif import CheckVerdict
 from attnprof.facts.dtypes import dtype_bytes
 
 __all__ = ["FORMULAS", "CostInputs", "FlagChecks", "Measured", "Settings", "WindowInputs",
@@ -45,9 +46,10 @@ HOURS_PER_MONTH = 730.0
 
 FORMULAS: dict[str, str] = {
     "gpu_hours_per_mtok": "GPU-hours per 1M tokens = GPUs per replica / (tokens per second "
-                          "of one replica x 3600) x 10^6 (= replicas x GPUs per replica / "
-                          "(the fleet's tokens per second x 3600) x 10^6; a live server's or "
-                          "a file's rate is one replica's, Prometheus' the fleet's)",
+                          "of one replica x 3600) x 10^6; a live server's or a file's rate "
+                          "is one replica's, Prometheus' is the sum over the replicas it "
+                          "scraped (divided by their count, whatever --replicas says); no "
+                          "rate from under 1 s of data",
     "cost_per_mtok": "cost per 1M tokens = GPU-hours per 1M tokens x GPU-hour price",
     "monthly": "monthly GPU-hours = replicas x GPUs per replica x 730 h; "
                "monthly cost = monthly GPU-hours x GPU-hour price",
@@ -59,29 +61,45 @@ FORMULAS: dict[str, str] = {
                 "sequence holds on average); after a KV saving s (a ratio of expectations "
                 "over the traffic): x 1 / (1 - s); extra sequences = sequences held x "
                 "(1 / (1 - s) - 1)",
-    "replicas_at_peak": "replicas needed now = ceil(peak concurrency / sequences one "
-                        "replica holds at the mean context); after = ceil(peak concurrency / "
-                        "(sequences one replica holds / (1 - s))); with one replica's "
-                        "figures (a live server, files) the fleet's peak = replicas x it",
+    "replicas_at_peak": "memory held at the peak = peak KV usage x KV capacity (the "
+                        "fleet's; with one replica's figures, x replicas); replicas needed "
+                        "now = ceil(memory held / one replica's capacity); after = ceil("
+                        "memory held x (1 - s) / one replica's capacity)",
+    "compute_floor": "compute floor = ceil(the fleet's tokens/s / one replica's maximum "
+                     "tokens/s); without a measured maximum, the observed tokens/s of one "
+                     "replica (so a KV saving removes nothing until measured at "
+                     "saturation); a KV saving never takes the fleet below it",
     "fixed_fleet": "replicas removed at a fixed replica count M: KV-bound fleet: max(0, "
-                   "min(needed now, M) - needed after), and 0 when needed now > M (the fleet "
-                   "is short at its observed peak: the change relieves the shortage first); "
-                   "unknown without peak concurrency; any other fleet: M - ceil(M x (1 - t)); "
-                   "share f = removed / M; GPU-hours per 1M tokens after = now x (1 - f); "
-                   "monthly saving = monthly cost x f. The report's headline figure",
-    "autoscaled": "share saved on an autoscaled fleet (fractional replicas) a = s when the "
-                  "fleet is KV-bound (memory sizes it), else t (compute sizes it: a KV gain "
-                  "saves nothing until memory binds); after = now x (1 - a); monthly saving "
-                  "= monthly cost x a. Ranks the savings with attnprof report --autoscaled",
+                   "min(needed now, M) - max(needed after, compute floor)), and 0 when the "
+                   "fleet ran out of KV at its peak (usage >= 95% and preemptions: the "
+                   "change relieves the shortage first); any other fleet: M - ceil(M x "
+                   "(1 - t)); share f = removed / M; GPU-hours per 1M tokens after = now x "
+                   "(1 - f); monthly saving = monthly cost x f. The report's headline figure",
+    "autoscaled": "share saved on an autoscaled fleet (fractional replicas) a = s capped at "
+                  "1 - the fleet's tokens/s / (one replica's maximum x mean replicas) when "
+                  "the fleet is KV-bound (memory sizes it), else t (compute sizes it: a KV "
+                  "gain saves nothing until memory binds); monthly GPU-hours saved = a x "
+                  "mean replicas x GPUs per replica x 730 h (the fleet's mean replicas over "
+                  "the range, from Prometheus or --mean-replicas; unknown: per replica-month "
+                  "only). Ranks the savings with attnprof report --autoscaled",
+    "measured": "a measured time saving banks the lower bound of its 95% interval (0 when "
+                "the interval holds 0, or without an interval) and prints the interval; a "
+                "KV saving is measured only from vLLM's own capacity figures; a measurement "
+                "on other hardware, dtype or scheduler budget is shown beside the estimate, "
+                "never adopted; a variant that could not start, or whose agreement is below "
+                "the replay target, is not ranked",
     "alternatives": "a layer window and per-head windows are alternatives: their savings "
                     "are never added",
-    "fp8_kv": "KV saving s = 1 - 1 / (bytes per KV element now): FP8 stores 1 byte",
+    "fp8_kv": "KV saving s = 1 - 1 / (bytes per KV element now): FP8 stores 1 byte; x the "
+              "share of full-attention layers when sliding-window layers are kept in their "
+              "dtype (--kv-cache-dtype-skip-layers sliding_window)",
     "max_model_len": "suggested max_model_len = observed p99.9 context (from buckets: its "
                      "bucket's upper edge) rounded up to a multiple of 256; refused share = "
                      "requests longer than it; worst-case "
                      "KV of one sequence = max_model_len x KV bytes per token",
-    "peak_concurrency": "peak concurrency = vLLM's peak running requests when the source "
-                        "has them, else peak KV usage x KV capacity in tokens / mean context",
+    "peak_concurrency": "peak concurrency (shown, not used to size the fleet) = vLLM's "
+                        "peak running requests when the source has them, else peak KV "
+                        "usage x KV capacity in tokens / mean context",
 }
 
 
@@ -117,6 +135,8 @@ class FlagChecks:
     layer_types: bool | None
     """Whether vLLM's implementation of the family reads layer_types (None: not checked)."""
     layer_types_detail: str
+    kv_cache_dtype_skip_layers: bool | None = None
+    """Whether vLLM has ``--kv-cache-dtype-skip-layers`` (None: not checked)."""
 
 
 @dataclass
@@ -169,6 +189,21 @@ class CostInputs:
     """What-if id -> its measurement; the what-if's money then comes from it."""
     basis: AdviceBasis | None = None
     """What the window advice stands on (None: the source has no coverage)."""
+    scope_replicas: int | None = None
+    """Replicas a fleet-scope source's sums are over (Prometheus' scrape targets); None:
+    ``replicas``. ``--replicas`` sets what a fixed fleet is billed for, never what the
+    measured rates are divided by."""
+    mean_replicas: float | None = None
+    """The fleet's mean replicas over the range (Prometheus, or ``--mean-replicas``): the
+    autoscaled figures' base; None: the autoscaled money is per replica-month only."""
+    mean_replicas_basis: str = ""
+    replica_max_tokens_per_s: float | None = None
+    """One replica's tokens/s at saturation when measured; without it the observed rate
+    caps a KV saving (measure at saturation)."""
+    head_sizes: list[int] = field(default_factory=list)
+    """Distinct attention head sizes (empty: unknown): FP8 KV's known exceptions."""
+    sliding_layers: list[int] | None = None
+    """The model's own sliding-window layers (None: unknown)."""
 
 
 @dataclass
@@ -214,74 +249,139 @@ def _time_saving(time: TimeBreakdown, prefill_saving: float, decode_saving: floa
 
 
 class _Fleet:
-    """Now-figures of one model's fleet (GPU-hours, cost, replicas at peak) and the two
-    figures of a saving: whole replicas a fixed fleet removes, and an autoscaled share."""
+    """Now-figures of one model's fleet (GPU-hours, cost, memory held at the peak, the
+    compute floor) and the two figures of a saving: whole replicas a fixed fleet removes,
+    and an autoscaled share of the fleet's mean replicas."""
 
     def __init__(self, inp: CostInputs, settings: Settings) -> None:
         self.inp = inp
         self.price = settings.gpu_hour_price
         self.hours = settings.hours_per_month
         self.counted = max(1, inp.replicas)
-        self.gpus = inp.replicas * inp.gpus_per_replica
-        # One server's figures (a live snapshot, files) stand for each of the replicas;
-        # Prometheus' are already summed over them.
+        self.gpr = inp.gpus_per_replica
+        self.gpus = self.counted * self.gpr
+        self.traffic = inp.traffic.requests > 0
+        # Whose figures the source holds: one server's (a live snapshot, files: each of the
+        # replicas is taken as loaded alike) or the sum over the replicas Prometheus
+        # scraped; --replicas never multiplies (or divides) a sum over other replicas.
         self.one_replica = inp.traffic.scope == "replica"
-        tps = inp.traffic.tokens_per_s
-        fleet_tps = tps * self.counted if tps and self.one_replica else tps
-        self.gpu_hours_per_mtok = (self.gpus / (fleet_tps * 3600.0) * 1e6
-                                   if fleet_tps and fleet_tps > 0 else None)
+        self.src = 1 if self.one_replica else max(1, inp.scope_replicas or self.counted)
+        tps = inp.traffic.tokens_per_s if self.traffic else None
+        self.replica_tps = tps / self.src if tps and tps > 0 else None
+        """Observed tokens/s of one replica."""
+        self.load_tps = (None if self.replica_tps is None else
+                         self.replica_tps * self.counted if self.one_replica else tps)
+        """The tokens/s the fleet serves."""
+        self.gpu_hours_per_mtok = (self.gpr / (self.replica_tps * 3600.0) * 1e6
+                                   if self.replica_tps else None)
         self.monthly_gpu_hours = self.gpus * self.hours
+        self.mean = inp.mean_replicas if inp.mean_replicas and inp.mean_replicas > 0 else None
         kv = inp.kv
-        mean = inp.traffic.context.mean
-        # One basis throughout: sequences at the mean context (the window's KV saving is a
-        # ratio of expectations, so it scales exactly this count).
-        seqs = (kv.capacity_tokens / mean
-                if kv.capacity_tokens and mean and mean > 0 else None)
-        self.cap_per_replica = (seqs if self.one_replica else seqs / self.counted
-                                if seqs is not None else None)
-        self.cap_seqs = (self.cap_per_replica * self.counted
-                         if self.cap_per_replica is not None else None)
-        peak = kv.peak_concurrency
-        self.peak = (peak * self.counted if self.one_replica and peak is not None else peak)
+        mean_ctx = inp.traffic.context.mean
+        # Sequences at the mean context: the window's KV saving is a ratio of expectations,
+        # so it scales exactly this count (the extra sequences a saving makes room for).
+        seqs = (kv.capacity_tokens / mean_ctx
+                if kv.capacity_tokens and mean_ctx and mean_ctx > 0 else None)
+        self.cap_seqs = (None if seqs is None else seqs * self.counted if self.one_replica
+                         else seqs)
+        # Memory held at the peak sizes a KV-bound fleet (not running peak x mean context:
+        # the requests running at the peak are not of mean length).
+        self.cap_replica = (kv.capacity_tokens / self.src
+                            if kv.capacity_tokens and kv.capacity_tokens > 0 else None)
+        self.held_peak = (kv.usage_peak * self.cap_replica * (self.counted if self.one_replica
+                                                              else self.src)
+                          if kv.usage_peak is not None and self.cap_replica else None)
         self.kv_bound = kv.verdict == "kv_bound"
+        # Out of KV at the peak (full, and requests preempted): memory held is then a floor
+        # of what the traffic wanted, not its size.
+        self.short = bool(kv.usage_peak is not None and kv.usage_peak >= 0.95
+                          and (kv.preemptions or 0) > 0)
+        self.max_tps = (inp.replica_max_tokens_per_s
+                        if inp.replica_max_tokens_per_s and inp.replica_max_tokens_per_s > 0
+                        else None)
+        rate = self.max_tps or self.replica_tps
+        self.floor = (max(1, math.ceil(self.load_tps / rate - 1e-9))
+                      if self.load_tps and rate else None)
+        """Replicas the fleet's tokens/s needs (``FORMULAS['compute_floor']``)."""
+
+    def floor_text(self) -> str:
+        rate = self.max_tps or self.replica_tps or 0.0
+        how = ("one replica's maximum" if self.max_tps else
+               "one replica's observed rate: its maximum is unknown, measure at saturation")
+        return (f"the fleet's {self.load_tps or 0:,.0f} tokens/s need {self.floor} "
+                f"replica{'' if self.floor == 1 else 's'} at {rate:,.0f} tokens/s each ({how})")
 
     def replicas_needed(self, kv_saving: float) -> int | None:
-        if self.peak is None or not self.cap_per_replica:
+        """Replicas the memory held at the peak needs after a KV saving (``FORMULAS[
+        'replicas_at_peak']``); None without peak usage or capacity."""
+        if self.held_peak is None or not self.cap_replica:
             return None
-        cap = self.cap_per_replica / max(1e-9, 1.0 - kv_saving)
-        return max(1, math.ceil(self.peak / cap - 1e-9))
+        return max(1, math.ceil(self.held_peak * (1.0 - kv_saving) / self.cap_replica - 1e-9))
 
     def fixed(self, s: float, t: float, now: int | None, after: int | None
               ) -> tuple[int | None, list[str]]:
         """Whole replicas a fixed fleet removes (``FORMULAS['fixed_fleet']``) and the notes
         that say why; None when it cannot be computed."""
         m = self.counted
+        if not self.traffic:
+            return None, []
         if self.kv_bound:
             if now is None or after is None:
-                return None, ["the fleet is KV-bound, but its peak concurrency is unknown: "
-                              "the whole replicas a fixed fleet removes cannot be computed "
-                              f"(the autoscaled figure assumes the KV saving {s:.0%})"]
-            if now > m:
-                return 0, [f"needs {now} replicas at the observed peak, has {m}; after: "
-                           f"{after}: the change relieves a shortage and removes no replica"]
-            removed = max(0, min(now, m) - after)
-            return removed, [f"the fleet is KV-bound: memory sizes it; at the observed peak "
-                             f"it needs {now} of its {m} replicas now and {after} after"]
+                return None, ["the fleet is KV-bound, but the memory it held at its peak is "
+                              "unknown (peak KV usage or capacity missing): the whole "
+                              "replicas a fixed fleet removes cannot be computed"]
+            if self.short:
+                return 0, [f"the fleet ran out of KV memory at its peak (usage "
+                           f"{self.inp.kv.usage_peak:.0%}, {self.inp.kv.preemptions:,.0f} "
+                           "preemptions): the memory it held is less than the traffic "
+                           "wanted, so the change relieves that shortage and removes no "
+                           "replica"]
+            if self.floor is None:
+                return None, ["the fleet is KV-bound, but its token rate is unknown: the "
+                              "compute headroom that caps a KV saving cannot be checked"]
+            kept = max(after, self.floor)
+            removed = max(0, min(now, m) - kept)
+            notes = [f"the fleet is KV-bound: memory sizes it; the memory held at its peak "
+                     f"needs {now} of its {m} replicas now and {after} after"]
+            if self.floor > after:
+                notes.append(f"capped by compute headroom: {self.floor_text()}, so "
+                             f"{removed} replica{'' if removed == 1 else 's'} removed, not "
+                             f"{max(0, min(now, m) - after)}")
+            return removed, notes
         return m - math.ceil(m * (1.0 - t) - 1e-9), []
 
     def saving(self, share: float) -> tuple[float, float | None, float | None, float | None]:
         """(monthly GPU-hours saved, monthly money, GPU-hours and cost per 1M tokens after)
-        for a share of GPU-hours saved."""
+        for a share of the counted fleet's GPU-hours."""
         gph = self.gpu_hours_per_mtok * (1 - share) if self.gpu_hours_per_mtok is not None \
             else None
         return (self.monthly_gpu_hours * share,
                 self.monthly_gpu_hours * share * self.price if self.price is not None else None,
                 gph, gph * self.price if gph is not None and self.price is not None else None)
 
-    def autoscaled(self, s: float, t: float, has_kv_gain: bool) -> FleetSaving:
+    def kv_share_cap(self) -> float | None:
+        """The largest share of replicas an autoscaled fleet can drop and still serve its
+        tokens/s (``FORMULAS['compute_floor']``); None without a token rate."""
+        base = self.mean or self.counted
+        if not self.load_tps or not base:
+            return None
+        rate = self.max_tps or self.load_tps / base
+        return max(0.0, 1.0 - self.load_tps / rate / base)
+
+    def autoscaled(self, s: float, t: float, has_kv_gain: bool) -> FleetSaving | None:
+        if not self.traffic:
+            return None
         if self.kv_bound:
-            share, assumes = s, ("replicas follow load and memory sizes the fleet "
-                                 "(KV-bound): the KV saving is the share of GPU-hours saved")
+            cap = self.kv_share_cap()
+            share = min(s, cap) if cap is not None else 0.0
+            assumes = ("replicas follow load and memory sizes the fleet (KV-bound): the KV "
+                       "saving is the share of GPU-hours saved")
+            if cap is None:
+                assumes += ", but the token rate is unknown: compute headroom unchecked, 0"
+            elif cap < s:
+                assumes += (f", capped at {cap:.1%} by compute headroom (" +
+                            ("one replica's maximum tokens/s)" if self.max_tps else
+                             "the observed tokens/s per replica: measure at saturation)"))
         elif has_kv_gain:
             share, assumes = t, ("replicas follow load and compute sizes the fleet: the time "
                                  "saving is what it saves; the KV capacity gain saves "
@@ -289,17 +389,34 @@ class _Fleet:
         else:
             share, assumes = t, ("replicas follow load and compute sizes the fleet: the time "
                                  "saving is the share of GPU-hours saved")
-        gh, money, gph, cost = self.saving(share)
-        return FleetSaving(share=share, monthly_gpu_hours_saved=gh, monthly_saving=money,
-                           gpu_hours_per_mtok_after=gph, cost_per_mtok_after=cost,
-                           assumes=assumes)
+        per_replica = share * self.gpr * self.hours
+        if self.mean is not None:
+            gh: float | None = per_replica * self.mean
+            assumes += f"; base: {self.mean:,.2f} mean replicas ({self.inp.mean_replicas_basis})"
+        else:
+            gh = None
+            assumes += ("; the fleet's mean replicas are unknown (Prometheus over a range, or "
+                        "--mean-replicas): per replica-month only, never the counted fleet's "
+                        "bill")
+        gph = self.gpu_hours_per_mtok * (1 - share) if self.gpu_hours_per_mtok is not None \
+            else None
+        return FleetSaving(
+            share=share, monthly_gpu_hours_saved=gh,
+            monthly_saving=gh * self.price if gh is not None and self.price is not None
+            else None,
+            gpu_hours_per_mtok_after=gph,
+            cost_per_mtok_after=gph * self.price if gph is not None and self.price is not None
+            else None,
+            assumes=assumes, gpu_hours_saved_per_replica_month=per_replica)
 
     def what_if(self, wid: str, title: str, formula: str, inputs: dict[str, float | str | None],
                 flop: float | None, kv_saving: float | None, time_saving: float | None,
                 evidence: Evidence, evidence_detail: str, confidence: str, apply: Apply,
-                notes: list[str]) -> WhatIf:
+                notes: list[str], banked: float | None = None) -> WhatIf:
+        """A what-if with its money; ``banked``: the time saving the money uses (a measured
+        one's lower bound), else ``time_saving``."""
         s = kv_saving or 0.0
-        t = time_saving or 0.0
+        t = (time_saving if banked is None else banked) or 0.0
         bpt = self.inp.kv.bytes_per_token
         extra = None
         if self.cap_seqs is not None and s > 0:
@@ -307,9 +424,11 @@ class _Fleet:
         now, after = self.replicas_needed(0.0), self.replicas_needed(s)
         removed, why = self.fixed(s, t, now, after)
         notes = [*notes, *why]
+        if not self.traffic:
+            notes.append("no finished requests in the window: no money figure")
         if self.one_replica and self.counted > 1 and self.kv_bound:
-            notes.append(f"KV capacity and peak concurrency are one replica's: the fleet's "
-                         f"are taken as {self.counted} x them (equally loaded replicas)")
+            notes.append(f"KV capacity and peak usage are one replica's: the fleet's are "
+                         f"taken as {self.counted} x them (equally loaded replicas)")
         if not self.kv_bound and s > 0:
             notes.append(f"the fleet is not KV-bound ({self.inp.kv.verdict or 'no verdict'}):"
                          " the KV capacity gain saves nothing until memory binds; both "
@@ -329,7 +448,9 @@ class _Fleet:
             time_saving=time_saving, gpu_hours_per_mtok_after=gph, cost_per_mtok_after=cost,
             monthly_saving=money, monthly_gpu_hours_saved=gh,
             evidence=evidence, evidence_detail=evidence_detail, confidence=confidence,
-            apply=apply, notes=notes, replicas_removed=removed, autoscaled=auto)
+            apply=apply, notes=notes, replicas_removed=removed, autoscaled=auto,
+            banked_time_saving=t if time_saving is not None else None,
+            compute_floor=self.floor if self.kv_bound else None)
 
 
 def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[WhatIf]:
@@ -421,18 +542,54 @@ def _fp8_what_if(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> WhatIf | 
     s = 1.0 - 1.0 / size
     notes = ["FP8 quantizes K and V: outputs change slightly; check quality on an eval set "
              "before rolling out (attnprof whatif measures greedy agreement)"]
+    confidence = "medium"
+    flag_list = ["--kv-cache-dtype fp8"]
+    needs = None
+    # FP8 KV's known exceptions, checked before it is suggested (FORMULAS['fp8_kv']).
+    sliding = inp.sliding_layers
+    n = inp.num_layers
+    if sliding and n:
+        if flags.kv_cache_dtype_skip_layers:
+            flag_list.append("--kv-cache-dtype-skip-layers sliding_window")
+            full = max(0, n - len(sliding))
+            s *= full / n
+            notes.append(f"{len(sliding)} of {n} layers are sliding-window layers: vLLM "
+                         f"{flags.version} quantizes every layer's KV unless "
+                         "--kv-cache-dtype-skip-layers names it ('sliding_window' keeps "
+                         f"every sliding-window layer in {inp.kv.kv_dtype}); the KV saving "
+                         "counts the full-attention layers only (a lower bound: a sliding "
+                         "layer holds at most its window)")
+        else:
+            confidence = "low"
+            notes.append(f"{len(sliding)} of {n} layers are sliding-window layers and this "
+                         "vLLM has no --kv-cache-dtype-skip-layers: FP8 would quantize them "
+                         "too, a known quality exception; measure agreement first")
+    elif sliding is None:
+        notes.append("not known here whether the model has sliding-window layers (vLLM "
+                     "quantizes them too unless --kv-cache-dtype-skip-layers sliding_window"
+                     " is given): check its config before applying")
+    if 256 in inp.head_sizes:
+        confidence = "low"
+        notes.append("head size 256: a known FP8 exception in prefill. vLLM "
+                     f"{flags.version} takes an fp8 KV cache on FLASH_ATTN only with FA3 on "
+                     "SM90 or FA4 on SM100 (fa_utils.flash_attn_supports_kv_cache_dtype), "
+                     "and FlashInfer on SM90/SM100 then quantizes the prefill queries to "
+                     "FP8 too (FlashInferMetadataBuilder.get_q_data_type; vLLM's "
+                     "attention-config disable_flashinfer_q_quantization keeps them in the "
+                     "model dtype): measure agreement (attnprof whatif) before relying on it")
     ts = _time_saving(inp.time, 0.0, s)
     ok = flags.kv_cache_dtype and flags.fp8_values and flags.backend_fp8 is not False
     backend = ", ".join(inp.backends) or "the running backend"
-    needs = None
     if flags.backend_fp8 is False:
         needs = f"{backend} does not accept an fp8 KV cache: it needs another attention backend"
     return fleet.what_if(
         "fp8_kv", f"FP8 KV cache (from {inp.kv.kv_dtype})", FORMULAS["fp8_kv"] + "; "
-        + FORMULAS["capacity"], {"kv_dtype": inp.kv.kv_dtype, "bytes_per_element": size},
+        + FORMULAS["capacity"], {"kv_dtype": inp.kv.kv_dtype, "bytes_per_element": size,
+                                 "sliding_layers": len(sliding) if sliding is not None
+                                 else None},
         0.0, s, ts, "estimated", "no replay: bytes per KV element, FP8 against the "
-        f"current {inp.kv.kv_dtype}", "medium",
-        Apply(["--kv-cache-dtype fp8"], ok, needs,
+        f"current {inp.kv.kv_dtype}", confidence,
+        Apply(flag_list, ok, needs,
               f"vllm {flags.version}: --kv-cache-dtype "
               f"{'accepts' if flags.fp8_values else 'does not accept'} fp8; {backend} "
               + ("declares fp8" if flags.backend_fp8 else "declares no fp8"
@@ -520,8 +677,10 @@ def _fallback_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> lis
 
 def _money(inp: CostInputs, fleet: _Fleet) -> Money:
     note = ""
-    if inp.traffic.tokens_per_s is None or not inp.traffic.tokens_per_s:
+    if not fleet.traffic:
         note = "no finished requests in the window: no per-token figures"
+    elif fleet.replica_tps is None:
+        note = "no token rate (under 1 s of data, or none): no per-token figures"
     return Money(
         gpu_hour_price=fleet.price, replicas=inp.replicas, replicas_basis=inp.replicas_basis,
         gpus_per_replica=inp.gpus_per_replica, gpu_hours_per_mtok=fleet.gpu_hours_per_mtok,
@@ -530,81 +689,107 @@ def _money(inp: CostInputs, fleet: _Fleet) -> Money:
                        else None),
         monthly_gpu_hours=fleet.monthly_gpu_hours,
         monthly_cost=fleet.monthly_gpu_hours * fleet.price if fleet.price is not None else None,
-        hours_per_month=fleet.hours, note=note)
-
-
-def _gpu_hours_text(gh: float, money: float | None, fmt: Callable[[float], str]) -> str:
-    return (f"{fmt(money)}/month ({gh:,.0f} GPU-hours)" if money is not None
-            else f"{gh:,.0f} GPU-hours/month")
-
-
-def _saving_line(w: WhatIf, titles: dict[str, str], fmt: Callable[[float], str]) -> str:
-    """One savings line: both money figures, what the what-if frees, its evidence, and the
-    what-ifs it is an alternative to."""
-    how = {"replay": "replay-validated"}.get(w.evidence, w.evidence)
-    if w.monthly_gpu_hours_saved is None or w.replicas_removed is None:
-        fixed = "fixed fleet: not computable (peak concurrency unknown)"
-    else:
-        n = w.replicas_removed
-        fixed = (f"{_gpu_hours_text(w.monthly_gpu_hours_saved, w.monthly_saving, fmt)} at a "
-                 f"fixed fleet ({n} replica{'' if n == 1 else 's'} removed)")
-    a = w.autoscaled
-    auto = (f"{_gpu_hours_text(a.monthly_gpu_hours_saved, a.monthly_saving, fmt)} autoscaled"
-            if a is not None else "no autoscaled figure")
-    parts = []
-    if w.kv_saving:
-        parts.append(f"{w.kv_saving:.0%} KV bytes per token")
-    if w.attention_flop_saving:
-        parts.append(f"{w.attention_flop_saving:.0%} attention FLOPs")
-    if w.extra_sequences:
-        parts.append(f"+{w.extra_sequences:,.0f} concurrent sequences")
-    tail = " (needs a model/kernel change)" if w.apply.needs_change else ""
-    tail += "".join(f"; alternative to {titles.get(x, x)}: not additive"
-                    for x in w.alternative_to)
-    return (f"{w.title}: {fixed}, {auto}; {', '.join(parts) or 'no direct saving'} "
-            f"[{how}]{tail}")
+        hours_per_month=fleet.hours, note=note, mean_replicas=fleet.mean,
+        mean_replicas_basis=inp.mean_replicas_basis if fleet.mean is not None else "",
+        replica_max_tokens_per_s=fleet.max_tps)
 
 
 def rank_savings(ws: list[WhatIf], autoscaled: bool) -> list[WhatIf]:
-    """The what-ifs with a saving, biggest first. By the fixed fleet's figure: those whose
-    fixed figure is 0 (or unknown) but whose autoscaled one is not come after, by it, so the
-    information is not lost. With ``autoscaled``: by the autoscaled figure."""
+    """The ranked what-ifs with a saving, biggest first. By the fixed fleet's figure: those
+    whose fixed figure is 0 (or unknown) but whose autoscaled one is not come after, by it,
+    so the information is not lost. With ``autoscaled``: by the autoscaled figure (per
+    replica-month when the mean replicas are unknown: the same base for every what-if)."""
     def fixed(w: WhatIf) -> float:
         return w.monthly_gpu_hours_saved or 0.0
 
     def auto(w: WhatIf) -> float:
-        return w.autoscaled.monthly_gpu_hours_saved if w.autoscaled is not None else 0.0
+        a = w.autoscaled
+        if a is None:
+            return 0.0
+        return (a.monthly_gpu_hours_saved if a.monthly_gpu_hours_saved is not None
+                else a.gpu_hours_saved_per_replica_month or 0.0)
 
-    some = [w for w in ws if fixed(w) > 0 or auto(w) > 0]
+    some = [w for w in ws if w.ranked and (fixed(w) > 0 or auto(w) > 0)]
     if autoscaled:
         return sorted(some, key=lambda w: (auto(w), fixed(w)), reverse=True)
     return sorted(some, key=lambda w: (fixed(w) > 0, fixed(w), auto(w)), reverse=True)
 
 
-def _dollars(x: float) -> str:
-    return f"${x:,.2f}" if abs(x) < 100 else f"${x:,.0f}"
+_CONFIDENCE = {"confirmed": "high", "inconclusive": "medium", "off": "low"}
 
 
 def _measured_what_if(w: WhatIf, m: Measured, fleet: _Fleet) -> WhatIf:
-    """``w`` with its money computed from what was measured on real servers (a capping
-    what-if, which frees nothing, keeps its zero and only takes the evidence)."""
+    """``w`` with its money computed from what was measured on real servers
+    (``FORMULAS['measured']``): the time saving's lower bound, vLLM's own KV figures. A
+    capping what-if, which frees nothing, keeps its zero and only takes the evidence; a
+    measurement that cannot be adopted is put beside the estimate."""
+    if m.status != "measured":
+        w.ranked = False
+        w.not_ranked = f"the variant {m.status.replace('_', ' ')}: nothing was measured"
+        w.apply.supported = False
+        w.apply.needs_change = (w.apply.needs_change + "; " if w.apply.needs_change else ""
+                                ) + f"vLLM did not serve with these flags ({m.detail})"
+        w.notes = [*w.notes, w.not_ranked]
+        return w
+    if not m.comparable:
+        w.measured_beside = MeasuredBeside(
+            time_saving=m.time_saving, time_saving_low=m.time_saving_low,
+            time_saving_high=m.time_saving_high, kv_saving=m.kv_saving,
+            verdict=_verdict(m.verdict), detail=m.detail, mismatch=m.mismatch)
+        w.notes = [*w.notes, f"measured on another setup ({m.mismatch or 'not comparable'}):"
+                   " shown beside the estimate, never adopted as its money"]
+        return w
+    verdict = _verdict(m.verdict)
     if w.id == "max_model_len" or w.kv_saving is None:
-        w.evidence, w.evidence_detail = "measured", m.detail
+        w.evidence, w.evidence_detail, w.verdict = "measured", m.detail, verdict
         return w
     notes = list(w.notes)
-    t = m.time_saving
+    t, lo, hi = m.time_saving, m.time_saving_low, m.time_saving_high
+    banked = max(0.0, lo) if lo is not None else 0.0
+    if lo is None:
+        notes.append(f"measured time saving {t:+.1%} has no interval (one round): the money "
+                     "banks none of it")
+    elif lo <= 0 <= (hi if hi is not None else lo):
+        notes.append(f"the measured time saving's interval [{lo:+.1%}, {hi or lo:+.1%}] holds "
+                     "0: the money banks none of it")
+    elif lo > 0:
+        notes.append(f"the money banks the interval's lower bound {lo:.1%} (point {t:.1%})")
     if t < 0:
         notes.append(f"measured slower: {-t:.1%} more model time per token than the baseline "
                      "(the money figures count no time saving)")
-    s = m.kv_saving if m.kv_saving is not None else w.kv_saving
+    evidence: Evidence = "measured"
+    detail = m.detail
+    s = w.kv_saving
+    if m.kv_saving is not None:
+        s = m.kv_saving
+    elif w.kv_saving:
+        # vLLM's capacity line is missing: the KV figure stays the estimate, and so does
+        # the what-if's evidence.
+        evidence = "estimated"
+        detail = (f"KV saving estimated ({w.kv_saving:.0%}): vLLM's capacity line was "
+                  f"missing; time measured: {m.detail}")
+        notes.append("the KV saving is the estimate: vLLM's KV capacity figure was missing "
+                     "from the measured run")
+    if m.agreement_ok is False:
+        notes.append("measured agreement is below the replay target: not ranked as a saving")
     out = fleet.what_if(w.id, w.title, w.formula, w.inputs, w.attention_flop_saving, s,
-                        max(0.0, t), "measured", m.detail, "high", w.apply, notes)
+                        t, evidence, detail, _CONFIDENCE.get(verdict or "", "medium"),
+                        w.apply, notes, banked=banked)
     out.alternative_to = list(w.alternative_to)
+    out.validation = w.validation
+    out.time_saving_low, out.time_saving_high, out.verdict = lo, hi, verdict
+    if m.agreement_ok is False:
+        out.ranked, out.not_ranked = False, "measured agreement below the replay target"
     return out
 
 
+def _verdict(v: str) -> CheckVerdict | None:
+    return v if v in ("confirmed", "off", "inconclusive") else None  # type: ignore[return-value]
+
+
 def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -> ModelReport:
-    """The report section of one model: what-ifs ranked, money, and the savings lines."""
+    """The report section of one model: what-ifs ranked (``ranking``: their ids) and money.
+    The savings lines are rendered from it by exporters/money.py."""
     fleet = _Fleet(inp, settings)
     ws: list[WhatIf] = _window_what_ifs(inp, fleet, flags)
     fp8 = _fp8_what_if(inp, fleet, flags)
@@ -616,16 +801,12 @@ def build_model_report(inp: CostInputs, settings: Settings, flags: FlagChecks) -
     ws += _fallback_what_ifs(inp, fleet, flags)
     ws = [_measured_what_if(w, inp.measured[w.id], fleet) if w.id in inp.measured else w
           for w in ws]
-
-    titles = {w.id: w.title for w in ws}
-    savings = [_saving_line(w, titles, _dollars)
-               for w in rank_savings(ws, settings.autoscaled)]
     warnings = list(inp.warnings)
     if inp.traffic.requests <= 0:
         warnings.append("no finished requests in the window: traffic, capacity and money "
                         "figures are missing")
     return ModelReport(model=inp.model, traffic=inp.traffic, time=inp.time, kv=inp.kv,
-                       what_ifs=ws, money=_money(inp, fleet), savings=savings,
-                       warnings=warnings,
+                       what_ifs=ws, money=_money(inp, fleet), warnings=warnings,
                        advice_basis=inp.basis or advice_basis(None, None, None),
-                       ranked_by="autoscaled" if settings.autoscaled else "fixed_fleet")
+                       ranked_by="autoscaled" if settings.autoscaled else "fixed_fleet",
+                       ranking=[w.id for w in rank_savings(ws, settings.autoscaled)])

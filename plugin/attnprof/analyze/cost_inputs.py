@@ -8,6 +8,7 @@ are :mod:`attnprof.tools.report_sources` and :mod:`attnprof.tools.report_prometh
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from attnprof.aggregate.histogram import bucket_quantile
@@ -26,8 +27,83 @@ from attnprof.contracts.report import (
 )
 from attnprof.contracts.snapshot import Snapshot
 
-__all__ = ["context_p999", "drift", "kv_memory", "profile_fallbacks", "snapshot_duration",
-           "time_breakdown", "window_inputs"]
+__all__ = ["MIN_RATE_SECONDS", "AttentionShape", "attention_shape", "attention_shares",
+           "context_p999", "drift", "kv_memory", "mean_over_range", "peak_concurrency",
+           "profile_fallbacks", "rate", "snapshot_duration", "time_breakdown",
+           "window_inputs"]
+
+MIN_RATE_SECONDS = 1.0
+"""A rate needs at least this much time under it: a 0-second window (a snapshot taken as
+the server started) has no rate, never 2,000 tokens / 1e-9 s."""
+
+
+def rate(total: float, seconds: float | None) -> float | None:
+    """``total / seconds``; None when less than :data:`MIN_RATE_SECONDS` lie under it."""
+    if seconds is None or not seconds >= MIN_RATE_SECONDS:
+        return None
+    return total / seconds
+
+
+def attention_shares(model_time_s: dict[str, float], attention_time_s: dict[str, float]
+                     ) -> tuple[dict[str, float], float | None]:
+    """(attention's share of each phase's model time, its share of all model time): one
+    definition for a snapshot's steps and Prometheus' step counters."""
+    shares = {p: attention_time_s.get(p, 0.0) / t for p, t in model_time_s.items() if t > 0}
+    total = sum(model_time_s.values())
+    overall = (sum(t * shares.get(p, 0.0) for p, t in model_time_s.items()) / total
+               if total > 0 else None)
+    return shares, overall
+
+
+def peak_concurrency(usage_peak: float | None, capacity_tokens: float | None,
+                     mean_context: float | None, running_peak: float | None = None
+                     ) -> tuple[float | None, str]:
+    """(sequences running at the peak, how it was obtained): vLLM's peak running requests
+    when the source has them, else peak KV usage x capacity in tokens / mean context
+    (``FORMULAS['peak_concurrency']``). Shown, never used to size the fleet: replicas are
+    sized by the memory held at the peak (usage x capacity), which needs no mean."""
+    if running_peak is not None:
+        return running_peak, ("vLLM's peak running requests (sum of each replica's peak "
+                              "over the range: an upper bound)")
+    if usage_peak is not None and capacity_tokens and mean_context:
+        return (usage_peak * capacity_tokens / mean_context,
+                "estimated: peak KV usage x capacity in tokens / mean context "
+                f"({usage_peak:.1%} x {capacity_tokens:,.0f} / {mean_context:,.0f})")
+    return None, ""
+
+
+def mean_over_range(points: list[tuple[float, float]], start: float, end: float,
+                    step: float) -> float | None:
+    """Mean of a count sampled every ``step`` seconds over [start, end] (Prometheus'
+    range query): a step without a point counts 0 (no replica served then), so a fleet
+    that scaled to zero is billed for none. None without a point or a range."""
+    if not points or end <= start or step <= 0:
+        return None
+    steps = int((end - start) // step) + 1
+    return sum(v for _, v in points) / max(steps, len(points))
+
+
+@dataclass
+class AttentionShape:
+    """What FP8 KV's known exceptions turn on, from the layers a snapshot reports."""
+
+    head_sizes: list[int]
+    """Distinct head sizes of the attention layers (empty: not known)."""
+    sliding_layers: list[int] | None
+    """Indices of the model's own sliding-window layers (None: not known)."""
+    layers: int
+
+
+def attention_shape(snap: Snapshot) -> AttentionShape | None:
+    """The head sizes and sliding-window layers of the first worker that reports layers
+    (None: none does)."""
+    layers = next((w.layers for w in snap.workers if w.layers), None)
+    if not layers:
+        return None
+    return AttentionShape(head_sizes=sorted({lay.head_size for lay in layers}),
+                          sliding_layers=sorted(lay.index for lay in layers
+                                                if lay.sliding_window),
+                          layers=len(layers))
 
 
 def window_inputs(adv: WindowAdvice | None) -> WindowInputs | None:
@@ -63,7 +139,7 @@ def snapshot_duration(snap: Snapshot) -> tuple[float | None, float | None]:
         return snap.window.start, snap.window.duration_s
     starts = [p.started_at for p in snap.processes if p.role == "api_server" and p.started_at]
     if starts:
-        return min(starts), max(1e-9, snap.time - min(starts))
+        return min(starts), max(0.0, snap.time - min(starts))
     return None, None
 
 
@@ -72,13 +148,10 @@ def time_breakdown(snap: Snapshot, profile: ProfileReport | None) -> TimeBreakdo
     time, time per backend and phase and per layer, and the unfused layers with what would
     fix them (with a profile: its advice and measured gains too)."""
     worker = next((w for w in snap.workers if w.steps), None)
-    model_t: dict[str, float] = {}
-    shares: dict[str, float] = {}
-    if worker is not None:
-        for phase, st in worker.steps.items():
-            model_t[phase] = st.model_time_s
-            if st.model_time_s > 0:
-                shares[phase] = st.attention_time_s / st.model_time_s
+    steps = worker.steps if worker is not None else {}
+    model_t = {phase: st.model_time_s for phase, st in steps.items()}
+    shares, overall = attention_shares(
+        model_t, {phase: st.attention_time_s for phase, st in steps.items()})
     layers = worker.layers if worker is not None else (snap.workers[0].layers
                                                        if snap.workers else [])
     total = sum(ph.time_s for lay in layers for ph in lay.phases.values())
@@ -107,9 +180,6 @@ def time_breakdown(snap: Snapshot, profile: ProfileReport | None) -> TimeBreakdo
                                   "attnprof profile to measure fused vs unfused)"))
     if profile is not None:
         fallbacks += profile_fallbacks(profile)
-    all_model = sum(model_t.values())
-    overall = (sum(model_t[p] * shares.get(p, 0.0) for p in model_t) / all_model
-               if all_model > 0 else None)
     return TimeBreakdown(attention_share=shares, model_time_s=model_t, by_backend=by_backend,
                          per_layer=per_layer, fallbacks=fallbacks, overall_share=overall)
 
@@ -146,12 +216,7 @@ def kv_memory(snap: Snapshot) -> KvMemory:
     peak = a.peak if a is not None and a.peak is not None else (
         st.peak if st is not None else None)
     mean_ctx = req.context_tokens.mean if req is not None else None
-    conc = None
-    basis = ""
-    if peak is not None and cap_tokens and mean_ctx:
-        conc = peak * cap_tokens / mean_ctx
-        basis = ("estimated: peak KV usage x capacity in tokens / mean context "
-                 f"({peak:.1%} x {cap_tokens:,} / {mean_ctx:,.0f})")
+    conc, basis = peak_concurrency(peak, cap_tokens, mean_ctx)
     return KvMemory(
         bytes_per_token=bpt, kv_dtype=st.kv_dtype if st is not None else None,
         capacity_tokens=float(cap_tokens) if cap_tokens is not None else None,

@@ -21,7 +21,8 @@ from attnprof.cli._common import (
     price_arg,
 )
 
-__all__ = ["add_parser", "gather", "print_savings", "write_report"]
+__all__ = ["add_mean_replicas_flag", "add_parser", "gather", "mean_replicas_arg",
+           "print_savings", "write_report"]
 
 
 def _positive_float(text: str) -> float:
@@ -32,6 +33,27 @@ def _positive_float(text: str) -> float:
     if not math.isfinite(x) or not 0 < x <= 4096:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not in (0, 4096]") from None
     return x
+
+
+def mean_replicas_arg(text: str) -> float:
+    """argparse type of ``--mean-replicas``: a finite number > 0 (a usage error otherwise)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number (e.g. 3.2)") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: the mean replicas must be a "
+                                         "finite number > 0") from None
+    return x
+
+
+def add_mean_replicas_flag(p: argparse.ArgumentParser) -> None:
+    """``--mean-replicas`` (report and whatif): the autoscaled figures' base."""
+    p.add_argument("--mean-replicas", type=mean_replicas_arg, default=None, metavar="X",
+                   help="the fleet's mean replicas over the period (e.g. 3.2 of 8 at 40%% "
+                        "average load): the base of the autoscaled savings (default: the "
+                        "mean of Prometheus' replica count over --range; without either the "
+                        "autoscaled figure is per replica-month only)")
 
 
 def add_parser(sub: Any) -> None:
@@ -65,6 +87,7 @@ def add_parser(sub: Any) -> None:
                    help="rank the savings by what an autoscaled fleet saves (fractional "
                         "replicas) instead of the whole replicas a fixed fleet removes; "
                         "both figures are printed either way")
+    add_mean_replicas_flag(p)
     p.add_argument("--gpus-per-replica", type=_positive_float, default=None,
                    help="GPUs per replica (default: the workers the source reports)")
     p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
@@ -125,16 +148,21 @@ def gather(args: argparse.Namespace) -> Any:
             from attnprof.cli.snapshot import fetch_snapshot
 
             raw = fetch_snapshot(args.url, timeout=args.timeout, api_key=args.api_key)
-            return rs.from_live(raw, args.url, replicas=getattr(args, "replicas", None),
-                                gpus_per_replica=getattr(args, "gpus_per_replica", None))
-        if getattr(args, "prometheus", None):
-            return report_prometheus.from_prometheus(
+            g = rs.from_live(raw, args.url, replicas=getattr(args, "replicas", None),
+                             gpus_per_replica=getattr(args, "gpus_per_replica", None))
+        elif getattr(args, "prometheus", None):
+            g = report_prometheus.from_prometheus(
                 args.prometheus, args.model, args.range_, args.replicas,
                 args.gpus_per_replica, timeout=args.timeout)
-        return rs.from_files(args.files, getattr(args, "replicas", None),
-                             getattr(args, "gpus_per_replica", None))
+        else:
+            g = rs.from_files(args.files, getattr(args, "replicas", None),
+                              getattr(args, "gpus_per_replica", None))
     except rs.ReportInputError as err:
         raise CliError(str(err)) from None
+    mean = getattr(args, "mean_replicas", None)
+    for inp in g.inputs if mean is not None else []:  # the flag over Prometheus' mean
+        inp.mean_replicas, inp.mean_replicas_basis = mean, "--mean-replicas"
+    return g
 
 
 def _run(args: argparse.Namespace) -> int:

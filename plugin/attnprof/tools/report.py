@@ -35,10 +35,14 @@ def _versions(g: Gathered) -> dict[str, str | None]:
 
 def build_report(g: Gathered, settings: Settings, t0: float | None = None) -> Report:
     """The report document for every model the source holds."""
+    from attnprof.exporters.money import saving_lines
+
     models = []
     for inp in g.inputs:
         flags = flag_checks(inp.backends, inp.architecture)
-        models.append(build_model_report(inp, settings, flags))
+        m = build_model_report(inp, settings, flags)
+        m.savings = saving_lines(m)  # the text, rendered from the ranked what-ifs
+        models.append(m)
     start = time.monotonic() if t0 is None else t0
     rep = Report(generated_at=time.time(), source=g.source, models=models,
                  formulas=dict(FORMULAS), versions=_versions(g), provenance=g.provenance)

@@ -188,10 +188,14 @@ def from_prometheus(url: str, model: str | None, range_: str | None, replicas: i
     second_half = q("context_buckets", half, end, since_start=False)
     usage_series = prom.query_range(
         f"max by (model) (attnprof_kv_cache_usage_ratio{{{sel}}})", start, end, step)
+    # The replicas serving at each step: their mean is what an autoscaled fleet is billed.
+    replica_series = prom.query_range(render(by_name("replicas"), sel=sel, r=rs, vsel=vsel),
+                                      start, end, step)
     inputs = []
     for name in names if model is None else [model]:
         inputs.append(_prom_inputs(name, got, first_half, second_half, usage_series,
-                                   seconds, replicas, gpus_per_replica))
+                                   replica_series, start, seconds, step, replicas,
+                                   gpus_per_replica))
     src = ReportSource(kind="prometheus", where=[redact_value(url)], start=start, end=end,
                        duration_s=seconds, range=range_)
     return Gathered(src, inputs)
@@ -219,7 +223,8 @@ def _one(results: list[dict[str, Any]], model: str, key: str = "model") -> float
 
 def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any]],
                  second_half: list[dict[str, Any]], usage_series: list[dict[str, Any]],
-                 seconds: float, replicas_flag: int | None,
+                 replica_series: list[dict[str, Any]], start: float, seconds: float,
+                 step: float, replicas_flag: int | None,
                  gpus_flag: float | None) -> CostInputs:
     reqs = _one(got["requests_total"], model) or 0.0
     prompt = _one(got["prompt_tokens_total"], model) or 0.0
@@ -248,7 +253,7 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
     step_t = {k[1]: v for k, v in _by(_for(got["step_time"], model), "model", "phase").items()}
     att_t = {k[1]: v for k, v in _by(_for(got["step_attention_time"], model),
                                      "model", "phase").items()}
-    share = {p: att_t.get(p, 0.0) / t for p, t in step_t.items() if t > 0}
+    share, overall = cost_inputs.attention_shares(step_t, att_t)
     bt = _by(_for(got["attention_time_backend"], model), "backend", "phase")
     lt = _by(_for(got["attention_time_layer"], model), "layer")
     info = {(str((r.get("metric") or {}).get("layer"))): r.get("metric") or {}
@@ -270,15 +275,12 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
                           "backend, and --attention-backend to pick a fused one",
                           gain="not measured here (attnprof profile measures it)")
                  for b, v in sorted(unfused.items())]
-    all_model = sum(step_t.values())
     time_b = TimeBreakdown(
         attention_share=share, model_time_s=step_t,
         by_backend=[BackendTime(backend=b, phase=p, time_s=t,
                                 share=t / sum(bt.values()) if sum(bt.values()) else 0.0)
                     for (b, p), t in sorted(bt.items())],
-        per_layer=per_layer, fallbacks=fallbacks,
-        overall_share=(sum(step_t[p] * share.get(p, 0.0) for p in step_t) / all_model
-                       if all_model else None))
+        per_layer=per_layer, fallbacks=fallbacks, overall_share=overall)
     # KV memory.
     verdicts = [str((r.get("metric") or {}).get("verdict")) for r in _for(got["kv_verdict"],
                                                                            model)]
@@ -294,15 +296,7 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
     cap_tokens = _one(got["kv_capacity_tokens"], model)
     peak = _one(got["kv_usage_peak"], model)
     vllm_run = _one(got["vllm_running_peak"], model, "model_name")
-    mean_ctx = context.mean
-    if vllm_run is not None:
-        conc, basis = vllm_run, ("vLLM's peak running requests (sum of each replica's peak "
-                                 "over the range: an upper bound)")
-    elif peak is not None and cap_tokens and mean_ctx:
-        conc = peak * cap_tokens / mean_ctx
-        basis = "estimated: peak KV usage x capacity in tokens / mean context"
-    else:
-        conc, basis = None, ""
+    conc, basis = cost_inputs.peak_concurrency(peak, cap_tokens, context.mean, vllm_run)
     dtypes = [str((r.get("metric") or {}).get("kv_dtype")) for r in _for(got["kv_dtype"],
                                                                            model)]
     points = []
@@ -344,9 +338,16 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
     if window is not None and n_layers is None:
         warnings.append("the window's layers are not named in Prometheus (only their count)"
                         ": run attnprof snapshot on one replica for the exact override")
+    live: list[tuple[float, float]] = [
+        (float(t), x) for r in _for(replica_series, model)
+        for t, v in r.get("values") or [] if (x := _num((t, v))) is not None]
+    mean_n = cost_inputs.mean_over_range(live, start, start + seconds, step)
     return CostInputs(
         model=model, traffic=traffic, time=time_b, kv=kv, window=window, architecture=arch,
-        num_layers=n_layers, replicas=replicas_flag or counted,
+        num_layers=n_layers, replicas=replicas_flag or counted, scope_replicas=counted,
+        mean_replicas=mean_n,
+        mean_replicas_basis=(f"mean of Prometheus' replica count over the range "
+                             f"({_human_s(seconds)})" if mean_n is not None else ""),
         replicas_basis="--replicas" if replicas_flag else
         f"counted from Prometheus ({counted} scrape targets)",
         gpus_per_replica=gpus_flag or (workers / counted if workers else 1.0),

@@ -58,7 +58,8 @@ def flag_checks(backends: list[str], architecture: str | None) -> FlagChecks:
         hf_overrides=vf.engine_arg("--hf-overrides").ok,
         max_model_len=vf.engine_arg("--max-model-len").ok,
         layer_types=lt.ok if architecture and "not installed" not in lt.detail else None,
-        layer_types_detail=lt.detail)
+        layer_types_detail=lt.detail,
+        kv_cache_dtype_skip_layers=vf.engine_arg("--kv-cache-dtype-skip-layers").ok)
 
 
 # --- snapshots (live server, `attnprof record`, `snapshot --json`, demo.json) ---------------
@@ -100,8 +101,8 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
         max=ctx.max if ctx else None, mean=ctx.mean if ctx else None,
         estimated_from_buckets=interp)
     traffic = Traffic(
-        requests=n, requests_per_s=n / dur if dur else None,
-        tokens_per_s=(prompt + gen) / dur if dur else None, prompt_tokens=prompt,
+        requests=n, requests_per_s=cost_inputs.rate(n, dur),
+        tokens_per_s=cost_inputs.rate(prompt + gen, dur), prompt_tokens=prompt,
         generation_tokens=gen, max_model_len=req.max_model_len if req else None,
         context=context, drift=None, scope="replica")  # one server's, whatever --replicas
     if advice is None and isinstance(snap.window_advice, WindowAdvice):
@@ -117,6 +118,9 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
     if layers_n is None and snap.workers:
         layers_n = len(snap.workers[0].layers) or None
     warnings = []
+    if dur is not None and cost_inputs.rate(1.0, dur) is None:
+        warnings.append(f"the data covers {dur:.3g} s: too little time for a rate (no "
+                        "per-token or per-second figure)")
     if snap.window is None and dur is not None:
         warnings.append(f"rates are averaged since the server started ({dur:,.0f} s ago), "
                         "idle time included; use attnprof record for a busy window")
@@ -125,6 +129,7 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
                          advice.coverage if advice is not None else None,
                          advice.window if advice is not None else None,
                          has_advice=advice is not None)
+    shape = cost_inputs.attention_shape(snap)
     inp = CostInputs(
         model=_model_name(snap.model), traffic=traffic,
         time=cost_inputs.time_breakdown(snap, profile), kv=cost_inputs.kv_memory(snap),
@@ -132,7 +137,9 @@ def from_snapshot(raw: Mapping[str, Any], where: str, *, replicas: int | None = 
         num_layers=layers_n, replicas=replicas or 1,
         replicas_basis="--replicas" if replicas else "one server",
         gpus_per_replica=gpus_per_replica or float(max(1, len(snap.workers))),
-        backends=backends, warnings=warnings, basis=basis)
+        backends=backends, warnings=warnings, basis=basis,
+        head_sizes=shape.head_sizes if shape is not None else [],
+        sliding_layers=shape.sliding_layers if shape is not None else None)
     return inp, snap
 
 

@@ -25,6 +25,7 @@ from attnprof.contracts.report import (
     Traffic,
     WhatIf,
 )
+from attnprof.exporters.money import saving_lines
 
 FLAGS = FlagChecks(version="0.32.0", kv_cache_dtype=True, fp8_values=True, backend_fp8=True,
                    hf_overrides=True, max_model_len=True, layer_types=True,
@@ -68,6 +69,20 @@ def _get(rep: ModelReport, wid: str) -> WhatIf:
     return next(w for w in rep.what_ifs if w.id == wid)
 
 
+def _lines(rep: ModelReport) -> list[str]:
+    """The savings lines as the report prints them (exporters/money.py)."""
+    return saving_lines(rep)
+
+
+def _headroom(inp: CostInputs, max_tps: float = 1000.0) -> CostInputs:
+    """A fleet whose replica's saturated tokens/s and mean replicas are known: a KV saving
+    is then capped by compute only at ``max_tps``, and the autoscaled base is the fleet
+    counted (all its replicas ran all the time)."""
+    inp.replica_max_tokens_per_s = max_tps
+    inp.mean_replicas, inp.mean_replicas_basis = float(inp.replicas), "test"
+    return inp
+
+
 def test_bucket_quantile_interpolates_like_histogram_quantile() -> None:
     # 10 in (0, 10], 10 in (10, 20]: the median is the first bucket's top, p75 halfway up
     # the second.
@@ -87,20 +102,21 @@ def test_money_now_follows_its_formula() -> None:
 
 def test_fp8_on_a_fleet_short_of_kv_at_its_peak_removes_no_replica() -> None:
     # It used to claim half the bill (12 replicas needed -> 6) from a fleet of 4.
-    rep = build_model_report(_inputs("kv_bound"), Settings(gpu_hour_price=2.0), FLAGS)
+    rep = build_model_report(_headroom(_inputs("kv_bound")), Settings(gpu_hour_price=2.0),
+                             FLAGS)
     w = _get(rep, "fp8_kv")
     assert w.kv_saving == pytest.approx(0.5)
     assert w.kv_bytes_freed_per_token == pytest.approx(36864.0 / 2)
     # 100,000 tokens / 600 mean context = 166.7 sequences; x (1/(1-0.5) - 1) more.
     assert w.extra_sequences == pytest.approx(100_000 / 600)
-    # 500 at peak; a replica holds 166.7/4 = 41.7 now (12 replicas), 83.3 after (6): the
-    # fleet of 4 is short at its peak, and the change relieves that before it frees one.
-    assert (w.replicas_now, w.replicas_after) == (12, 6)
+    # 95% of 100,000 tokens held at the peak: 4 replicas of 25,000 now, 2 after; but the
+    # fleet ran out of KV (3 preemptions at 95%): the change relieves that first.
+    assert (w.replicas_now, w.replicas_after) == (4, 2)
     assert w.replicas_removed == 0
     assert w.monthly_saving == 0.0 and w.monthly_gpu_hours_saved == 0.0
     assert w.gpu_hours_per_mtok_after == pytest.approx(rep.money.gpu_hours_per_mtok)
-    assert any("needs 12 replicas at the observed peak, has 4; after: 6" in n and
-               "relieves a shortage and removes no replica" in n for n in w.notes)
+    assert any("ran out of KV memory at its peak" in n and
+               "relieves that shortage and removes no replica" in n for n in w.notes)
     # Autoscaled, memory sizes it: the KV saving s, stated as such.
     assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(0.5)
     assert w.autoscaled.monthly_saving == pytest.approx(8 * 730 * 2.0 * 0.5)
@@ -122,45 +138,46 @@ def _issue_26_fleet(replicas: int = 1, tokens_per_s: float = 1000.0) -> CostInpu
 
 
 def test_issue_26_fp8_on_one_short_replica_banks_nothing() -> None:
-    rep = build_model_report(_issue_26_fleet(), Settings(gpu_hour_price=1.0), FLAGS)
+    rep = build_model_report(_headroom(_issue_26_fleet(), 4000.0),
+                             Settings(gpu_hour_price=1.0), FLAGS)
     w = _get(rep, "fp8_kv")
     assert w.kv_saving == pytest.approx(0.75)
-    # 120 / 54.2 -> 3 replicas needed now; 120 / 216.7 -> 1 after; the fleet has 1.
-    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (3, 1, 0)
+    # One replica, out of KV at its peak: nothing whole to remove.
+    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (1, 1, 0)
     assert w.monthly_gpu_hours_saved == 0.0 and w.monthly_saving == 0.0  # it said 487
-    assert any("needs 3 replicas at the observed peak, has 1; after: 1" in n
-               for n in w.notes)
+    assert any("ran out of KV memory at its peak" in n for n in w.notes)
     assert w.autoscaled is not None
+    # Autoscaled over 1 mean replica, capped at 1 - 1000/4000 = 75% (the whole saving).
     assert w.autoscaled.monthly_gpu_hours_saved == pytest.approx(730 * 0.75)
     # Fixed figure 0 but an autoscaled one: still listed, with both figures.
-    line = next(x for x in rep.savings if x.startswith("FP8 KV cache"))
+    line = next(x for x in _lines(rep) if x.startswith("FP8 KV cache"))
     assert "0 GPU-hours) at a fixed fleet (0 replicas removed)" in line
     assert "$548/month (548 GPU-hours) autoscaled" in line
 
 
 def test_replicas_removed_never_exceed_those_counted() -> None:
-    # 150 at peak fits the 4 replicas (41.7 each: 4 needed), 2 after FP8: 2 removed.
-    inp = _inputs("kv_bound")
-    inp.kv.peak_concurrency = 150.0
+    # 90% of 100,000 tokens held at the peak: 4 replicas of 25,000; 2 after FP8: 2 removed.
+    inp = _headroom(_inputs("kv_bound"))
+    inp.kv.usage_peak, inp.kv.preemptions = 0.9, 0.0
     w = _get(build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS), "fp8_kv")
     assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (4, 2, 2)
     assert w.monthly_saving == pytest.approx(8 * 730 * 2.0 * 2 / 4)
-    for peak in (1.0, 10.0, 150.0, 166.0, 167.0, 500.0, 5000.0):
-        inp.kv.peak_concurrency = peak
+    for peak in (0.0, 0.01, 0.3, 0.5, 0.9, 0.99, 1.0):
+        inp.kv.usage_peak = peak
         w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")
         assert w.replicas_removed is not None and 0 <= w.replicas_removed <= inp.replicas
 
 
-def test_kv_bound_without_peak_concurrency_has_no_fixed_figure() -> None:
-    inp = _inputs("kv_bound")
-    inp.kv.peak_concurrency = None
+def test_kv_bound_without_peak_usage_has_no_fixed_figure() -> None:
+    inp = _headroom(_inputs("kv_bound"))
+    inp.kv.usage_peak = None
     rep = build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS)
     w = _get(rep, "fp8_kv")
     assert w.replicas_removed is None and w.monthly_gpu_hours_saved is None
     assert w.monthly_saving is None and w.gpu_hours_per_mtok_after is None
     assert any("cannot be computed" in n for n in w.notes)
     assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(0.5)
-    line = next(x for x in rep.savings if x.startswith("FP8 KV cache"))
+    line = next(x for x in _lines(rep) if x.startswith("FP8 KV cache"))
     assert "fixed fleet: not computable" in line and "autoscaled" in line
 
 
@@ -168,6 +185,7 @@ def test_kv_bound_without_peak_concurrency_has_no_fixed_figure() -> None:
 def test_compute_bound_fleet_removes_whole_replicas(replicas: int, removed: int) -> None:
     inp = _inputs("compute_bound", _window(sinks=0))
     inp.replicas = replicas
+    inp.mean_replicas = float(replicas)  # every replica ran all month
     rep = build_model_report(inp, Settings(gpu_hour_price=None), FLAGS)
     w = _get(rep, "window")
     # prefill: 0.3 of time x 0.2 share x 0.3 FLOP saving; decode: 0.7 x 0.4 x 0.25 KV saving
@@ -212,10 +230,10 @@ def test_a_per_replica_token_rate_is_multiplied_by_the_replicas() -> None:
     fleet.traffic.scope = "fleet"  # Prometheus: the rate is already the fleet's
     assert build_model_report(fleet, Settings(), FLAGS).money.gpu_hours_per_mtok == \
         pytest.approx(12.92, abs=5e-3)
-    # The KV figures are one server's too: the fleet's peak is 8 x 120 = 960, a replica
-    # holds 54.2 (216.7 after): 18 needed now, 5 after, none removed from a fleet of 8.
+    # The KV figures are one server's too: the fleet holds 8 x 95% of 23,296 tokens at the
+    # peak: 8 replicas now, 2 after, none removed (out of KV at the peak: preemptions).
     w = _get(one, "fp8_kv")
-    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (18, 5, 0)
+    assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (8, 2, 0)
     assert w.extra_sequences == pytest.approx(8 * 23_296 / 430 * 3)
 
 
@@ -272,12 +290,13 @@ def test_fp8_absent_when_already_fp8_and_savings_ranked() -> None:
     rep = build_model_report(_inputs("kv_bound", _window(sinks=0), dtype="fp8_e4m3"),
                              Settings(gpu_hour_price=1.0), FLAGS)
     assert all(w.id != "fp8_kv" for w in rep.what_ifs)
-    rep = build_model_report(_inputs("kv_bound", _window(sinks=0)),
+    rep = build_model_report(_headroom(_inputs("kv_bound", _window(sinks=0))),
                              Settings(gpu_hour_price=1.0), FLAGS)
     # Fixed fleet (a shortage at the peak: 0 each), then autoscaled: 50% beats 25%.
     assert rep.ranked_by == "fixed_fleet"
-    assert rep.savings[0].startswith("FP8 KV cache")
-    assert rep.savings[1].startswith("0 sinks + window 1024")
+    assert rep.ranking == ["fp8_kv", "window"]
+    assert _lines(rep)[0].startswith("FP8 KV cache")
+    assert _lines(rep)[1].startswith("0 sinks + window 1024")
     fp32 = build_model_report(_inputs("kv_bound", dtype="float32"), Settings(), FLAGS)
     assert _get(fp32, "fp8_kv").inputs["bytes_per_element"] == 4.0
     auto = build_model_report(_inputs("kv_bound", dtype="auto"), Settings(), FLAGS)
@@ -296,26 +315,26 @@ def _ranked_inputs() -> CostInputs:
     # KV-bound, 4 replicas, 150 at peak: FP8 removes 2 (fixed 50%, autoscaled 50%); the
     # window (s = 25%: 4 -> 3) removes 1 (25%); per-head windows (s = 60%: 4 -> 2) remove
     # 2 (50%, autoscaled 60%), an alternative to the window.
-    inp = _inputs("kv_bound", _window(sinks=0))
+    inp = _headroom(_inputs("kv_bound", _window(sinks=0)))
     assert inp.window is not None
     inp.window.head_split = HeadLevelSplit(windowed_kv_heads=3, attention_flop_saving=0.5,
                                            kv_memory_saving=0.6)
-    inp.kv.peak_concurrency = 150.0
+    inp.kv.usage_peak, inp.kv.preemptions = 0.9, 0.0  # 3.6 replicas' memory held: 4
     return inp
 
 
 def test_savings_rank_by_the_fixed_fleet_unless_autoscaled() -> None:
     rep = build_model_report(_ranked_inputs(), Settings(gpu_hour_price=1.0), FLAGS)
     assert rep.ranked_by == "fixed_fleet"
-    order = [s.split(":")[0] for s in rep.savings]
+    order = [s.split(":")[0] for s in _lines(rep)]
     # FP8 and per-head windows tie at 2 replicas; the autoscaled figure breaks the tie.
     assert order == ["per-head windows on 3 KV heads", "FP8 KV cache (from bfloat16)",
                      "0 sinks + window 1024 on 2 layers"]
-    assert "(2 replicas removed)" in rep.savings[0] and "(1 replica removed)" in rep.savings[2]
+    assert "(2 replicas removed)" in _lines(rep)[0] and "(1 replica removed)" in _lines(rep)[2]
     auto = build_model_report(_ranked_inputs(), Settings(gpu_hour_price=1.0,
                                                          autoscaled=True), FLAGS)
     assert auto.ranked_by == "autoscaled"
-    assert auto.savings[0].startswith("per-head windows")
+    assert _lines(auto)[0].startswith("per-head windows")
 
 
 def test_a_fixed_zero_ranks_after_the_fixed_savings_and_a_double_zero_is_dropped() -> None:
@@ -324,14 +343,14 @@ def test_a_fixed_zero_ranks_after_the_fixed_savings_and_a_double_zero_is_dropped
     inp.kv.verdict = "compute_bound"
     inp.replicas = 20  # compute: the window's t removes 1 of 20; FP8's t (14%) removes 2
     rep = build_model_report(inp, Settings(), FLAGS)
-    assert [s.split(":")[0] for s in rep.savings][:3] == [
+    assert [s.split(":")[0] for s in _lines(rep)][:3] == [
         "per-head windows on 3 KV heads", "FP8 KV cache (from bfloat16)",
         "0 sinks + window 1024 on 2 layers"]
     inp.replicas = 1  # nothing whole to remove: every what-if is listed by its autoscaled
     rep = build_model_report(inp, Settings(), FLAGS)
     assert all(_get(rep, i).replicas_removed == 0 for i in ("window", "fp8_kv", "head_split"))
-    assert len(rep.savings) == 3 and rep.savings[0].startswith("per-head windows")
-    assert all("max_model_len" not in s for s in rep.savings)  # 0 and 0: not listed
+    assert len(_lines(rep)) == 3 and _lines(rep)[0].startswith("per-head windows")
+    assert all("max_model_len" not in s for s in _lines(rep))  # 0 and 0: not listed
 
 
 def test_layer_and_head_windows_are_alternatives_not_summed() -> None:
@@ -339,9 +358,9 @@ def test_layer_and_head_windows_are_alternatives_not_summed() -> None:
     win, hs = _get(rep, "window"), _get(rep, "head_split")
     assert win.alternative_to == ["head_split"] and hs.alternative_to == ["window"]
     assert all(_get(rep, i).alternative_to == [] for i in ("fp8_kv", "max_model_len"))
-    line = next(s for s in rep.savings if s.startswith("0 sinks"))
+    line = next(s for s in _lines(rep) if s.startswith("0 sinks"))
     assert line.endswith("; alternative to per-head windows on 3 KV heads: not additive")
-    line = next(s for s in rep.savings if s.startswith("per-head"))
+    line = next(s for s in _lines(rep) if s.startswith("per-head"))
     assert "alternative to 0 sinks + window 1024 on 2 layers: not additive" in line
 
 
@@ -399,13 +418,15 @@ def test_no_refusal_is_predicted_above_the_longest_context_seen() -> None:
 def test_a_measured_what_if_takes_its_money_from_the_measurement() -> None:
     from attnprof.analyze.cost import Measured
 
-    inp = _inputs("kv_bound", dtype="float32")
-    inp.measured = {"fp8_kv": Measured(time_saving=-0.5, kv_saving=0.5, detail="run")}
+    inp = _headroom(_inputs("kv_bound", dtype="float32"))
+    inp.measured = {"fp8_kv": Measured(time_saving=-0.5, kv_saving=0.5, detail="run",
+                                       time_saving_low=-0.6, time_saving_high=-0.4)}
     est = _get(build_model_report(_inputs("kv_bound", dtype="float32"), Settings(), FLAGS),
                "fp8_kv")
     w = _get(build_model_report(inp, Settings(), FLAGS), "fp8_kv")
     assert w.evidence == "measured" and w.evidence_detail == "run"
     assert w.kv_saving == 0.5 and est.kv_saving == pytest.approx(0.75)
-    assert w.time_saving == 0.0  # slower: no time saving counted, and said so
+    assert w.time_saving == -0.5 and w.banked_time_saving == 0.0  # slower: none counted
+    assert (w.time_saving_low, w.time_saving_high) == (-0.6, -0.4)
     assert any("measured slower" in n for n in w.notes)
     assert w.autoscaled is not None and w.autoscaled.share == pytest.approx(0.5)

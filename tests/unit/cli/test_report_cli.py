@@ -13,9 +13,20 @@ from attnprof.cli import main
 from tests.golden import DEMO
 
 
+def _demo(tmp_path: Path) -> Path:
+    """The golden demo with 100 s under its counters: the golden file is normalised to one
+    instant (server start = snapshot time), which has no rate."""
+    doc = json.loads(DEMO.read_text())
+    for p in doc["snapshot"]["processes"]:
+        p["started_at"] = doc["snapshot"]["time"] - 100.0
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
 def _report(tmp_path: Path, capsys: Any, *flags: str) -> tuple[dict[str, Any], str]:
     out = tmp_path / "out"
-    assert main(["report", str(DEMO), "--out", str(out), *flags]) == 0
+    assert main(["report", str(_demo(tmp_path)), "--out", str(out), *flags]) == 0
     return json.loads((out / "report.json").read_text()), capsys.readouterr().out
 
 
@@ -40,9 +51,10 @@ def test_replicas_multiply_one_servers_token_rate(tmp_path: Path, capsys: Any) -
 
 
 def test_autoscaled_flag_ranks_by_the_autoscaled_figure(tmp_path: Path, capsys: Any) -> None:
-    doc, printed = _report(tmp_path, capsys, "--autoscaled")
+    doc, printed = _report(tmp_path, capsys, "--autoscaled", "--mean-replicas", "1")
     (m,) = doc["models"]
     assert m["ranked_by"] == "autoscaled"
+    assert m["money"]["mean_replicas"] == 1.0
     autos = [w["autoscaled"]["monthly_gpu_hours_saved"] for w in m["what_ifs"]
              if w["autoscaled"] and w["autoscaled"]["monthly_gpu_hours_saved"] > 0]
     assert len(m["savings"]) == len(autos)
