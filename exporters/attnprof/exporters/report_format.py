@@ -452,11 +452,14 @@ def badges(w: WhatIf) -> list[tuple[str, str]]:
         out.append(("not supported by the installed vLLM", "bad"))
     if w.apply.needs_change:
         out.append(("needs a model or kernel change", "warn"))
-    if w.validation is not None:
-        # report_validation renders on this module's helpers: imported here, not above.
-        from attnprof.exporters.report_validation import validation_badge
-
-        out.append(validation_badge(w.validation))
+    v = w.validation
+    if v is not None and v.status != "measured":
+        out.append(("could not start" if v.status == "could_not_start"
+                    else "measurement failed", "bad"))
+    elif v is not None:
+        out.append({"off": ("measured: prediction OFF", "bad"),
+                    "confirmed": ("measured: confirmed", "good")}.get(
+            v.verdict, ("measured: inconclusive", "warn")))
     return out
 
 

@@ -1,7 +1,8 @@
 """Predicted beside measured: the table a validated what-if gets in the cost report (Markdown
-and HTML lay out the same rows), its badge and status sentence, and the lines
-``attnprof whatif`` prints. Every verdict is one of three: confirmed (the 95% interval inside
-the prediction's band), OFF (wholly outside it), inconclusive (anything else)."""
+and HTML lay out the same rows), its status sentence, and the lines ``attnprof whatif``
+prints (its badge is :func:`attnprof.exporters.report_format.badges`). Every verdict is one
+of three: confirmed (the 95% interval inside the prediction's band), OFF (wholly outside
+it), inconclusive (anything else)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from attnprof.contracts.whatif import Check, CheckVerdict, Validation, VariantRe
 from attnprof.exporters.report_format import MISSING, Table
 
 __all__ = ["LABELS", "VERDICT_WORDS", "check_cells", "checks_table", "mde_sentence", "signed_pct",
-           "status_sentence", "validation_badge", "validation_table", "variant_lines"]
+           "status_sentence", "validation_table", "variant_lines"]
 
 LABELS = {"tokens_per_s": "Throughput (tokens/s)", "itl_p99": "ITL p99",
           "kv_capacity": "KV capacity (tokens)", "refused_share": "Requests refused",
@@ -102,16 +103,6 @@ def status_sentence(v: Validation) -> str:
                 "band): nothing banked as confirmed")
     mde = mde_sentence(v)
     return head + body + (f"; {mde}" if mde else "")
-
-
-def validation_badge(v: Validation) -> tuple[str, str]:
-    """The what-if's badge (text, kind: good, warn or bad) from its validation."""
-    if v.status != "measured":
-        return ("could not start" if v.status == "could_not_start"
-                else "measurement failed", "bad")
-    return {"off": ("measured: prediction OFF", "bad"),
-            "confirmed": ("measured: confirmed", "good")}.get(
-        v.verdict, ("measured: inconclusive", "warn"))
 
 
 def checks_table(v: Validation | None) -> Table:
