@@ -167,7 +167,7 @@ def test_the_basis_round_trips_through_report_json() -> None:
     m = _model()
     rep = Report(generated_at=0.0, source=_source(), models=[m], formulas={}, versions={})
     doc = json.loads(json.dumps(rep.to_json()))
-    assert doc["schema_version"] == "attnprof.report/2.1"
+    assert doc["schema_version"] == "attnprof.report/2.2"
     basis = doc["models"][0]["advice_basis"]
     assert basis["buckets"][2]["prefill"]["traffic_queries"] == 700
     assert Report.from_json(doc).models[0].advice_basis == m.advice_basis
