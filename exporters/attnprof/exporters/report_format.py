@@ -471,7 +471,16 @@ def whatif_numbers(w: WhatIf) -> Facts:
         if v is not None and _ok(v):
             out.append((label, text))
 
-    add("Model time saved", w.time_saving, fmt_pct(w.time_saving))
+    add("Model time saved", w.time_saving, fmt_pct(w.time_saving) + (
+        f" [{fmt_pct(w.time_saving_low)}, {fmt_pct(w.time_saving_high)}]"
+        if w.time_saving_low is not None and w.time_saving_high is not None else ""))
+    if w.banked_time_saving is not None and w.banked_time_saving != w.time_saving:
+        out.append(("Time saving the money banks", fmt_pct(w.banked_time_saving)
+                    + " (a measured saving's lower bound; 0 when its interval holds 0)"))
+    if w.verdict is not None:
+        out.append(("Measured verdict", w.verdict))
+    if not w.ranked:
+        out.append(("Not ranked", w.not_ranked or "yes"))
     add("Attention FLOPs saved", w.attention_flop_saving, fmt_pct(w.attention_flop_saving))
     add("KV bytes per token saved", w.kv_saving, fmt_pct(w.kv_saving))
     add("KV freed per token", w.kv_bytes_freed_per_token, fmt_bytes(w.kv_bytes_freed_per_token))
@@ -491,6 +500,8 @@ def whatif_numbers(w: WhatIf) -> Facts:
         f"{fmt_money(w.monthly_saving)}/month")
     add("GPU-hours saved per month (fixed fleet)", w.monthly_gpu_hours_saved,
         fmt_gpu_hours(w.monthly_gpu_hours_saved))
+    if w.compute_floor is not None:
+        out.append(("Compute floor (replicas)", str(w.compute_floor)))
     a = w.autoscaled
     if a is not None:
         add("Saving per month (autoscaled)", a.monthly_saving,
@@ -498,6 +509,20 @@ def whatif_numbers(w: WhatIf) -> Facts:
         add("GPU-hours saved per month (autoscaled)", a.monthly_gpu_hours_saved,
             f"{fmt_gpu_hours(a.monthly_gpu_hours_saved)} ({fmt_pct(a.share)}; "
             f"assumes {a.assumes})")
+        if a.monthly_gpu_hours_saved is None:
+            add("GPU-hours saved per replica-month (autoscaled)",
+                a.gpu_hours_saved_per_replica_month,
+                f"{fmt_gpu_hours(a.gpu_hours_saved_per_replica_month)} ({fmt_pct(a.share)}; "
+                f"assumes {a.assumes})")
+    b = w.measured_beside
+    if b is not None:
+        out.append(("Measured on another setup (not adopted)",
+                    f"time saving {fmt_pct(b.time_saving)}"
+                    + (f" [{fmt_pct(b.time_saving_low)}, {fmt_pct(b.time_saving_high)}]"
+                       if b.time_saving_low is not None and b.time_saving_high is not None
+                       else "")
+                    + (f", KV {fmt_pct(b.kv_saving)}" if b.kv_saving is not None else "")
+                    + f" ({b.mismatch})"))
     return out
 
 
@@ -525,7 +550,10 @@ def money_facts(m: ModelReport) -> Facts:
                     f"{fmt_count(mo.gpus_per_replica)}, {mo.replicas_basis})"),
            ("GPU-hours per 1M tokens", fmt_gpu_hours(mo.gpu_hours_per_mtok)),
            ("GPU-hours per month", f"{fmt_gpu_hours(mo.monthly_gpu_hours)} "
-                                   f"({fmt_count(mo.hours_per_month)} h/month)")]
+                                   f"({fmt_count(mo.hours_per_month)} h/month)"),
+           ("Mean replicas (autoscaled base)",
+            f"{mo.mean_replicas:,.2f} ({mo.mean_replicas_basis})" if mo.mean_replicas
+            else "not known: autoscaled savings per replica-month (--mean-replicas)")]
     if _priced(mo):
         out[0:0] = [("GPU price", f"{fmt_money(mo.gpu_hour_price)}/GPU-hour")]
         out.append(("Cost per 1M tokens", fmt_money(mo.cost_per_mtok)))
@@ -556,6 +584,10 @@ def money_table(m: ModelReport) -> Table:
         a = w.autoscaled
         if a is None:
             return [MISSING] * (2 if priced else 1)
+        if a.monthly_gpu_hours_saved is None:  # the mean replicas unknown: per replica
+            per = a.gpu_hours_saved_per_replica_month
+            return ([MISSING] if priced else []) + [
+                f"{fmt_gpu_hours(per)} per replica" if per is not None else MISSING]
         return ([fmt_money(a.monthly_saving)] if priced else []) + \
             [fmt_gpu_hours(a.monthly_gpu_hours_saved)]
 
@@ -587,7 +619,10 @@ def money_basis_sentence(m: ModelReport) -> str:
               else "the fixed-fleet figure (attnprof report --autoscaled ranks by the other)")
     return ("Each saving is stated twice: at a fixed fleet (whole replicas removed from the "
             f"{m.money.replicas} counted, what the bill shows without autoscaling) and "
-            "autoscaled (the fractional share, if replicas follow load). Alternatives are "
+            "autoscaled (the fractional share of the fleet's mean replicas"
+            + (f", {m.money.mean_replicas:,.2f}" if m.money.mean_replicas else
+               ": not known, so per replica-month") + ", if replicas follow load). A "
+            "measured saving banks the lower bound of its interval. Alternatives are "
             f"not additive. The savings are ranked by {ranked}.")
 
 

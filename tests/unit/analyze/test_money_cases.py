@@ -343,3 +343,26 @@ def test_the_verdict_is_on_the_savings_line_and_the_what_if() -> None:
     rep = build_model_report(inp, SETTINGS, FLAGS)
     assert _fp8(rep).verdict == "confirmed" and _fp8(rep).confidence == "high"
     assert "[measured, confirmed: time saving +8.0% [+3.0%, +12.0%], banks 3.0%]" in _line(rep)
+
+
+def test_the_report_files_carry_the_interval_what_is_banked_and_the_base() -> None:
+    from attnprof.analyze.cost import FORMULAS
+    from attnprof.contracts.report import Report, ReportSource
+    from attnprof.tools.report import render_all
+
+    inp = _measured_time(0.03, 0.08, 0.12)
+    inp.measured["fp8_kv"].verdict = "confirmed"
+    m = build_model_report(inp, SETTINGS, FLAGS)
+    m.savings = saving_lines(m)
+    rep = Report(generated_at=0.0, source=ReportSource(kind="files", where=["x"]),
+                 models=[m], formulas=dict(FORMULAS), versions={})
+    texts = render_all(rep)
+    doc = json.loads(texts["report.json"])["models"][0]
+    (w,) = [x for x in doc["what_ifs"] if x["id"] == "fp8_kv"]
+    assert (w["time_saving_low"], w["banked_time_saving"], w["verdict"]) == (
+        0.03, 0.03, "confirmed")
+    assert doc["ranking"][0] == "fp8_kv" and doc["money"]["mean_replicas"] == 100.0
+    for name in ("report.md", "report.html"):
+        text = texts[name]
+        assert "[+3.0%, +12.0%], banks 3.0%" in text  # the savings line
+        assert "Time saving the money banks" in text and "Mean replicas" in text
