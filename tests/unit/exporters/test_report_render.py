@@ -123,7 +123,7 @@ def test_html_has_the_numbers_rounded_for_people() -> None:
     for text in ("182K", "2.11 req/s", "4.86K tok/s", "128K tokens (131,072)",
                  "1.65K / 6.1K / 21.5K / 48.2K tokens", "128 KiB (bfloat16)", "1.7M tokens",
                  "88% / 97%", "6.2%", "412", "$2.50/GPU-hour", "$7,300/month",
-                 "$1,825/month", "$87.60", "0.229 GPU-h", "2.92K GPU-h", "4 \u2192 3",
+                 "$1,825/month", "$67.89", "0.229 GPU-h", "2.92K GPU-h", "4 \u2192 3",
                  "Attention is <strong>39%</strong>", "Verdict: KV-bound at peak",
                  "vLLM&#x27;s own scheduler statistics", "L30\u2013L31",
                  "Contexts grew in the second half", "Report built in 3.4 s"):
@@ -190,8 +190,7 @@ def test_html_shows_every_what_if_with_its_evidence_and_flags() -> None:
         assert escape(w.formula) in h
         for f in w.apply.flags:
             assert f"<code>{escape(f)}</code>" in h, f
-    assert h.count('class="badge good">replay-validated') == 1
-    assert h.count('class="badge good">measured') == 1
+    assert h.count('class="badge good">measured') == 2
     assert h.count('class="badge plain">estimated') == 2
     assert h.count("<strong>Not supported by the installed vLLM</strong>") == 2
     warn = re.search(r'<div class="warn-box"><strong>Needs a change no flag gives:</strong>'
@@ -251,8 +250,9 @@ def test_markdown_tables_have_one_row_per_item() -> None:
     assert len(t["Layers"]) == 1 and t["Layers"][0][3] == "--attention-backend=FLASHINFER"
     assert len(t["Scenario"]) == 1 + len(m.what_ifs)
     assert t["Scenario"][0][:3] == ["now", "0.229 GPU-h", "$0.57"]
-    # FP8: 1 replica removed, $1,825 at a fixed fleet, $3,650 autoscaled.
-    assert t["Scenario"][1][3:] == ["1", "$1,825", "730 GPU-h", "$3,650", "1.46K GPU-h"]
+    # FP8: 1 replica removed, $1,825 at a fixed fleet; autoscaled 50% of 3.1 mean replicas
+    # x 1 GPU x 730 h = 1,132 GPU-hours: $2,829.
+    assert t["Scenario"][1][3:] == ["1", "$1,825", "730 GPU-h", "$2,829", "1.13K GPU-h"]
     assert len(t["Component"]) == len(rep.versions)
     # 48 usage points are too many for a table; 6 are not.
     assert "KV usage" not in t
@@ -269,8 +269,11 @@ def test_markdown_has_every_what_if_flag_and_warning() -> None:
         assert f"#### {w.title}" in text
         for f in w.apply.flags:
             assert f"`{f}`" in text
-    # A badge each, and FP8's and the fallback's savings lines end with theirs.
-    assert text.count("[replay-validated]") == 2 and text.count("[measured]") == 2
+    # A badge each, and FP8's and the fallback's savings lines end with theirs (FP8's with
+    # its verdict, interval and what it banks).
+    assert text.count("[measured]") == 3  # the two cards' badges and the fallback's line
+    assert text.count("[measured, confirmed: time saving +6.2% [+2.1%, +9.8%], banks 2.1%]") \
+        == 1
     assert text.count("[estimated]") == 2
     assert "> **Warning:** needs a change no flag gives: a kernel" in text
     assert text.count("**Not supported by the installed vLLM**") == 2
@@ -329,9 +332,9 @@ def test_both_money_bases_and_the_ranking_basis_are_stated() -> None:
     text = render_markdown(rep)
     assert "ranked by the fixed-fleet figure" in text and "autoscaled" in text
     assert "- **Replicas removed (fixed fleet):** 1" in text
-    assert "- **Saving per month (autoscaled):** $3,650/month" in text
+    assert "- **Saving per month (autoscaled):** $2,829/month" in text
     assert "assumes replicas follow load and memory sizes the fleet" in text
-    assert "- **Evidence:** replay (greedy outputs matched" in text
+    assert "- **Evidence:** measured (measured on real vLLM servers" in text
     rep.models[0].ranked_by = "autoscaled"
     assert "ranked by the autoscaled figure (--autoscaled)" in render_html(rep)
 
