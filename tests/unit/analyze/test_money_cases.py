@@ -366,3 +366,38 @@ def test_the_report_files_carry_the_interval_what_is_banked_and_the_base() -> No
         text = texts[name]
         assert "[+3.0%, +12.0%], banks 3.0%" in text  # the savings line
         assert "Time saving the money banks" in text and "Mean replicas" in text
+
+
+# the one definition of each piece of maths both sources use --------------------------------
+
+def test_mean_over_range_counts_a_step_without_replicas_as_zero() -> None:
+    from attnprof.analyze.cost_inputs import mean_over_range
+
+    # 0..100 s every 10 s: 11 steps; 8 replicas for the first 4, 2 for the next 4, none
+    # for the last 3 (scaled to zero: no series): (4 x 8 + 4 x 2) / 11.
+    pts = [(float(t), 8.0) for t in range(0, 40, 10)] + \
+        [(float(t), 2.0) for t in range(40, 80, 10)]
+    assert mean_over_range(pts, 0.0, 100.0, 10.0) == pytest.approx(40 / 11)
+    assert mean_over_range([], 0.0, 100.0, 10.0) is None
+    assert mean_over_range(pts, 100.0, 100.0, 10.0) is None
+
+
+def test_rates_need_a_second_of_data() -> None:
+    from attnprof.analyze.cost_inputs import rate
+
+    assert rate(2000.0, 0.0) is None and rate(2000.0, 1e-9) is None
+    assert rate(2000.0, None) is None and rate(2000.0, 0.5) is None
+    assert rate(2000.0, 4.0) == 500.0
+
+
+def test_attention_share_and_peak_concurrency_have_one_definition() -> None:
+    from attnprof.analyze.cost_inputs import attention_shares, peak_concurrency
+
+    shares, overall = attention_shares({"prefill": 30.0, "decode": 70.0, "idle": 0.0},
+                                       {"prefill": 6.0, "decode": 28.0})
+    assert shares == {"prefill": pytest.approx(0.2), "decode": pytest.approx(0.4)}
+    assert overall == pytest.approx((6.0 + 28.0) / 100.0)
+    assert attention_shares({}, {}) == ({}, None)
+    assert peak_concurrency(0.5, 10_000.0, 500.0)[0] == pytest.approx(10.0)
+    assert peak_concurrency(0.5, 10_000.0, 500.0, running_peak=7.0)[0] == 7.0
+    assert peak_concurrency(None, 10_000.0, 500.0) == (None, "")
