@@ -4,7 +4,8 @@ stored prediction judged again with today's statistics, the misses a run resolve
 evidence (``attnprof.analyze.whatif.ACCURACY_RULE``).
 
 Run: ``python benchmarks/prediction_accuracy.py [RUN_DIR ...]`` (default: every
-benchmarks/results/whatif* holding both files); writes
+benchmarks/results/whatif* holding both files, a run copied under two names counted once:
+``whatif/`` is the latest run, ``whatif-1.0/`` the first); writes
 plugin/attnprof/analyze/data/prediction_accuracy.json. A new run changes a band only when it
 resolves a larger miss than the history holds.
 """
@@ -32,8 +33,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="run directories (each with whatif.json and report.json)")
     ap.add_argument("--out", type=Path, default=ACCURACY_FILE)
     a = ap.parse_args(argv)
-    runs = a.runs or sorted(d for d in RESULTS.glob("whatif*")
-                            if (d / "whatif.json").is_file() and (d / "report.json").is_file())
+    # The kept history first, the latest run (whatif/) last: a copy keeps its history name.
+    found = a.runs or sorted((d for d in RESULTS.glob("whatif*")
+                              if (d / "whatif.json").is_file() and (d / "report.json").is_file()),
+                             key=lambda d: (d.name == "whatif", d.name))
+    runs: list[Path] = []
+    seen: set[bytes] = set()
+    for d in found:  # a run kept under two names (a copy in the history) counts once
+        key = (d / "whatif.json").read_bytes()
+        if key not in seen:
+            seen.add(key)
+            runs.append(d)
     rows = []
     for d in runs:
         run = WhatifRun.from_json(json.loads((d / "whatif.json").read_text()))

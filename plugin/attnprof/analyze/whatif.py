@@ -35,10 +35,11 @@ from attnprof.contracts.whatif import (
     WhatifRun,
 )
 
-__all__ = ["ACCURACY_FILE", "ACCURACY_RULE", "CAPACITY_BAND", "FLOORS", "MONEY_METRICS",
-           "PREDICTED", "Evidence", "accuracy_table", "band", "check", "draw_lengths",
-           "evidence", "noise_floor", "paired_interval", "predictions", "revalidate",
-           "shape_from_report", "validate", "validate_control", "vllm_window_capacity_gain"]
+__all__ = ["ACCURACY_FILE", "ACCURACY_RULE", "CAPACITY_BAND", "FLOORS", "MIN_KIND_CHECKS",
+           "MONEY_METRICS", "PREDICTED", "Evidence", "accuracy_table", "band", "check",
+           "draw_lengths", "evidence", "noise_floor", "paired_interval", "predictions",
+           "revalidate", "shape_from_report", "validate", "validate_control",
+           "vllm_window_capacity_gain"]
 
 CAPACITY_BAND = 0.02
 """KV capacity is arithmetic (bytes / bytes per token), off only by block rounding: 2%."""
@@ -456,42 +457,53 @@ def evidence(v: Validation, run: str, what_if: str) -> list[Evidence]:
             and c.measured is not None and c.low is not None and c.high is not None]
 
 
+MIN_KIND_CHECKS = 3
+"""Checks of one metric a what-if kind needs in the history before it gets its own band."""
 ACCURACY_RULE = (
     "A metric's band is the largest |measured - predicted| among the checks whose 95% "
     "interval excludes the prediction (an error the run resolved), never under the floor; "
     "the floor when no check resolved one. A check whose interval holds the prediction says "
     "only that the error is smaller than the run could see, so it does not widen the band; "
     "a new run's resolved error widens it at once, and nothing narrows it but the floor "
-    "(the band keeps the worst proven miss). KV capacity is arithmetic: 2% (block rounding).")
+    "(the band keeps the worst proven miss). A what-if kind with 3 or more checks of a "
+    "metric gets its own band by the same rule (by_kind), where it differs from the "
+    "metric's. KV capacity is arithmetic: 2% (block rounding).")
+
+
+def _band_entry(metric: str, rows: Sequence[Evidence]) -> dict[str, Any]:
+    res = [r for r in rows if r.resolved]
+    floor = _floor(metric)
+    worst = max(res, key=lambda r: abs(r.measured - r.predicted), default=None)
+    err = abs(worst.measured - worst.predicted) if worst is not None else 0.0
+    if worst is not None and err > floor:
+        basis = (f"the largest resolved miss, {worst.what_if} ({err * 100:.1f} pts), of "
+                 f"{len(res)} resolved in {len(rows)} checks")
+    else:
+        basis = (f"the floor ({floor * 100:.0f} pts): no resolved miss larger in "
+                 f"{len(rows)} checks")
+    return {"band": round(max(floor, err), 4), "basis": basis,
+            "evidence": [dict(run=r.run, what_if=r.what_if, predicted=round(r.predicted, 4),
+                              measured=round(r.measured, 4), low=round(r.low, 4),
+                              high=round(r.high, 4), resolved=r.resolved,
+                              **({"note": r.note} if r.note else {}))
+                         for r in rows]}
 
 
 def accuracy_table(rows: Sequence[Evidence]) -> dict[str, Any]:
     """The bands by metric from the history (``data/prediction_accuracy.json``'s body), by
     :data:`ACCURACY_RULE`, with the evidence each stands on."""
     bands: dict[str, Any] = {}
+    by_kind: dict[str, dict[str, Any]] = {}
     for metric in PREDICTED:
         if metric == "kv_capacity":
             continue
         mine = [r for r in rows if r.metric == metric]
-        res = [r for r in mine if r.resolved]
-        floor = _floor(metric)
-        worst = max(res, key=lambda r: abs(r.measured - r.predicted), default=None)
-        err = abs(worst.measured - worst.predicted) if worst is not None else 0.0
-        b = max(floor, err)
-        if worst is not None and err > floor:
-            basis = (f"the largest resolved miss, {worst.what_if} ({err * 100:.1f} pts), of "
-                     f"{len(res)} resolved in {len(mine)} checks")
-        else:
-            basis = (f"the floor ({floor * 100:.0f} pts): no resolved miss larger in "
-                     f"{len(mine)} checks")
-        bands[metric] = {"band": round(b, 4), "basis": basis,
-                         "evidence": [dict(run=r.run, what_if=r.what_if,
-                                           predicted=round(r.predicted, 4),
-                                           measured=round(r.measured, 4),
-                                           low=round(r.low, 4), high=round(r.high, 4),
-                                           resolved=r.resolved, **({"note": r.note}
-                                                                   if r.note else {}))
-                                      for r in mine]}
-    return {"rule": ACCURACY_RULE,
-            "floors": dict(FLOORS), "kv_capacity": CAPACITY_BAND, "bands": bands,
-            "by_kind": {}}
+        bands[metric] = _band_entry(metric, mine)
+        for kind in sorted({r.what_if for r in mine}):
+            theirs = [r for r in mine if r.what_if == kind]
+            if len(theirs) >= MIN_KIND_CHECKS:
+                entry = _band_entry(metric, theirs)
+                if entry["band"] != bands[metric]["band"]:
+                    by_kind.setdefault(kind, {})[metric] = entry
+    return {"rule": ACCURACY_RULE, "floors": dict(FLOORS), "kv_capacity": CAPACITY_BAND,
+            "bands": bands, "by_kind": by_kind}

@@ -47,7 +47,7 @@ from attnprof.contracts.whatif import (
     WhatifRun,
 )
 
-RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "whatif"
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "whatif-1.0"
 
 
 def _traffic(requests: float = 100, gen: float = 2000) -> Traffic:
@@ -190,6 +190,13 @@ def test_the_band_is_the_largest_resolved_miss_floored() -> None:
     assert t["itl_p50"]["band"] == FLOORS["change"]
     assert t["greedy_agreement"]["band"] == FLOORS["share"]
     assert len(t["tokens_per_s"]["evidence"]) == 3
+    # A kind gets its own band only from enough checks of its own, and only where it differs.
+    assert accuracy_table(rows)["by_kind"] == {}
+    more = [*rows, Evidence("r3", "b", "tokens_per_s", 0.0, 0.01, -0.02, 0.04),
+            Evidence("r4", "b", "tokens_per_s", 0.0, 0.035, 0.031, 0.04)]  # resolved: 3.5
+    kinds = accuracy_table(more)["by_kind"]
+    assert list(kinds) == ["b"] and kinds["b"]["tokens_per_s"]["band"] == pytest.approx(0.035)
+    assert band("tokens_per_s", "no_such_kind") == band("tokens_per_s")
 
 
 def _arm(tps: list[float | None], ttft: list[list[float | None]], itl: list[list[float | None]],
@@ -321,7 +328,7 @@ def test_a_variant_that_could_not_start_has_no_measurements() -> None:
 
 
 def test_an_old_run_loads_and_is_judged_with_todays_statistics() -> None:
-    # benchmarks/results/whatif: whatif 1.0 (no per-request values, no A/A arm) and report 2.1.
+    # benchmarks/results/whatif-1.0: whatif 1.0 (no per-request values, no A/A arm) and report 2.1.
     run = WhatifRun.from_json(json.loads((RESULTS / "whatif.json").read_text()))
     rep = Report.from_json(json.loads((RESULTS / "report.json").read_text()))
     by_id = {w.id: w for w in rep.models[0].what_ifs}
