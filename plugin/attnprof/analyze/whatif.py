@@ -321,9 +321,13 @@ def _agreement(res: VariantResult) -> _Meas | None:
                      f"{st.diverged} of {st.prompts} prompts diverged{med}; effective n "
                      f"{st.effective_n:.0f} (design effect {st.design_effect:.1f})")
     # whatif 1.0 kept no divergence positions: each prompt counts once (the worst case).
+    # Each compared prompt stops at its first disagreement, so the disagreements are the
+    # prompts that diverged.
+    diverged = a.positions - round(a.greedy_agreement * a.positions)
     lo, hi = ms.wilson(a.greedy_agreement * a.samples, a.samples)
     return _Meas(a.greedy_agreement, lo, hi, a.samples,
-                 f"whatif 1.0: {a.samples} prompts, effective n = prompts")
+                 f"{diverged} of {a.samples} prompts diverged; whatif 1.0: effective n = "
+                 "prompts")
 
 
 def _measured(res: VariantResult, floor: tuple[float, int]

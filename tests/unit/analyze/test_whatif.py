@@ -342,6 +342,10 @@ def test_an_old_run_loads_and_is_judged_with_todays_statistics() -> None:
     assert by["itl_p99"].measured is None and "too few requests" in by["itl_p99"].note
     assert by["kv_capacity"].verdict == "confirmed"
     assert v.verdict == "inconclusive"
+    # FP8's "77%" was 20 agreeing of 26 compared tokens: all 6 prompts diverged.
+    assert by["greedy_agreement"].note.startswith("6 of 6 prompts diverged")
+    g = by["greedy_agreement"]
+    assert (g.low, g.high) == pytest.approx(ms.wilson(20 / 26 * 6, 6))
 
 
 def test_vllms_capacity_for_a_window_follows_its_admission_rule() -> None:
