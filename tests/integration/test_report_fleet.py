@@ -140,7 +140,7 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert r.returncode == 0, r.stderr
     print(f"report from Prometheus: {elapsed:.1f} s")
     doc = json.loads((out / "report.json").read_text())
-    assert doc["schema_version"] == "attnprof.report/2.1" and doc["source"]["kind"] == "prometheus"
+    assert doc["schema_version"] == "attnprof.report/2.2" and doc["source"]["kind"] == "prometheus"
     (m,) = doc["models"]
     assert m["model"] == label
     assert m["traffic"]["requests"] == want["attnprof_request_context_tokens_count"]
@@ -150,6 +150,10 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert sum(m["traffic"]["context"]["counts"]) == 8
     assert m["money"]["replicas"] == 2 and "counted" in m["money"]["replicas_basis"]
     assert m["money"]["monthly_cost"] == pytest.approx(2 * 1.0 * 730 * 2.5)
+    # The autoscaled base: the replica count averaged over the range (both served all of
+    # it, scraped from its first step: 2, or a little under when a step missed a scrape).
+    assert 1.5 <= m["money"]["mean_replicas"] <= 2.0
+    assert m["money"]["mean_replicas_basis"].startswith("mean of Prometheus' replica count")
     assert m["traffic"]["max_model_len"] == 512
     assert 0 < m["time"]["attention_share"]["decode"] < 1
     assert m["kv"]["bytes_per_token"] > 0 and m["kv"]["kv_dtype"]
