@@ -61,7 +61,7 @@ def check_cells(c: Check) -> list[str]:
         verdict = MISSING
     else:
         verdict = VERDICT_WORDS[c.verdict]
-        if c.verdict == "inconclusive" and c.note and not described:
+        if c.note and not described:
             verdict += f" ({c.note})"
     return [LABELS.get(c.metric, c.metric), pred, meas, verdict]
 

@@ -240,17 +240,19 @@ class _Meas:
     note: str = ""
 
 
-def noise_floor(run: WhatifRun | None) -> tuple[float, int]:
+def noise_floor(run: WhatifRun | None, *, leave_out: VariantResult | None = None
+                ) -> tuple[float, int]:
     """The run's instance-to-instance variance of ``log(variant / baseline)`` throughput and
     its degrees of freedom, pooled over the A/A arm and every arm replicated over instance
     pairs (:func:`attnprof.analyze.measure_stats.instance_variance`); ``(0.0, 0)`` without
-    either."""
+    either. ``leave_out``: an arm left out (the A/A arm judged against the others' floor)."""
     if run is None:
         return 0.0, 0
     arms = [ms.PairedArm(r.baseline.tokens_per_s, r.variant.tokens_per_s,
                          r.variant.instances, r.control)
             for r in run.variants
-            if r.status == "measured" and r.baseline is not None and r.variant is not None]
+            if r.status == "measured" and r.baseline is not None and r.variant is not None
+            and r is not leave_out]
     return ms.instance_variance(arms)
 
 
@@ -416,17 +418,26 @@ def validate_control(res: VariantResult, source: str, run: WhatifRun | None = No
                      ) -> Validation:
     """The A/A arm (``res.control``): a second baseline measured like a variant, so every
     prediction is 0 (agreement 100%) and its checks must hold it; a check whose interval
-    excludes 0 is off (the noise floor is understated). Its throughput interval is the
-    run's floor: a variant's change inside it is not a change."""
-    got, mde = _measured(res, noise_floor(run)) if res.status == "measured" else ({}, None)
+    excludes 0 is off (the noise floor is understated). Its throughput interval carries the
+    instance variance of the other arms (replicated ones) when they have any, so holding 0
+    is a test; with the A/A arm the only source, its own offset is the floor and its interval
+    holds 0 by construction (the check says so): read its width."""
+    others = noise_floor(run, leave_out=res)
+    alone = others[1] == 0
+    floor = noise_floor(run) if alone else others
+    got, mde = _measured(res, floor) if res.status == "measured" else ({}, None)
     checks = []
     for metric in PREDICTED:
         m = got.get(metric)
         if m is None:
             continue
         truth = 1.0 if metric == "greedy_agreement" else 0.0
+        note = m.note
+        if metric == "tokens_per_s" and alone and floor[1] > 0:
+            note = ("the floor comes from this arm alone: its interval holds 0 by "
+                    "construction (its width is the floor)")
         checks.append(check(metric, truth, m.value, m.low, m.high, rounds=m.rounds,
-                            what_if="aa", note=m.note, control=True))
+                            what_if="aa", note=note, control=True))
     return _validation(res, source, checks, mde, control=True)
 
 

@@ -308,6 +308,17 @@ def test_the_aa_arm_must_hold_zero() -> None:
     assert by["tokens_per_s"].low < 0 < by["tokens_per_s"].high  # type: ignore[operator]
     assert by["tokens_per_s"].verdict != "off"
     assert by["kv_capacity"].verdict == "confirmed"
+    assert "this arm alone" in by["tokens_per_s"].note  # the only source of the floor
+    # Beside an arm replicated over instance pairs that shows little instance spread, the
+    # A/A's 5% offset is judged against the others' floor: it excludes 0, off.
+    drift = _pair("aa", 1.05, 1.0, 5, control=True)
+    steady = _pair("fp8_kv", 1.25, 0.7, 6, offsets=(0.0, 0.001, -0.001, 0.0))
+    bad = validate_control(drift, "this run", _run(drift, steady))
+    tps = {c.metric: c for c in bad.checks}["tokens_per_s"]
+    assert tps.verdict == "off" and bad.verdict == "off" and tps.note == ""
+    # The same A/A arm alone is its own floor: it holds 0.
+    alone = validate_control(drift, "this run", _run(drift))
+    assert {c.metric: c for c in alone.checks}["tokens_per_s"].verdict != "off"
     # An A/A interval that excludes 0 says the floor is understated: off, even inside the
     # band a variant would be allowed.
     assert check("tokens_per_s", 0.0, 0.02, 0.01, 0.03, rounds=8, control=True).verdict \
