@@ -21,8 +21,8 @@ from attnprof.cli._common import (
     price_arg,
 )
 
-__all__ = ["add_mean_replicas_flag", "add_parser", "gather", "mean_replicas_arg",
-           "print_savings", "write_report"]
+__all__ = ["add_fleet_flags", "add_parser", "gather", "mean_replicas_arg", "print_savings",
+           "write_report"]
 
 
 def _positive_float(text: str) -> float:
@@ -36,24 +36,30 @@ def _positive_float(text: str) -> float:
 
 
 def mean_replicas_arg(text: str) -> float:
-    """argparse type of ``--mean-replicas``: a finite number > 0 (a usage error otherwise)."""
+    """argparse type of ``--mean-replicas`` and ``--replica-max-tokens-per-s``: a finite
+    number > 0 (a usage error otherwise)."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number (e.g. 3.2)") from None
     if not math.isfinite(x) or x <= 0:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r}: the mean replicas must be a "
-                                         "finite number > 0") from None
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: must be a finite number > 0"
+                                         ) from None
     return x
 
 
-def add_mean_replicas_flag(p: argparse.ArgumentParser) -> None:
-    """``--mean-replicas`` (report and whatif): the autoscaled figures' base."""
+def add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """``--mean-replicas`` and ``--replica-max-tokens-per-s`` (report and whatif): the
+    autoscaled figures' base and the compute ceiling of a KV saving."""
     p.add_argument("--mean-replicas", type=mean_replicas_arg, default=None, metavar="X",
                    help="the fleet's mean replicas over the period (e.g. 3.2 of 8 at 40%% "
                         "average load): the base of the autoscaled savings (default: the "
                         "mean of Prometheus' replica count over --range; without either the "
                         "autoscaled figure is per replica-month only)")
+    p.add_argument("--replica-max-tokens-per-s", type=mean_replicas_arg, default=None,
+                   metavar="R", help="one replica's tokens/s at saturation (measured): a KV "
+                   "saving never leaves fewer replicas than the fleet's tokens/s / R "
+                   "(default: the observed rate per replica, so a KV saving removes none)")
 
 
 def add_parser(sub: Any) -> None:
@@ -87,7 +93,7 @@ def add_parser(sub: Any) -> None:
                    help="rank the savings by what an autoscaled fleet saves (fractional "
                         "replicas) instead of the whole replicas a fixed fleet removes; "
                         "both figures are printed either way")
-    add_mean_replicas_flag(p)
+    add_fleet_flags(p)
     p.add_argument("--gpus-per-replica", type=_positive_float, default=None,
                    help="GPUs per replica (default: the workers the source reports)")
     p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
@@ -160,8 +166,12 @@ def gather(args: argparse.Namespace) -> Any:
     except rs.ReportInputError as err:
         raise CliError(str(err)) from None
     mean = getattr(args, "mean_replicas", None)
-    for inp in g.inputs if mean is not None else []:  # the flag over Prometheus' mean
-        inp.mean_replicas, inp.mean_replicas_basis = mean, "--mean-replicas"
+    max_tps = getattr(args, "replica_max_tokens_per_s", None)
+    for inp in g.inputs:
+        if mean is not None:  # the flag over Prometheus' mean
+            inp.mean_replicas, inp.mean_replicas_basis = mean, "--mean-replicas"
+        if max_tps is not None:
+            inp.replica_max_tokens_per_s = max_tps
     return g
 
 

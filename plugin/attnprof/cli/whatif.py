@@ -25,7 +25,7 @@ __all__ = ["add_parser"]
 
 
 def add_parser(sub: Any) -> None:
-    from attnprof.cli.report import add_mean_replicas_flag
+    from attnprof.cli.report import add_fleet_flags
     from attnprof.cli.snapshot import add_api_key_flag
 
     p = sub.add_parser(
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--autoscaled", action="store_true",
                    help="rank savings by the autoscaled (fractional) figure instead of whole "
                         "replicas removed at a fixed fleet")
-    add_mean_replicas_flag(p)
+    add_fleet_flags(p)
     p.add_argument("--out", type=out_dir_arg, default=Path("attnprof-out"),
                    help="output directory (default attnprof-out)")
     p.add_argument("--timeout", type=float, default=30.0,

@@ -102,14 +102,16 @@ def test_a_without_the_mean_replicas_the_autoscaled_figure_is_per_replica_month(
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "x"])
-def test_a_mean_replicas_flag_is_checked(bad: str, tmp_path: Path,
+@pytest.mark.parametrize("flag", ["--mean-replicas", "--replica-max-tokens-per-s"])
+def test_a_mean_replicas_flag_is_checked(bad: str, flag: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     for cmd in ("report", "whatif"):
         with pytest.raises(SystemExit) as exc:
-            main([cmd, str(DEMO), "--mean-replicas", bad, "--out", str(tmp_path)])
+            main([cmd, str(DEMO), flag, bad, "--out", str(tmp_path)])
         assert exc.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "--mean-replicas" in err[0]
+        assert len(err) == 1 and flag in err[0]
+        assert "> 0" in err[0] or "not a number" in err[0]
 
 
 def test_a_mean_replicas_flag_is_the_autoscaled_base(tmp_path: Path,
@@ -119,10 +121,11 @@ def test_a_mean_replicas_flag_is_the_autoscaled_base(tmp_path: Path,
         p["started_at"] = doc["snapshot"]["time"] - 100.0
     src = tmp_path / "demo.json"
     src.write_text(json.dumps(doc))
-    assert main(["report", str(src), "--mean-replicas", "3.2", "--out",
-                 str(tmp_path / "o")]) == 0
+    assert main(["report", str(src), "--mean-replicas", "3.2", "--replica-max-tokens-per-s",
+                 "900", "--out", str(tmp_path / "o")]) == 0
     (m,) = json.loads((tmp_path / "o" / "report.json").read_text())["models"]
     assert m["money"]["mean_replicas"] == 3.2
+    assert m["money"]["replica_max_tokens_per_s"] == 900.0
     assert m["money"]["mean_replicas_basis"] == "--mean-replicas"
     for w in m["what_ifs"]:
         a = w["autoscaled"]
