@@ -513,6 +513,10 @@ def _window_what_ifs(inp: CostInputs, fleet: _Fleet, flags: FlagChecks) -> list[
         Apply(flag_list, supported, needs, f"vllm {flags.version}: "
               f"--hf-overrides {'accepted' if flags.hf_overrides else 'missing'}; "
               f"{flags.layer_types_detail}"), notes))
+    if w.replay is not None and not w.safe:
+        # Quality before money: a replay below its target is not a saving to rank.
+        out[0].ranked = False
+        out[0].not_ranked = "the replay's agreement is below its target"
     hs = w.head_split
     if hs is not None and hs.windowed_kv_heads > 0 and hs.kv_memory_saving > w.kv_saving:
         ts2 = _time_saving(inp.time, hs.attention_flop_saving, hs.kv_memory_saving)

@@ -268,9 +268,14 @@ def test_replay_evidence_sets_confidence() -> None:
     assert w.evidence_detail.startswith("99.5% greedy agreement")
     bad = ReplayEvidence(agreement=0.8, mean_kl=0.2, positions=400, safe=False,
                          verdict="not safe")
-    w = _get(build_model_report(_inputs(window=_window(replay=bad)), Settings(), FLAGS),
-             "window")
+    rep = build_model_report(_inputs(window=_window(replay=bad)), Settings(), FLAGS)
+    w = _get(rep, "window")
     assert w.confidence == "low" and any("do not apply" in n for n in w.notes)
+    # Quality before money: listed with its reason, never ranked as a saving.
+    assert not w.ranked and "below its target" in w.not_ranked
+    assert "window" not in rep.ranking
+    assert "window" in build_model_report(_inputs(window=_window(replay=ok)), Settings(),
+                                           FLAGS).ranking
 
 
 def test_max_model_len_saves_nothing_and_says_why() -> None:
