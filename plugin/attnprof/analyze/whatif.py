@@ -36,10 +36,10 @@ from attnprof.contracts.whatif import (
 )
 
 __all__ = ["ACCURACY_FILE", "ACCURACY_RULE", "CAPACITY_BAND", "FLOORS", "MIN_KIND_CHECKS",
-           "MONEY_METRICS", "PREDICTED", "Evidence", "accuracy_table", "band", "check",
-           "draw_lengths", "evidence", "noise_floor", "paired_interval", "predictions",
-           "revalidate", "shape_from_report", "validate", "validate_control",
-           "vllm_window_capacity_gain"]
+           "MONEY_METRICS", "PREDICTED", "Evidence", "accuracy_table", "arm_floor", "band",
+           "check", "draw_lengths", "evidence", "measured_changes", "noise_floor",
+           "paired_interval", "predictions", "revalidate", "shape_from_report", "validate",
+           "validate_control", "vllm_window_capacity_gain"]
 
 CAPACITY_BAND = 0.02
 """KV capacity is arithmetic (bytes / bytes per token), off only by block rounding: 2%."""
@@ -256,6 +256,39 @@ def noise_floor(run: WhatifRun | None, *, leave_out: VariantResult | None = None
     return ms.instance_variance(arms)
 
 
+def arm_floor(res: VariantResult, run: WhatifRun | None) -> tuple[tuple[float, int], bool]:
+    """The instance floor ``res`` is judged with, and whether it is the arm's own: a variant
+    takes the run's (:func:`noise_floor`); the A/A arm the other arms' when they give one
+    (so holding 0 is a test), else its own (True: it holds 0 by construction)."""
+    if res.control:
+        others = noise_floor(run, leave_out=res)
+        if others[1] > 0:
+            return others, False
+        return noise_floor(run), True
+    return noise_floor(run), False
+
+
+def measured_changes(res: VariantResult, run: WhatifRun | None) -> dict[str, Interval]:
+    """``VariantResult.changes`` of a measured arm: throughput as a log-ratio interval with
+    the arm's instance floor (:func:`arm_floor`), TTFT and ITL p50/p99 by the paired
+    bootstrap (a quantile of too few requests left out): the intervals the checks show."""
+    b, v = res.baseline, res.variant
+    if res.status != "measured" or b is None or v is None:
+        return {}
+    (var_u, df_u), _ = arm_floor(res, run)
+    out: dict[str, Interval] = {}
+    tps = ms.log_ratio_interval(b.tokens_per_s, v.tokens_per_s, instance_var=var_u,
+                                instance_df=df_u or None, instances=res.instances)
+    if tps is not None:
+        out["tokens_per_s"] = tps
+    for metric in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        per_request, _, q = _LATENCY[metric]
+        got = ms.paired_bootstrap_quantile(getattr(b, per_request), getattr(v, per_request), q)
+        if got is not None:
+            out[metric] = got
+    return out
+
+
 def _throughput(res: VariantResult, floor: tuple[float, int]) -> tuple[_Meas | None,
                                                                        float | None]:
     b, v = res.baseline, res.variant
@@ -422,9 +455,7 @@ def validate_control(res: VariantResult, source: str, run: WhatifRun | None = No
     instance variance of the other arms (replicated ones) when they have any, so holding 0
     is a test; with the A/A arm the only source, its own offset is the floor and its interval
     holds 0 by construction (the check says so): read its width."""
-    others = noise_floor(run, leave_out=res)
-    alone = others[1] == 0
-    floor = noise_floor(run) if alone else others
+    floor, alone = arm_floor(res, run)
     got, mde = _measured(res, floor) if res.status == "measured" else ({}, None)
     checks = []
     for metric in PREDICTED:

@@ -22,6 +22,7 @@ from attnprof.analyze.whatif import (
     band,
     check,
     draw_lengths,
+    measured_changes,
     noise_floor,
     paired_interval,
     predictions,
@@ -316,6 +317,9 @@ def test_the_aa_arm_must_hold_zero() -> None:
     bad = validate_control(drift, "this run", _run(drift, steady))
     tps = {c.metric: c for c in bad.checks}["tokens_per_s"]
     assert tps.verdict == "off" and bad.verdict == "off" and tps.note == ""
+    # whatif.json's changes carry the same interval the check shows.
+    got = measured_changes(drift, _run(drift, steady))["tokens_per_s"]
+    assert (got.low, got.high) == pytest.approx((tps.low, tps.high))
     # The same A/A arm alone is its own floor: it holds 0.
     alone = validate_control(drift, "this run", _run(drift))
     assert {c.metric: c for c in alone.checks}["tokens_per_s"].verdict != "off"
