@@ -41,8 +41,10 @@ inconclusive: anything else (it straddles an edge, there is no interval, one rou
 
 @dataclass
 class Interval(Record):
-    """A relative change (variant / baseline - 1) over paired rounds: the mean and a 95%
-    Student-t interval of the per-round changes (low = high = mean with one round)."""
+    """A relative change (variant / baseline - 1) with its 95% interval: throughput from the
+    paired rounds' log-ratios (with the instance floor), a latency quantile from the pooled
+    per-request values' paired bootstrap (1.0 files: a Student-t interval of the per-round
+    changes); low = high = mean with one round."""
 
     mean: float
     low: float
@@ -130,7 +132,8 @@ class VariantResult(Record):
     variant: ArmStats | None = None
     changes: dict[str, Interval] = field(default_factory=dict)
     """Relative change per metric: ``tokens_per_s``, ``ttft_p50``, ``ttft_p99``,
-    ``itl_p50``, ``itl_p99``."""
+    ``itl_p50``, ``itl_p99`` (a quantile of too few requests is absent:
+    :func:`attnprof.analyze.whatif.measured_changes`)."""
     agreement: Agreement | None = None
     seconds: float = 0.0
     control: bool = False
