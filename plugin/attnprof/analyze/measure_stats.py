@@ -114,6 +114,11 @@ def t_quantile(p: float, df: float) -> float:
 
 # --- Throughput: paired log-ratios ---------------------------------------------------------
 
+def _change(x: float) -> float:
+    """``exp(x) - 1`` of a log-ratio, saturating where exp would overflow."""
+    return math.expm1(min(x, 700.0))
+
+
 def log_ratios(base: Sequence[float | None], var: Sequence[float | None]) -> list[float]:
     """``log(var_r / base_r)`` of each round with both sides positive and finite."""
     return [x for _, x in _log_ratios(base, var)]
@@ -142,20 +147,20 @@ def log_ratio_interval(base: Sequence[float | None], var: Sequence[float | None]
     m = statistics.fmean(d)
     n = len(d)
     if n < 2:
-        c = math.expm1(m)
+        c = _change(m)
         return Interval(c, c, c, 1)
     within = statistics.variance(d) / n
     inst = max(0.0, instance_var) / max(1, instances)
     total = within + inst
     if total <= 0.0:
-        c = math.expm1(m)
+        c = _change(m)
         return Interval(c, c, c, n)
     den = within * within / (n - 1)
     if inst > 0.0 and instance_df:
         den += inst * inst / instance_df
     df = total * total / den if den > 0 else math.inf
     half = t_quantile(0.975, df) * math.sqrt(total)
-    return Interval(math.expm1(m), math.expm1(m - half), math.expm1(m + half), n)
+    return Interval(_change(m), _change(m - half), _change(m + half), n)
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,7 @@ def mde(sd_log: float, rounds: int, *, instance_var: float = 0.0, instances: int
     if rounds < 2:
         return math.inf
     se = math.sqrt(sd_log * sd_log / rounds + max(0.0, instance_var) / max(1, instances))
-    return math.expm1(_power_quantiles(rounds - 1) * se)
+    return _change(_power_quantiles(rounds - 1) * se)
 
 
 def rounds_for_mde(target: float, sd_log: float, *, instance_var: float = 0.0,

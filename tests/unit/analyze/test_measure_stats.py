@@ -66,6 +66,9 @@ def test_a_round_missing_a_side_is_left_out_and_one_round_has_no_width() -> None
     assert iv is not None and iv.rounds == 1
     assert iv.mean == iv.low == iv.high == pytest.approx(0.5)
     assert log_ratio_interval([None], [1.0]) is None
+    # Absurd spreads saturate instead of overflowing.
+    wild = log_ratio_interval([1.0, 1.0, 1.0], [1e-300, 1e300, 1.0])
+    assert wild is not None and math.isfinite(wild.high) and wild.low > -1.0 - 1e-12
 
 
 def test_the_instance_variance_comes_from_the_aa_arm_and_replicated_arms() -> None:
