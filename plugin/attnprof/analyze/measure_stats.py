@@ -139,8 +139,9 @@ def log_ratio_interval(base: Sequence[float | None], var: Sequence[float | None]
     is the variance of one instance pair's offset (:func:`instance_variance`), divided by the
     ``instances`` pairs the rounds ran on and added to the rounds' own variance of the mean;
     the degrees of freedom are Satterthwaite's (``instance_df`` None: the component taken as
-    known). A round missing either side or non-positive is left out; None without any
-    round; one round: low = high = mean (no interval: its verdict is inconclusive)."""
+    known), and the interval is never narrower than the rounds' own. A round missing either
+    side or non-positive is left out; None without any round; one round: low = high = mean
+    (no interval: its verdict is inconclusive)."""
     d = log_ratios(base, var)
     if not d:
         return None
@@ -160,6 +161,10 @@ def log_ratio_interval(base: Sequence[float | None], var: Sequence[float | None]
         den += inst * inst / instance_df
     df = total * total / den if den > 0 else math.inf
     half = t_quantile(0.975, df) * math.sqrt(total)
+    if within > 0.0:
+        # Satterthwaite's df exceeds the rounds' when a well-known floor meets few rounds:
+        # adding a variance must never narrow the rounds' own interval.
+        half = max(half, t_quantile(0.975, n - 1) * math.sqrt(within))
     return Interval(_change(m), _change(m - half), _change(m + half), n)
 
 

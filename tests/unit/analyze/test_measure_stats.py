@@ -8,6 +8,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnprof.analyze.measure_stats import (
     PairedArm,
@@ -190,3 +192,35 @@ def test_the_verdict_has_three_states() -> None:
     assert verdict(0.10, 0.05, None, None, 4) == "inconclusive"
     assert verdict(3.0, 0.02, 3.0, 3.0, None) == "confirmed"  # an exact figure
 
+
+
+_rates = st.lists(st.floats(min_value=1.0, max_value=1e4), min_size=2, max_size=12)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(base=_rates, ratios=_rates, inst=st.floats(min_value=0.0, max_value=0.1),
+       df=st.none() | st.integers(min_value=1, max_value=10))
+def test_a_log_ratio_interval_holds_its_mean_and_widens_with_the_floor(
+        base: list[float], ratios: list[float], inst: float, df: int | None) -> None:
+    var = [b * r / 1e2 for b, r in zip(base, ratios, strict=False)]
+    iv = log_ratio_interval(base, var)
+    wide = log_ratio_interval(base, var, instance_var=inst, instance_df=df)
+    assert iv is not None and wide is not None
+    assert iv.low <= iv.mean <= iv.high and wide.low <= wide.mean <= wide.high
+    assert wide.mean == iv.mean
+    assert wide.high >= iv.high - 1e-9 * abs(iv.high) and wide.low <= iv.low + 1e-9
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(pred=st.floats(-1, 1), band=st.floats(0, 0.5), a=st.floats(-2, 2), b=st.floats(-2, 2),
+       rounds=st.integers(0, 10))
+def test_the_three_verdicts_partition_every_interval(pred: float, band: float, a: float,
+                                                      b: float, rounds: int) -> None:
+    low, high = min(a, b), max(a, b)
+    v = verdict(pred, band, low, high, rounds)
+    inside = pred - band <= low and high <= pred + band
+    outside = low > pred + band or high < pred - band
+    if rounds < 2:
+        assert v == "inconclusive"
+    else:
+        assert v == ("confirmed" if inside else "off" if outside else "inconclusive")
