@@ -679,6 +679,8 @@ FLAGS: dict[str, Kind] = {
     "report --gpus-per-replica": float_kind(0, 4096, lo_open=True), "report --out": OUT_DIR,
     "report --timeout": float_kind(0, 3600, lo_open=True),
     **{f"report {k}": v for k, v in _MEASURE.items()},
+    **{f"{c} {f}": float_kind(0, lo_open=True) for c in ("report", "whatif")
+       for f in ("--mean-replicas", "--replica-max-tokens-per-s")},
     "whatif files": in_file("snap"), "whatif --url": URL_KIND, "whatif --api-key": API_KEY,
     "whatif --gpu-hour-price": PRICE, "whatif --out": OUT_DIR,
     "whatif --timeout": float_kind(0, 3600, lo_open=True),
