@@ -6,13 +6,17 @@ formula, inputs, evidence and how to apply it. Never opens a socket or reads a f
 flag checks against the installed vLLM come in as :class:`FlagChecks` (tools/vllm_flags.py).
 
 The model of money is deliberately simple and printed in full (``FORMULAS``): the fleet is
-billed per GPU-hour whether busy or not; a KV-bound fleet is sized by memory (a KV saving s
-lets each replica hold 1/(1-s) times the sequences), any other fleet by compute (a time
-saving t needs 1-t of the GPU-hours for the same tokens). Each saving is stated twice: what
-a fixed replica count banks (whole replicas removed, never more than those counted: the
-headline) and what an autoscaled fleet would (the fractional share). A what-if never claims
-more than its own saving, alternatives are never added, and a saving that a flag cannot
-apply says what change it needs.
+billed per GPU-hour whether busy or not; a KV-bound fleet is sized by the memory it holds at
+its peak (a KV saving s shrinks it to 1-s), never below the replicas its tokens/s need (the
+compute floor), any other fleet by compute (a time saving t needs 1-t of the GPU-hours for
+the same tokens). Each saving is stated twice: what a fixed replica count banks (whole
+replicas removed, never more than those counted: the headline) and what an autoscaled fleet
+would (the fractional share of its mean replicas; per replica-month when they are unknown).
+A measured saving banks the lower bound of its interval. A what-if never claims more than
+its own saving, alternatives are never added, a saving that a flag cannot apply says what
+change it needs, and one whose quality is not shown (a variant that could not start,
+agreement below target) is never ranked. The savings lines are rendered from the result by
+exporters/money.py.
 """
 
 from __future__ import annotations
