@@ -431,7 +431,18 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lines += ["", "Latency changes: the quantile of pooled per-request values, paired request "
               "by request (same block, same request) with a percentile bootstrap "
               "(`analyze.measure_stats.paired_bootstrap_quantile`); ITL is each request's "
-              "mean gap between streamed tokens.", "",
+              "mean gap between streamed tokens; n/a: too few paired requests for the "
+              "quantile."]
+    spurious = [f"{m.upper()} {q}" for m in ("ttft", "itl") for q in ("p50", "p99")
+                if (iv := aa.get(f"{m}_{q}_change")) and not iv["low"] <= 0.0 <= iv["high"]]
+    if spurious:
+        lines += ["", f"**The A/A's {', '.join(spurious)} interval(s) exclude 0**: identical "
+                  f"settings on both sides, so these latency intervals are narrower than this "
+                  f"run's noise. The bootstrap resamples requests within a round, and the "
+                  f"requests of one round share its slowdown (another job's burst slows all "
+                  f"six), so the round-to-round part of the noise is left out. Read the "
+                  f"latency columns as descriptive, not as a verdict."]
+    lines += ["",
               "| arm | rounds | mean tok/s | requests | TTFT p50 ms | TTFT p99 ms | "
               "ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|---|---|---|"]
     for a in res["arms"].values():
@@ -439,11 +450,17 @@ def markdown(res: dict[str, Any]) -> list[str]:
                      f"| {a['ttft_requests']} | {_ms(a['ttft_p50_s'])} | {_ms(a['ttft_p99_s'])} "
                      f"| {_ms(a['itl_p50_s'])} | {_ms(a['itl_p99_s'])} |")
     d = res["sampler_delta"]
+    sampling = [k for k, a in res["arms"].items() if a["sample_rate"] > 0]
+    sampling_s = sum(r["wall_s"] for r in res.get("rounds", []) if r["arm"] in sampling) \
+        or res["rounds_s"]
     lines += ["", f"attnprof's own count over the rounds (all arms): {d['seen']:.0f} steps "
               f"seen, {d['sampled']:.0f} sampled ({d['sampled_long']:.0f} in the long-prefill "
               f"stratum), {d['head_stats_steps']:.0f} with head statistics; self time "
-              f"{d['self_time_s']:.2f} s ({d['self_time_s'] / res['rounds_s'] * 100:.2f}% of the "
-              f"rounds' wall time), {d['throttles']:.0f} budget throttles, "
+              f"{d['self_time_s']:.2f} s ({d['head_stats_time_s']:.2f} s of it head statistics),"
+              f" {d['self_time_s'] / sampling_s * 100:.2f}% of the wall time of the rounds "
+              f"that sampled ({', '.join(sampling)}): attnprof's own account of its cost there, "
+              f"which this run cannot check at its resolution; {d['throttles']:.0f} budget "
+              f"throttles, "
               f"{d['errors']:.0f} internal errors, {d['dropped']:.0f} statistics dropped.", "",
               "What this does not measure: the plugin being loaded at all (its unsampled step "
               "hook, below, runs in every arm), and the long-prefill stratum (off in every "

@@ -204,8 +204,14 @@ def test_the_page_says_whether_the_goal_was_reached(ot: Any) -> None:
     assert "holds 0" in text or "does NOT hold 0" in text
     done = _run(ot, {"on": -0.01}, 0.002, arms, plan)
     assert done.stopped_by == "target"
-    text = "\n".join(ot.markdown(_result(ot, done, arms, plan)))
+    res = _result(ot, done, arms, plan)
+    text = "\n".join(ot.markdown(res))
     assert "was reached" in text and "not** reached" not in text
+    assert "exclude 0" not in text
+    # An A/A latency interval that excludes 0 flags the latency columns as descriptive.
+    res["contrasts"]["aa"]["ttft_p99_change"] = {"mean": 0.2, "low": 0.08, "high": 0.23,
+                                                 "rounds": 20}
+    assert "The A/A's TTFT p99 interval(s) exclude 0" in "\n".join(ot.markdown(res))
 
 
 def test_overhead_page_keeps_the_soak_section(ot: Any, tmp_path: Path,
