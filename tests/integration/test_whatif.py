@@ -76,6 +76,7 @@ def test_whatif_measures_max_model_len_and_says_why_a_variant_could_not_start(
             [len(x) for x in res.variant.itl_per_request_s]
         assert all(t is not None and t > 0 for x in b + v for t in x)
     # Round r replays the same requests in every arm.
+    assert aa.baseline is not None and mml.baseline is not None
     assert [len(x) for x in aa.baseline.ttft_per_request_s] == \
         [len(x) for x in mml.baseline.ttft_per_request_s]
     # vLLM's own figure, read here from its log independently of the runner.

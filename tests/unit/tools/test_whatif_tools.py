@@ -243,10 +243,10 @@ def test_mde_sizes_the_rounds_from_the_pilot_and_says_when_the_cap_binds() -> No
 def test_the_a_a_arm_is_planned_and_only_an_explicit_flag_drops_it() -> None:
     v = [Variant("fp8_kv", ["--kv-cache-dtype fp8"])]
     on = RunConfig(Path("."), [], rounds=2)
-    assert on.control
+    assert on.control and on.instances == 2
     off = RunConfig(Path("."), [], rounds=2, control=False)
-    # A/A: 2 starts + 2 x 2 rounds (no agreement); the variant: the same + 1 agreement.
-    assert planned_units(on, v) - planned_units(off, v) == 2 + 2 * 2
+    # A/A: 2 pairs x 2 starts + 2 rounds x 2 arms (no agreement).
+    assert planned_units(on, v) - planned_units(off, v) == 2 * 2 + 2 * 2
 
 
 def test_agreement_prompts_are_sized_to_the_band_and_capped() -> None:
