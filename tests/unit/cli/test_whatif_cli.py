@@ -88,3 +88,18 @@ def test_the_baseline_is_the_recorded_flags_then_baseline_args() -> None:
                         command=["attnprof", "golden"])
     args, basis = baseline_args(SimpleNamespace(provenance=golden), 1024, [])
     assert args == ["--max-model-len", "1024"] and "vLLM's defaults" in basis
+
+
+def test_the_runs_own_command_line_keeps_no_secret_given_inside_vllm_flags() -> None:
+    from attnprof.cli._measure import own_argv
+    from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
+
+    argv = ["attnprof", "whatif", "rec.json", "--baseline-args",
+            "--api-key sk-live-123 --max-model-len 2048",
+            "--variant=--hf-token hf_abc --kv-cache-dtype fp8", "--api-key", "k-777"]
+    prov = Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
+                      hardware=Hardware(type="cpu"), model=ModelIdentity(name="m"),
+                      command=own_argv(argv))
+    text = " ".join(prov.command)
+    assert not any(s in text for s in ("sk-live-123", "hf_abc", "k-777")), text
+    assert "--max-model-len 2048" in text and "--kv-cache-dtype fp8" in text
