@@ -604,6 +604,9 @@ _MEASURE: dict[str, Kind] = {
     "--variant": _vllm_flags(False), "--baseline-args": _vllm_flags(True),
     "--rounds": int_kind(1, 50), "--duration": DURATION, "--concurrency": int_kind(1, 256),
     "--seed": int_kind(0, 2**32 - 1), "--keep-logs": OUT_DIR,
+    "--mde": float_kind(0, 1, lo_open=True, hi_open=True), "--max-rounds": int_kind(2, 50),
+    "--instances": int_kind(1, 8),
+    "--device-plan": _choice(["auto", "side_by_side", "turns"], ["gpu", "split"]),
 }
 
 FLAGS: dict[str, Kind] = {
