@@ -163,6 +163,22 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert m["kv"]["usage_over_time"], "the fleet's KV usage over the range"
     for name in ("report.html", "report.md"):
         assert (out / name).stat().st_size > 1000
+    # --replicas 8 bills 8 replicas but never multiplies Prometheus' sum over the 2 it
+    # scraped: GPU-hours per 1M tokens stay the scraped replicas' own. Two more requests
+    # once Prometheus holds the series, so its rate over the range is not 0 (a series is
+    # born with its first requests already in it).
+    for i in range(2):
+        assert post_json(bases[0] + "/v1/completions",
+                         {"model": served, "prompt": "one more request " * (2 + i),
+                          "max_tokens": 3, "temperature": 0})["choices"]
+    prom.wait_for("sum(attnprof_request_context_tokens_count) >= 10", timeout=60)
+    r = _cli("report", "--prometheus", prom.url, "--replicas", "8", "--out",
+             str(tmp_path / "eight"))
+    assert r.returncode == 0, r.stderr
+    (m8,) = json.loads((tmp_path / "eight" / "report.json").read_text())["models"]
+    assert m8["money"]["replicas"] == 8 and m8["money"]["monthly_gpu_hours"] == 8 * 730.0
+    assert m8["money"]["gpu_hours_per_mtok"] == pytest.approx(
+        2 * m8["money"]["gpus_per_replica"] / (m8["traffic"]["tokens_per_s"] * 3600) * 1e6)
     # `--model` names it, and `--range` within the data works too (once Prometheus holds
     # more than the range: 8 of 10 one-second scrapes of every series).
     prom.wait_for("min(count_over_time(attnprof_request_context_tokens_count[10s])) >= 8",
