@@ -309,8 +309,10 @@ def test_fp8_absent_when_already_fp8_and_savings_ranked() -> None:
 
 
 def test_a_kv_saving_that_frees_no_whole_replica_saves_nothing() -> None:
-    inp = _inputs("kv_bound")
-    inp.replicas, inp.kv.peak_concurrency = 1, 10.0  # one replica holds 166 sequences
+    inp = _headroom(_inputs("kv_bound"))
+    inp.replicas = 1  # 30% of its memory held at the peak: 1 replica now, 1 after
+    inp.mean_replicas = 1.0
+    inp.kv.usage_peak, inp.kv.preemptions = 0.3, 0.0
     w = _get(build_model_report(inp, Settings(gpu_hour_price=2.0), FLAGS), "fp8_kv")
     assert (w.replicas_now, w.replicas_after, w.replicas_removed) == (1, 1, 0)
     assert w.monthly_saving == 0.0 and w.kv_saving == pytest.approx(0.5)
@@ -344,8 +346,7 @@ def test_savings_rank_by_the_fixed_fleet_unless_autoscaled() -> None:
 
 def test_a_fixed_zero_ranks_after_the_fixed_savings_and_a_double_zero_is_dropped() -> None:
     inp = _ranked_inputs()
-    inp.kv.peak_concurrency = 10.0  # 1 replica needed of 4, before and after: fixed 0
-    inp.kv.verdict = "compute_bound"
+    inp.kv.verdict = "compute_bound"  # compute sizes it: the time savings decide
     inp.replicas = 20  # compute: the window's t removes 1 of 20; FP8's t (14%) removes 2
     rep = build_model_report(inp, Settings(), FLAGS)
     assert [s.split(":")[0] for s in _lines(rep)][:3] == [
