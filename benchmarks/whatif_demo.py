@@ -6,7 +6,8 @@ arm's row (its interval must hold 0).
 Run: ``make whatif-table`` (about 20 minutes on 2 cores: the demo when attnprof-out/demo.json
 is missing, then the what-ifs and the A/A arm on two instance pairs each, rounds sized for
 :data:`MDE` up to :data:`MAX_ROUNDS`). ``--from DIR`` only re-renders the table from a run's
-whatif.json and report.json. Results: benchmarks/results/whatif/.
+whatif.json and report.json, judged again from the run's raw values with today's statistics
+and bands. Results: benchmarks/results/whatif/.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attnprof.analyze.whatif import measured_changes, revalidate
 from attnprof.contracts.report import Report
 from attnprof.contracts.whatif import Validation, WhatifRun
 from attnprof.exporters.report_validation import (
@@ -121,6 +123,11 @@ def table(run_doc: WhatifRun, rep: Report, wall: float | None) -> str:
                         f"{(res.reason or '').replace('|', '/')} | — |")
             continue
         v = m.noise_floor if res.control else (w.validation if w is not None else None)
+        # Judged again from the run's raw per-round and per-request values with today's
+        # statistics and bands, so a re-render after a statistics change is not stale.
+        res.changes = measured_changes(res, run_doc)
+        if v is not None:
+            v = revalidate(v, res, run_doc, res.what_if)
         rows += _rows(name, res, v)
         if w is not None and w.measured_beside is not None:
             rows.append(f"| {name} | money | — | shown beside the estimate, not adopted: "

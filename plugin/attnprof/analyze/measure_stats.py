@@ -275,30 +275,50 @@ def _pairs(base_rounds: Sequence[Sequence[float | None]],
 
 def paired_bootstrap_quantile(base_rounds: Sequence[Sequence[float | None]],
                               var_rounds: Sequence[Sequence[float | None]], q: float, *,
-                              seed: int = 0, n_boot: int = 2000) -> Interval | None:
+                              seed: int = 0, n_boot: int = 2000,
+                              clusters: Sequence[int] | None = None) -> Interval | None:
     """The relative change of the ``q`` quantile of per-request values pooled over rounds,
     ``Q(var) / Q(base) - 1``, with a 95% percentile bootstrap over pairs (the same request,
-    (round, index), in both arms; resampled within its round, so every round keeps its
-    share). None below :func:`min_requests` pairs or with a zero baseline quantile
-    (``rounds`` of the interval: the rounds that held a pair)."""
-    rounds = _pairs(base_rounds, var_rounds)
-    n = sum(len(r) for r in rounds)
+    (round, index), in both arms). None below :func:`min_requests` pairs or with a zero
+    baseline quantile (``rounds`` of the interval: the rounds that held a pair).
+
+    The resample follows how the data was made (a hierarchical bootstrap): ``clusters`` (one
+    id per round, e.g. the server instance pair that served it) are drawn with replacement,
+    then rounds within each drawn cluster, then requests within each drawn round. A round's
+    requests share its moment on the machine (contention slows all of them at once) and an
+    instance's rounds share the instance: resampling requests alone treats both as fixed and
+    gave an A/A interval that excluded 0 (the overhead toggle's TTFT, H4). Without
+    ``clusters`` each round is its own cluster; with one round, requests alone."""
+    paired = _pairs(base_rounds, var_rounds)
+    n = sum(len(r) for r in paired)
     if n < min_requests(q):
         return None
-    qb = quantile([x for r in rounds for x, _ in r], q)
+    qb = quantile([x for r in paired for x, _ in r], q)
     if qb <= 0:
         return None
-    point = quantile([y for r in rounds for _, y in r], q) / qb - 1.0
+    point = quantile([y for r in paired for _, y in r], q) / qb - 1.0
+    # Group the rounds that held a pair by cluster (the rounds' order, as _pairs keeps it).
+    ids = list(clusters) if clusters is not None else list(range(len(base_rounds)))
+    kept = [ids[i] if i < len(ids) else i
+            for i, (b, v) in enumerate(zip(base_rounds, var_rounds, strict=False))
+            if _pairs([b], [v])]
+    groups: dict[int, list[list[tuple[float, float]]]] = {}
+    for cid, r in zip(kept, paired, strict=True):
+        groups.setdefault(cid, []).append(r)
+    tops = list(groups.values())
     rng = random.Random(seed)
     stats = []
     for _ in range(n_boot):
         bs: list[float] = []
         vs: list[float] = []
-        for r in rounds:
-            for _ in range(len(r)):
-                x, y = r[rng.randrange(len(r))]
-                bs.append(x)
-                vs.append(y)
+        for _c in range(len(tops)):
+            rounds = tops[rng.randrange(len(tops))] if len(paired) > 1 else tops[0]
+            for _r in range(len(rounds)):
+                r = rounds[rng.randrange(len(rounds))] if len(paired) > 1 else rounds[0]
+                for _ in range(len(r)):
+                    x, y = r[rng.randrange(len(r))]
+                    bs.append(x)
+                    vs.append(y)
         b = quantile(bs, q)
         if b > 0:
             stats.append(quantile(vs, q) / b - 1.0)
@@ -307,7 +327,7 @@ def paired_bootstrap_quantile(base_rounds: Sequence[Sequence[float | None]],
     stats.sort()
     lo = stats[int(0.025 * (len(stats) - 1))]
     hi = stats[math.ceil(0.975 * (len(stats) - 1))]
-    return Interval(point, min(lo, point), max(hi, point), len(rounds))
+    return Interval(point, min(lo, point), max(hi, point), len(paired))
 
 
 # --- Greedy agreement: prompts, Wilson on the effective n ----------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 from attnprof.analyze import measure_stats as ms
 from attnprof.contracts.report import KvMemory, TimeBreakdown, Traffic, WhatIf
 from attnprof.contracts.whatif import (
+    ArmStats,
     Check,
     CheckVerdict,
     Interval,
@@ -283,7 +284,8 @@ def measured_changes(res: VariantResult, run: WhatifRun | None) -> dict[str, Int
         out["tokens_per_s"] = tps
     for metric in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
         per_request, _, q = _LATENCY[metric]
-        got = ms.paired_bootstrap_quantile(getattr(b, per_request), getattr(v, per_request), q)
+        got = ms.paired_bootstrap_quantile(getattr(b, per_request), getattr(v, per_request), q,
+                                           clusters=_clusters(b))
         if got is not None:
             out[metric] = got
     return out
@@ -316,6 +318,12 @@ def _throughput(res: VariantResult, floor: tuple[float, int]) -> tuple[_Meas | N
     return _Meas(iv.mean, iv.low, iv.high, iv.rounds), mde
 
 
+def _clusters(arm: ArmStats) -> list[int] | None:
+    """The instance pair that served each round (a latency bootstrap draws them first), or
+    None when the file has no per-round instances (whatif 1.0: each round its own)."""
+    return list(arm.instances) if arm.instances else None
+
+
 def _latency(res: VariantResult, metric: str) -> _Meas | None:
     b, v = res.baseline, res.variant
     if b is None or v is None:
@@ -327,7 +335,7 @@ def _latency(res: VariantResult, metric: str) -> _Meas | None:
     if bs and vs:
         pairs = sum(1 for rb, rv in zip(bs, vs, strict=False)
                     for x, y in zip(rb, rv, strict=False) if x is not None and y is not None)
-        iv = ms.paired_bootstrap_quantile(bs, vs, q)
+        iv = ms.paired_bootstrap_quantile(bs, vs, q, clusters=_clusters(b))
         if iv is None:
             return _Meas(None, None, None, None, f"too few requests for {name}: {pairs} "
                                                  f"paired, {need} needed")

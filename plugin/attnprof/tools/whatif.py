@@ -45,13 +45,12 @@ from typing import Any
 
 from attnprof.aggregate.quantiles import nearest_rank
 from attnprof.analyze import measure_stats
-from attnprof.analyze.whatif import band, draw_lengths, noise_floor
+from attnprof.analyze.whatif import band, draw_lengths, measured_changes
 from attnprof.contracts.provenance import Provenance
 from attnprof.contracts.redact import REDACTED, redact_argv, redact_value, vllm_option
 from attnprof.contracts.whatif import (
     Agreement,
     ArmStats,
-    Interval,
     TrafficShape,
     VariantResult,
     VariantStatus,
@@ -769,29 +768,13 @@ def _pairs(cfg: RunConfig, rounds: int) -> int:
 
 
 def _finish(run: WhatifRun) -> None:
-    """The changes of every measured arm, once all are in: throughput as a log-ratio
-    interval carrying the run's instance-to-instance spread (the A/A arm and replicated
-    arms: :func:`attnprof.analyze.whatif.noise_floor`, the one the verdicts use); latency
-    quantiles by a paired bootstrap over the pooled per-request values."""
-    iv, df = noise_floor(run)
+    """The changes of every measured arm, once all are in: the intervals the checks show
+    (:func:`attnprof.analyze.whatif.measured_changes`: throughput as a log-ratio interval
+    carrying the run's instance-to-instance spread, the A/A arm judged against the other
+    arms' floor; latency quantiles by a bootstrap that draws instance pairs, then rounds,
+    then requests)."""
     for res in run.variants:
-        b, w = res.baseline, res.variant
-        if res.status != "measured" or b is None or w is None:
-            continue
-        ch: dict[str, Interval] = {}
-        tps = measure_stats.log_ratio_interval(b.tokens_per_s, w.tokens_per_s,
-                                               instance_var=iv, instance_df=df or None,
-                                               instances=res.instances)
-        if tps is not None:
-            ch["tokens_per_s"] = tps
-        for metric, bq, vq, q in (("ttft_p50", b.ttft_per_request_s, w.ttft_per_request_s, .5),
-                                  ("ttft_p99", b.ttft_per_request_s, w.ttft_per_request_s, .99),
-                                  ("itl_p50", b.itl_per_request_s, w.itl_per_request_s, .5),
-                                  ("itl_p99", b.itl_per_request_s, w.itl_per_request_s, .99)):
-            got = measure_stats.paired_bootstrap_quantile(bq, vq, q)
-            if got is not None:
-                ch[metric] = got
-        res.changes = ch
+        res.changes = measured_changes(res, run)
 
 
 def _measure(ctx: _Context, v: Variant, tick: Callable[[str], None], *, pilot: bool
