@@ -3,11 +3,13 @@ proven: every run under ``benchmarks/results/whatif*`` (its whatif.json and repo
 stored prediction judged again with today's statistics, the misses a run resolved kept as
 evidence (``attnprof.analyze.whatif.ACCURACY_RULE``).
 
-Run: ``python benchmarks/prediction_accuracy.py [RUN_DIR ...]`` (default: every
-benchmarks/results/whatif* holding both files, a run copied under two names counted once:
-``whatif/`` is the latest run, ``whatif-1.0/`` the first); writes
+Run: ``python benchmarks/prediction_accuracy.py [RUN_DIR ...]`` (default: the kept history,
+every benchmarks/results/whatif-* holding both files, a run copied under two names counted
+once; never ``whatif/``, the latest run, which is judged with these bands out of sample and
+joins the history when it is copied to a ``whatif-*`` directory); writes
 plugin/attnprof/analyze/data/prediction_accuracy.json. A new run changes a band only when it
-resolves a larger miss than the history holds.
+resolves a larger miss than the history holds. ``--check`` exits 1 when the file differs from
+what the history gives (a unit test runs it).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="*", type=Path,
                     help="run directories (each with whatif.json and report.json)")
     ap.add_argument("--out", type=Path, default=ACCURACY_FILE)
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when --out differs from what the runs give; write nothing")
     a = ap.parse_args(argv)
     # The kept history first, the latest run (whatif/) last: a copy keeps its history name.
-    found = a.runs or sorted((d for d in RESULTS.glob("whatif*")
-                              if (d / "whatif.json").is_file() and (d / "report.json").is_file()),
-                             key=lambda d: (d.name == "whatif", d.name))
+    found = a.runs or sorted(d for d in RESULTS.glob("whatif-*")
+                             if (d / "whatif.json").is_file() and (d / "report.json").is_file())
     runs: list[Path] = []
     seen: set[bytes] = set()
     for d in found:  # a run kept under two names (a copy in the history) counts once
@@ -59,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     out = {"generated_by": "python benchmarks/prediction_accuracy.py",
            "runs": [str(d.resolve().relative_to(ROOT)) if d.resolve().is_relative_to(ROOT)
                     else d.name for d in runs], **table}
-    a.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    text = json.dumps(out, indent=1) + "\n"
+    if a.check:
+        same = a.out.is_file() and a.out.read_text(encoding="utf-8") == text
+        print(f"{a.out}: {'up to date' if same else 'differs from the history: regenerate'}")
+        return 0 if same else 1
+    a.out.write_text(text, encoding="utf-8")
     for metric, b in table["bands"].items():
         print(f"{metric:<18} +/- {b['band'] * 100:.1f} pts  ({b['basis']})")
     return 0

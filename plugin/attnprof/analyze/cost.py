@@ -70,9 +70,12 @@ FORMULAS: dict[str, str] = {
                         "now = ceil(memory held / one replica's capacity); after = ceil("
                         "memory held x (1 - s) / one replica's capacity)",
     "compute_floor": "compute floor = ceil(the fleet's tokens/s / one replica's maximum "
-                     "tokens/s); without a measured maximum, the observed tokens/s of one "
-                     "replica (so a KV saving removes nothing until measured at "
-                     "saturation); a KV saving never takes the fleet below it",
+                     "tokens/s), the fleet's tokens/s being its average over the range (a "
+                     "fixed fleet serving a busier hour needs more: the floor is a lower "
+                     "bound, so read a KV saving's replicas removed with it); without a "
+                     "measured maximum, the observed tokens/s of one replica (so a KV "
+                     "saving removes nothing until measured at saturation); a KV saving "
+                     "never takes the fleet below it",
     "fixed_fleet": "replicas removed at a fixed replica count M: KV-bound fleet: max(0, "
                    "min(needed now, M) - max(needed after, compute floor)), and 0 when the "
                    "fleet ran out of KV at its peak (usage >= 95% and preemptions: the "
@@ -433,6 +436,13 @@ class _Fleet:
         if self.one_replica and self.counted > 1 and self.kv_bound:
             notes.append(f"KV capacity and peak usage are one replica's: the fleet's are "
                          f"taken as {self.counted} x them (equally loaded replicas)")
+        if not self.one_replica and self.src > 1 and self.kv_bound and s > 0:
+            # Prometheus' peak usage is the busiest replica's own peak: times the fleet's
+            # capacity it assumes every replica peaked at once (an upper bound).
+            notes.append(f"memory held at the peak is the busiest replica's peak usage x the "
+                         f"capacity of all {self.src:g} scraped replicas, an upper bound (their "
+                         f"peaks need not coincide): the replicas needed now, and so those "
+                         f"removed, may be overstated")
         if not self.kv_bound and s > 0:
             notes.append(f"the fleet is not KV-bound ({self.inp.kv.verdict or 'no verdict'}):"
                          " the KV capacity gain saves nothing until memory binds; both "

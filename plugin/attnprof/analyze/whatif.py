@@ -411,7 +411,9 @@ def _overall(checks: Sequence[Check]) -> CheckVerdict:
 
 def _validation(res: VariantResult, source: str, checks: list[Check], mde: float | None,
                 control: bool = False) -> Validation:
-    verdict = _overall(checks)
+    # Every one-round run is inconclusive (the issue's rule), exact figures included: one
+    # round judged nothing about the run's repeatability.
+    verdict = _overall(checks) if res.rounds >= 2 else "inconclusive"
     return Validation(status=res.status, flags=list(res.flags), reason=res.reason,
                       checks=checks, off=verdict == "off", rounds=res.rounds, source=source,
                       verdict=verdict, mde=mde, control=control)
@@ -496,8 +498,10 @@ class Evidence:
 
     @property
     def resolved(self) -> bool:
-        """The 95% interval excludes the prediction: the error is real, not noise."""
-        return not self.low <= self.predicted <= self.high
+        """The 95% interval excludes the prediction: the error is real, not noise. A check
+        with a note never resolves one: its interval leaves something out (no A/A arm or
+        replicated instances: round noise only), so its miss may be the run's own."""
+        return not self.note and not self.low <= self.predicted <= self.high
 
 
 def evidence(v: Validation, run: str, what_if: str) -> list[Evidence]:
@@ -515,13 +519,17 @@ MIN_KIND_CHECKS = 3
 """Checks of one metric a what-if kind needs in the history before it gets its own band."""
 ACCURACY_RULE = (
     "A metric's band is the largest |measured - predicted| among the checks whose 95% "
-    "interval excludes the prediction (an error the run resolved), never under the floor; "
+    "interval excludes the prediction (an error the run resolved; an interval that leaves "
+    "something out, such as a run without a noise floor, resolves nothing), never under the "
+    "floor; "
     "the floor when no check resolved one. A check whose interval holds the prediction says "
     "only that the error is smaller than the run could see, so it does not widen the band; "
     "a new run's resolved error widens it at once, and nothing narrows it but the floor "
     "(the band keeps the worst proven miss). A what-if kind with 3 or more checks of a "
     "metric gets its own band by the same rule (by_kind), where it differs from the "
-    "metric's. KV capacity is arithmetic: 2% (block rounding).")
+    "metric's. The history is the kept runs (benchmarks/results/whatif-*), never the run "
+    "being judged: the latest run (whatif/) is judged out of sample and joins the history "
+    "when it is kept. KV capacity is arithmetic: 2% (block rounding).")
 
 
 def _band_entry(metric: str, rows: Sequence[Evidence]) -> dict[str, Any]:

@@ -192,12 +192,20 @@ def own_argv(argv: list[str]) -> list[str]:
         name, eq, val = w.partition("=")
         if take:
             out.append(shown_flags([w])[0])
-        elif eq and name in _FLAG_WORDS:
+        elif eq and _holds_flags(name):
             out.append(f"{name}={shown_flags([val])[0]}")
         else:
             out.append(w)
-        take = not eq and w in _FLAG_WORDS
+        take = not eq and _holds_flags(w)
     return out
+
+
+def _holds_flags(name: str) -> bool:
+    """``name`` is ``--baseline-args`` or ``--variant`` or an abbreviation argparse takes for
+    one (``--baseline '--api-key X'`` is ``--baseline-args``): matching more than argparse
+    would only redacts more."""
+    return len(name) > 2 and name.startswith("--") and any(f.startswith(name)
+                                                            for f in _FLAG_WORDS)
 
 
 def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
@@ -301,25 +309,28 @@ def _saving(change: float) -> float:
     return 1.0 - 1.0 / (1.0 + change) if change > -1 else -1.0
 
 
-def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> Any:
-    """The report again with each measured what-if's money computed from the run (its
-    evidence ``measured``), each what-if carrying its predictions beside the measurements
-    (the predictions are those of ``rep``, the estimate), and the A/A arm as the model's
-    noise floor. The throughput change and its interval are the validation's own (the
-    run's noise floor included); money banks them only when the measurement is the fleet's
-    setup (:func:`attnprof.tools.whatif.mismatch` empty), else it is passed as not
-    comparable, shown beside the estimate. Variants that could not start or failed are
-    passed too: never ranked."""
+def measurements(run: Any, est: dict[str, Any], time: Any
+                 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(validation per what-if, ``Measured`` per what-if, the A/A arm's validation or
+    None) of a run against the estimate's what-ifs ``est`` (id -> WhatIf) and its time
+    breakdown: what :func:`remeasured_report` builds the report from (pure)."""
     from attnprof.analyze.cost import Measured
-    from attnprof.analyze.whatif import validate, validate_control
-    from attnprof.tools import report as rp
+    from attnprof.analyze.whatif import noise_floor, validate, validate_control
     from attnprof.tools.whatif import mismatch, recorded_setup
 
-    m = rep.models[0]
-    est = {w.id: w for w in m.what_ifs}
     differs = mismatch(run, recorded_setup(run.source_provenance))
-    validations = {res.what_if: validate(est[res.what_if], m.time, res, "this run", run)
+    validations = {res.what_if: validate(est[res.what_if], time, res, "this run", run)
                    for res in run.variants if res.what_if in est and not res.control}
+    control = next((r for r in run.variants if r.control), None)
+    floor = validate_control(control, "this run", run) if control is not None else None
+    # No money from an interval the run cannot stand behind: without a noise floor (no A/A
+    # arm, no replicated instances) the throughput interval covers round noise only, and
+    # with the A/A arm off the floor itself is understated.
+    floorless = noise_floor(run)[1] == 0
+    aa_off = floor is not None and floor.verdict == "off"
+    if aa_off:
+        for v in validations.values():
+            v.verdict, v.off = "inconclusive", False
     measured = {}
     for res in run.variants:
         if res.what_if not in est or res.control:
@@ -335,7 +346,9 @@ def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> A
             continue
         kv = (1.0 - res.baseline_kv_capacity_tokens / res.kv_capacity_tokens
               if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens else None)
-        low, high = (tps.low, tps.high) if res.rounds >= 2 else (None, None)  # one round: none
+        # One round, no noise floor, or an A/A arm off: no interval to bank (banks 0).
+        banked = res.rounds >= 2 and not floorless and not aa_off
+        low, high = (tps.low, tps.high) if banked else (None, None)
         measured[res.what_if] = Measured(
             time_saving=_saving(tps.measured), kv_saving=kv,
             time_saving_low=_saving(low) if low is not None else None,
@@ -344,11 +357,30 @@ def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> A
             comparable=not differs, mismatch=differs,
             detail=f"measured on real vLLM servers: throughput {tps.measured:+.1%}"
                    + (f" [{low:+.1%}, {high:+.1%}]" if low is not None and high is not None
-                      else " (no interval)")
+                      else " (no interval: the A/A arm is off)" if aa_off
+                      else " (no interval: no noise floor, no A/A arm or replicated "
+                           "instances)" if floorless and res.rounds >= 2
+                      else " (no interval: one round)")
                    + f" over {res.rounds} paired rounds on {res.instances} instance pair(s)"
                    + (f", KV capacity {res.kv_capacity_tokens:,} vs "
                       f"{res.baseline_kv_capacity_tokens:,} tokens (vLLM's figures)"
                       if res.kv_capacity_tokens and res.baseline_kv_capacity_tokens else ""))
+    return validations, measured, floor
+
+
+def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> Any:
+    """The report again with each measured what-if's money computed from the run (its
+    evidence ``measured``), each what-if carrying its predictions beside the measurements
+    (the predictions are those of ``rep``, the estimate), and the A/A arm as the model's
+    noise floor. The throughput change and its interval are the validation's own (the
+    run's noise floor included); money banks them only when the measurement is the fleet's
+    setup (:func:`attnprof.tools.whatif.mismatch` empty), else it is passed as not
+    comparable, shown beside the estimate. Variants that could not start or failed are
+    passed too: never ranked."""
+    from attnprof.tools import report as rp
+
+    m = rep.models[0]
+    validations, measured, floor = measurements(run, {w.id: w for w in m.what_ifs}, m.time)
     g.inputs[0].measured = measured
     out = rp.build_report(g, settings, t0)
     model = out.models[0]
@@ -356,7 +388,5 @@ def remeasured_report(g: Any, rep: Any, run: Any, settings: Any, t0: float) -> A
     for wid, val in validations.items():
         if wid in by_id:
             by_id[wid].validation = val
-    control = next((r for r in run.variants if r.control), None)
-    if control is not None:
-        model.noise_floor = validate_control(control, "this run", run)
+    model.noise_floor = floor
     return out

@@ -404,3 +404,14 @@ def test_attention_share_and_peak_concurrency_have_one_definition() -> None:
     assert peak_concurrency(0.5, 10_000.0, 500.0)[0] == pytest.approx(10.0)
     assert peak_concurrency(0.5, 10_000.0, 500.0, running_peak=7.0)[0] == 7.0
     assert peak_concurrency(None, 10_000.0, 500.0) == (None, "")
+
+
+def test_a_fleet_sums_memory_held_from_the_busiest_replica_and_says_it_is_an_upper_bound(
+        ) -> None:
+    # Prometheus' peak usage is the busiest replica's own peak; times the whole fleet's
+    # capacity it assumes all 8 peaked together: the report says so beside the KV saving.
+    fleet = build_model_report(_fleet(verdict="kv_bound"), SETTINGS, FLAGS)
+    assert any("upper bound" in n for n in _fp8(fleet).notes)
+    # One server's figures (scope replica) are its own peak: no such note.
+    one = build_model_report(_fleet(verdict="kv_bound", scope="replica"), SETTINGS, FLAGS)
+    assert not any("upper bound" in n for n in _fp8(one).notes)

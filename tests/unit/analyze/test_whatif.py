@@ -44,6 +44,7 @@ from attnprof.contracts.whatif import (
     Agreement,
     ArmStats,
     TrafficShape,
+    Validation,
     VariantResult,
     WhatifRun,
 )
@@ -169,7 +170,16 @@ def test_bands_come_from_the_accuracy_file_and_capacity_stays_arithmetic() -> No
     data = json.loads(ACCURACY_FILE.read_text())
     assert band("tokens_per_s")[0] == pytest.approx(
         max(FLOORS["change"], data["bands"]["tokens_per_s"]["band"]))
-    assert "fp8_kv" in band("tokens_per_s")[1]
+    assert band("tokens_per_s")[1] == data["bands"]["tokens_per_s"]["basis"]
+    # The file is what the kept history gives (never the latest run, judged out of sample).
+    import subprocess
+    import sys
+
+    root = ACCURACY_FILE.parents[4]
+    got = subprocess.run([sys.executable, str(root / "benchmarks" / "prediction_accuracy.py"),
+                          "--check"], capture_output=True, text=True, cwd=root)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert not any(r.endswith("results/whatif") for r in data["runs"])
     assert band("kv_capacity")[0] == CAPACITY_BAND
     assert band("greedy_agreement")[0] >= FLOORS["share"]
     # Every band the file gives stands on evidence it lists.
@@ -245,10 +255,10 @@ def _run(*variants: VariantResult) -> WhatifRun:
 
 
 def test_validate_judges_each_metric_with_its_statistic_and_the_aa_floor() -> None:
-    # An A/A arm on two instance pairs 2% apart, and FP8 measured 20% faster with ITL 30%
+    # An A/A arm on two instance pairs 1.2% apart, and FP8 measured 25% faster with ITL 30%
     # lower: the prediction (+25%, -30%) is judged against the interval widened by the
     # instance spread the A/A arm shows.
-    aa = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.01, -0.01))
+    aa = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.006, -0.006))
     fp8 = _pair("fp8_kv", 1.25, 0.7, 2, per_round=30,
                 agreement=Agreement(samples=30, positions=0, greedy_agreement=0.0,
                                     mean_kl=None, top_k=5, diverged_at=[None] * 30,
@@ -380,3 +390,62 @@ def test_vllms_capacity_for_a_window_follows_its_admission_rule() -> None:
     assert predictions(w, TIME, max_model_len=4096, in_flight_tokens=2048,
                        block_size=16)["kv_capacity"] == pytest.approx(g)
     assert predictions(w, TIME)["kv_capacity"] == pytest.approx(1 / (1 - 0.0596) - 1)
+
+
+def _money(*variants: VariantResult) -> tuple[dict[str, Validation], dict[str, object],
+                                               Validation | None]:
+    from attnprof.cli._measure import measurements
+
+    run = _run(*variants)
+    return measurements(run, {"fp8_kv": _whatif()}, TIME)
+
+
+def test_a_run_without_a_noise_floor_banks_no_interval() -> None:
+    # One instance pair, no A/A arm: the interval covers round noise only. It was banked
+    # (its lower bound, 4 rounds) though the check itself said it cannot be judged.
+    fp8 = _pair("fp8_kv", 1.25, 0.7, 2)
+    _, measured, floor = _money(fp8)
+    m = measured["fp8_kv"]
+    assert floor is None and m.time_saving_low is None and m.time_saving_high is None  # type: ignore[attr-defined]
+    assert "no noise floor" in m.detail  # type: ignore[attr-defined]
+    # With the A/A arm on two instance pairs the same measurement banks its lower bound.
+    aa = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.01, -0.01))
+    _, measured, floor = _money(aa, fp8)
+    m = measured["fp8_kv"]
+    assert floor is not None and floor.verdict != "off"
+    assert m.time_saving_low is not None and 0 < m.time_saving_low < m.time_saving  # type: ignore[attr-defined]
+
+
+def test_an_aa_arm_off_leaves_every_change_unjudged_and_unbanked() -> None:
+    # The A/A arm 30% apart against the floor of a replicated variant: the floor is
+    # understated, so no change of the run is judged or banked.
+    aa = _pair("aa", 1.3, 1.0, 1, control=True, offsets=(0.01, -0.01))
+    fp8 = _pair("fp8_kv", 1.25, 0.7, 2, offsets=(0.01, -0.01))
+    vals, measured, floor = _money(aa, fp8)
+    assert floor is not None and floor.verdict == "off"
+    assert vals["fp8_kv"].verdict == "inconclusive" and not vals["fp8_kv"].off
+    m = measured["fp8_kv"]
+    assert m.time_saving_low is None and m.verdict == "inconclusive"  # type: ignore[attr-defined]
+    assert "A/A arm is off" in m.detail  # type: ignore[attr-defined]
+    # The same variant beside an A/A arm that holds 0 is judged.
+    ok = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.003, -0.003))
+    fp8 = _pair("fp8_kv", 1.25, 0.7, 2, offsets=(0.003, -0.003))
+    vals, _, floor = _money(ok, fp8)
+    assert floor is not None and floor.verdict != "off"
+    assert vals["fp8_kv"].verdict == "confirmed"
+
+
+def test_a_one_round_run_is_inconclusive_even_on_exact_figures() -> None:
+    # Only KV capacity predicted (no time saving): an exact figure is "confirmed" per
+    # check, but a one-round run is never judged (it made the money "high" confidence).
+    aa = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.01, -0.01))
+    fp8 = _pair("fp8_kv", 1.25, 0.7, 2, offsets=(0.01, -0.01))
+    w = _whatif(time_saving=None)
+    many = validate(w, TIME, fp8, "this run", _run(aa, fp8))
+    predicted = [c.metric for c in many.checks if c.predicted is not None]
+    assert "tokens_per_s" not in predicted and "kv_capacity" in predicted
+    assert many.verdict == "confirmed"
+    fp8.rounds = 1
+    one = validate(w, TIME, fp8, "this run", _run(aa, fp8))
+    assert {c.metric: c.verdict for c in one.checks}["kv_capacity"] == "confirmed"
+    assert one.verdict == "inconclusive"

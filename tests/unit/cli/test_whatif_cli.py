@@ -103,3 +103,23 @@ def test_the_runs_own_command_line_keeps_no_secret_given_inside_vllm_flags() -> 
     text = " ".join(prov.command)
     assert not any(s in text for s in ("sk-live-123", "hf_abc", "k-777")), text
     assert "--max-model-len 2048" in text and "--kv-cache-dtype fp8" in text
+
+
+def test_an_abbreviated_flag_keeps_no_secret_in_the_runs_command_line() -> None:
+    # argparse takes a unique prefix: `--baseline '--api-key X'` is --baseline-args, and
+    # `--varia=...` is --variant; their values were kept verbatim (the review found it).
+    from attnprof.cli._measure import own_argv
+    from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
+
+    argv = ["attnprof", "whatif", "rec.json", "--baseline", "--api-key sk-live-123",
+            "--varia=--hf-token hf_abc --kv-cache-dtype fp8"]
+    from attnprof.cli import build_parser
+
+    ns = build_parser().parse_args(argv[1:])  # the abbreviations are the options they stand for
+    assert "sk-live-123" in ns.baseline_args and ns.variant
+    prov = Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
+                      hardware=Hardware(type="cpu"), model=ModelIdentity(name="m"),
+                      command=own_argv(argv))
+    text = " ".join(prov.command)
+    assert not any(s in text for s in ("sk-live-123", "hf_abc")), text
+    assert "--kv-cache-dtype fp8" in text
