@@ -289,6 +289,10 @@ def mismatch(run: WhatifRun, source: RecordedSetup) -> str:
         ran = _arg(base, opt)
         if rec is not None and ran is not None and rec != ran:
             out.append(f"{what}: {ran}, the record ran {rec}")
+        elif rec is None and ran is not None and source.found:
+            # The record's command line is known and left it at vLLM's default; the run
+            # set it (--baseline-args): not the fleet's setup.
+            out.append(f"{what}: {ran}, the record ran vLLM's default")
         elif rec is not None and ran is None:
             out.append(f"{what}: vLLM's default, the record ran {rec}")
     return "; ".join(out)

@@ -211,6 +211,11 @@ def test_a_measurement_is_the_fleets_only_on_its_hardware_dtype_and_scheduler_bu
     other_cpu = _prov(cmd, cpu="Intel(R) Xeon(R) Processor")
     assert "hardware" in mismatch(_run(other_cpu, cpu, cmd[1:]), recorded_setup(other_cpu))
     assert "no provenance" in mismatch(_run(None, cpu, []), recorded_setup(None))
+    # The record left the budget at vLLM's default and the run set one (--baseline-args):
+    # not the fleet's setup (it was compared only when the record stated a value).
+    plain = _prov([_API_SERVER, "--dtype", "float32"])
+    assert "max_num_seqs): 8, the record ran vLLM's default" in mismatch(
+        _run(plain, cpu, ["--dtype", "float32", "--max-num-seqs", "8"]), recorded_setup(plain))
 
 
 def test_the_served_dtype(tmp_path: Path) -> None:
