@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,10 +95,19 @@ def test_lumped_kl_is_zero_for_equal_top_k_and_a_lower_bound_of_the_full_kl() ->
     assert 0 < lumped <= _kl(p, q) + 1e-12
 
 
-class _Sse(BaseHTTPRequestHandler):
+class _Stream(BaseHTTPRequestHandler):
+    """A completions endpoint's shell: refuses (400, as vLLM refuses a prompt over its
+    max_model_len) when :meth:`refuse` says so, else streams :meth:`events`."""
+
+    def refuse(self, body: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def events(self, body: dict[str, Any]) -> list[bytes]:
+        raise NotImplementedError
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if body.get("fail"):
+        if self.refuse(body):
             self.send_response(400)
             self.end_headers()
             self.wfile.write(b'{"error": "too long"}')
@@ -105,17 +115,25 @@ class _Sse(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        for e in self.events(body):
+            self.wfile.write(e)
+            self.wfile.flush()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Sse(_Stream):
+    def refuse(self, body: dict[str, Any]) -> bool:
+        return bool(body.get("fail"))
+
+    def events(self, body: dict[str, Any]) -> list[bytes]:
         events = [b'data: {"choices":[{"text":"a"}]}', b": keep-alive",
                   b'data: {"choices":[{"text":"b"}],"stream":' +
                   json.dumps(body.get("stream")).encode() + b"}",
                   b"data: not json" if body.get("garbage") else b"data: [DONE]",
                   b'data: {"after":"done"}']
-        for e in events:
-            self.wfile.write(e + b"\n\n")
-            self.wfile.flush()
-
-    def log_message(self, *args: object) -> None:
-        pass
+        return [e + b"\n\n" for e in events]
 
 
 @pytest.fixture(scope="module")
@@ -261,30 +279,19 @@ def test_agreement_prompts_are_sized_to_the_band_and_capped() -> None:
     assert 24 < n < 100_000 and "binds" not in why
 
 
-class _Completions(BaseHTTPRequestHandler):
+class _Completions(_Stream):
     """Streams ``max_tokens`` text events then a usage event, as vLLM's completions do;
     refuses (400) a prompt reading ``refuse``."""
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if body["prompt"] == "refuse":
-            self.send_response(400)
-            self.end_headers()
-            self.wfile.write(b'{"error": "too long"}')
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        n = int(body["max_tokens"])
-        for _ in range(n):
-            self.wfile.write(b'data: {"choices":[{"text":"x"}]}\n\n')
-            self.wfile.flush()
-        usage = {"prompt_tokens": 3, "completion_tokens": n}
-        self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
-                         + b"\n\ndata: [DONE]\n\n")
+    def refuse(self, body: dict[str, Any]) -> bool:
+        return bool(body["prompt"] == "refuse")
 
-    def log_message(self, *args: object) -> None:
-        pass
+    def events(self, body: dict[str, Any]) -> list[bytes]:
+        n = int(body["max_tokens"])
+        usage = {"prompt_tokens": 3, "completion_tokens": n}
+        return [b'data: {"choices":[{"text":"x"}]}\n\n'] * n + [
+            b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
+            + b"\n\ndata: [DONE]\n\n"]
 
 
 def test_a_round_keeps_each_requests_values_in_request_order() -> None:
