@@ -161,6 +161,14 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     assert m["kv"]["source"] == "vllm:* series" and m["kv"]["preemptions"] == 0
     assert m["kv"]["peak_concurrency_basis"].startswith("vLLM's peak running requests")
     assert m["kv"]["usage_over_time"], "the fleet's KV usage over the range"
+    # Memory held at the busiest instant, summed over both replicas at that instant: never
+    # more than the busiest replica's own peak x both replicas' capacity (the upper bound
+    # the report used to take). The product matches each replica's two gauges by their
+    # labels: a mismatch would leave no series (None). Short requests leave the scrapes at
+    # 0% usage here, so both read 0.
+    held = m["kv"]["held_peak_tokens"]
+    assert held is not None
+    assert 0 <= held <= m["kv"]["usage_peak"] * m["kv"]["capacity_tokens"] + 1e-6
     for name in ("report.html", "report.md"):
         assert (out / name).stat().st_size > 1000
     # --replicas 8 bills 8 replicas but never multiplies Prometheus' sum over the 2 it

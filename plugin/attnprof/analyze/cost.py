@@ -298,6 +298,12 @@ class _Fleet:
         self.held_peak = (kv.usage_peak * self.cap_replica * (self.counted if self.one_replica
                                                               else self.src)
                           if kv.usage_peak is not None and self.cap_replica else None)
+        # A fleet's own sum at one instant when the source has it (Prometheus): the busiest
+        # replica's peak x every replica's capacity assumes their peaks coincide.
+        self.held_upper_bound = (not self.one_replica and self.src > 1
+                                 and kv.held_peak_tokens is None)
+        if not self.one_replica and kv.held_peak_tokens is not None and self.cap_replica:
+            self.held_peak = kv.held_peak_tokens
         self.kv_bound = kv.verdict == "kv_bound"
         # Out of KV at the peak (full, and requests preempted): memory held is then a floor
         # of what the traffic wanted, not its size.
@@ -436,7 +442,7 @@ class _Fleet:
         if self.one_replica and self.counted > 1 and self.kv_bound:
             notes.append(f"KV capacity and peak usage are one replica's: the fleet's are "
                          f"taken as {self.counted} x them (equally loaded replicas)")
-        if not self.one_replica and self.src > 1 and self.kv_bound and s > 0:
+        if self.held_upper_bound and self.kv_bound and s > 0:
             # Prometheus' peak usage is the busiest replica's own peak: times the fleet's
             # capacity it assumes every replica peaked at once (an upper bound).
             notes.append(f"memory held at the peak is the busiest replica's peak usage x the "

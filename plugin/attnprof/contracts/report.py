@@ -193,6 +193,9 @@ class KvMemory(Record):
     """Sequences running at once at the peak (fleet-wide, or one replica's:
     ``Traffic.scope``), and how it was obtained in ``peak_concurrency_basis``."""
     peak_concurrency_basis: str = ""
+    held_peak_tokens: float | None = None
+    """KV tokens held at the busiest moment, summed over the replicas at the same instant
+    (Prometheus; None elsewhere: one server's figure is ``usage_peak`` x capacity)."""
     mean_running: float | None = None
     """Mean requests running while the engine was busy (the stat logger's aggregate; None
     from Prometheus): the concurrency ``attnprof whatif`` replays."""

@@ -173,7 +173,8 @@ def from_prometheus(url: str, model: str | None, range_: str | None, replicas: i
                  "max_model_len", "replicas", "workers", "step_attention_time", "step_time",
                  "attention_time_backend", "attention_time_layer", "layer_info",
                  "kv_bytes_per_token", "kv_dtype", "kv_capacity_tokens",
-                 "kv_capacity_sequences", "kv_usage_peak", "kv_usage_p95", "kv_busy_seconds",
+                 "kv_capacity_sequences", "kv_usage_peak", "kv_held_peak_tokens",
+                 "kv_usage_p95", "kv_busy_seconds",
                  "kv_above_90_seconds", "kv_preemptions", "kv_waiting_seconds", "kv_verdict",
                  "vllm_preemptions", "vllm_running_peak", "window_tokens", "window_sinks",
                  "window_layers", "window_flop_saving", "window_kv_saving",
@@ -315,7 +316,8 @@ def _prom_inputs(model: str, got: dict[str, Any], first_half: list[dict[str, Any
         if verdicts else [],
         source="vllm:* series" if vllm_pre is not None else
         "attnprof_kv_* series (vLLM's scheduler stats)",
-        usage_over_time=points, peak_concurrency=conc, peak_concurrency_basis=basis)
+        usage_over_time=points, peak_concurrency=conc, peak_concurrency_basis=basis,
+        held_peak_tokens=_one(got["kv_held_peak_tokens"], model))
     win = _one(got["window_tokens"], model)
     layers_n = _one(got["window_layers"], model)
     window = None

@@ -126,6 +126,13 @@ QUERIES: tuple[ReportQuery, ...] = (
                 "max by (model) (max_over_time(attnprof_kv_cache_usage_ratio{{{sel}}}[{r}]))",
                 "Highest KV-cache usage any replica reported at a scrape.",
                 "model:attnprof_kv_cache_usage:max5m"),
+    ReportQuery("kv_held_peak_tokens",
+                "max by (model) (max_over_time((sum by (model) ("
+                "attnprof_kv_cache_usage_ratio{{{sel}}} * attnprof_kv_capacity_tokens{{{sel}}}"
+                "))[{r}:]))",
+                "KV tokens the fleet held at its busiest moment: each replica's usage x its "
+                "capacity, summed over replicas at every evaluation step, then the maximum "
+                "(the replicas' own peaks need not coincide)."),
     ReportQuery("kv_usage_p95",
                 "max by (model) (quantile_over_time(0.95, "
                 "attnprof_kv_cache_usage_ratio{{{sel}}}[{r}]))",

@@ -415,3 +415,16 @@ def test_a_fleet_sums_memory_held_from_the_busiest_replica_and_says_it_is_an_upp
     # One server's figures (scope replica) are its own peak: no such note.
     one = build_model_report(_fleet(verdict="kv_bound", scope="replica"), SETTINGS, FLAGS)
     assert not any("upper bound" in n for n in _fp8(one).notes)
+
+
+def test_a_fleets_own_sum_at_one_instant_sizes_it_when_prometheus_has_it() -> None:
+    # 8 replicas of 100,000 tokens: the busiest replica peaked at 90%, but the fleet's own
+    # sum at its busiest instant held 360,000 tokens (3.6 replicas' worth, not 7.2): 4
+    # replicas needed now, not 8, and no upper-bound note.
+    inp = _fleet(verdict="kv_bound")
+    bound = build_model_report(inp, SETTINGS, FLAGS)
+    inp.kv.held_peak_tokens = 360_000.0
+    own = build_model_report(inp, SETTINGS, FLAGS)
+    assert _fp8(bound).replicas_now == math.ceil(0.9 * 800_000 / 100_000)  # 8
+    assert _fp8(own).replicas_now == math.ceil(360_000 / 100_000)  # 4
+    assert not any("upper bound" in n for n in _fp8(own).notes)
