@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from attnprof.aggregate.quantiles import nearest_rank
 from attnprof.contracts.whatif import CheckVerdict, Interval
 
 __all__ = ["AgreementStats", "PairedArm", "agreement_interval", "design_effect",
@@ -258,9 +259,9 @@ def min_requests(q: float) -> int:
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile of ``xs`` (non-empty)."""
-    s = sorted(xs)
-    return s[max(0, math.ceil(q * len(s)) - 1)]
+    """The nearest-rank ``q`` quantile of ``xs`` (non-empty), as every attnprof quantile
+    (:func:`attnprof.aggregate.quantiles.nearest_rank`)."""
+    return nearest_rank(sorted(xs), range(1, len(xs) + 1), q)
 
 
 def _pairs(base_rounds: Sequence[Sequence[float | None]],
