@@ -39,7 +39,7 @@ from attnprof.contracts.whatif import (
 __all__ = ["ACCURACY_FILE", "ACCURACY_RULE", "CAPACITY_BAND", "FLOORS", "MIN_KIND_CHECKS",
            "MONEY_METRICS", "PREDICTED", "Evidence", "accuracy_table", "arm_floor", "band",
            "check", "draw_lengths", "evidence", "measured_changes", "noise_floor",
-           "paired_interval", "predictions", "revalidate", "shape_from_report", "validate",
+           "predictions", "revalidate", "shape_from_report", "validate",
            "validate_control", "vllm_window_capacity_gain"]
 
 CAPACITY_BAND = 0.02
@@ -61,24 +61,6 @@ _LATENCY = {"itl_p50": ("itl_per_request_s", "itl_p50_s", 0.5),
             "ttft_p50": ("ttft_per_request_s", "ttft_p50_s", 0.5),
             "ttft_p99": ("ttft_per_request_s", "ttft_p99_s", 0.99)}
 """Per latency metric: the per-request field (1.1), the per-round field (1.0), the quantile."""
-
-
-def paired_interval(base: Sequence[float | None], var: Sequence[float | None]
-                    ) -> Interval | None:
-    """Mean relative change ``var / base - 1`` over paired rounds with its 95% Student-t
-    interval; None when no round has a positive baseline (a round missing either side is
-    left out). The whatif 1.0 statistic, kept for ``VariantResult.changes``; validation uses
-    :func:`attnprof.analyze.measure_stats.log_ratio_interval` and the per-request bootstrap."""
-    ch = [v / b - 1.0 for b, v in zip(base, var, strict=False)
-          if b is not None and v is not None and b > 0 and math.isfinite(b)
-          and math.isfinite(v)]
-    if not ch:
-        return None
-    m = statistics.fmean(ch)
-    if len(ch) < 2:
-        return Interval(m, m, m, 1)
-    half = ms.t_quantile(0.975, len(ch) - 1) * statistics.stdev(ch) / math.sqrt(len(ch))
-    return Interval(m, m - half, m + half, len(ch))
 
 
 def shape_from_report(traffic: Traffic, kv: KvMemory, source: str, max_model_len: int,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import statistics
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from attnprof.analyze.whatif import (
     draw_lengths,
     measured_changes,
     noise_floor,
-    paired_interval,
     predictions,
     revalidate,
     shape_from_report,
@@ -82,23 +80,6 @@ def _whatif(**kw: object) -> WhatIf:
 
 TIME = TimeBreakdown(attention_share={"decode": 0.4, "prefill": 0.2},
                      model_time_s={"decode": 3.0, "prefill": 1.0})
-
-
-def test_paired_interval_is_the_student_t_interval_of_the_per_round_changes() -> None:
-    base, var = [100.0, 110.0, 90.0, 105.0], [110.0, 118.0, 100.0, 110.0]
-    ch = [v / b - 1 for b, v in zip(base, var, strict=True)]
-    iv = paired_interval(base, var)
-    assert iv is not None and iv.rounds == 4
-    half = 3.182 * statistics.stdev(ch) / 2  # t(0.975, 3 df) x s / sqrt(4)
-    assert iv.mean == pytest.approx(statistics.fmean(ch))
-    assert (iv.low, iv.high) == pytest.approx((iv.mean - half, iv.mean + half), rel=1e-3)
-
-
-def test_paired_interval_leaves_out_rounds_missing_a_side_and_one_round_has_no_width() -> None:
-    iv = paired_interval([100.0, None, 0.0], [150.0, 90.0, 5.0])
-    assert iv is not None and iv.rounds == 1
-    assert iv.mean == iv.low == iv.high == pytest.approx(0.5)
-    assert paired_interval([None], [1.0]) is None
 
 
 def test_the_shape_takes_prompts_as_context_less_the_mean_output_and_mean_running() -> None:
