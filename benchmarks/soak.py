@@ -662,9 +662,13 @@ def _children(pid: int) -> list[int]:
 def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
               poll_s: float = 1.0, metrics_s: float = 10.0, rss_s: float = 5.0,
               seed: int = 0, server: Any = None, api_key: str | None = None,
-              log: Path | None = None) -> dict[str, Any]:
+              log: Path | None = None, min_polls: int = 0) -> dict[str, Any]:
     """The live soak against ``server`` (a started, ready VllmServer), or a new tiny-model
-    server with the test suite's settings and attnprof's default rates."""
+    server with the test suite's settings and attnprof's default rates.
+
+    ``min_polls``: traffic goes on past ``duration`` (up to 4x it) until that many snapshots
+    were polled under load; on a busy machine a poll can take seconds, and a poll count read
+    off the clock would measure the machine, not attnprof."""
     own = server is None
     key = api_key or "soak-key"
     if own:
@@ -697,6 +701,7 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
         api_pid = server.proc.pid
         t_start = time.monotonic()
         deadline = t_start + duration
+        hard_stop = t_start + 4 * duration
         traffic = Traffic(base, "tiny", max_len, deadline, workers=workers, seed=seed)
         traffic.start()
         rss: list[dict[str, Any]] = []
@@ -707,6 +712,8 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
         next_poll = next_metrics = next_rss = t_start
         while True:
             now = time.monotonic()
+            if now >= deadline and len(polls) < min_polls and now < hard_stop:
+                deadline = traffic.deadline = min(hard_stop, now + poll_s)
             if now >= deadline and not any(t.is_alive() for t in traffic.threads):
                 break
             if now >= next_poll:
@@ -815,7 +822,8 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
         "no_failed_polls": not poll_fail,
     }
     return {
-        "config": {"duration_s": duration, "warmup_s": warmup, "traffic_workers": workers,
+        "config": {"duration_s": duration, "min_polls": min_polls, "warmup_s": warmup,
+                   "traffic_workers": workers,
                    "poll_s": poll_s, "metrics_s": metrics_s, "rss_s": rss_s, "seed": seed,
                    "model": "tiny random Llama (2 layers, hidden 256), max_model_len 512",
                    "attnprof_rates": "defaults (ATTNPROF_SAMPLE_RATE etc. unset)"
