@@ -30,7 +30,9 @@ needs_proc = pytest.mark.skipif(not LINUX, reason="walks /proc")
 # The cheapest real start: eager, smallest context and KV cache (as the other server tests).
 VLLM_ARGS = ["--max-model-len", "128", "--kv-cache-memory-bytes", str(16 << 20),
              "--no-enable-prefix-caching"]
-GONE_WITHIN_S = 20.0
+GONE_WITHIN_S = 90.0
+"""A hang bound, not a speed goal: VllmServer.stop() alone may wait 20 s + 10 s, and a
+loaded CI machine schedules late. How long it took is recorded (``kill_to_gone_s``)."""
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -123,16 +125,14 @@ def test_port_in_use_is_one_line_before_vllm_starts(tmp_path: Path, foreign_host
         taken.bind((foreign_host, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "attnprof.cli", "serve", "--model",
                             str(tmp_path), "--port", str(port)],
                            capture_output=True, text=True, timeout=120)
-        took = time.monotonic() - t0
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert lines == [f"attnprof: error: port {port} on 127.0.0.1 is already in use (another "
                      f"server is listening there); stop it or pick another --port"], r.stderr
-    assert took < 30, took  # no vLLM start (that takes a minute here)
+    # that one line is all: no "attnprof: starting vLLM" (the check came before any start)
 
 
 class _Foreign(http.server.BaseHTTPRequestHandler):
@@ -304,15 +304,18 @@ def _start_owner(ignore_term: bool) -> tuple[subprocess.Popen[str], int, int, Pa
 @needs_proc
 @pytest.mark.parametrize("ignore_term", [False, True], ids=["child-obeys-term",
                                                             "child-ignores-term"])
-def test_owner_sigkill_watchdog_ends_the_whole_group(ignore_term: bool) -> None:
+def test_owner_sigkill_watchdog_ends_the_whole_group(
+        ignore_term: bool, record_property: Callable[[str, object], None]) -> None:
     owner, _, _, tmp = _start_owner(ignore_term)
     procs = _tree(owner.pid)
     assert tmp.is_dir()
     owner.kill()
     owner.wait()
-    took = _wait_gone(procs, None, 10.0)
-    # grace 1 s + polling; generous: a loaded 2-core CI machine schedules late
-    assert took < (8.0 if ignore_term else 6.0), took
+    # A hang bound (grace 1 s + polling; a loaded CI machine schedules late), not a speed
+    # goal. With ignore_term the child shrugs off SIGTERM: its being gone at all proves the
+    # SIGKILL escalation (the stand-in tree would otherwise sleep 600 s).
+    took = _wait_gone(procs, None, 60.0)
+    record_property("owner_kill_to_gone_s", round(took, 2))
     assert not tmp.exists()  # the run directory (metrics files) goes too
 
 
@@ -325,7 +328,7 @@ def test_owner_and_watchdog_sigkilled_api_server_gets_parent_death_signal() -> N
     owner.wait()
     api_proc = {k: v for k, v in procs.items() if k[0] == api}
     assert api_proc
-    _wait_gone(api_proc, None, 5.0)  # PR_SET_PDEATHSIG; the real API server takes EngineCore
+    _wait_gone(api_proc, None, 60.0)  # PR_SET_PDEATHSIG; the real API server takes EngineCore
     _kill_all(procs)
 
 
