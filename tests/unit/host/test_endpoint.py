@@ -5,6 +5,7 @@ and head statistics merged from tensor-parallel ranks by global head index."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from typing import Any
@@ -70,7 +71,9 @@ def serving_state(monkeypatch: pytest.MonkeyPatch, **config: Any) -> runtime.Sta
 
 @pytest.fixture()
 def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
-    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=1.0)
+    # The fake engines answer: a long RPC timeout, so a busy box never turns a slow answer
+    # into a timeout. The hung-engine test sets a short one, well under its delay.
+    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=30.0)
 
 
 def _app(engine: Any, tokens: list[str]) -> Any:
@@ -247,7 +250,7 @@ def test_twenty_concurrent_gets_start_one_rpc_and_later_ones_hit_the_cache(
 def test_a_stale_cache_refreshes_once(state: runtime.State, monkeypatch: pytest.MonkeyPatch
                                       ) -> None:
     monkeypatch.setattr(runtime, "STATE", runtime.State(config=Config(
-        enabled=True, snapshot_max_age_s=0.0, rpc_timeout_s=1.0)))
+        enabled=True, snapshot_max_age_s=0.0, rpc_timeout_s=30.0)))
     eng = FakeEngine()
     app = _app(eng, [])
     asyncio.run(_get(app, "/attnprof/snapshot", key=None))
@@ -257,6 +260,7 @@ def test_a_stale_cache_refreshes_once(state: runtime.State, monkeypatch: pytest.
 
 @pytest.mark.slow
 def test_a_hung_engine_times_out_and_never_gets_a_second_rpc(state: runtime.State) -> None:
+    state.config = dataclasses.replace(state.config, rpc_timeout_s=1.0)
     eng = FakeEngine(delay=5.0)  # far past ATTNPROF_RPC_TIMEOUT_S = 1
     app = _app(eng, [KEY])
 
@@ -649,11 +653,11 @@ def test_a_fifo_planted_in_the_run_dir_never_hangs_the_snapshot(tmp_path: Any) -
     t = threading.Thread(target=runtime.processes_from_run_dir,
                          args=(Config(run_dir=tmp_path),), daemon=True)
     t.start()
-    t.join(timeout=5)  # generous: a hang detector (the read takes microseconds)
+    t.join(timeout=60)  # a hang detector, not a speed (the read takes microseconds)
     hung = t.is_alive()
     if hung:  # release the reader: a writer that opens and closes at once
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        t.join(timeout=5)
+        t.join(timeout=60)
     assert not hung
 
 

@@ -7,6 +7,7 @@ second trace told how long to wait)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from typing import Any
@@ -28,7 +29,9 @@ KEY = "hardening-key"
 @pytest.fixture()
 def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
     monkeypatch.setattr(live_trace, "TRACE_POLL_S", 0.01)
-    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=0.5)
+    # The fake engines answer: a long RPC timeout, so a busy box never turns a slow answer
+    # into a 504. Tests of a hung engine set a short one, well under its delay.
+    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=30.0)
 
 
 async def _requests(app: Any, *reqs: tuple[str, str, Any], key: str | None = KEY,
@@ -204,6 +207,7 @@ def test_a_flood_of_timed_out_switches_never_trips_the_read_only_routes(
     from attnprof._safety import ErrorBook
 
     state.errors = ErrorBook(max_errors=3)
+    state.config = dataclasses.replace(state.config, rpc_timeout_s=0.5)
     eng = FakeEngine(delay=5.0)  # the workers never answer within ATTNPROF_RPC_TIMEOUT_S
     app = _app(eng, [KEY])
     plugin = app.state.plugin
@@ -231,7 +235,7 @@ def test_trace_needs_a_configured_key_unless_opened(state: runtime.State,
     (r,) = asyncio.run(_requests(app, ("GET", "/attnprof/trace?steps=2", None), key=None))
     assert r.status_code == 403 and "ATTNPROF_TRACE_OPEN" in r.json()["error"]
     assert eng.ops == []
-    monkeypatch.setattr(state, "config", Config(enabled=True, rpc_timeout_s=0.5,
+    monkeypatch.setattr(state, "config", Config(enabled=True, rpc_timeout_s=30.0,
                                                 advice_interval_s=0.0, trace_open=True))
     (r,) = asyncio.run(_requests(app, ("GET", "/attnprof/trace?steps=2", None), key=None))
     assert r.status_code == 200 and check_trace(r.json()) == []
@@ -289,7 +293,7 @@ def test_trace_ranges_are_bounded_per_worker_and_in_all_and_taken_in_pages(
         state: runtime.State, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(live_trace, "TRACE_PAGE_RANGES", 500)
     monkeypatch.setattr(state, "config", Config(
-        enabled=True, rpc_timeout_s=1.0, advice_interval_s=0.0, trace_max_ranges=6000,
+        enabled=True, rpc_timeout_s=30.0, advice_interval_s=0.0, trace_max_ranges=6000,
         trace_max_ranges_per_worker=2400))
     eng = Workers(n=4, steps=1000, layers=80)
     app = _app(eng, [KEY])
