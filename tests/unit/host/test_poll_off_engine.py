@@ -390,7 +390,9 @@ def test_catch_up_pulls_are_bounded_and_a_rate_sync_poll_makes_none(
     asyncio.run(view.refresh(30.0, advice=False, head_stats=False, catch_up=False))
     assert eng.calls == 1
     asyncio.run(view.refresh(30.0, advice=False, head_stats=False))
-    assert eng.calls == 2 + live_view.CATCH_UP_TRIES
+    # at most CATCH_UP_TRIES extra pulls (a busy box may spend the catch-up's 2 s wall budget
+    # on fewer: the bound is what this test claims, not the count an idle machine reaches)
+    assert 2 < eng.calls <= 2 + live_view.CATCH_UP_TRIES, eng.calls
 
 
 def test_the_catch_up_ends_at_the_refreshs_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
