@@ -567,7 +567,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     outputs: dict[str, str] = {}
     seconds: dict[str, float] = {"traffic": time.monotonic() - t0}
     t0 = time.monotonic()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # bounds a hang: a busy box flushes late
     while True:
         # The snapshot refresh folds the workers' head-statistics deltas (and flushes).
         status, snap_hs = _get(base + "/attnprof/snapshot?head_stats=1", TINY_API_KEY)
@@ -577,6 +577,10 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
         if settled(metrics) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    # scanned below: outputs without every family would let a leak there pass unseen
+    assert settled(metrics), [ln for ln in metrics.splitlines() if ln.startswith((
+        "attnprof_request_context_tokens_count", "attnprof_head_stats_queries_total",
+        "attnprof_attention_calls_total"))]
     # the coverage families are on the scanned surfaces (per-bucket traffic counters on
     # /metrics, the coverage section in the snapshot)
     assert "attnprof_context_bucket_requests_total{" in metrics
@@ -599,14 +603,18 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     assert status == 200, switched
     outputs["POST /attnprof/sampling"] = switched
     # OTLP: wait for an export that carries every request (the API server's histogram).
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # bounds a hang: the export runs on its own clock
+
+    def exported(as_json: str) -> bool:
+        return '"attnprof.request.context"' in as_json and f'"count": "{n}"' in as_json
+
     while True:
         flat, as_json = otlp_texts(list(rx.requests))
-        if '"attnprof.request.context"' in as_json and f'"count": "{n}"' in as_json:
-            break
-        if time.monotonic() > deadline:
+        if exported(as_json) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    assert exported(as_json), f"no OTLP export carried all {n} requests ({len(rx.requests)} " \
+        "exports received)"
     outputs["OTLP metrics (attributes, names, units)"] = "\n".join(flat)
     outputs["OTLP metrics (requests as JSON)"] = as_json
     seconds["metrics, snapshots, OTLP metrics"] = time.monotonic() - t0
@@ -640,7 +648,7 @@ def exports(canary_server: tuple[Any, Any, Path], tiny_model: Path,
     outputs["GET /attnprof/trace"] = trace
     outputs["attnprof trace (stdout, stderr)"] = tr.stdout + tr.stderr
     # The span exporter batches: the spans of the traffic above are in by now.
-    rx.wait_for_spans(lambda got: len(got) > 0, timeout=20)
+    rx.wait_for_spans(lambda got: len(got) > 0, timeout=120)
     span_flat, span_json = otlp_texts(list(rx.trace_requests))
     outputs["OTLP spans (names, attributes)"] = "\n".join(span_flat)
     outputs["OTLP spans (requests as JSON)"] = span_json
