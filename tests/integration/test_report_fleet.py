@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from attnprof.tools.http import HttpError, get_text, post_json
-from tests.conftest import PrometheusServer, free_port, metric_value
+from tests.conftest import PrometheusServer, free_port, metric_value, poll_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
@@ -106,16 +106,15 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
                                 "max_tokens": 3, "temperature": 0})
             assert r["choices"], r
     # Each replica's own /metrics, once its stat logger has flushed every request.
+    def counted(text: str) -> float:
+        return metric_value(text, "attnprof_request_context_tokens_count",
+                            model=_model_label(text)) or 0
+
     texts = []
     for base, n in ((bases[0], 3), (bases[1], 5)):
-        deadline = time.monotonic() + 30
-        while True:
-            text = get_text(base + "/metrics")
-            label = _model_label(text)
-            if (metric_value(text, "attnprof_request_context_tokens_count", model=label) or 0) \
-                    >= n or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        # polled; the timeout only bounds a hang (a busy box flushes late)
+        text = poll_metrics(base, lambda t, n=n: counted(t) >= n, timeout=120)
+        assert counted(text) >= n, (base, counted(text), n)
         texts.append(text)
     label = _model_label(texts[0])
     want = {name: sum(metric_value(t, name, model=label) or 0.0 for t in texts)
