@@ -760,9 +760,11 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
             time.sleep(max(0.0, min(next_poll, next_metrics, next_rss) - time.monotonic()))
         traffic.join()
         t_traffic = time.monotonic() - t_start
-        # Settle: the export loop flushes every second and the snapshot cache lives 2 s.
+        # Settle: the export loop flushes every second and the snapshot cache lives 2 s; a
+        # busy box flushes later (the deadline only bounds a hang; `settled` says if it came).
         final: dict[str, Any] = {}
-        settle_deadline = time.monotonic() + 30
+        settled = False
+        settle_deadline = time.monotonic() + 120
         while time.monotonic() < settle_deadline:
             time.sleep(3)
             snap = _snapshot(base, key)
@@ -774,6 +776,7 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
             if (reqs == traffic.ok
                     and _msum(m, "attnprof_request_context_tokens_count") - req0_metric
                     == traffic.ok and metric_steps == seen + seen0):
+                settled = True
                 break
     finally:
         if own:
@@ -830,6 +833,7 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
                    if own else "the given server's"},
         "server_ready_s": t_ready if own else None,
         "traffic_s": t_traffic,
+        "settled": settled,
         "requests_ok": traffic.ok,
         "requests_failed": traffic.failed,
         "request_errors": traffic.errors,
