@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from attnprof.tools.http import post_json
-from tests.conftest import TINY_API_KEY, get_snapshot
+from tests.conftest import TINY_API_KEY, counted_snapshot, get_snapshot
 from tests.report_sample import load_page
 
 pytestmark = [pytest.mark.vllm, pytest.mark.chromium]
@@ -25,11 +25,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_live_report_reads_the_servers_own_numbers(tiny_server: Any, tmp_path: Path) -> None:
+    before = get_snapshot(tiny_server.base_url)["requests"]["requests"]
     for n in (1, 4, 9):
         post_json(tiny_server.base_url + "/v1/completions",
                        {"model": "tiny", "prompt": "the model request " * n, "max_tokens": 3,
                         "temperature": 0})
-    snap = get_snapshot(tiny_server.base_url)
+    # once the stat logger counted all three (it counts a little after the answers)
+    snap = counted_snapshot(tiny_server.base_url, before + 3)
     out = tmp_path / "live"
     t0 = time.monotonic()
     r = _cli("report", "--url", tiny_server.base_url, "--api-key", TINY_API_KEY,
@@ -42,7 +44,7 @@ def test_live_report_reads_the_servers_own_numbers(tiny_server: Any, tmp_path: P
     (m,) = doc["models"]
     req = snap["requests"]
     # The stat logger may finish another test's request between the two reads: never fewer.
-    assert m["traffic"]["requests"] >= req["requests"] >= 3
+    assert m["traffic"]["requests"] >= req["requests"] >= before + 3
     assert m["traffic"]["max_model_len"] == req["max_model_len"] == 512
     assert sum(m["traffic"]["context"]["counts"]) == m["traffic"]["requests"]
     kv = snap["requests"]["kv_pressure"]

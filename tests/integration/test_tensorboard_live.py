@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from attnprof.tools.http import post_json
-from tests.conftest import TINY_API_KEY, get_snapshot
+from tests.conftest import TINY_API_KEY, counted_snapshot, get_snapshot
 
 pytestmark = pytest.mark.vllm
 
@@ -34,8 +34,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_tensorboard_logs_the_live_snapshot(tiny_server: Any, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    n = get_snapshot(tiny_server.base_url)["requests"]["requests"]
     _complete(tiny_server, "attention layer window cache " * 6, 4)
     _complete(tiny_server, "the model request", 3)
+    # The stat logger counts a request a little after its answer: read once it has both, or
+    # one counted between the tool's two reads (or after them) would be "traffic since".
+    counted_snapshot(tiny_server.base_url, n + 2)
     logdir = tmp_path / "tb"
     r = _cli("tensorboard", "--url", tiny_server.base_url, "--logdir", str(logdir),
              "--count", "2", "--interval", "1s")
