@@ -311,7 +311,7 @@ def test_sampling_switch_and_poll_deltas() -> None:
     got = worker_rpc.poll(cap)
     assert got["snapshot"]["head_stats"] is None and got["rank"]["tp_rank"] == 0
     assert got["head_stats"]["deltas"] == []  # nothing finished before this pull
-    assert cap.hs_buffer.wait() and not cap.hs_buffer.active.queries.any()
+    assert cap.hs_buffer.wait(60) and not cap.hs_buffer.active.queries.any()
     took = worker_rpc.head_stats_take(cap)["head_stats"]
     assert not took["pending"] and len(took["deltas"]) == 1
     assert HeadStatsAccumulator.from_bytes(took["deltas"][0]["data"]).queries[0, 0] == 3.0

@@ -39,7 +39,7 @@ def test_swap_serializes_on_the_drain_thread_not_the_callers() -> None:
     before = buf.active
     assert buf.swap(finish)
     assert buf.active is not before and not buf.active.queries.any()
-    assert buf.wait()
+    assert buf.wait(60)
     assert threads == ["attnprof-head-stats"]
     (delta,) = buf.take_ready()
     assert HeadStatsAccumulator.from_bytes(delta).queries.sum() == 1
@@ -64,13 +64,13 @@ def test_nothing_is_lost_or_counted_twice_whatever_the_timing_of_pulls() -> None
         swapped = buf.swap(slow)
         if i % 7 == 3:
             gate.set()
-            buf.wait()
+            buf.wait(60)
             gate.clear()
         for d in buf.take_ready():
             merged.merge(HeadStatsAccumulator.from_bytes(d))
         assert swapped or buf.skipped > 0
     gate.set()
-    buf.wait()
+    buf.wait(60)
     for d in buf.take_ready():
         merged.merge(HeadStatsAccumulator.from_bytes(d))
     rest = buf.active
@@ -91,10 +91,10 @@ def test_a_failing_finish_loses_that_delta_only_and_says_so() -> None:
     def broken(chunks: list[Any]) -> Any:
         raise OSError("disk full")
 
-    assert buf.swap(broken) and buf.wait()
+    assert buf.swap(broken) and buf.wait(60)
     assert buf.take_ready() == [] and buf.errors == ["OSError: disk full"]
     _fold(buf.active, 1)  # the next pull works again
-    assert buf.swap(lambda d: d) and buf.wait() and len(buf.take_ready()) == 1
+    assert buf.swap(lambda d: d) and buf.wait(60) and len(buf.take_ready()) == 1
 
 
 # ----------------------------------------------------------------- how deltas travel

@@ -127,7 +127,7 @@ def test_double_buffer_swaps_strata() -> None:
     assert isinstance(active, HeadStatsStrata)
     _fold(active.get("decode", 512), 20, 4)
     assert buf.swap(lambda c: b"".join(c))
-    assert buf.wait()
+    assert buf.wait(60)
     (delta,) = buf.take_ready()
     ((key, acc),) = HeadStatsStrata.from_bytes(delta).items()
     assert key == ("decode", 512) and acc.requests.tolist() == [1.0, 1.0]

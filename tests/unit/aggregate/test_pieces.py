@@ -94,7 +94,7 @@ def test_the_drain_pauses_on_its_own_thread_never_the_callers() -> None:
     seen: list[str] = []
     buf = HeadStatsDoubleBuffer(_filled(), pause=lambda: seen.append(
         threading.current_thread().name))
-    assert buf.swap(b"".join) and buf.wait()
+    assert buf.swap(b"".join) and buf.wait(60)
     assert len(seen) > 1 and set(seen) == {"attnprof-head-stats"}
     (delta,) = buf.take_ready()
     assert HeadStatsAccumulator.from_bytes(delta).queries.sum() == _filled().queries.sum()
@@ -110,7 +110,7 @@ class _Source:
     def build(self) -> int:
         self.built_on.append(threading.current_thread().name)
         version = self.version
-        assert self.gate.wait(10)
+        assert self.gate.wait(60)
         return version
 
 
@@ -119,7 +119,7 @@ def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
     lb = LatestBuild(src.build, lambda: src.version, name="t-build")
     assert lb.get() == (None, False, 0.0, None)  # nothing yet: the reader builds nothing
     lb.start()
-    assert lb.wait_current()
+    assert lb.wait_current(60)
     value, fresh, _, _ = lb.get()
     assert (value, fresh) == (0, True) and set(src.built_on) == {"t-build"}
     src.gate.clear()  # a wake left from wait_current cannot finish a rebuild before get()
@@ -128,7 +128,7 @@ def test_the_latest_build_is_a_reference_rebuilt_on_its_own_thread() -> None:
     assert (value, fresh, built) == (0, False, 0) and age >= 0.0  # built from version 0
     lb.wake()
     src.gate.set()
-    assert lb.wait_current() and lb.get()[:2] == (1, True)
+    assert lb.wait_current(60) and lb.get()[:2] == (1, True)
     assert "MainThread" not in src.built_on
 
 
@@ -146,10 +146,10 @@ def test_a_failing_build_keeps_the_last_one_and_the_thread_ends_with_its_source(
 
     lb = LatestBuild(build, version, on_error=errors.append)
     lb.start()
-    assert lb.wait_current()
+    assert lb.wait_current(60)
     state.update(version=1, fail=True)
     assert not lb.wait_current(timeout=0.2)  # bounded wait, not a timing claim
-    deadline = time.monotonic() + 10  # a hang bound: a busy box may try the build late
+    deadline = time.monotonic() + 60  # a hang bound: a busy box may try the build late
     while lb.errors < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert lb.get()[0] == 0 and lb.errors >= 1 and isinstance(errors[0], RuntimeError)

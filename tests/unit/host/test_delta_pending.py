@@ -40,7 +40,7 @@ def test_a_drain_ending_mid_answer_is_pending_or_handed_out() -> None:
     def late() -> list[Any]:
         got = take()  # the drain is still held: nothing finished yet
         gate.set()
-        assert buf.wait()  # ... and now it ends, before the answer reads the drain's state
+        assert buf.wait(60)  # ... and now it ends, before the answer reads the drain's state
         return got
 
     buf.take_ready = late  # type: ignore[method-assign]
