@@ -302,7 +302,7 @@ class _Pipe:
         return out
 
     def call(self, method: str, params: dict[str, Any] | None = None,
-             session: str | None = None, timeout: float = 20.0) -> dict[str, Any]:
+             session: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
         self.next_id += 1
         msg: dict[str, Any] = {"id": self.next_id, "method": method, "params": params or {}}
         if session:
@@ -318,7 +318,7 @@ class _Pipe:
                 self.events.append(m)
         raise TimeoutError(f"chromium did not answer {method} in {timeout:.0f} s")
 
-    def wait_for(self, method: str, timeout: float = 20.0) -> None:
+    def wait_for(self, method: str, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
         while not any(e.get("method") == method for e in self.events):
             if time.monotonic() > end:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +89,14 @@ def test_record_holds_the_window_only_and_diffs_clean_against_itself(
 def test_record_bad_input_fails_before_waiting(tiny_server: Any, tmp_path: Path) -> None:
     out = tmp_path / "never.json"
     for args, words in (
-            (["--url", "http://127.0.0.1:9", "--duration", "60s"], "127.0.0.1:9"),
+            (["--url", "http://127.0.0.1:9", "--duration", "3600s"], "127.0.0.1:9"),
             (["--url", tiny_server.base_url, "--duration", "soon"], "not a duration"),
-            (["--url", tiny_server.base_url, "--api-key", "wrong", "--duration", "60s"], "401"),
+            (["--url", tiny_server.base_url, "--api-key", "wrong", "--duration", "3600s"],
+             "401"),
             (["--url", tiny_server.base_url, "--duration", "0s"], "more than 0")):
-        t0 = time.monotonic()
+        # An hour's window: a record that waited before failing would run into the hang
+        # bound (timeout) by far, however busy the box; no speed is asserted.
         r = subprocess.run([*ATTNPROF, "record", *args, "--out", str(out)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
-        assert time.monotonic() - t0 < 30 and not out.exists()
+        assert not out.exists()

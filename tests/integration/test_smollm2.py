@@ -142,8 +142,9 @@ def _check_live_trace(base: str, tmp_path: Path, steps: int = 5) -> None:
     thread.start()
     out = tmp_path / "trace.json"
     try:
-        r = _cli("trace", "--url", base, "--steps", str(steps), "--timeout", "120",
-                 "--out", str(out), timeout=200)
+        # the most the route allows: a bound on a hang (a busy box samples steps late)
+        r = _cli("trace", "--url", base, "--steps", str(steps), "--timeout", "300",
+                 "--out", str(out), timeout=420)
     finally:
         stop.set()
         thread.join(150)
