@@ -26,7 +26,7 @@ from attnprof.cli._common import (
 )
 
 __all__ = ["MEASURABLE", "add_measure_flags", "baseline_args", "check_measure_args", "measure",
-           "measure_flags_given", "own_argv", "remeasured_report"]
+           "measure_flags_given", "remeasured_report"]
 
 DEFAULT_ROUNDS = 4
 DEFAULT_DURATION = "8s"
@@ -175,39 +175,6 @@ def baseline_args(g: Any, mml: int | None, given: list[str]) -> tuple[list[str],
     return [*args, *given], basis
 
 
-_FLAG_WORDS = ("--baseline-args", "--variant")
-"""Flags whose value is itself vLLM command-line words (a secret may sit inside one word)."""
-
-
-def own_argv(argv: list[str]) -> list[str]:
-    """This process's command line as the run's provenance keeps it: the values of
-    ``--baseline-args`` and ``--variant`` (vLLM words inside one word, which the generic
-    redaction reads as plain text) with their secrets redacted as vLLM flags are
-    (:func:`attnprof.tools.whatif.shown_flags`); the rest is redacted by Provenance itself."""
-    from attnprof.tools.whatif import shown_flags
-
-    out: list[str] = []
-    take = False
-    for w in argv:
-        name, eq, val = w.partition("=")
-        if take:
-            out.append(shown_flags([w])[0])
-        elif eq and _holds_flags(name):
-            out.append(f"{name}={shown_flags([val])[0]}")
-        else:
-            out.append(w)
-        take = not eq and _holds_flags(w)
-    return out
-
-
-def _holds_flags(name: str) -> bool:
-    """``name`` is ``--baseline-args`` or ``--variant`` or an abbreviation argparse takes for
-    one (``--baseline '--api-key X'`` is ``--baseline-args``): matching more than argparse
-    would only redacts more."""
-    return len(name) > 2 and name.startswith("--") and any(f.startswith(name)
-                                                            for f in _FLAG_WORDS)
-
-
 def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
     """Run the what-ifs of ``rep``'s model on real servers; the run (``WhatifRun``, with
     this run's own provenance and hardware beside the record's). :class:`CliError` (one
@@ -283,7 +250,7 @@ def measure(g: Any, rep: Any, args: argparse.Namespace) -> Any:
         finally:
             bar.close()
     run.source_provenance = g.provenance
-    run.provenance = collect(run.model, ckpt, argv=own_argv(sys.argv))
+    run.provenance = collect(run.model, ckpt)
     run.hardware = run_hardware(served_dtype(base_args, ckpt, cpu))
     run.baseline_basis = basis
     return run

@@ -20,6 +20,9 @@ and replaces with ``<redacted>``:
   parameters (``?api_key=``, ``?jwt=``, ``%``-encoded names such as ``api%5Fkey``) anywhere;
 - ``Bearer``/``Basic``/``Token``/``ApiKey`` credentials and ``Header-Name: value`` words
   with a secret name;
+- a value that is itself a command line (``--baseline-args "--api-key X"``, a flag whose
+  value is vLLM's own words, abbreviated or not): its shell words redacted as an argv
+  (:func:`redact_command`), the word unchanged when nothing in it is secret;
 - in a value that parses as a JSON object or array (``--hf-overrides``, ``-cc``, ...): keys
   stay, string and number values under a secret key are redacted at any depth, and every
   string is cleaned as above.
@@ -40,13 +43,14 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-__all__ = ["REDACTED", "VLLM_OPTIONS_PATH", "is_secret_name", "redact_argv", "redact_value",
-           "vllm_option"]
+__all__ = ["REDACTED", "VLLM_OPTIONS_PATH", "is_secret_name", "redact_argv", "redact_command",
+           "redact_value", "vllm_option"]
 
 REDACTED = "<redacted>"
 VLLM_OPTIONS_PATH = Path(__file__).resolve().parent / "data" / "vllm_serve_options.json"
@@ -198,6 +202,35 @@ def redact_value(value: str) -> str:
     return _redact_text(value)
 
 
+def redact_command(text: str) -> str:
+    """``text`` read as a command line (shell words), redacted as :func:`redact_argv`
+    redacts an argv and joined again; unchanged when nothing in it is secret; text that does
+    not split (an open quote) as one value (:func:`redact_value`)."""
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return redact_value(text)
+    try:
+        clean = redact_argv(words)
+    except RecursionError:  # quotes nested past the stack: fail closed
+        return REDACTED
+    return text if clean == words else shlex.join(clean)
+
+
+def _redact_word(value: str) -> str:
+    """One value word: as a command line when it holds flags among other words (vLLM's words
+    handed to one of our flags), else as one value."""
+    if not any(c.isspace() for c in value):
+        return redact_value(value)
+    try:
+        words = shlex.split(value)
+    except ValueError:
+        return redact_value(value)
+    if len(words) > 1 and any(_is_flag(w) for w in words):
+        return redact_command(value)
+    return redact_value(value)
+
+
 def _is_flag(word: str) -> bool:
     return word == "--" or bool(_FLAG.match(word))
 
@@ -236,13 +269,15 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
             hide = (-1 if many else 0 if eq or nargs == "0" else 1) if secret else 0
             glued = secret and not eq and "." in name
             if not eq:
-                out.append(word)
+                # argparse reads '--api-key X' (a space, no known option) as a value: of
+                # a flag that takes vLLM's words, so its secrets are redacted as theirs.
+                out.append(_redact_word(word) if _read_as_value(word) else word)
             else:
-                out.append(f"{name}={REDACTED if secret else redact_value(value)}")
+                out.append(f"{name}={REDACTED if secret else _redact_word(value)}")
             continue
         name, eq, value = word.partition("=")
         if eq and _ENV_NAME.fullmatch(name) and is_secret_name(name):
             out.append(f"{name}={REDACTED}")
         else:
-            out.append(redact_value(word))
+            out.append(_redact_word(word))
     return out

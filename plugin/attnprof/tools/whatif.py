@@ -47,7 +47,13 @@ from attnprof.aggregate.quantiles import nearest_rank
 from attnprof.analyze import measure_stats
 from attnprof.analyze.whatif import band, draw_lengths, measured_changes
 from attnprof.contracts.provenance import Provenance
-from attnprof.contracts.redact import REDACTED, redact_argv, redact_value, vllm_option
+from attnprof.contracts.redact import (
+    REDACTED,
+    redact_argv,
+    redact_command,
+    redact_value,
+    vllm_option,
+)
 from attnprof.contracts.whatif import (
     Agreement,
     ArmStats,
@@ -131,16 +137,7 @@ def variant_args(flags: Sequence[str]) -> list[str]:
 def shown_flags(flags: Sequence[str]) -> list[str]:
     """Flags as whatif.json and the report keep them: secrets redacted (an ``--api-key``
     given with ``--variant`` or ``--baseline-args``), the text unchanged otherwise."""
-    out = []
-    for f in flags:
-        try:
-            words = shlex.split(f)
-        except ValueError:
-            out.append(redact_value(f))
-            continue
-        clean = redact_argv(words)
-        out.append(f if clean == words else shlex.join(clean))
-    return out
+    return [redact_command(f) for f in flags]
 
 
 @dataclass

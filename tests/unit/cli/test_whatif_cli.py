@@ -91,7 +91,6 @@ def test_the_baseline_is_the_recorded_flags_then_baseline_args() -> None:
 
 
 def test_the_runs_own_command_line_keeps_no_secret_given_inside_vllm_flags() -> None:
-    from attnprof.cli._measure import own_argv
     from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
 
     argv = ["attnprof", "whatif", "rec.json", "--baseline-args",
@@ -99,7 +98,7 @@ def test_the_runs_own_command_line_keeps_no_secret_given_inside_vllm_flags() -> 
             "--variant=--hf-token hf_abc --kv-cache-dtype fp8", "--api-key", "k-777"]
     prov = Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
                       hardware=Hardware(type="cpu"), model=ModelIdentity(name="m"),
-                      command=own_argv(argv))
+                      command=argv)
     text = " ".join(prov.command)
     assert not any(s in text for s in ("sk-live-123", "hf_abc", "k-777")), text
     assert "--max-model-len 2048" in text and "--kv-cache-dtype fp8" in text
@@ -108,7 +107,6 @@ def test_the_runs_own_command_line_keeps_no_secret_given_inside_vllm_flags() -> 
 def test_an_abbreviated_flag_keeps_no_secret_in_the_runs_command_line() -> None:
     # argparse takes a unique prefix: `--baseline '--api-key X'` is --baseline-args, and
     # `--varia=...` is --variant; their values were kept verbatim (the review found it).
-    from attnprof.cli._measure import own_argv
     from attnprof.contracts.provenance import Hardware, ModelIdentity, Provenance
 
     argv = ["attnprof", "whatif", "rec.json", "--baseline", "--api-key sk-live-123",
@@ -119,7 +117,7 @@ def test_an_abbreviated_flag_keeps_no_secret_in_the_runs_command_line() -> None:
     assert "sk-live-123" in ns.baseline_args and ns.variant
     prov = Provenance(attnprof=None, python=None, torch=None, transformers=None, vllm=None,
                       hardware=Hardware(type="cpu"), model=ModelIdentity(name="m"),
-                      command=own_argv(argv))
+                      command=argv)
     text = " ".join(prov.command)
     assert not any(s in text for s in ("sk-live-123", "hf_abc")), text
     assert "--kv-cache-dtype fp8" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -20,6 +21,7 @@ from attnprof.contracts.redact import (
     VLLM_OPTIONS_PATH,
     is_secret_name,
     redact_argv,
+    redact_command,
     redact_value,
     vllm_option,
 )
@@ -260,6 +262,38 @@ def test_query_names_urls_and_schemes_missed_before(word: str, secrets: list[str
 
 
 # ----- properties -----
+@pytest.mark.parametrize("argv", [
+    ["attnprof", "whatif", "r.json", "--baseline-args", "--api-key sk-live-1 --max-model-len 2048"],
+    ["attnprof", "whatif", "r.json", "--baseline", "--api-k sk-live-1 sk-live-2"],
+    ["attnprof", "whatif", "r.json", "--baseline-args=--hf-tok sk-live-1 --max-model-len 2048"],
+    ["attnprof", "whatif", "r.json", "--varia", "--max-model-len 2048 --api-key=sk-live-1"],
+])
+def test_a_value_that_is_itself_vllms_command_line_loses_its_secrets(argv: list[str]) -> None:
+    # A flag of ours whose value is vLLM's words (attnprof whatif --baseline-args), under any
+    # abbreviation argparse takes: the words inside are redacted as vLLM's parser reads them.
+    out = redact_argv(argv)
+    text = " ".join(out)
+    assert "sk-live" not in text and REDACTED in text, out
+    assert out[:3] == argv[:3] and len(out) == len(argv)
+    if "--max-model-len 2048" in " ".join(argv):
+        assert "--max-model-len 2048" in text
+    assert redact_argv(out) == out
+
+
+def test_a_command_line_value_without_secrets_stays_byte_for_byte() -> None:
+    argv = ["attnprof", "whatif", "r.json", "--baseline-args", "--max-model-len 2048 -O3",
+            "--variant=--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window"]
+    assert redact_argv(argv) == argv
+    assert redact_command("--max-model-len 2048 --api-key 'k 1'") == \
+        "--max-model-len 2048 --api-key '<redacted>'"
+    nested = "sk-live-1"
+    for _ in range(4):  # a command line quoted inside a command line, four times over
+        nested = shlex.join(["--baseline-args", nested if "--" in nested
+                             else f"--api-key {nested}", "-O3"])
+    out = redact_command(nested)
+    assert "sk-live" not in out and out.count("-O3") == 4, out
+
+
 def test_redaction_is_idempotent_on_every_form() -> None:
     argv = ["vllm", "serve", "m", "--api-key", "k1", "k2", "--hf-token=t", "OPENAI_API_KEY=x",
             "--u", "http://a:b@h/?token=q&b=2", "-cc", '{"auth": {"k": "v"}}', "--x",
