@@ -62,7 +62,10 @@ def _answer(pid: int = 11, delta: bytes | None = None, rank: dict[str, int] | No
 def serving_state(monkeypatch: pytest.MonkeyPatch, **config: Any) -> runtime.State:
     """An enabled API server's state (model "tiny", the window advice computed on every
     snapshot, ``config`` on top) in place of ``runtime.STATE`` for the test: the host
-    route tests' one set-up."""
+    route tests' one set-up. The fake engines answer, so the RPC timeout is long (30 s): a
+    busy box never turns a slow answer into a timeout; a hung-engine test sets a short one,
+    well under its delay."""
+    config.setdefault("rpc_timeout_s", 30.0)
     st = runtime.State(config=Config(enabled=True, advice_interval_s=0.0, **config))
     st.model_label = "tiny"
     monkeypatch.setattr(runtime, "STATE", st)
@@ -71,9 +74,7 @@ def serving_state(monkeypatch: pytest.MonkeyPatch, **config: Any) -> runtime.Sta
 
 @pytest.fixture()
 def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
-    # The fake engines answer: a long RPC timeout, so a busy box never turns a slow answer
-    # into a timeout. The hung-engine test sets a short one, well under its delay.
-    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=30.0)
+    return serving_state(monkeypatch, snapshot_max_age_s=60.0)
 
 
 def _app(engine: Any, tokens: list[str]) -> Any:

@@ -21,7 +21,7 @@ from tests.unit.host.test_endpoint import KEY, FakeEngine, _answer, _app, _get, 
 
 @pytest.fixture()
 def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
-    st = serving_state(monkeypatch, snapshot_max_age_s=0.0, rpc_timeout_s=30.0)
+    st = serving_state(monkeypatch, snapshot_max_age_s=0.0)
     st.requests = RequestAggregates(4096, min_tokens=256)
     for _ in range(4 * VOTE):
         st.requests.observe(256, 8, 0.1, 0.2)

@@ -29,9 +29,7 @@ KEY = "hardening-key"
 @pytest.fixture()
 def state(monkeypatch: pytest.MonkeyPatch) -> runtime.State:
     monkeypatch.setattr(live_trace, "TRACE_POLL_S", 0.01)
-    # The fake engines answer: a long RPC timeout, so a busy box never turns a slow answer
-    # into a 504. Tests of a hung engine set a short one, well under its delay.
-    return serving_state(monkeypatch, snapshot_max_age_s=60.0, rpc_timeout_s=30.0)
+    return serving_state(monkeypatch, snapshot_max_age_s=60.0)  # RPC timeout 30 s
 
 
 async def _requests(app: Any, *reqs: tuple[str, str, Any], key: str | None = KEY,
