@@ -445,7 +445,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "rounds, then requests within each drawn round "
               "(`analyze.measure_stats.paired_bootstrap_quantile`: a round's requests share "
               "its moment on the machine; resampling requests alone gave A/A intervals that "
-              "excluded 0, TTFT p50 -1.45% [-3.95%, -0.76%] on this run); ITL is each request's "
+              "excluded 0 on an earlier run of this benchmark); ITL is each request's "
               "mean gap between streamed tokens; n/a: too few paired requests for the "
               "quantile."]
     spurious = [f"{m.upper()} {q}" for m in ("ttft", "itl") for q in ("p50", "p99")
