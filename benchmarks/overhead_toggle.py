@@ -638,7 +638,7 @@ def _resummarize() -> int:
     run = Run(rounds=[Round(**r) for r in res["rounds"]], blocks=res["blocks"],
               stopped_by=res["stopped_by"], checks=res["checks"], dropped=res["dropped"])
     present = {r.arm for r in run.rounds}
-    arms = [a for a in default_arms(full="full" in present) if a.name in present]
+    arms = [a for a in default_arms() if a.name in present]
     res.update(summarize(run, arms))
     OUT_JSON.write_text(json.dumps(res, indent=1) + "\n")
     return _write_page()
