@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="exit 1 when --out differs from what the runs give; write nothing")
     a = ap.parse_args(argv)
-    # The kept history first, the latest run (whatif/) last: a copy keeps its history name.
+    # The kept history only (whatif-*, sorted; never whatif/, the latest run): a run kept
+    # under two names counts under the first in that order.
     found = a.runs or sorted(d for d in RESULTS.glob("whatif-*")
                              if (d / "whatif.json").is_file() and (d / "report.json").is_file())
     runs: list[Path] = []
