@@ -3,11 +3,12 @@
 three verdicts per check, each what-if's own verdict and the MDE it reached, and the A/A
 arm's row (its interval must hold 0).
 
-Run: ``make whatif-table`` (about 20 minutes on 2 cores: the demo when attnprof-out/demo.json
-is missing, then the what-ifs and the A/A arm on two instance pairs each, rounds sized for
-:data:`MDE` up to :data:`MAX_ROUNDS`). ``--from DIR`` only re-renders the table from a run's
-whatif.json and report.json, judged again from the run's raw values with today's statistics
-and bands. Results: benchmarks/results/whatif/.
+Run: ``make whatif-table`` (the demo when attnprof-out/demo.json is missing, then the
+what-ifs and the A/A arm on two instance pairs each, rounds sized for :data:`MDE` up to
+:data:`MAX_ROUNDS`; the stored run's 3 arms, two what-ifs and the A/A, took 22.9 minutes on
+2 cores: benchmarks/results/whatif/wall_seconds.txt). ``--from DIR`` only re-renders the
+table from a run's whatif.json and report.json, judged again from the run's raw values with
+today's statistics and bands. Results: benchmarks/results/whatif/.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnprof.analyze.whatif import measured_changes, revalidate
 from attnprof.contracts.report import Report
-from attnprof.contracts.whatif import Validation, WhatifRun
+from attnprof.contracts.whatif import Validation, VariantResult, WhatifRun
 from attnprof.exporters.report_validation import (
     LABELS,
     VERDICT_WORDS,
@@ -44,7 +44,8 @@ MDE = 0.05
 """The throughput change the table's run is sized to detect (a share)."""
 MAX_ROUNDS = 8
 DURATION = "5s"
-"""Per arm and round: with two instance pairs per arm, 4 arms fit ~20 minutes on 2 cores."""
+"""Per arm and round: with two instance pairs per arm, the stored run's 3 arms took 22.9
+minutes on 2 cores (benchmarks/results/whatif/wall_seconds.txt)."""
 
 
 def run(demo: Path, out: Path) -> float:
@@ -60,7 +61,7 @@ def run(demo: Path, out: Path) -> float:
     return time.monotonic() - t0
 
 
-def _rows(name: str, res: Any, v: Validation | None) -> list[str]:
+def _rows(name: str, res: VariantResult, v: Validation | None) -> list[str]:
     """A measured arm's rows: its checks (three verdicts), the unpredicted TTFT changes,
     vLLM's capacity line and the KL; then its own verdict and the MDE it reached."""
     rows = []
