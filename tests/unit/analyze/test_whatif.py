@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attnprof.analyze import measure_stats as ms
+from attnprof.analyze.cost import Measured
 from attnprof.analyze.whatif import (
     ACCURACY_FILE,
     CAPACITY_BAND,
@@ -153,13 +154,9 @@ def test_bands_come_from_the_accuracy_file_and_capacity_stays_arithmetic() -> No
         max(FLOORS["change"], data["bands"]["tokens_per_s"]["band"]))
     assert band("tokens_per_s")[1] == data["bands"]["tokens_per_s"]["basis"]
     # The file is what the kept history gives (never the latest run, judged out of sample).
-    import subprocess
-    import sys
+    from tests.conftest import load_benchmark
 
-    root = ACCURACY_FILE.parents[4]
-    got = subprocess.run([sys.executable, str(root / "benchmarks" / "prediction_accuracy.py"),
-                          "--check"], capture_output=True, text=True, cwd=root)
-    assert got.returncode == 0, got.stdout + got.stderr
+    assert load_benchmark("prediction_accuracy").main(["--check"]) == 0
     assert not any(r.endswith("results/whatif") for r in data["runs"])
     assert band("kv_capacity")[0] == CAPACITY_BAND
     assert band("greedy_agreement")[0] >= FLOORS["share"]
@@ -373,7 +370,7 @@ def test_vllms_capacity_for_a_window_follows_its_admission_rule() -> None:
     assert predictions(w, TIME)["kv_capacity"] == pytest.approx(1 / (1 - 0.0596) - 1)
 
 
-def _money(*variants: VariantResult) -> tuple[dict[str, Validation], dict[str, object],
+def _money(*variants: VariantResult) -> tuple[dict[str, Validation], dict[str, Measured],
                                                Validation | None]:
     from attnprof.cli._measure import measurements
 
@@ -387,14 +384,14 @@ def test_a_run_without_a_noise_floor_banks_no_interval() -> None:
     fp8 = _pair("fp8_kv", 1.25, 0.7, 2)
     _, measured, floor = _money(fp8)
     m = measured["fp8_kv"]
-    assert floor is None and m.time_saving_low is None and m.time_saving_high is None  # type: ignore[attr-defined]
-    assert "no noise floor" in m.detail  # type: ignore[attr-defined]
+    assert floor is None and m.time_saving_low is None and m.time_saving_high is None
+    assert "no noise floor" in m.detail
     # With the A/A arm on two instance pairs the same measurement banks its lower bound.
     aa = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.01, -0.01))
     _, measured, floor = _money(aa, fp8)
     m = measured["fp8_kv"]
     assert floor is not None and floor.verdict != "off"
-    assert m.time_saving_low is not None and 0 < m.time_saving_low < m.time_saving  # type: ignore[attr-defined]
+    assert m.time_saving_low is not None and 0 < m.time_saving_low < m.time_saving
 
 
 def test_an_aa_arm_off_leaves_every_change_unjudged_and_unbanked() -> None:
@@ -406,8 +403,8 @@ def test_an_aa_arm_off_leaves_every_change_unjudged_and_unbanked() -> None:
     assert floor is not None and floor.verdict == "off"
     assert vals["fp8_kv"].verdict == "inconclusive" and not vals["fp8_kv"].off
     m = measured["fp8_kv"]
-    assert m.time_saving_low is None and m.verdict == "inconclusive"  # type: ignore[attr-defined]
-    assert "A/A arm is off" in m.detail  # type: ignore[attr-defined]
+    assert m.time_saving_low is None and m.verdict == "inconclusive"
+    assert "A/A arm is off" in m.detail
     # The same variant beside an A/A arm that holds 0 is judged.
     ok = _pair("aa", 1.0, 1.0, 1, control=True, offsets=(0.003, -0.003))
     fp8 = _pair("fp8_kv", 1.25, 0.7, 2, offsets=(0.003, -0.003))
