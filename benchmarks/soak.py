@@ -559,8 +559,8 @@ def _words(rng: random.Random, n: int) -> str:
 
 class Traffic:
     """A bounded traffic loop: ``workers`` threads send completions of varied prompt and
-    output lengths to loopback until ``deadline``; counts what completed and the token usage
-    the server reported."""
+    output lengths to loopback until ``deadline`` or :meth:`stop`; counts what completed and
+    the token usage the server reported."""
 
     def __init__(self, base_url: str, model: str, max_len: int, deadline: float,
                  workers: int = 3, seed: int = 0) -> None:
@@ -575,6 +575,7 @@ class Traffic:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.threads: list[threading.Thread] = []
+        self._stop = threading.Event()
 
     def _one(self, rng: random.Random) -> None:
         from attnprof.tools.http import post_json
@@ -598,7 +599,7 @@ class Traffic:
 
     def _loop(self, k: int) -> None:
         rng = random.Random(self.seed * 1000 + k)
-        while time.monotonic() < self.deadline:
+        while not self._stop.is_set() and time.monotonic() < self.deadline:
             self._one(rng)
 
     def start(self) -> None:
@@ -607,6 +608,10 @@ class Traffic:
                                  name=f"soak-traffic-{k}")
             t.start()
             self.threads.append(t)
+
+    def stop(self) -> None:
+        """No new request after the ones in flight."""
+        self._stop.set()
 
     def join(self) -> None:
         for t in self.threads:
@@ -701,8 +706,10 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
         api_pid = server.proc.pid
         t_start = time.monotonic()
         deadline = t_start + duration
-        hard_stop = t_start + 4 * duration
-        traffic = Traffic(base, "tiny", max_len, deadline, workers=workers, seed=seed)
+        # Traffic's own deadline is the hard stop; it stops at `deadline` once min_polls
+        # snapshots were polled while it ran.
+        traffic = Traffic(base, "tiny", max_len, t_start + 4 * duration, workers=workers,
+                          seed=seed)
         traffic.start()
         rss: list[dict[str, Any]] = []
         polls: list[dict[str, Any]] = []
@@ -712,8 +719,8 @@ def live_soak(duration: float = 600.0, warmup: float = 60.0, workers: int = 3,
         next_poll = next_metrics = next_rss = t_start
         while True:
             now = time.monotonic()
-            if now >= deadline and len(polls) < min_polls and now < hard_stop:
-                deadline = traffic.deadline = min(hard_stop, now + poll_s)
+            if now >= deadline and len(polls) >= min_polls:
+                traffic.stop()
             if now >= deadline and not any(t.is_alive() for t in traffic.threads):
                 break
             if now >= next_poll:
