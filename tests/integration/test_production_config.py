@@ -89,7 +89,8 @@ def _vllm_finished(text: str) -> float:
     return metric_value(text, "vllm:request_success_total") or 0.0
 
 
-def _wait_trace_armed(base: str, tracer: threading.Thread, within_s: float = 60.0) -> None:
+def _wait_trace_armed(base: str, tracer: threading.Thread, errors: list[BaseException],
+                      within_s: float = 60.0) -> None:
     """Until the tracer's trace holds the server's one-trace slot (a probe answered 409): its
     "arm" RPC is then on its way to the engine ahead of any request sent after this, so the
     trace records the traffic's first steps however late the thread got going (a busy box).
@@ -108,7 +109,7 @@ def _wait_trace_armed(base: str, tracer: threading.Thread, within_s: float = 60.
             raise
         time.sleep(0.2)  # the probe held the slot: the tracer's retry gets in first
     raise AssertionError(f"the live trace did not arm within {within_s:g} s "
-                         f"(tracer alive: {tracer.is_alive()})")
+                         f"(tracer alive: {tracer.is_alive()}, its error: {errors or None})")
 
 
 @pytest.fixture(scope="module")
@@ -120,26 +121,31 @@ def served(prod_server: VllmServer) -> Served:
     traffic = production_traffic()
     before = get_text(base + "/metrics")
     trace: dict[str, Any] = {}
+    errors: list[BaseException] = []  # the tracer thread's, shown where the fixture fails
 
     def take_trace() -> None:
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                body = fetch_trace(base, TRACE_STEPS, 120.0, api_key=TINY_API_KEY)
-                break
-            except CliError as err:  # the probe below held the one-trace slot: again
-                if "HTTP 409" not in str(err) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        trace.update(json.loads(body))
+        try:
+            while True:
+                try:
+                    body = fetch_trace(base, TRACE_STEPS, 120.0, api_key=TINY_API_KEY)
+                    break
+                except CliError as err:  # the probe below held the one-trace slot: again
+                    if "HTTP 409" not in str(err) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            trace.update(json.loads(body))
+        except BaseException as exc:
+            errors.append(exc)
+            raise
 
     tracer = threading.Thread(target=take_trace, daemon=True)
     tracer.start()
-    _wait_trace_armed(base, tracer)
+    _wait_trace_armed(base, tracer, errors)
     with _GaugePoller(base) as poller:
         answers = serve_production_traffic(base, traffic, MAX_TOKENS)
     tracer.join(180)
-    assert not tracer.is_alive()
+    assert not tracer.is_alive() and not errors, errors
     n = len(traffic.prompts)
     # attnprof's stat logger and vLLM's count the same finished requests a little after the
     # answers: read once both have all of them (polled; the timeout bounds a hang).
