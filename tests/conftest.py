@@ -300,17 +300,18 @@ class PrometheusServer:
              f"--web.listen-address=127.0.0.1:{self.port}"],
             stdout=self.log, stderr=subprocess.STDOUT)
 
-    def query(self, expr: str) -> list[dict[str, object]]:
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, object]]:
         import urllib.parse
 
         from attnprof.tools.http import get_text
 
-        body = json.loads(get_text(f"{self.url}/api/v1/query?"
-                                   + urllib.parse.urlencode({"query": expr})))
+        params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+        body = json.loads(get_text(f"{self.url}/api/v1/query?" + urllib.parse.urlencode(params)))
         assert body["status"] == "success", body
         return list(body["data"]["result"])
 
-    def wait_for(self, expr: str, timeout: float = 60.0) -> list[dict[str, object]]:
+    def wait_for(self, expr: str, timeout: float = 60.0, at: float | None = None
+                 ) -> list[dict[str, object]]:
         """Poll (never sleep blindly): the first scrape lands ~6 s after start."""
         import time
 
@@ -319,7 +320,7 @@ class PrometheusServer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                res = self.query(expr)
+                res = self.query(expr, at)
                 if res:
                     return res
             except HttpError:  # not listening yet

@@ -164,7 +164,8 @@ def test_fleet_report_totals_equal_the_sum_of_each_replica(fleet: Any, tiny_mode
     # more than the busiest replica's own peak x both replicas' capacity (the upper bound
     # the report used to take). The product matches each replica's two gauges by their
     # labels: a mismatch would leave no series (None). Short requests leave the scrapes at
-    # 0% usage here, so both read 0.
+    # 0% usage here, so both read 0; test_prometheus_held_peak checks the sum on known,
+    # non-zero peaks that do not coincide.
     held = m["kv"]["held_peak_tokens"]
     assert held is not None
     assert 0 <= held <= m["kv"]["usage_peak"] * m["kv"]["capacity_tokens"] + 1e-6
