@@ -264,14 +264,11 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return nearest_rank(sorted(xs), range(1, len(xs) + 1), q)
 
 
-def _pairs(base_rounds: Sequence[Sequence[float | None]],
-           var_rounds: Sequence[Sequence[float | None]]) -> list[list[tuple[float, float]]]:
-    out = []
-    for b, v in zip(base_rounds, var_rounds, strict=False):
-        out.append([(x, y) for x, y in zip(b, v, strict=False)
-                    if x is not None and y is not None and math.isfinite(x)
-                    and math.isfinite(y)])
-    return [r for r in out if r]
+def _round_pairs(b: Sequence[float | None], v: Sequence[float | None]
+                 ) -> list[tuple[float, float]]:
+    """One round's requests measured (finite) in both arms, as (baseline, variant)."""
+    return [(x, y) for x, y in zip(b, v, strict=False)
+            if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
 
 
 def paired_bootstrap_quantile(base_rounds: Sequence[Sequence[float | None]],
@@ -290,7 +287,15 @@ def paired_bootstrap_quantile(base_rounds: Sequence[Sequence[float | None]],
     instance's rounds share the instance: resampling requests alone treats both as fixed and
     gave an A/A interval that excluded 0 (the overhead toggle's TTFT, H4). Without
     ``clusters`` each round is its own cluster; with one round, requests alone."""
-    paired = _pairs(base_rounds, var_rounds)
+    # The rounds that held a pair, grouped by cluster in the rounds' order.
+    ids = list(clusters) if clusters is not None else []
+    groups: dict[int, list[list[tuple[float, float]]]] = {}
+    for i, (b, v) in enumerate(zip(base_rounds, var_rounds, strict=False)):
+        r = _round_pairs(b, v)
+        if r:
+            groups.setdefault(ids[i] if i < len(ids) else i, []).append(r)
+    tops = list(groups.values())
+    paired = [r for rounds in tops for r in rounds]
     n = sum(len(r) for r in paired)
     if n < min_requests(q):
         return None
@@ -298,24 +303,16 @@ def paired_bootstrap_quantile(base_rounds: Sequence[Sequence[float | None]],
     if qb <= 0:
         return None
     point = quantile([y for r in paired for _, y in r], q) / qb - 1.0
-    # Group the rounds that held a pair by cluster (the rounds' order, as _pairs keeps it).
-    ids = list(clusters) if clusters is not None else list(range(len(base_rounds)))
-    kept = [ids[i] if i < len(ids) else i
-            for i, (b, v) in enumerate(zip(base_rounds, var_rounds, strict=False))
-            if _pairs([b], [v])]
-    groups: dict[int, list[list[tuple[float, float]]]] = {}
-    for cid, r in zip(kept, paired, strict=True):
-        groups.setdefault(cid, []).append(r)
-    tops = list(groups.values())
     rng = random.Random(seed)
+    many = len(paired) > 1  # one round: its requests alone (the same draws as ever)
     stats = []
     for _ in range(n_boot):
         bs: list[float] = []
         vs: list[float] = []
         for _c in range(len(tops)):
-            rounds = tops[rng.randrange(len(tops))] if len(paired) > 1 else tops[0]
+            rounds = tops[rng.randrange(len(tops))] if many else tops[0]
             for _r in range(len(rounds)):
-                r = rounds[rng.randrange(len(rounds))] if len(paired) > 1 else rounds[0]
+                r = rounds[rng.randrange(len(rounds))] if many else rounds[0]
                 for _ in range(len(r)):
                     x, y = r[rng.randrange(len(r))]
                     bs.append(x)
