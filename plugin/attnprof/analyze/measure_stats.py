@@ -290,10 +290,10 @@ def paired_bootstrap_quantile(base_rounds: Sequence[Sequence[float | None]],
     # The rounds that held a pair, grouped by cluster in the rounds' order.
     ids = list(clusters) if clusters is not None else []
     groups: dict[int, list[list[tuple[float, float]]]] = {}
-    for i, (b, v) in enumerate(zip(base_rounds, var_rounds, strict=False)):
-        r = _round_pairs(b, v)
-        if r:
-            groups.setdefault(ids[i] if i < len(ids) else i, []).append(r)
+    for i, (base, var) in enumerate(zip(base_rounds, var_rounds, strict=False)):
+        held = _round_pairs(base, var)
+        if held:
+            groups.setdefault(ids[i] if i < len(ids) else i, []).append(held)
     tops = list(groups.values())
     paired = [r for rounds in tops for r in rounds]
     n = sum(len(r) for r in paired)
